@@ -1,0 +1,1 @@
+"""Code shared by the ortfleet gateway and workers: settings, wire formats, Redis layout."""

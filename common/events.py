@@ -1,0 +1,60 @@
+"""Entries of a job's Redis stream, and how they turn into SSE events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.wire import EventType, JobStatus
+
+
+def status_entry(status: JobStatus, **extra: Any) -> dict[str, str]:
+    fields = {"type": EventType.status.value, "status": status.value}
+    fields.update({k: str(v) for k, v in extra.items() if v is not None})
+    return fields
+
+
+def token_entry(text: str, token_ids: list[int], index: int) -> dict[str, str]:
+    return {
+        "type": EventType.token.value,
+        "text": text,
+        "ids": ",".join(map(str, token_ids)),
+        "index": str(index),
+    }
+
+
+def done_entry(status: JobStatus, finish_reason: str | None, usage_json: str | None) -> dict[str, str]:
+    fields = {"type": EventType.done.value, "status": status.value}
+    if finish_reason:
+        fields["finish_reason"] = finish_reason
+    if usage_json:
+        fields["usage"] = usage_json
+    return fields
+
+
+def error_entry(status: JobStatus, message: str) -> dict[str, str]:
+    return {"type": EventType.error.value, "status": status.value, "message": message}
+
+
+def is_final(fields: dict[str, str]) -> bool:
+    return fields.get("type") in (EventType.done.value, EventType.error.value)
+
+
+def entry_token_ids(fields: dict[str, str]) -> list[int]:
+    ids = fields.get("ids", "")
+    return [int(i) for i in ids.split(",")] if ids else []
+
+
+def event_payload(fields: dict[str, str]) -> dict[str, Any]:
+    """The JSON an SSE client receives for one stream entry."""
+    payload: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key == "ids":
+            payload["token_ids"] = entry_token_ids(fields)
+        elif key in ("index", "attempt"):
+            payload[key] = int(value)
+        elif key == "usage":
+            payload[key] = json.loads(value)
+        else:
+            payload[key] = value
+    return payload

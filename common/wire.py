@@ -1,0 +1,148 @@
+"""The wire formats shared by gateway and workers: job requests, job records, stream events."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+ACTIVE = frozenset({JobStatus.queued, JobStatus.running})
+TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+class FinishReason(str, Enum):
+    stop = "stop"  # end of sequence or a stop string
+    length = "length"  # max_tokens reached (or the model's context)
+    cancelled = "cancelled"
+    error = "error"
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)]
+
+
+class Sampling(BaseModel):
+    """How tokens are chosen; temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = Field(None, ge=1, le=131_072, description="Most tokens to generate.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 picks the most likely token.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling bound.")
+    top_k: int = Field(0, ge=0, le=1000, description="Sample among the k most likely tokens; 0 is off.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed for reproducible sampling.")
+    stop: StopList | None = Field(None, description="Strings that end generation (not included in output).")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class JobRequest(Sampling):
+    """Body of `POST /v1/jobs`: a prompt or chat messages, and sampling parameters."""
+
+    model: str | None = Field(None, description="Served model name; optional when one model is served.")
+    prompt: str | None = Field(None, min_length=1, description="Raw text to continue.")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="Chat messages; the worker applies the model's chat template."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> JobRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class JobSpec(BaseModel):
+    """What a worker needs to run a job; travels as JSON in the arq job."""
+
+    id: str
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: Sampling
+    submitted_at: float
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Timings(BaseModel):
+    queue_wait_s: float | None = Field(None, description="Submission to start on a worker (last attempt).")
+    ttft_s: float | None = Field(None, description="Submission to the first generated token.")
+    time_per_output_token_s: float | None = Field(
+        None, description="Mean seconds between generated tokens after the first."
+    )
+    total_s: float | None = Field(None, description="Submission to the end of the job.")
+
+
+class JobLinks(BaseModel):
+    self: str
+    events: str
+
+
+class JobView(BaseModel):
+    """A job as the API shows it."""
+
+    id: str
+    object: Literal["job"] = "job"
+    status: JobStatus
+    model: str
+    created_at: float
+    attempts: int = 0
+    worker: str | None = None
+    queue_position: int | None = Field(None, description="Jobs ahead of this one while it is queued.")
+    output: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+    engine_batch_peak: int | None = Field(
+        None, description="Most requests the engine generated together while running this job."
+    )
+    links: JobLinks
+
+
+class EventType(str, Enum):
+    status = "status"
+    token = "token"
+    done = "done"
+    error = "error"
+
+
+def encode_fields(fields: dict[str, Any]) -> dict[str, str]:
+    """Flatten a record or event into Redis hash/stream fields (strings; nested values as JSON)."""
+    out: dict[str, str] = {}
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, Enum):
+            out[key] = str(value.value)
+        elif isinstance(value, BaseModel):
+            out[key] = value.model_dump_json()
+        elif isinstance(value, str):
+            out[key] = value
+        else:
+            out[key] = json.dumps(value)
+    return out

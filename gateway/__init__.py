@@ -1,0 +1,1 @@
+"""The ortfleet gateway: a stateless Starlette app in front of the Redis job queue."""

@@ -1,0 +1,60 @@
+"""What the gateway knows of the fleet: models ever served and the workers alive now."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.registry import live_workers
+
+
+@dataclass(frozen=True)
+class ModelState:
+    name: str
+    context_length: int
+    workers: int
+    capacity: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    known: dict[str, int]  # model -> context length, for every model a worker ever registered
+    live: dict[str, ModelState]
+
+
+class FleetView:
+    """A snapshot of the registry, refreshed at most every `max_age_s` so submissions stay cheap."""
+
+    def __init__(self, redis: Redis, max_age_s: float = 0.5) -> None:
+        self._redis = redis
+        self._max_age_s = max_age_s
+        self._snapshot: FleetSnapshot | None = None
+        self._taken_at = 0.0
+
+    async def snapshot(self, *, fresh: bool = False) -> FleetSnapshot:
+        if fresh or self._snapshot is None or time.monotonic() - self._taken_at > self._max_age_s:
+            self._snapshot = await self._read()
+            self._taken_at = time.monotonic()
+        return self._snapshot
+
+    async def _read(self) -> FleetSnapshot:
+        known_raw: dict[str, str] = await self._redis.hgetall(keys.MODELS)
+        known = {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
+        live: dict[str, ModelState] = {}
+        for worker in await live_workers(self._redis):
+            name = worker["model"]
+            before = live.get(name, ModelState(name, int(worker["context_length"]), 0, 0, 0))
+            live[name] = ModelState(
+                name,
+                before.context_length,
+                before.workers + 1,
+                before.capacity + int(worker["capacity"]),
+                before.in_flight + int(worker.get("in_flight", "0")),
+            )
+            known.setdefault(name, before.context_length)
+        return FleetSnapshot(known, live)

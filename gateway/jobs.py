@@ -1,0 +1,100 @@
+"""The async job API: submit, poll (optionally long-poll), stream, cancel."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common import keys
+from common.records import load_record, record_view
+from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
+from gateway.errors import ApiError
+from gateway.request_body import parse_body
+from gateway.sse import ENTRY_ID, relay, wait_final
+from gateway.state import AppState, app_state
+from gateway.submission import submit_job
+
+
+def links(job_id: str) -> JobLinks:
+    return JobLinks(self=f"/v1/jobs/{job_id}", events=f"/v1/jobs/{job_id}/events")
+
+
+async def load_view(state: AppState, job_id: str) -> JobView:
+    fields = await load_record(state.redis, job_id)
+    if fields is None:
+        raise ApiError(404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found")
+    position = None
+    if fields.get("status") == JobStatus.queued.value:
+        position = await state.redis.zrank(keys.queue(fields["model"]), job_id)
+    return record_view(fields, links(job_id), position)
+
+
+def job_response(view: JobView, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(view.model_dump(mode="json"), status, headers)
+
+
+async def create_job(request: Request) -> Response:
+    state = app_state(request)
+    body = await parse_body(request, JobRequest)
+    submitted = await submit_job(state, body, request.headers.get("idempotency-key"))
+    view = await load_view(state, submitted.job_id)
+    headers = {"Location": view.links.self}
+    if not submitted.created:
+        headers["Idempotent-Replayed"] = "true"
+    return job_response(view, 202, headers)
+
+
+async def get_job(request: Request) -> Response:
+    state = app_state(request)
+    job_id = request.path_params["job_id"]
+    view = await load_view(state, job_id)
+    wait = _wait_seconds(request, state.settings.max_wait_s)
+    if wait > 0 and view.status not in TERMINAL:
+        await wait_final(state.redis, job_id, wait)
+        view = await load_view(state, job_id)
+    return job_response(view)
+
+
+def _wait_seconds(request: Request, limit: float) -> float:
+    raw = request.query_params.get("wait")
+    if raw is None:
+        return 0.0
+    try:
+        wait = float(raw)
+    except ValueError as e:
+        raise ApiError(422, f"wait: {raw!r} is not a number of seconds", param="wait") from e
+    if not 0 <= wait <= limit:
+        raise ApiError(422, f"wait: must be between 0 and {limit:g} seconds", param="wait")
+    return wait
+
+
+async def job_events(request: Request) -> Response:
+    state = app_state(request)
+    job_id = request.path_params["job_id"]
+    await load_view(state, job_id)
+    after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
+    if not ENTRY_ID.match(after):
+        raise ApiError(422, f"after: {after!r} is not an event id like 1700000000000-0", param="after")
+    stream = relay(state.redis, job_id, after, state.settings.sse_keepalive_s)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+
+
+async def cancel_job(request: Request) -> Response:
+    state = app_state(request)
+    job_id = request.path_params["job_id"]
+    view = await load_view(state, job_id)
+    outcome = await state.queue.cancel(job_id, view.model)
+    if outcome == "missing":
+        raise ApiError(404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found")
+    view = await load_view(state, job_id)
+    return job_response(view, 202 if outcome == "cancelling" else 200)
+
+
+routes = [
+    Route("/v1/jobs", create_job, methods=["POST"]),
+    Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+    Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
+    Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
+]

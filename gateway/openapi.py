@@ -1,0 +1,116 @@
+"""`GET /openapi.json`: the HTTP surface, with schemas generated from the wire models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from common.wire import JobRequest, JobView
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(code): {"description": "error", **_json(_ERROR)} for code in codes}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def build_spec(version: str) -> dict[str, Any]:
+    _, defs = models_json_schema(
+        [(JobRequest, "validation"), (JobView, "serialization")], ref_template="#/components/schemas/{model}"
+    )
+    schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": _ERROR_SCHEMA}
+    job = _ref(JobView)
+    paths: dict[str, Any] = {
+        "/v1/jobs": {
+            "post": {
+                "summary": "Submit a generation job",
+                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+                "requestBody": {"required": True, **_json(_ref(JobRequest))},
+                "responses": {"202": {"description": "queued", **_json(job)}, **_errors(400, 404, 413, 422, 429, 503)},
+            }
+        },
+        "/v1/jobs/{job_id}": {
+            "get": {
+                "summary": "A job's status and result; `wait` long-polls until it ends",
+                "parameters": [
+                    _JOB_ID,
+                    {"name": "wait", "in": "query", "schema": {"type": "number", "minimum": 0}},
+                ],
+                "responses": {"200": {"description": "the job", **_json(job)}, **_errors(404, 422)},
+            },
+            "delete": {
+                "summary": "Cancel a job",
+                "parameters": [_JOB_ID],
+                "responses": {
+                    "200": {"description": "cancelled (or already ended)", **_json(job)},
+                    "202": {"description": "running; it stops within one engine step", **_json(job)},
+                    **_errors(404),
+                },
+            },
+        },
+        "/v1/jobs/{job_id}/events": {
+            "get": {
+                "summary": "Server-Sent Events: status, token, done/error; resumable with Last-Event-ID or after",
+                "parameters": [
+                    _JOB_ID,
+                    {"name": "after", "in": "query", "schema": {"type": "string", "pattern": r"^\d+-\d+$"}},
+                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
+                ],
+                "responses": {
+                    "200": {"description": "event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                    **_errors(404, 422),
+                },
+            }
+        },
+        "/v1/models": {"get": {"summary": "Models served by live workers", "responses": {"200": {"description": "models"}}}},
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
+        "/readyz": {
+            "get": {
+                "summary": "Readiness: Redis reachable and a live worker",
+                "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "ortfleet", "version": version},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
+
+
+routes = [Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)]

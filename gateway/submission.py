@@ -1,0 +1,87 @@
+"""Turning a validated job request into a queued job: model resolution, limits, idempotency."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+
+from common.jobqueue import QueueFull, Submitted
+from common import keys
+from common.wire import JobRequest, JobSpec, JobStatus, Sampling
+from gateway.errors import ApiError
+from gateway.state import AppState
+
+
+def new_job_id() -> str:
+    return "job_" + secrets.token_urlsafe(18)
+
+
+async def resolve_model(state: AppState, requested: str | None) -> tuple[str, int]:
+    """The served model name and its context length; 404/422/503 when it cannot be served now."""
+    fleet = await state.fleet.snapshot()
+    if requested is None:
+        if len(fleet.live) == 1:
+            name = next(iter(fleet.live))
+            return name, fleet.live[name].context_length
+        served = sorted(fleet.live) or sorted(fleet.known)
+        if not served:
+            raise ApiError(503, "no worker is serving any model yet", param="model", code="no_live_worker")
+        raise ApiError(422, f"model: required, this fleet serves {', '.join(served)}", param="model")
+    if requested not in fleet.known:
+        fleet = await state.fleet.snapshot(fresh=True)
+    if requested not in fleet.known:
+        served = ", ".join(sorted(fleet.known)) or "none"
+        raise ApiError(
+            404, f"model {requested!r} does not exist (served: {served})", param="model", code="model_not_found"
+        )
+    if requested not in fleet.live:
+        fleet = await state.fleet.snapshot(fresh=True)
+    if requested not in fleet.live:
+        raise ApiError(
+            503, f"no live worker serves model {requested!r}", param="model", code="no_live_worker",
+            headers={"Retry-After": "5"},
+        )
+    return requested, fleet.live[requested].context_length
+
+
+def check_length(request: JobRequest, context_length: int) -> None:
+    max_tokens = request.max_tokens
+    if max_tokens is not None and max_tokens >= context_length:
+        raise ApiError(
+            422,
+            f"max_tokens: {max_tokens} does not fit the model's context of {context_length} tokens "
+            "(prompt and generated tokens together)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+async def submit_job(state: AppState, request: JobRequest, idempotency_key: str | None) -> Submitted:
+    model, context_length = await resolve_model(state, request.model)
+    check_length(request, context_length)
+    now = time.time()
+    spec = JobSpec(
+        id=new_job_id(),
+        model=model,
+        prompt=request.prompt,
+        messages=request.messages,
+        sampling=Sampling.model_validate(request.model_dump(include=set(Sampling.model_fields))),
+        submitted_at=now,
+    )
+    record = {
+        "id": spec.id,
+        "model": model,
+        "status": JobStatus.queued.value,
+        "created_at": str(now),
+        "attempts": "0",
+    }
+    idem = None
+    if idempotency_key:
+        idem = keys.idempotency(hashlib.sha256(idempotency_key.encode()).hexdigest())
+    try:
+        return await state.queue.submit(
+            spec, record, max_queued=state.settings.max_queued_jobs, idempotency_key=idem
+        )
+    except QueueFull as e:
+        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e

@@ -1,0 +1,73 @@
+"""What the worker needs from a generation engine, so job logic can run on a fake one in tests."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+
+class Finish(str, Enum):
+    eos = "eos"
+    stop_string = "stop_string"
+    length = "length"
+    cancelled = "cancelled"
+    error = "error"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | None = None  # handed to the engine only when it supports stop strings
+
+
+@dataclass(frozen=True)
+class EngineUpdate:
+    token_ids: list[int]
+    finish: Finish | None = None
+    error: str | None = None
+    batch_rows: int = 1
+
+
+@dataclass
+class GenerationStream:
+    """One request's updates, delivered from the engine thread into the event loop."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue[EngineUpdate] = field(default_factory=asyncio.Queue)
+    cancel_requested: bool = False
+
+    def deliver(self, update: EngineUpdate) -> None:
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+
+
+class Engine(Protocol):
+    capacity: int
+    context_length: int
+    continuous_batching: bool
+    eos_token_ids: frozenset[int]
+
+    def submit(self, request: GenerationRequest) -> GenerationStream: ...
+
+    def cancel(self, stream: GenerationStream) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages_json: str) -> str: ...
+
+    def stream_decoder(self) -> StreamDecoder: ...
+
+
+class StreamDecoder(Protocol):
+    def decode(self, token_id: int) -> str: ...

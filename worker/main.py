@@ -1,0 +1,118 @@
+"""`python -m worker`: load one model on one device and serve its queue."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from common.redis_client import connect
+from common.registry import WorkerInfo
+from common.settings import WorkerSettings
+from worker.device import DeviceError, parse_device
+
+logger = logging.getLogger("worker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ortfleet-worker", description=__doc__)
+    parser.add_argument("--model", type=Path, help="ORT-GenAI model folder (ORTFLEET_MODEL)")
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (ORTFLEET_DEVICE, default auto)")
+    parser.add_argument("--name", help="served model name (ORTFLEET_NAME, default: the folder's name)")
+    parser.add_argument("--redis-url", help="Redis URL (ORTFLEET_REDIS_URL)")
+    parser.add_argument("--max-batch-size", type=int, help="engine batch rows (ORTFLEET_MAX_BATCH_SIZE)")
+    return parser.parse_args(argv)
+
+
+def build_settings(args: argparse.Namespace) -> WorkerSettings:
+    overrides = {
+        "model": args.model,
+        "device": args.device,
+        "name": args.name,
+        "redis_url": args.redis_url,
+        "max_batch_size": args.max_batch_size,
+    }
+    return WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def resolve_model(settings: WorkerSettings) -> Path:
+    if settings.model is not None:
+        model = settings.model.expanduser().resolve()
+    else:
+        from common.modelbuild.default import default_model_dir
+
+        model = default_model_dir(settings.model_cache)
+    if not (model / "genai_config.json").is_file():
+        raise SystemExit(
+            f"ortfleet-worker: {model} is not an ORT-GenAI model folder (no genai_config.json); "
+            "build the default model with `ortfleet model default` or pass --model DIR"
+        )
+    return model
+
+
+async def serve(settings: WorkerSettings) -> None:
+    import onnxruntime_genai as og
+
+    from worker.ort_engine import OrtEngine
+    from worker.service import WorkerService
+
+    model_dir = resolve_model(settings)
+    try:
+        device = parse_device(settings.device, og.is_cuda_available)
+    except DeviceError as e:
+        raise SystemExit(f"ortfleet-worker: {e}") from e
+    name = settings.name or model_dir.name
+    started = time.monotonic()
+    logger.info("loading %s on %s", model_dir, device)
+    engine = OrtEngine(model_dir, device, settings.max_batch_size)
+    redis = connect(settings.redis_url.get_secret_value())
+    info = WorkerInfo(
+        id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
+        model=name,
+        device=str(device),
+        gpu=device.gpu_label,
+        capacity=engine.capacity,
+        context_length=engine.context_length,
+        continuous_batching=engine.continuous_batching,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_at=time.time(),
+    )
+    service = WorkerService(settings, redis, engine, engine.tokenizer, info)
+    await service.warm_up()
+    logger.info(
+        "worker %s serves %r on %s: %d slots, %s batching, ready in %.1f s",
+        info.id,
+        name,
+        device,
+        engine.capacity,
+        "continuous" if engine.continuous_batching else "static",
+        time.monotonic() - started,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.stop)
+    try:
+        await service.run()
+    finally:
+        engine.close()
+        await redis.aclose()
+        logger.info("worker %s stopped", info.id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    settings = build_settings(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(serve(settings))

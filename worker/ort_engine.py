@@ -1,0 +1,263 @@
+"""ONNX Runtime GenAI's engine, driven by the one thread that creates it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime_genai as og
+
+from worker.device import Device
+from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
+
+logger = logging.getLogger(__name__)
+
+_TOKEN = og.EngineEventFlags.TOKEN.value
+_FINISHED = og.EngineEventFlags.TURN_FINISHED.value
+_FAILED = og.EngineEventFlags.FAILED.value
+
+_FINISH = {
+    og.FinishReason.EOS: Finish.eos,
+    og.FinishReason.STOP_STRING: Finish.stop_string,
+    og.FinishReason.MAX_GENERATED_TOKENS: Finish.length,
+    og.FinishReason.MAX_SESSION_TOKENS: Finish.length,
+    og.FinishReason.CANCELLED: Finish.cancelled,
+    og.FinishReason.FAILED: Finish.error,
+}
+
+
+def load_config(model_dir: Path, device: Device, max_batch_size: int | None) -> og.Config:
+    config = og.Config(str(model_dir))
+    config.clear_providers()
+    if device.kind == "cuda":
+        config.append_provider("cuda")
+        config.set_provider_option("cuda", "device_id", str(device.index or 0))
+    if max_batch_size is not None:
+        section = "dynamic_batching" if uses_dynamic_batching(model_dir) else "static_batching"
+        config.overlay(json.dumps({"engine": {section: {"max_batch_size": max_batch_size}}}))
+    return config
+
+
+def uses_dynamic_batching(model_dir: Path) -> bool:
+    genai = json.loads((model_dir / "genai_config.json").read_text())
+    return "dynamic_batching" in genai.get("engine", {})
+
+
+def context_length(model_dir: Path) -> int:
+    genai = json.loads((model_dir / "genai_config.json").read_text())
+    return int(genai["model"]["context_length"])
+
+
+class OrtTokenizer:
+    def __init__(self, model: og.Model) -> None:
+        self._tokenizer = og.Tokenizer(model)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+    def apply_chat_template(self, messages_json: str) -> str:
+        return str(self._tokenizer.apply_chat_template(messages_json, add_generation_prompt=True))
+
+    def stream_decoder(self) -> og.TokenizerStream:
+        return self._tokenizer.create_stream()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(int(t) for t in self._tokenizer.eos_token_ids)
+
+
+@dataclass
+class _SeededRun:
+    """A seeded sampling request on the static scheduler, which cannot seed a turn: its own generator."""
+
+    stream: GenerationStream
+    generator: og.Generator
+    produced: int = 0
+
+
+class OrtEngine:
+    """Owns og.Model and og.Engine on a dedicated thread; asyncio code talks to it through queues."""
+
+    def __init__(self, model_dir: Path, device: Device, max_batch_size: int | None = None) -> None:
+        self.continuous_batching = uses_dynamic_batching(model_dir)
+        self.context_length = context_length(model_dir)
+        self._commands: queue.SimpleQueue[tuple[str, GenerationStream | None]] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._model_dir = model_dir
+        self._device = device
+        self._max_batch_size = max_batch_size
+        self.capacity = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.tokenizer: OrtTokenizer
+        self._thread = threading.Thread(target=self._main, name="ort-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def submit(self, request: GenerationRequest) -> GenerationStream:
+        import asyncio
+
+        stream = GenerationStream(request=request, loop=asyncio.get_running_loop())
+        self._commands.put(("submit", stream))
+        return stream
+
+    def cancel(self, stream: GenerationStream) -> None:
+        stream.cancel_requested = True
+        self._commands.put(("cancel", stream))
+
+    def close(self) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    def _main(self) -> None:
+        try:
+            config = load_config(self._model_dir, self._device, self._max_batch_size)
+            self._model = og.Model(config)
+            self.tokenizer = OrtTokenizer(self._model)
+            self.eos_token_ids = self.tokenizer.eos_token_ids
+            self._engine = og.Engine(self._model)
+            self.capacity = int(self._engine.get_capabilities().configured_max_batch_size) or 1
+            self._buffer = self._engine.create_event_buffer(max(64, 4 * self.capacity))
+        except BaseException as e:  # handed to the constructor's caller
+            self._startup_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException:
+            logger.exception("the engine thread died")
+            raise
+
+    def _loop(self) -> None:
+        self._active: dict[Any, tuple[GenerationStream, int]] = {}
+        self._seeded: list[_SeededRun] = []
+        while True:
+            busy = self._engine.has_pending_requests() or bool(self._seeded)
+            if not self._drain_commands(block=not busy):
+                return
+            if self._engine.has_pending_requests():
+                self._step()
+            if self._seeded:
+                self._step_seeded()
+
+    def _drain_commands(self, *, block: bool) -> bool:
+        try:
+            command, stream = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command == "stop":
+                return False
+            assert stream is not None
+            if command == "submit":
+                self._start(stream)
+            else:
+                self._stop(stream)
+            try:
+                command, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _start(self, stream: GenerationStream) -> None:
+        request = stream.request
+        sampling = request.temperature > 0 and request.top_k != 1
+        try:
+            if sampling and request.seed is not None and not self.continuous_batching:
+                self._seeded.append(_SeededRun(stream, self._seeded_generator(request)))
+                return
+            og_request = self._engine.create_request()
+            options = og.TurnOptions(og_request)
+            options.set_max_generated_tokens(request.max_new_tokens)
+            options.set_do_sample(sampling)
+            if sampling:
+                options.set_temperature(request.temperature)
+                options.set_top_p(request.top_p)
+                if request.top_k:
+                    options.set_top_k(request.top_k)
+                if request.seed is not None:
+                    options.set_seed(request.seed)
+            if request.stop and self.continuous_batching:
+                options.set_stop_strings(request.stop)
+            turn = og_request.begin_turn(np.asarray(request.prompt_ids, dtype=np.int32), options)
+        except Exception as e:
+            stream.deliver(EngineUpdate([], Finish.error, f"the engine refused the request: {e}"))
+            return
+        self._active[og_request] = (stream, int(turn))
+
+    def _seeded_generator(self, request: GenerationRequest) -> og.Generator:
+        params = og.GeneratorParams(self._model)
+        options: dict[str, Any] = {
+            "do_sample": True,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "random_seed": request.seed,
+            "max_length": min(self.context_length, len(request.prompt_ids) + request.max_new_tokens),
+        }
+        if request.top_k:
+            options["top_k"] = request.top_k
+        params.set_search_options(**options)
+        generator = og.Generator(self._model, params)
+        generator.append_tokens(np.asarray(request.prompt_ids, dtype=np.int32))
+        return generator
+
+    def _stop(self, stream: GenerationStream) -> None:
+        for og_request, (active, turn) in self._active.items():
+            if active is stream:
+                og_request.cancel_turn(turn)
+                return
+        for run in self._seeded:
+            if run.stream is stream:
+                self._seeded.remove(run)
+                stream.deliver(EngineUpdate([], Finish.cancelled))
+                return
+
+    def _step(self) -> None:
+        events = list(self._engine.run(self._buffer))
+        rows = len({id(e.request) for e in events}) + len(self._seeded)
+        tokens: dict[Any, list[int]] = {}
+        for event in events:
+            flags = int(event.flags.value)
+            if flags & _TOKEN:
+                tokens.setdefault(event.request, []).append(int(event.token))
+            if flags & (_FINISHED | _FAILED):
+                entry = self._active.pop(event.request, None)
+                if entry is None:
+                    continue
+                stream, _turn = entry
+                finish = Finish.error if flags & _FAILED else _FINISH.get(event.finish_reason, Finish.eos)
+                error = f"engine error {event.error_code.name}" if finish is Finish.error else None
+                stream.deliver(EngineUpdate(tokens.pop(event.request, []), finish, error, rows))
+                event.request.close()
+        for og_request, ids in tokens.items():
+            entry = self._active.get(og_request)
+            if entry is not None:
+                entry[0].deliver(EngineUpdate(ids, batch_rows=rows))
+
+    def _step_seeded(self) -> None:
+        rows = len(self._seeded) + len(self._active)
+        for run in list(self._seeded):
+            try:
+                run.generator.generate_next_token()
+                token = int(run.generator.get_next_tokens()[0])
+            except Exception as e:
+                self._seeded.remove(run)
+                run.stream.deliver(EngineUpdate([], Finish.error, f"generation failed: {e}", rows))
+                continue
+            run.produced += 1
+            if token in self.eos_token_ids:
+                self._seeded.remove(run)
+                run.stream.deliver(EngineUpdate([], Finish.eos, None, rows))
+            elif run.produced >= run.stream.request.max_new_tokens or run.generator.is_done():
+                self._seeded.remove(run)
+                run.stream.deliver(EngineUpdate([token], Finish.length, None, rows))
+            else:
+                run.stream.deliver(EngineUpdate([token], None, None, rows))
