@@ -27,7 +27,8 @@ class WorkerInfo:
     state: str = "ready"  # ready | draining
 
 
-async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float) -> None:
+async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:
+    """Refresh the worker's entry; the model stays known for `remember_s` after its last worker."""
     now = time.time()
     fields = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in asdict(info).items()}
     fields["heartbeat_at"] = str(now)
@@ -36,7 +37,9 @@ async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float) -> None:
         pipe.hset(keys.worker(info.id), mapping=fields)
         pipe.pexpire(keys.worker(info.id), int(ttl_s * 1000))
         pipe.zadd(keys.WORKERS, {info.id: int((now + ttl_s) * 1000)})
+        pipe.pexpire(keys.WORKERS, int(ttl_s * 1000))
         pipe.hset(keys.MODELS, info.model, json.dumps(model_info))
+        pipe.expire(keys.MODELS, remember_s)
         await pipe.execute()
 
 

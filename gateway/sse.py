@@ -25,7 +25,6 @@ async def relay(redis: Redis, job_id: str, after: str, keepalive_s: float) -> As
     """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one."""
     stream = keys.events(job_id)
     last = after
-    yield b"retry: 1000\n\n"
     while True:
         reply = await redis.xread({stream: last}, count=512, block=int(keepalive_s * 1000))
         if not reply:

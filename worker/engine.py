@@ -54,7 +54,9 @@ class Engine(Protocol):
     continuous_batching: bool
     eos_token_ids: frozenset[int]
 
-    def submit(self, request: GenerationRequest) -> GenerationStream: ...
+    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
+        """Hands requests to the engine together, so a static batch starts with all of them."""
+        ...
 
     def cancel(self, stream: GenerationStream) -> None: ...
 

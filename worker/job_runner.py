@@ -108,8 +108,8 @@ class JobRun:
             text = self.spec.prompt
         return self._tokenizer.encode(text)
 
-    def start(self, prompt_ids: list[int]) -> None:
-        """Hands the request to the engine; synchronous so a batch of claims enters the engine together."""
+    def engine_request(self, prompt_ids: list[int]) -> GenerationRequest | None:
+        """What to ask the engine for; None when nothing is left to generate (or the job was cancelled)."""
         self.prompt_tokens = len(prompt_ids)
         context = self._engine.context_length
         if len(prompt_ids) >= context:
@@ -122,8 +122,8 @@ class JobRun:
         self._room = context - len(prompt_ids) - len(self.progress.token_ids)
         self._max_new = max(0, min(wanted, self._room))
         if self._cancelled or self._max_new == 0:
-            return
-        request = GenerationRequest(
+            return None
+        return GenerationRequest(
             prompt_ids=prompt_ids + self.progress.token_ids,
             max_new_tokens=self._max_new,
             temperature=sampling.temperature,
@@ -132,7 +132,9 @@ class JobRun:
             seed=sampling.seed,
             stop=sampling.stop,
         )
-        self._stream = self._engine.submit(request)
+
+    def attach(self, stream: GenerationStream) -> None:
+        self._stream = stream
 
     async def run(self) -> None:
         publisher = StreamPublisher(self._queue, self.job_id, self.claim.attempt, self._publish_max_batch)

@@ -86,7 +86,15 @@ async def serve(settings: WorkerSettings) -> None:
         started_at=time.time(),
     )
     service = WorkerService(settings, redis, engine, engine.tokenizer, info)
-    await service.warm_up()
+    width = await service.warm_up()
+    if 0 < width < engine.capacity:
+        logger.warning(
+            "the engine is configured for %d rows but generated only %d together; serving with %d slots",
+            engine.capacity,
+            width,
+            width,
+        )
+        engine.capacity = info.capacity = width
     logger.info(
         "worker %s serves %r on %s: %d slots, %s batching, ready in %.1f s",
         info.id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -87,7 +88,7 @@ class OrtEngine:
     def __init__(self, model_dir: Path, device: Device, max_batch_size: int | None = None) -> None:
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.context_length = context_length(model_dir)
-        self._commands: queue.SimpleQueue[tuple[str, GenerationStream | None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[str, list[GenerationStream]]] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._model_dir = model_dir
@@ -102,19 +103,18 @@ class OrtEngine:
         if self._startup_error is not None:
             raise self._startup_error
 
-    def submit(self, request: GenerationRequest) -> GenerationStream:
-        import asyncio
-
-        stream = GenerationStream(request=request, loop=asyncio.get_running_loop())
-        self._commands.put(("submit", stream))
-        return stream
+    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
+        loop = asyncio.get_running_loop()
+        streams = [GenerationStream(request=request, loop=loop) for request in requests]
+        self._commands.put(("submit", streams))
+        return streams
 
     def cancel(self, stream: GenerationStream) -> None:
         stream.cancel_requested = True
-        self._commands.put(("cancel", stream))
+        self._commands.put(("cancel", [stream]))
 
     def close(self) -> None:
-        self._commands.put(("stop", None))
+        self._commands.put(("stop", []))
         self._thread.join(timeout=10)
 
     def _main(self) -> None:
@@ -151,19 +151,19 @@ class OrtEngine:
 
     def _drain_commands(self, *, block: bool) -> bool:
         try:
-            command, stream = self._commands.get(block=block)
+            command, streams = self._commands.get(block=block)
         except queue.Empty:
             return True
         while True:
             if command == "stop":
                 return False
-            assert stream is not None
-            if command == "submit":
-                self._start(stream)
-            else:
-                self._stop(stream)
+            for stream in streams:
+                if command == "submit":
+                    self._start(stream)
+                else:
+                    self._stop(stream)
             try:
-                command, stream = self._commands.get_nowait()
+                command, streams = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
@@ -222,7 +222,7 @@ class OrtEngine:
 
     def _step(self) -> None:
         events = list(self._engine.run(self._buffer))
-        rows = len({id(e.request) for e in events}) + len(self._seeded)
+        rows = len({e.request for e in events}) + len(self._seeded)
         tokens: dict[Any, list[int]] = {}
         for event in events:
             flags = int(event.flags.value)

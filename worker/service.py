@@ -55,14 +55,22 @@ class WorkerService:
         # The static scheduler runs a batch to its end before it admits anyone: claim only between batches.
         return 0 if self.runs else self.engine.capacity
 
-    async def warm_up(self) -> None:
-        stream = self.engine.submit(GenerationRequest(self.tokenizer.encode("Hello"), max_new_tokens=2))
-        while (await stream.updates.get()).finish is None:
-            pass
+    async def warm_up(self) -> int:
+        """Runs one full batch and returns how many requests the engine really generated together."""
+        prompt = self.tokenizer.encode("Hello")
+        streams = self.engine.submit([GenerationRequest(prompt, max_new_tokens=2)] * self.engine.capacity)
+        widest = 0
+        for stream in streams:
+            while True:
+                update = await stream.updates.get()
+                widest = max(widest, update.batch_rows)
+                if update.finish is not None:
+                    break
+        return widest
 
     async def run(self) -> None:
         lease = self.settings.heartbeat_ttl_s
-        await heartbeat(self.redis, self.info, lease)
+        await heartbeat(self.redis, self.info, lease, self.settings.job_ttl_s)
         background = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
@@ -110,14 +118,22 @@ class WorkerService:
                 runs.append(run)
         await asyncio.gather(*(run.load_progress() for run in runs))
         started: list[JobRun] = []
-        for run in runs:  # no await in this loop: the whole batch reaches the engine together
+        requests: list[GenerationRequest] = []
+        generating: list[JobRun] = []
+        for run in runs:
             try:
-                run.start(run.prompt_ids())
+                request = run.engine_request(run.prompt_ids())
             except PromptTooLong as e:
                 self._spawn(self._fail(run.claim, run.spec.model, str(e)))
                 del self.runs[run.job_id]
                 continue
             started.append(run)
+            if request is not None:
+                requests.append(request)
+                generating.append(run)
+        if requests:
+            for run, stream in zip(generating, self.engine.submit(requests), strict=True):
+                run.attach(stream)
         for run in started:
             self._spawn(self._execute(run))
 
@@ -177,7 +193,7 @@ class WorkerService:
             await asyncio.sleep(ttl / 4)
             self.info.in_flight = len(self.runs)
             try:
-                await heartbeat(self.redis, self.info, ttl)
+                await heartbeat(self.redis, self.info, ttl, self.settings.job_ttl_s)
                 await self.queue.renew_leases(self.model, list(self.runs), ttl)
             except RedisError as e:
                 logger.warning("heartbeat failed (%s)", e)

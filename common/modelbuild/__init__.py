@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from common.modelbuild.cache import MARKER_NAME, ModelInfo, default_cache_root, is_complete, list_models
 from common.modelbuild.convert import BuilderFailed, MissingModelExtras, ModelCheckFailed
-from common.modelbuild.default import DEFAULT_MODEL_NAME, GgufNotFound, ensure_default_model, locate_default_gguf
+from common.modelbuild.default import (
+    DEFAULT_MODEL_NAME,
+    GgufNotFound,
+    default_model_dir,
+    ensure_default_model,
+    locate_default_gguf,
+)
 from common.modelbuild.tiny import build_tiny_model
 
 __all__ = [
@@ -21,6 +27,7 @@ __all__ = [
     "ModelInfo",
     "build_tiny_model",
     "default_cache_root",
+    "default_model_dir",
     "ensure_default_model",
     "is_complete",
     "list_models",

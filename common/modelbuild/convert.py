@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -46,11 +49,11 @@ class ModelCheckFailed(RuntimeError):
 
 
 class StageProgress:
-    """Numbered build stages on stderr with their elapsed time; a subprocess's output is summarized as a
-    live status line on a terminal and as a periodic heartbeat line otherwise."""
+    """Numbered build stages on stderr with their elapsed time. A subprocess's output is summarized: on
+    a terminal as a spinner line showing its latest line, elsewhere as a periodic heartbeat line."""
 
     heartbeat_seconds = 15.0
-    refresh_seconds = 0.1
+    refresh_seconds = 0.2
     _spinner = "|/-\\"
 
     def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
@@ -61,34 +64,46 @@ class StageProgress:
         self._index = 0
         self._title = ""
         self._started = 0.0
-        self._last_note = 0.0
-        self._notes = 0
+        self._last_heartbeat = 0.0
+        self._latest = ""
 
     @contextlib.contextmanager
     def stage(self, title: str) -> Iterator[None]:
         self._index += 1
         self._title = title
-        self._started = self._last_note = time.monotonic()
+        self._latest = ""
+        self._started = self._last_heartbeat = time.monotonic()
         self._write(f"{self._head()} ..." if self._live else f"{self._head()} ...\n")
+        stop = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(stop,), daemon=True)
+        if self._live:
+            ticker.start()
+        outcome = "failed"
         try:
             yield
-        except BaseException:
-            self._finish("failed")
-            raise
-        self._finish("done")
+            outcome = "done"
+        finally:
+            stop.set()
+            if self._live:
+                ticker.join()
+            self._finish(outcome)
 
     def note(self, line: str) -> None:
         if not self._enabled or not line:
             return
+        self._latest = line
         now = time.monotonic()
-        if self._live and now - self._last_note >= self.refresh_seconds:
-            self._notes += 1
-            spin = self._spinner[self._notes % len(self._spinner)]
-            self._write(f"\r\x1b[K{self._head()} ... {spin} {now - self._started:4.0f}s  {line[:60]}")
-            self._last_note = now
-        elif not self._live and now - self._last_note >= self.heartbeat_seconds:
+        if not self._live and now - self._last_heartbeat >= self.heartbeat_seconds:
             self._write(f"      ... {now - self._started:.0f} s: {line[:100]}\n")
-            self._last_note = now
+            self._last_heartbeat = now
+
+    def _tick(self, stop: threading.Event) -> None:
+        frame = 0
+        while not stop.wait(self.refresh_seconds):
+            frame += 1
+            spin = self._spinner[frame % len(self._spinner)]
+            status = f"{self._head()} ... {spin} {time.monotonic() - self._started:3.0f} s  {self._latest}"
+            self._write(f"\r\x1b[K{status[: shutil.get_terminal_size().columns - 1]}")
 
     def _finish(self, outcome: str) -> None:
         elapsed = time.monotonic() - self._started
@@ -116,15 +131,18 @@ def quiet_transformers() -> Iterator[None]:
 
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    captured = io.StringIO()
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+        if captured.getvalue():
+            logger.debug("transformers output:\n%s", captured.getvalue())
 
 
 def offline_environ() -> dict[str, str]:

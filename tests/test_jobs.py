@@ -1,0 +1,228 @@
+"""The async job API against a real fleet: redis-server, worker processes on a tiny model, a gateway."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from redis.asyncio import Redis
+
+from tests.conftest import Fleet
+from tests.jobs_client import read_events, streamed_text, submit, wait_done
+
+
+async def test_a_submitted_job_succeeds_with_output_usage_and_timings(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    worker = fleet.start_worker(model_name)
+    job = await submit(client, {"model": model_name, "prompt": "Hello world", "max_tokens": 16})
+    assert job["status"] == "queued"
+    assert job["links"] == {"self": f"/v1/jobs/{job['id']}", "events": f"/v1/jobs/{job['id']}/events"}
+
+    done = await wait_done(client, job["id"])
+
+    assert done["status"] == "succeeded", done
+    assert done["finish_reason"] == "length"
+    assert done["attempts"] == 1
+    assert done["worker"].endswith(str(worker.process.pid) + "-" + done["worker"].split("-")[-1])
+    assert done["usage"]["completion_tokens"] == 16
+    assert done["usage"]["prompt_tokens"] > 0
+    assert done["usage"]["total_tokens"] == done["usage"]["prompt_tokens"] + 16
+    assert done["output"]
+    timings = done["timings"]
+    assert 0 <= timings["queue_wait_s"] <= timings["ttft_s"] <= timings["total_s"]
+    assert timings["time_per_output_token_s"] is not None
+
+
+async def test_chat_messages_run_through_the_models_chat_template(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    job = await submit(
+        client,
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 4},
+    )
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "succeeded"
+    assert done["model"] == model_name  # the only live model is the default
+    plain = await wait_done(client, (await submit(client, {"prompt": "Hi", "max_tokens": 4}))["id"])
+    assert done["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the template added tokens
+
+
+async def test_the_streamed_text_equals_the_final_output(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    job = await submit(client, {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 40})
+
+    events = await read_events(client, job["id"])
+    done = await wait_done(client, job["id"])
+
+    kinds = [e.event for e in events]
+    assert kinds[0] == "status" and events[0].data["status"] == "queued"
+    assert "running" in [e.data.get("status") for e in events if e.event == "status"]
+    assert kinds[-1] == "done" and events[-1].data["status"] == "succeeded"
+    assert streamed_text(events) == done["output"]
+    token_ids = [t for e in events if e.event == "token" for t in e.data["token_ids"]]
+    assert len(token_ids) == done["usage"]["completion_tokens"] == 40
+    assert [e.id for e in events] == sorted({e.id for e in events}, key=lambda i: tuple(map(int, i.split("-"))))
+
+
+async def test_resuming_after_a_last_event_id_yields_exactly_the_remaining_events(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    job = await submit(client, {"model": model_name, "prompt": "Hello", "max_tokens": 30})
+    everything = await read_events(client, job["id"])
+    assert len(everything) > 10
+    cut = len(everything) // 2
+
+    by_header = await read_events(client, job["id"], headers={"Last-Event-ID": everything[cut].id})
+    by_query = await read_events(client, job["id"], after=everything[cut].id)
+
+    assert by_header == everything[cut + 1 :]
+    assert by_query == everything[cut + 1 :]
+    bad = await client.get(f"/v1/jobs/{job['id']}/events", params={"after": "yesterday"})
+    assert bad.status_code == 422 and "after" in bad.json()["error"]["message"]
+
+
+async def test_resuming_on_another_gateway_replica_continues_the_same_stream(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    _, other_url = fleet.start_gateway()
+    job = await submit(client, {"model": model_name, "prompt": "Hello", "max_tokens": 20})
+    everything = await read_events(client, job["id"])
+    async with httpx.AsyncClient(base_url=other_url, timeout=30) as other:
+        rest = await read_events(other, job["id"], headers={"Last-Event-ID": everything[3].id})
+    assert rest == everything[4:]
+
+
+async def test_two_readers_follow_one_job_and_see_the_same_events(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    job = await submit(client, {"model": model_name, "prompt": "Hello", "max_tokens": 60})
+    first, second = await asyncio.gather(read_events(client, job["id"]), read_events(client, job["id"]))
+    assert first == second
+    assert first[-1].event == "done"
+
+
+async def test_a_cancelled_queued_job_never_runs(fleet: Fleet, client: httpx.AsyncClient, model_name: str) -> None:
+    worker = fleet.start_worker(model_name)
+    worker.pause()  # the worker cannot claim anything: the job stays queued
+    try:
+        job = await submit(client, {"model": model_name, "prompt": "Hello", "max_tokens": 8})
+        polled = (await client.get(f"/v1/jobs/{job['id']}")).json()
+        assert polled["status"] == "queued" and polled["queue_position"] == 0
+        reply = await client.delete(f"/v1/jobs/{job['id']}")
+    finally:
+        worker.resume()
+    assert reply.status_code == 200
+    assert reply.json()["status"] == "cancelled"
+    after = await wait_done(client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"])
+    assert after["status"] == "succeeded"  # the worker is back and has passed the cancelled job by
+    cancelled = (await client.get(f"/v1/jobs/{job['id']}")).json()
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["attempts"] == 0 and cancelled["worker"] is None
+    events = await read_events(client, job["id"])
+    assert [e.event for e in events] == ["status", "done"]
+    assert events[-1].data == {"type": "done", "status": "cancelled", "finish_reason": "cancelled"}
+
+
+async def test_a_cancelled_running_job_stops_and_its_slot_is_reused(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name, "--max-batch-size", "1")
+    job = await submit(client, {"model": model_name, "prompt": "Hello", "max_tokens": 480})
+    events = []
+    async with client.stream("GET", f"/v1/jobs/{job['id']}/events") as stream:
+        async for line in stream.aiter_lines():
+            if line == "event: token":
+                reply = await client.delete(f"/v1/jobs/{job['id']}")
+                assert reply.status_code in (200, 202)
+                break
+    events = await read_events(client, job["id"])
+
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "cancelled" and done["finish_reason"] == "cancelled"
+    assert done["usage"]["completion_tokens"] < 480
+    assert events[-1].data["status"] == "cancelled"
+    assert streamed_text(events) == done["output"]
+    after = await wait_done(client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"])
+    assert after["status"] == "succeeded" and after["worker"] == done["worker"]
+
+
+async def test_eight_concurrent_jobs_on_one_worker_are_batched_together(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    worker = fleet.start_worker(model_name)
+    models = (await client.get("/v1/models")).json()["data"]
+    capacity = next(m["capacity"] for m in models if m["id"] == model_name)
+    assert capacity >= 2
+    worker.pause()  # all eight are queued before the worker looks
+    try:
+        jobs = await asyncio.gather(
+            *(submit(client, {"model": model_name, "prompt": f"Job {i}", "max_tokens": 24}) for i in range(8))
+        )
+    finally:
+        worker.resume()
+    done = await asyncio.gather(*(wait_done(client, job["id"]) for job in jobs))
+    assert all(job["status"] == "succeeded" for job in done)
+    assert all(job["usage"]["completion_tokens"] == 24 for job in done)
+    assert {job["engine_batch_peak"] for job in done} == {min(8, capacity)}
+
+
+async def test_two_workers_share_one_models_queue(fleet: Fleet, client: httpx.AsyncClient, model_name: str) -> None:
+    first = fleet.start_worker(model_name, "--max-batch-size", "2")
+    second = fleet.start_worker(model_name, "--max-batch-size", "2")
+    jobs = await asyncio.gather(
+        *(submit(client, {"model": model_name, "prompt": f"Job {i}", "max_tokens": 64}) for i in range(16))
+    )
+    done = await asyncio.gather(*(wait_done(client, job["id"]) for job in jobs))
+    assert all(job["status"] == "succeeded" for job in done)
+    pids = {int(job["worker"].split("-")[-2]) for job in done}
+    assert pids == {first.process.pid, second.process.pid}
+
+
+async def test_an_idempotency_key_returns_the_same_job_on_retry(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str, redis: Redis
+) -> None:
+    fleet.start_worker(model_name)
+    body = {"model": model_name, "prompt": "Hello", "max_tokens": 4}
+    queue_before = await redis.dbsize()
+    first = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": f"order-{model_name}"})
+    again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": f"order-{model_name}"})
+    other = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": f"other-{model_name}"})
+    assert first.status_code == again.status_code == 202
+    assert again.json()["id"] == first.json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert other.json()["id"] != first.json()["id"]
+    assert (await redis.dbsize()) > queue_before
+    done = await wait_done(client, first.json()["id"])
+    assert done["attempts"] == 1
+
+
+async def test_every_key_of_a_job_expires(
+    redis_server: object, tiny_model: object, redis: Redis, model_name: str
+) -> None:
+    from tests.conftest import Fleet, RedisServer
+
+    assert isinstance(redis_server, RedisServer)
+    fleet = Fleet(redis_server.url, tiny_model, env={"ORTFLEET_JOB_TTL_S": "120"})  # type: ignore[arg-type]
+    try:
+        fleet.start_gateway()
+        fleet.start_worker(model_name)
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=30) as client:
+            job = await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}, **{"Idempotency-Key": model_name})
+            await wait_done(client, job["id"])
+        keys = [k async for k in redis.scan_iter("*")]
+        job_keys = [k for k in keys if job["id"] in k]
+        assert len(job_keys) == 2  # record and event stream; the arq job key is gone once it ran
+        for key in keys:
+            ttl = await redis.ttl(key)
+            assert ttl != -1, f"{key} never expires"
+        for key in job_keys:
+            assert 0 < await redis.ttl(key) <= 120
+    finally:
+        fleet.stop_all()
