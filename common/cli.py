@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
@@ -20,11 +20,14 @@ from common.settings import FleetSettings, GatewaySettings, WorkerSettings, effe
 
 logger = logging.getLogger(__name__)
 
-Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
-Handler = Callable[[argparse.Namespace], int | None]
+if TYPE_CHECKING:
+    Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
-# Commands in modules of their own that register only once they exist: each module has
-# `register(subparsers)`, which adds its parser with `set_defaults(handler=...)`.
+Handler: TypeAlias = Callable[[argparse.Namespace], int | None]
+
+# Commands in modules of their own (e.g. `bench`, `status`), registered once the module exists:
+# each has `register(subparsers)`, which adds its parser with `set_defaults(func=handler)`, where
+# the handler takes the parsed arguments and returns the exit code.
 PLUGGABLE_COMMANDS = ("common.fleet_bench", "common.fleet_status")
 MODEL_COMMAND = "common.modelbuild.command"
 
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    handler: Handler | None = getattr(args, "handler", None) or getattr(args, "func", None)
+    handler: Handler | None = getattr(args, "func", None)
     if handler is None:
         parser.print_help(sys.stderr)
         raise SystemExit(2)
@@ -90,7 +93,7 @@ def register_config(subparsers: Subparsers) -> None:
         "variables, .env, then defaults. Passwords are masked.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(handler=show_config)
+    parser.set_defaults(func=show_config)
 
 
 def show_config(args: argparse.Namespace) -> int:
@@ -135,3 +138,7 @@ def _env_name(settings: BaseSettings, field: str) -> str:
 
 def _show(value: Any) -> str:
     return "(not set)" if value is None else str(value)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
-import os
 import shlex
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from queue import Empty, SimpleQueue
-from types import FrameType
+from typing import TYPE_CHECKING
 
 from common.processes import (
     REDIS_MISSING,
@@ -28,51 +23,67 @@ from common.processes import (
     free_port,
     gateway_command,
     start_redis,
-    stop,
     wait_ready,
     worker_command,
 )
 from common.settings import FleetSettings, WorkerSettings
+from common.supervisor import ChildExited, Console, FleetStopped, StopSignals, Supervisor, tail_of
+
+if TYPE_CHECKING:
+    from common.cli import Subparsers
 
 logger = logging.getLogger(__name__)
 
-LOG_TAIL_LINES = 20
 STARTUP_TIMEOUT_S = 300.0
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "up",
         help="start a whole local fleet: redis-server, workers and the gateway",
         description="Start redis-server, N workers and the gateway, wait until every worker is live, print "
         "the URLs and a curl example, and run until Ctrl-C, then stop everything.",
     )
-    parser.add_argument("--workers", type=_positive_int, default=1, help="worker processes (default 1)")
+    parser.add_argument(
+        "--workers", metavar="N", type=_positive_int, default=1, help="worker processes (default 1)"
+    )
     parser.add_argument(
         "--model",
+        metavar="DIR",
         type=Path,
         help="ORT-GenAI model folder to serve (default: the default model, built if needed)",
     )
-    parser.add_argument("--name", help="served model name (default: the model folder's name)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    parser.add_argument("--max-batch-size", type=_positive_int, help="engine batch rows of each worker")
-    parser.add_argument("--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)")
+    parser.add_argument("--name", metavar="NAME", help="served model name (default: the model folder's name)")
     parser.add_argument(
-        "--port", type=int, default=8000, help="gateway port (default 8000; 0 picks a free one)"
+        "--device", metavar="DEVICE", default="auto", help="auto, cpu, cuda or cuda:N (default auto)"
+    )
+    parser.add_argument(
+        "--max-batch-size", metavar="N", type=_positive_int, help="engine batch rows of each worker"
+    )
+    parser.add_argument(
+        "--host", metavar="HOST", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port",
+        metavar="PORT",
+        type=int,
+        default=8000,
+        help="gateway port (default 8000; 0 picks a free one)",
     )
     parser.add_argument(
         "--redis-url",
+        metavar="URL",
         help="use this Redis instead of starting a redis-server (redis://[:password@]host:port/db)",
     )
     parser.add_argument(
         "--startup-timeout",
+        metavar="SECONDS",
         type=float,
         default=STARTUP_TIMEOUT_S,
         help=f"seconds the workers get to become live (default {STARTUP_TIMEOUT_S:g})",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(func=run)
 
 
 def _positive_int(raw: str) -> int:
@@ -80,144 +91,6 @@ def _positive_int(raw: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
-
-
-class FleetStopped(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    process: subprocess.Popen[bytes]
-    log_file: Path | None = None
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
-    watcher: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def last_lines(self) -> list[str]:
-        if self.log_file is not None and self.log_file.is_file():
-            lines = self.log_file.read_text(errors="replace").splitlines()
-            return lines[-LOG_TAIL_LINES:]
-        return list(self.tail)
-
-
-class ChildExited(Exception):
-    def __init__(self, child: Child) -> None:
-        super().__init__(
-            f"{child.name} (pid {child.pid}) exited unexpectedly with code {child.process.returncode}"
-        )
-        self.child = child
-
-
-class Console:
-    """Progress and the children's prefixed log lines on stderr, one whole line at a time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self.started = time.monotonic()
-
-    def say(self, message: str, end: str = "\n") -> None:
-        with self._lock:
-            print(message, file=sys.stderr, end=end, flush=True)
-
-    def child_line(self, name: str, line: str) -> None:
-        self.say(f"[{name}] {line}")
-
-    def elapsed(self) -> str:
-        return f"{time.monotonic() - self.started:.1f} s"
-
-
-class Fleet:
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.children: list[Child] = []
-        self.exits: SimpleQueue[Child] = SimpleQueue()
-        self.stopping = False
-
-    def spawn(self, name: str, role: str, command: list[str]) -> Child:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # A group of their own: the terminal's Ctrl-C reaches only `up`, which stops them in order.
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            process_group=0,
-        )
-        return self._watch(Child(name, role, process), self._forward)
-
-    def adopt(self, name: str, role: str, process: subprocess.Popen[bytes], log_file: Path) -> Child:
-        return self._watch(Child(name, role, process, log_file), self._await_exit)
-
-    def _watch(self, child: Child, target: Callable[[Child], None]) -> Child:
-        self.children.append(child)
-        child.watcher = threading.Thread(
-            target=target, args=(child,), name=f"watch-{child.name}", daemon=True
-        )
-        child.watcher.start()
-        return child
-
-    def _forward(self, child: Child) -> None:
-        assert child.process.stdout is not None
-        for raw in child.process.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            child.tail.append(line)
-            self.console.child_line(child.name, line)
-        self._await_exit(child)
-
-    def _await_exit(self, child: Child) -> None:
-        child.process.wait()
-        self.exits.put(child)
-
-    def check(self) -> None:
-        for child in self.children:
-            if child.process.poll() is not None:
-                raise ChildExited(child)
-
-    def wait_for_exit(self) -> Child:
-        while True:
-            with contextlib.suppress(Empty):
-                return self.exits.get(timeout=1.0)
-
-    def stop_all(self, worker_timeout_s: float) -> None:
-        self.stopping = True
-        for child in self._role("gateway"):
-            self._stop(child, 15.0)
-        workers = [c for c in self._role("worker") if c.process.poll() is None]
-        if workers:
-            self.console.say(f"stopping {len(workers)} worker(s); running jobs are handed back to the queue")
-        for child in workers:
-            child.process.terminate()
-        for child in workers:
-            self._stop(child, worker_timeout_s)
-        for child in self._role("redis"):
-            self._stop(child, 15.0)
-        for child in self.children:
-            if child.watcher is not None:
-                child.watcher.join(timeout=2.0)
-
-    def kill_all(self) -> None:
-        for child in self.children:
-            if child.process.poll() is None:
-                child.process.kill()
-
-    def _role(self, role: str) -> list[Child]:
-        return [c for c in self.children if c.role == role]
-
-    def _stop(self, child: Child, timeout_s: float) -> None:
-        logger.debug("stopping %s (pid %s)", child.name, child.pid)
-        stop(child.process, timeout_s)
-        code = child.process.returncode
-        if code not in (0, -signal.SIGTERM):
-            self.console.say(f"{child.name} (pid {child.pid}) stopped with code {code}")
 
 
 @dataclass(frozen=True)
@@ -229,7 +102,7 @@ class Served:
 def run(args: argparse.Namespace) -> int:
     """Run `ortfleet up` until a signal or a child's death; the exit code."""
     console = Console()
-    fleet = Fleet(console)
+    fleet = Supervisor(console)
     signals = StopSignals(fleet)
     data_dir: Path | None = None
     signals.install()
@@ -272,43 +145,7 @@ def run(args: argparse.Namespace) -> int:
         signals.restore()
 
 
-class StopSignals:
-    """SIGINT, SIGTERM and SIGHUP stop the fleet: the first raises FleetStopped (held back while a child
-    is started and registered, so none escapes the teardown); one during the teardown kills the children."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        self.pending: int | None = None
-        self._holding = False
-        self._previous: dict[int, signal._HANDLER] = {}
-
-    def install(self) -> None:
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        self._holding = True
-        try:
-            yield
-        finally:
-            self._holding = False
-        if self.pending is not None:
-            raise FleetStopped(self.pending)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.fleet.stopping:
-            self.fleet.kill_all()
-        elif self._holding:
-            self.pending = signum
-        else:
-            raise FleetStopped(signum)
-
-
-def _teardown(fleet: Fleet, data_dir: Path | None) -> None:
+def _teardown(fleet: Supervisor, data_dir: Path | None) -> None:
     try:
         fleet.stop_all(WorkerSettings().shutdown_grace_s + 10.0)
     finally:
@@ -371,7 +208,7 @@ def _check_redis(url: str) -> None:
         raise StartupError(f"cannot reach Redis at {mask_url(url)}: {e}") from e
 
 
-def _start_redis(fleet: Fleet, signals: StopSignals, data_dir: Path) -> str:
+def _start_redis(fleet: Supervisor, signals: StopSignals, data_dir: Path) -> str:
     port = free_port()
     log_file = data_dir / "redis.log"
     fleet.console.say("starting redis... ", end="")
@@ -382,16 +219,15 @@ def _start_redis(fleet: Fleet, signals: StopSignals, data_dir: Path) -> str:
             )
     except StartupError as e:
         fleet.console.say("failed")
-        tail = (
-            log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log_file.is_file() else []
-        )
-        raise StartupError("\n  ".join([str(e), *tail])) from e
+        raise StartupError("\n  ".join([str(e), *tail_of(log_file)])) from e
     url = f"redis://127.0.0.1:{port}/0"
     fleet.console.say(f"ok ({url}, pid {child.pid}, AOF in {data_dir / 'data'})")
     return url
 
 
-def _start_fleet(fleet: Fleet, args: argparse.Namespace, served: Served, redis_url: str, port: int) -> None:
+def _start_fleet(
+    fleet: Supervisor, args: argparse.Namespace, served: Served, redis_url: str, port: int
+) -> None:
     extra = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
     for index in range(1, args.workers + 1):
         command = worker_command(
@@ -403,7 +239,7 @@ def _start_fleet(fleet: Fleet, args: argparse.Namespace, served: Served, redis_u
     fleet.console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
 
 
-def _await_workers(fleet: Fleet, base_url: str, workers: int, model: str, timeout_s: float) -> None:
+def _await_workers(fleet: Supervisor, base_url: str, workers: int, model: str, timeout_s: float) -> None:
     gateway = next(c for c in fleet.children if c.role == "gateway")
     started = time.monotonic()
     deadline = started + timeout_s
@@ -436,10 +272,8 @@ def _base_url(host: str, port: int) -> str:
 
 def curl_example(base_url: str, model: str) -> str:
     """Shell lines that submit a chat job and stream its events."""
-    body = (
-        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], '
-        '"max_tokens": 64}'
-    )
+    question = {"role": "user", "content": "What is the capital of France?"}
+    body = json.dumps({"model": model, "messages": [question], "max_tokens": 64})
     extract = "python3 -c 'import json,sys; print(json.load(sys.stdin)[\"id\"])'"
     return (
         f"JOB=$(curl -s {base_url}/v1/jobs -H 'Content-Type: application/json' \\\n"
