@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from common.processes import (
     REDIS_MISSING,
     StartupError,
@@ -26,7 +28,7 @@ from common.processes import (
     wait_ready,
     worker_command,
 )
-from common.settings import FleetSettings, WorkerSettings
+from common.settings import WorkerSettings
 from common.supervisor import ChildExited, Console, FleetStopped, StopSignals, Supervisor, tail_of
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
+# Past the workers' shutdown grace: time to hand back their jobs before they are killed.
+WORKER_STOP_MARGIN_S = 10.0
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 
@@ -105,13 +109,16 @@ def run(args: argparse.Namespace) -> int:
     fleet = Supervisor(console)
     signals = StopSignals(fleet)
     data_dir: Path | None = None
+    worker_stop_s = WORKER_STOP_MARGIN_S
     signals.install()
     try:
+        settings = _load_settings()
+        worker_stop_s += settings.shutdown_grace_s
         if not args.redis_url and shutil.which("redis-server") is None:
             raise StartupError(REDIS_MISSING)
-        served = _resolve_model(args, console)
         port = args.port or free_port()
         _check_port_free(args.host, port)
+        served = _resolve_model(args, settings.model_cache, console)
         if args.redis_url:
             redis_url = args.redis_url
             _check_redis(redis_url)
@@ -127,33 +134,32 @@ def run(args: argparse.Namespace) -> int:
         raise ChildExited(fleet.wait_for_exit())
     except FleetStopped as e:
         console.say(f"{signal.Signals(e.signum).name} received: stopping the fleet")
-        _teardown(fleet, data_dir)
-        console.say("fleet stopped")
         return 0
     except ChildExited as e:
         _report_death(console, e)
-        _teardown(fleet, data_dir)
         return 1
     except StartupError as e:
         console.say(f"ortfleet up: {e}")
-        _teardown(fleet, data_dir)
         return 1
-    except BaseException:
-        _teardown(fleet, data_dir)
-        raise
     finally:
-        signals.restore()
+        try:
+            fleet.stop_all(worker_stop_s)
+        finally:
+            if data_dir is not None:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            signals.restore()
+        if fleet.children:
+            console.say("fleet stopped")
 
 
-def _teardown(fleet: Supervisor, data_dir: Path | None) -> None:
+def _load_settings() -> WorkerSettings:
     try:
-        fleet.stop_all(WorkerSettings().shutdown_grace_s + 10.0)
-    finally:
-        if data_dir is not None:
-            shutil.rmtree(data_dir, ignore_errors=True)
+        return WorkerSettings()
+    except ValidationError as e:
+        raise StartupError(f"invalid ORTFLEET_* settings: {e}") from e
 
 
-def _resolve_model(args: argparse.Namespace, console: Console) -> Served:
+def _resolve_model(args: argparse.Namespace, cache_root: Path, console: Console) -> Served:
     if args.model is not None:
         model_dir: Path = args.model.expanduser().resolve()
         if not (model_dir / "genai_config.json").is_file():
@@ -161,8 +167,7 @@ def _resolve_model(args: argparse.Namespace, console: Console) -> Served:
     else:
         from common.modelbuild.default import ensure_default_model
 
-        cache_root = FleetSettings().model_cache
-        console.say(f"default model (cache {cache_root})...")
+        console.say(f"default model: looking in {cache_root}, building it there if needed")
         try:
             model_dir = ensure_default_model(cache_root, progress=True)
         except (RuntimeError, OSError) as e:
@@ -173,14 +178,15 @@ def _resolve_model(args: argparse.Namespace, console: Console) -> Served:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.create_server((host, port), family=family):
-            pass
-    except OSError as e:
-        raise StartupError(
-            f"the gateway cannot listen on {host}:{port} ({e.strerror}); pass another --port"
-        ) from e
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise StartupError(
+                f"the gateway cannot listen on {host}:{port}: {reason}; pass another --port"
+            ) from e
 
 
 @contextlib.contextmanager

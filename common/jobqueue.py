@@ -26,7 +26,8 @@ GENERATE = "generate"
 
 _SUBMIT = """
 -- KEYS: record, events, arq job, queue, idempotency (or '')
--- ARGV: id, ttl_s, now_ms, max_queued, arq payload, wake channel, n record fields, fields..., n event fields, fields...
+-- ARGV: id, ttl_s, now_ms, max_queued, arq payload, wake channel,
+--       n record fields, fields..., n event fields, fields...
 if KEYS[5] ~= '' then
   local existing = redis.call('GET', KEYS[5])
   if existing then return {'duplicate', existing} end
@@ -103,7 +104,8 @@ return out
 """
 
 _PUBLISH = """
--- KEYS: record, events; ARGV: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...
+-- KEYS: record, events
+-- ARGV: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return -1 end
 local nrec = tonumber(ARGV[2])
 if nrec > 0 then
@@ -159,9 +161,10 @@ def _flat(fields: dict[str, str]) -> list[str]:
 
 
 def job_payload(spec: JobSpec, enqueue_ms: int) -> bytes:
-    return serialize_job(
+    payload: bytes = serialize_job(
         GENERATE, (), {"spec": spec.model_dump(mode="json")}, None, enqueue_ms, serializer=_json_bytes
     )
+    return payload
 
 
 def _json_bytes(data: dict[str, Any]) -> bytes:
@@ -174,7 +177,9 @@ class MalformedJob(ValueError):
 
 def parse_job_payload(payload: str) -> JobSpec:
     try:
-        function, _args, kwargs, _tries, _enqueued = deserialize_job_raw(payload.encode(), deserializer=json.loads)
+        function, _args, kwargs, _tries, _enqueued = deserialize_job_raw(
+            payload.encode(), deserializer=json.loads
+        )
         if function != GENERATE:
             raise ValueError(f"unknown job function {function!r}")
         return JobSpec.model_validate(kwargs["spec"])
@@ -296,5 +301,10 @@ class JobQueue:
         return bool(done)
 
     async def fail(self, job_id: str, model: str, attempt: int, message: str, fields: dict[str, str]) -> bool:
-        record = {"status": JobStatus.failed.value, "error": message, "finished_at": str(time.time()), **fields}
+        record = {
+            "status": JobStatus.failed.value,
+            "error": message,
+            "finished_at": str(time.time()),
+            **fields,
+        }
         return await self.finish(job_id, model, attempt, record, error_entry(JobStatus.failed, message))

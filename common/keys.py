@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from arq.constants import job_key_prefix
+from arq.constants import job_key_prefix as _arq_job_prefix
+
+ARQ_JOB_PREFIX: str = _arq_job_prefix
 
 PREFIX = "ortfleet:"
 
@@ -20,7 +22,7 @@ def events(job_id: str) -> str:
 
 
 def arq_job(job_id: str) -> str:
-    return job_key_prefix + job_id
+    return ARQ_JOB_PREFIX + job_id
 
 
 def queue(model: str) -> str:

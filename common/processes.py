@@ -1,4 +1,4 @@
-"""Starting the processes of a local fleet: redis-server, workers, gateways (used by `ortfleet up` and tests)."""
+"""Starting the processes of a local fleet: redis-server, workers, gateways (for `ortfleet up`, tests)."""
 
 from __future__ import annotations
 
@@ -36,19 +36,29 @@ def redis_server_binary() -> str:
     return binary
 
 
-def start_redis(port: int, data_dir: Path, *, appendonly: bool = True, log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_redis(
+    port: int, data_dir: Path, *, appendonly: bool = True, log: Path | None = None
+) -> subprocess.Popen[bytes]:
     """A redis-server on 127.0.0.1:port keeping its data (AOF, fsync every second) in data_dir."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         redis_server_binary(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--dir", str(data_dir),
-        "--save", "",
-        "--appendonly", "yes" if appendonly else "no",
-        "--appendfsync", "everysec",
-        "--protected-mode", "no",
-        "--logfile", str(log) if log else "",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data_dir),
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--appendfsync",
+        "everysec",
+        "--protected-mode",
+        "no",
+        "--logfile",
+        str(log) if log else "",
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, process, "redis-server")
@@ -59,7 +69,9 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeou
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise StartupError(f"{what} exited with code {process.returncode} before listening on port {port}")
+            raise StartupError(
+                f"{what} exited with code {process.returncode} before listening on port {port}"
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
@@ -68,9 +80,20 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeou
     raise StartupError(f"{what} did not listen on port {port} within {timeout_s:g} s")
 
 
-def worker_command(model: Path, redis_url: str, *, name: str | None = None, device: str = "cpu",
-                   extra: Sequence[str] = ()) -> list[str]:
-    command = [sys.executable, "-m", "worker", "--model", str(model), "--redis-url", redis_url, "--device", device]
+def worker_command(
+    model: Path, redis_url: str, *, name: str | None = None, device: str = "cpu", extra: Sequence[str] = ()
+) -> list[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--model",
+        str(model),
+        "--redis-url",
+        redis_url,
+        "--device",
+        device,
+    ]
     if name:
         command += ["--name", name]
     return [*command, *extra]
@@ -80,8 +103,14 @@ def gateway_command(port: int, redis_url: str, *, host: str = "127.0.0.1") -> li
     return [sys.executable, "-m", "gateway", "--host", host, "--port", str(port), "--redis-url", redis_url]
 
 
-def wait_ready(base_url: str, process: subprocess.Popen[bytes] | None = None, *, workers: int = 1,
-               model: str | None = None, timeout_s: float = 120.0) -> None:
+def wait_ready(
+    base_url: str,
+    process: subprocess.Popen[bytes] | None = None,
+    *,
+    workers: int = 1,
+    model: str | None = None,
+    timeout_s: float = 120.0,
+) -> None:
     """Until the gateway answers /readyz with at least `workers` live workers (for `model`, if given)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -93,8 +122,10 @@ def wait_ready(base_url: str, process: subprocess.Popen[bytes] | None = None, *,
                 reply = client.get(f"{base_url}/readyz")
                 body = reply.json()
                 models = body.get("models", {})
-                live = models.get(model, {}).get("workers", 0) if model else sum(
-                    m.get("workers", 0) for m in models.values()
+                live = (
+                    models.get(model, {}).get("workers", 0)
+                    if model
+                    else sum(m.get("workers", 0) for m in models.values())
                 )
                 if reply.status_code == 200 and live >= workers:
                     return

@@ -12,7 +12,7 @@ from common.wire import FinishReason, JobLinks, JobStatus, JobView, Timings, Usa
 
 
 async def load_record(redis: Redis, job_id: str) -> dict[str, str] | None:
-    fields: dict[str, str] = await redis.hgetall(keys.job(job_id))
+    fields: dict[str, str] = await redis.hgetall(keys.job(job_id))  # type: ignore[misc]
     return fields or None
 
 

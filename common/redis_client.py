@@ -9,7 +9,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 def connect(url: str, *, max_connections: int | None = None) -> Redis:
     """A client that reconnects by itself, with backoff, when Redis goes away and comes back."""
-    return Redis.from_url(
+    client: Redis = Redis.from_url(
         url,
         decode_responses=True,
         max_connections=max_connections,
@@ -18,3 +18,4 @@ def connect(url: str, *, max_connections: int | None = None) -> Redis:
         health_check_interval=15,
         socket_keepalive=True,
     )
+    return client

@@ -43,7 +43,7 @@ class FleetView:
         return self._snapshot
 
     async def _read(self) -> FleetSnapshot:
-        known_raw: dict[str, str] = await self._redis.hgetall(keys.MODELS)
+        known_raw: dict[str, str] = await self._redis.hgetall(keys.MODELS)  # type: ignore[misc]
         known = {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
         live: dict[str, ModelState] = {}
         for worker in await live_workers(self._redis):

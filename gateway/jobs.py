@@ -23,7 +23,9 @@ def links(job_id: str) -> JobLinks:
 async def load_view(state: AppState, job_id: str) -> JobView:
     fields = await load_record(state.redis, job_id)
     if fields is None:
-        raise ApiError(404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found")
+        raise ApiError(
+            404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found"
+        )
     position = None
     if fields.get("status") == JobStatus.queued.value:
         position = await state.redis.zrank(keys.queue(fields["model"]), job_id)
@@ -87,7 +89,9 @@ async def cancel_job(request: Request) -> Response:
     view = await load_view(state, job_id)
     outcome = await state.queue.cancel(job_id, view.model)
     if outcome == "missing":
-        raise ApiError(404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found")
+        raise ApiError(
+            404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found"
+        )
     view = await load_view(state, job_id)
     return job_response(view, 202 if outcome == "cancelling" else 200)
 

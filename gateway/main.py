@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = {"host": args.host, "port": args.port, "redis_url": args.redis_url}
     settings = GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     uvicorn.run(
         build_app(settings),
         host=settings.host,

@@ -56,7 +56,10 @@ def build_spec(version: str) -> dict[str, Any]:
                 "summary": "Submit a generation job",
                 "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
                 "requestBody": {"required": True, **_json(_ref(JobRequest))},
-                "responses": {"202": {"description": "queued", **_json(job)}, **_errors(400, 404, 413, 422, 429, 503)},
+                "responses": {
+                    "202": {"description": "queued", **_json(job)},
+                    **_errors(400, 404, 413, 422, 429, 503),
+                },
             }
         },
         "/v1/jobs/{job_id}": {
@@ -80,19 +83,27 @@ def build_spec(version: str) -> dict[str, Any]:
         },
         "/v1/jobs/{job_id}/events": {
             "get": {
-                "summary": "Server-Sent Events: status, token, done/error; resumable with Last-Event-ID or after",
+                "summary": "SSE: status, token, done/error events; resumable by Last-Event-ID or after",
                 "parameters": [
                     _JOB_ID,
                     {"name": "after", "in": "query", "schema": {"type": "string", "pattern": r"^\d+-\d+$"}},
                     {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
                 ],
                 "responses": {
-                    "200": {"description": "event stream", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                    "200": {
+                        "description": "event stream",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    },
                     **_errors(404, 422),
                 },
             }
         },
-        "/v1/models": {"get": {"summary": "Models served by live workers", "responses": {"200": {"description": "models"}}}},
+        "/v1/models": {
+            "get": {
+                "summary": "Models served by live workers",
+                "responses": {"200": {"description": "models"}},
+            }
+        },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
         "/readyz": {
             "get": {

@@ -6,8 +6,8 @@ import hashlib
 import secrets
 import time
 
-from common.jobqueue import QueueFull, Submitted
 from common import keys
+from common.jobqueue import QueueFull, Submitted
 from common.wire import JobRequest, JobSpec, JobStatus, Sampling
 from gateway.errors import ApiError
 from gateway.state import AppState
@@ -24,22 +24,28 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
         if len(fleet.live) == 1:
             name = next(iter(fleet.live))
             return name, fleet.live[name].context_length
-        served = sorted(fleet.live) or sorted(fleet.known)
-        if not served:
+        names = sorted(fleet.live) or sorted(fleet.known)
+        if not names:
             raise ApiError(503, "no worker is serving any model yet", param="model", code="no_live_worker")
-        raise ApiError(422, f"model: required, this fleet serves {', '.join(served)}", param="model")
+        raise ApiError(422, f"model: required, this fleet serves {', '.join(names)}", param="model")
     if requested not in fleet.known:
         fleet = await state.fleet.snapshot(fresh=True)
     if requested not in fleet.known:
         served = ", ".join(sorted(fleet.known)) or "none"
         raise ApiError(
-            404, f"model {requested!r} does not exist (served: {served})", param="model", code="model_not_found"
+            404,
+            f"model {requested!r} does not exist (served: {served})",
+            param="model",
+            code="model_not_found",
         )
     if requested not in fleet.live:
         fleet = await state.fleet.snapshot(fresh=True)
     if requested not in fleet.live:
         raise ApiError(
-            503, f"no live worker serves model {requested!r}", param="model", code="no_live_worker",
+            503,
+            f"no live worker serves model {requested!r}",
+            param="model",
+            code="no_live_worker",
             headers={"Retry-After": "5"},
         )
     return requested, fleet.live[requested].context_length

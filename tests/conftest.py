@@ -122,10 +122,14 @@ class Fleet:
         self.gateway_url = self.gateway_url or url
         return proc, url
 
-    def start_worker(self, name: str, *extra: str, wait: bool = True, env: dict[str, str] | None = None) -> Proc:
+    def start_worker(
+        self, name: str, *extra: str, wait: bool = True, env: dict[str, str] | None = None
+    ) -> Proc:
         """A worker serving the tiny model as `name`; waits until the gateway sees it live."""
         before = self.live_workers(name)
-        proc = self._spawn(f"worker-{name}", worker_command(self.model_dir, self.redis_url, name=name, extra=extra), env)
+        proc = self._spawn(
+            f"worker-{name}", worker_command(self.model_dir, self.redis_url, name=name, extra=extra), env
+        )
         if wait:
             try:
                 wait_ready(self.gateway_url, workers=before + 1, model=name, timeout_s=60)

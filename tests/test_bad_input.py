@@ -49,7 +49,9 @@ async def test_an_invalid_parameter_gets_422_naming_the_field(
     assert error_of(reply)["param"].startswith(field)
 
 
-async def test_prompt_and_messages_together_or_neither_get_422(client: httpx.AsyncClient, served: str) -> None:
+async def test_prompt_and_messages_together_or_neither_get_422(
+    client: httpx.AsyncClient, served: str
+) -> None:
     both = await client.post(
         "/v1/jobs", json={"model": served, "prompt": "a", "messages": [{"role": "user", "content": "b"}]}
     )
@@ -62,12 +64,16 @@ async def test_prompt_and_messages_together_or_neither_get_422(client: httpx.Asy
 async def test_an_unknown_field_or_chat_role_gets_422(client: httpx.AsyncClient, served: str) -> None:
     extra = await client.post("/v1/jobs", json={"model": served, "prompt": "a", "temprature": 1})
     assert extra.status_code == 422 and error_of(extra)["param"] == "temprature"
-    role = await client.post("/v1/jobs", json={"model": served, "messages": [{"role": "robot", "content": "b"}]})
+    role = await client.post(
+        "/v1/jobs", json={"model": served, "messages": [{"role": "robot", "content": "b"}]}
+    )
     assert role.status_code == 422 and error_of(role)["param"] == "messages.0.role"
 
 
 async def test_broken_json_gets_400_and_a_non_object_gets_422(client: httpx.AsyncClient, served: str) -> None:
-    broken = await client.post("/v1/jobs", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    broken = await client.post(
+        "/v1/jobs", content=b'{"prompt": ', headers={"content-type": "application/json"}
+    )
     assert broken.status_code == 400 and "not valid JSON" in error_of(broken)["message"]
     listed = await client.post("/v1/jobs", json=["prompt"])
     assert listed.status_code == 422
@@ -134,7 +140,9 @@ async def test_a_prompt_longer_than_the_context_fails_the_job_at_once(
     assert done["status"] == "failed"
     assert "context" in done["error"] and "tokens" in done["error"]
     assert done["timings"] is None or done["timings"]["ttft_s"] is None
-    follow_up = await wait_done(client, (await submit(client, {"model": served, "prompt": "Hi", "max_tokens": 2}))["id"])
+    follow_up = await wait_done(
+        client, (await submit(client, {"model": served, "prompt": "Hi", "max_tokens": 2}))["id"]
+    )
     assert follow_up["status"] == "succeeded"
 
 
@@ -145,7 +153,9 @@ async def test_a_bad_wait_gets_422(client: httpx.AsyncClient, served: str) -> No
         assert reply.status_code == 422 and error_of(reply)["param"] == "wait"
 
 
-async def test_an_unknown_route_gets_404_in_the_error_envelope(client: httpx.AsyncClient, served: str) -> None:
+async def test_an_unknown_route_gets_404_in_the_error_envelope(
+    client: httpx.AsyncClient, served: str
+) -> None:
     reply = await client.get("/v1/nothing")
     assert reply.status_code == 404 and "no route" in error_of(reply)["message"]
     wrong_method = await client.put("/v1/jobs")
@@ -155,7 +165,12 @@ async def test_an_unknown_route_gets_404_in_the_error_envelope(client: httpx.Asy
 async def test_the_openapi_spec_lists_every_route(client: httpx.AsyncClient, served: str) -> None:
     spec = (await client.get("/openapi.json")).json()
     assert spec["openapi"].startswith("3.")
-    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/models", "/healthz", "/readyz"} <= set(
-        spec["paths"]
-    )
+    assert {
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/events",
+        "/v1/models",
+        "/healthz",
+        "/readyz",
+    } <= set(spec["paths"])
     assert "JobRequest" in spec["components"]["schemas"]

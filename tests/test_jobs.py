@@ -40,7 +40,10 @@ async def test_chat_messages_run_through_the_models_chat_template(
     fleet.start_worker(model_name)
     job = await submit(
         client,
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 4},
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+        },
     )
     done = await wait_done(client, job["id"])
     assert done["status"] == "succeeded"
@@ -65,7 +68,9 @@ async def test_the_streamed_text_equals_the_final_output(
     assert streamed_text(events) == done["output"]
     token_ids = [t for e in events if e.event == "token" for t in e.data["token_ids"]]
     assert len(token_ids) == done["usage"]["completion_tokens"] == 40
-    assert [e.id for e in events] == sorted({e.id for e in events}, key=lambda i: tuple(map(int, i.split("-"))))
+    assert [e.id for e in events] == sorted(
+        {e.id for e in events}, key=lambda i: tuple(map(int, i.split("-")))
+    )
 
 
 async def test_resuming_after_a_last_event_id_yields_exactly_the_remaining_events(
@@ -108,7 +113,9 @@ async def test_two_readers_follow_one_job_and_see_the_same_events(
     assert first[-1].event == "done"
 
 
-async def test_a_cancelled_queued_job_never_runs(fleet: Fleet, client: httpx.AsyncClient, model_name: str) -> None:
+async def test_a_cancelled_queued_job_never_runs(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
     worker = fleet.start_worker(model_name)
     worker.pause()  # the worker cannot claim anything: the job stays queued
     try:
@@ -120,7 +127,9 @@ async def test_a_cancelled_queued_job_never_runs(fleet: Fleet, client: httpx.Asy
         worker.resume()
     assert reply.status_code == 200
     assert reply.json()["status"] == "cancelled"
-    after = await wait_done(client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"])
+    after = await wait_done(
+        client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"]
+    )
     assert after["status"] == "succeeded"  # the worker is back and has passed the cancelled job by
     cancelled = (await client.get(f"/v1/jobs/{job['id']}")).json()
     assert cancelled["status"] == "cancelled"
@@ -149,7 +158,9 @@ async def test_a_cancelled_running_job_stops_and_its_slot_is_reused(
     assert done["usage"]["completion_tokens"] < 480
     assert events[-1].data["status"] == "cancelled"
     assert streamed_text(events) == done["output"]
-    after = await wait_done(client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"])
+    after = await wait_done(
+        client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"]
+    )
     assert after["status"] == "succeeded" and after["worker"] == done["worker"]
 
 
@@ -173,7 +184,9 @@ async def test_eight_concurrent_jobs_on_one_worker_are_batched_together(
     assert {job["engine_batch_peak"] for job in done} == {min(8, capacity)}
 
 
-async def test_two_workers_share_one_models_queue(fleet: Fleet, client: httpx.AsyncClient, model_name: str) -> None:
+async def test_two_workers_share_one_models_queue(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
     first = fleet.start_worker(model_name, "--max-batch-size", "2")
     second = fleet.start_worker(model_name, "--max-batch-size", "2")
     jobs = await asyncio.gather(
@@ -214,7 +227,11 @@ async def test_every_key_of_a_job_expires(
         fleet.start_gateway()
         fleet.start_worker(model_name)
         async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=30) as client:
-            job = await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}, **{"Idempotency-Key": model_name})
+            job = await submit(
+                client,
+                {"model": model_name, "prompt": "Hi", "max_tokens": 4},
+                **{"Idempotency-Key": model_name},
+            )
             await wait_done(client, job["id"])
         keys = [k async for k in redis.scan_iter("*")]
         job_keys = [k for k in keys if job["id"] in k]

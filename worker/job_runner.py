@@ -88,7 +88,8 @@ class JobRun:
     async def load_progress(self) -> None:
         """Reads a cancel that raced the claim and, on a retry, the tokens already streamed."""
         redis = self._queue.redis
-        cancel, first = await redis.hmget(keys.job(self.job_id), ["cancel_requested", "first_token_at"])
+        fields = ["cancel_requested", "first_token_at"]
+        cancel, first = await redis.hmget(keys.job(self.job_id), fields)  # type: ignore[misc]
         if cancel:
             self._cancelled = True
         if self.claim.attempt == 1:

@@ -67,7 +67,9 @@ class StreamPublisher:
                 if record is self._record:
                     self._record = {}
                 if not owned:
-                    logger.warning("job %s: lease lost, attempt %s stops writing", self._job_id, self._attempt)
+                    logger.warning(
+                        "job %s: lease lost, attempt %s stops writing", self._job_id, self._attempt
+                    )
                     self.lost = True
                     self._pending.clear()
             self._idle.set()

