@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import shlex
 import shutil
 import signal
@@ -33,8 +32,6 @@ from common.supervisor import ChildExited, Console, FleetStopped, StopSignals, S
 
 if TYPE_CHECKING:
     from common.cli import Subparsers
-
-logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
 # Past the workers' shutdown grace: time to hand back their jobs before they are killed.

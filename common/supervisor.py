@@ -86,6 +86,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.exits: SimpleQueue[Child] = SimpleQueue()
         self.stopping = False
+        self.killed = False
 
     def spawn(self, name: str, role: str, command: list[str]) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -149,8 +150,11 @@ class Supervisor:
         for child in self.children:
             if child.watcher is not None:
                 child.watcher.join(timeout=2.0)
+        if self.killed:
+            self.console.say("stopped again: killed the processes still running (SIGKILL)")
 
     def kill_all(self) -> None:
+        self.killed = True
         for child in self.children:
             if child.process.poll() is None:
                 child.process.kill()
@@ -159,6 +163,8 @@ class Supervisor:
         return [c for c in self.children if c.role == role]
 
     def _stop(self, child: Child, timeout_s: float) -> None:
+        if child.process.poll() is not None:
+            return
         logger.debug("stopping %s (pid %s)", child.name, child.pid)
         stop(child.process, timeout_s)
         code = child.process.returncode
@@ -170,8 +176,8 @@ class StopSignals:
     """SIGINT, SIGTERM and SIGHUP stop the fleet: the first raises FleetStopped (held back while a child
     is started and registered, so none escapes the teardown); one during the teardown kills the children."""
 
-    def __init__(self, fleet: Supervisor) -> None:
-        self.fleet = fleet
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
         self.pending: int | None = None
         self._holding = False
         self._previous: dict[int, signal._HANDLER] = {}
@@ -194,8 +200,8 @@ class StopSignals:
             raise FleetStopped(self.pending)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.fleet.stopping:
-            self.fleet.kill_all()
+        if self.supervisor.stopping:
+            self.supervisor.kill_all()
         elif self._holding:
             self.pending = signum
         else:

@@ -72,7 +72,12 @@ async def submit_job(state: AppState, request: JobRequest, idempotency_key: str 
         model=model,
         prompt=request.prompt,
         messages=request.messages,
-        sampling=Sampling.model_validate(request.model_dump(include=set(Sampling.model_fields))),
+        sampling=Sampling.model_validate(
+            {
+                **request.model_dump(include=set(Sampling.model_fields)),
+                "max_tokens": request.max_tokens or state.settings.default_max_tokens,
+            }
+        ),
         submitted_at=now,
     )
     record = {

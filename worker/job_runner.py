@@ -49,7 +49,6 @@ class JobRun:
         queue: JobQueue,
         engine: Engine,
         tokenizer: Tokenizer,
-        default_max_tokens: int,
         publish_max_batch: int,
         worker_id: str,
     ) -> None:
@@ -59,7 +58,6 @@ class JobRun:
         self._queue = queue
         self._engine = engine
         self._tokenizer = tokenizer
-        self._default_max_tokens = default_max_tokens
         self._publish_max_batch = publish_max_batch
         self._stream: GenerationStream | None = None
         self._cancelled = False
@@ -119,7 +117,7 @@ class JobRun:
                 f"{context} tokens (prompt and generated tokens together)"
             )
         sampling = self.spec.sampling
-        wanted = (sampling.max_tokens or self._default_max_tokens) - len(self.progress.token_ids)
+        wanted = (sampling.max_tokens or context) - len(self.progress.token_ids)
         self._room = context - len(prompt_ids) - len(self.progress.token_ids)
         self._max_new = max(0, min(wanted, self._room))
         if self._cancelled or self._max_new == 0:

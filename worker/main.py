@@ -46,9 +46,15 @@ def resolve_model(settings: WorkerSettings) -> Path:
     if settings.model is not None:
         model = settings.model.expanduser().resolve()
     else:
+        from common.modelbuild.cache import is_complete
         from common.modelbuild.default import default_model_dir
 
         model = default_model_dir(settings.model_cache)
+        if not is_complete(model):
+            raise SystemExit(
+                f"ortfleet-worker: the default model in {model} is missing or incomplete; "
+                "build it with `ortfleet model default` or pass --model DIR"
+            )
     if not (model / "genai_config.json").is_file():
         raise SystemExit(
             f"ortfleet-worker: {model} is not an ORT-GenAI model folder (no genai_config.json); "

@@ -29,7 +29,6 @@ class WorkerService:
         engine: Engine,
         tokenizer: Tokenizer,
         info: WorkerInfo,
-        default_max_tokens: int = 256,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -37,7 +36,6 @@ class WorkerService:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
-        self.default_max_tokens = default_max_tokens
         self.runs: dict[str, JobRun] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -159,7 +157,6 @@ class WorkerService:
             queue=self.queue,
             engine=self.engine,
             tokenizer=self.tokenizer,
-            default_max_tokens=self.default_max_tokens,
             publish_max_batch=self.settings.publish_max_batch,
             worker_id=self.info.id,
         )
