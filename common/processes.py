@@ -81,7 +81,7 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeou
 
 
 def worker_command(
-    model: Path, redis_url: str, *, name: str | None = None, device: str = "cpu", extra: Sequence[str] = ()
+    model: Path, redis_url: str, *, name: str | None = None, device: str = "auto", extra: Sequence[str] = ()
 ) -> list[str]:
     command = [
         sys.executable,

@@ -10,6 +10,8 @@ def mask_url(url: str) -> str:
         return url
     user = parts.username or ""
     host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
     if parts.port:
         host = f"{host}:{parts.port}"
     netloc = f"{user}:****@{host}"

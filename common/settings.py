@@ -90,6 +90,13 @@ class WorkerSettings(FleetSettings):
         description="On SIGTERM, seconds running jobs get to finish before the rest are handed back "
         "to the queue (they resume on another worker from the tokens already streamed).",
     )
+    step_delay_s: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="Testing aid: pause this long after each engine step to act as a slower device "
+        "(fault drills, balancing experiments); 0 is off.",
+    )
     publish_max_batch: int = Field(
         64, ge=1, description="Most tokens written to a job's stream in one Redis round trip."
     )

@@ -6,7 +6,7 @@ import json
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class JobStatus(str, Enum):
@@ -44,11 +44,26 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: int | None = Field(None, ge=1, le=131_072, description="Most tokens to generate.")
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        le=131_072,
+        description="Fewest tokens to generate: end of sequence is masked until then (stop strings still "
+        "apply); at most max_tokens.",
+    )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 picks the most likely token.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling bound.")
     top_k: int = Field(0, ge=0, le=1000, description="Sample among the k most likely tokens; 0 is off.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed for reproducible sampling.")
     stop: StopList | None = Field(None, description="Strings that end generation (not included in output).")
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_tokens")
+        if most is not None and value > most:
+            raise ValueError(f"must not exceed max_tokens ({most})")
+        return value
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -15,7 +16,13 @@ from common.redis_client import connect
 from common.settings import GatewaySettings
 from gateway import health, jobs, openapi
 from gateway.body_limit import BodySizeLimit
-from gateway.errors import ApiError, api_error_handler, http_error_handler, unexpected_error_handler
+from gateway.errors import (
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    redis_error_handler,
+    unexpected_error_handler,
+)
 from gateway.fleet import FleetView
 from gateway.state import AppState
 
@@ -46,6 +53,7 @@ def build_app(settings: GatewaySettings | None = None) -> Starlette:
         exception_handlers={
             ApiError: api_error_handler,
             HTTPException: http_error_handler,
+            RedisError: redis_error_handler,
             Exception: unexpected_error_handler,
         },
         lifespan=lifespan,

@@ -75,6 +75,12 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(envelope(exc.status_code, str(message)), exc.status_code, exc.headers)
 
 
+async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, exc)
+    body = envelope(503, "the job store (Redis) is unavailable; retry shortly", code="store_unavailable")
+    return JSONResponse(body, 503, {"Retry-After": "1"})
+
+
 async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
     return JSONResponse(envelope(500, "internal error; see the gateway's log"), 500)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
+import time
 from collections.abc import AsyncIterator
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.events import event_payload, is_final
+
+logger = logging.getLogger(__name__)
 
 ENTRY_ID = re.compile(r"^\d+-\d+$")
 KEEPALIVE = b": keep-alive\n\n"
@@ -21,12 +28,31 @@ def frame(entry_id: str, fields: dict[str, str]) -> bytes:
     return f"id: {entry_id}\nevent: {event}\ndata: {data}\n\n".encode()
 
 
-async def relay(redis: Redis, job_id: str, after: str, keepalive_s: float) -> AsyncIterator[bytes]:
-    """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one."""
+async def relay(
+    redis: Redis, job_id: str, after: str, keepalive_s: float, outage_limit_s: float = 60.0
+) -> AsyncIterator[bytes]:
+    """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one.
+
+    While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
+    goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
+    """
     stream = keys.events(job_id)
     last = after
+    outage_since: float | None = None
     while True:
-        reply = await redis.xread({stream: last}, count=512, block=int(keepalive_s * 1000))
+        try:
+            reply = await redis.xread({stream: last}, count=512, block=int(keepalive_s * 1000))
+            outage_since = None
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            now = time.monotonic()
+            outage_since = outage_since or now
+            if now - outage_since > outage_limit_s:
+                logger.warning("job %s: Redis away for %.0f s, ending the stream", job_id, now - outage_since)
+                return
+            logger.info("job %s: Redis unreachable (%s); the stream waits", job_id, e)
+            yield KEEPALIVE
+            await asyncio.sleep(0.25)
+            continue
         if not reply:
             if not await redis.exists(stream):
                 return
@@ -41,8 +67,6 @@ async def relay(redis: Redis, job_id: str, after: str, keepalive_s: float) -> As
 
 async def wait_final(redis: Redis, job_id: str, timeout_s: float) -> None:
     """Return once the job's final event is in its stream, or after `timeout_s`."""
-    import time
-
     stream = keys.events(job_id)
     newest = await redis.xrevrange(stream, count=1)
     if not newest or is_final(newest[0][1]):

@@ -20,6 +20,7 @@ class Finish(str, Enum):
 class GenerationRequest:
     prompt_ids: list[int]
     max_new_tokens: int
+    min_new_tokens: int = 0  # end of sequence is masked until this many tokens are generated
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
 
 from common import keys
 from common.events import done_entry, entry_token_ids, status_entry, token_entry
@@ -125,6 +128,7 @@ class JobRun:
         return GenerationRequest(
             prompt_ids=prompt_ids + self.progress.token_ids,
             max_new_tokens=self._max_new,
+            min_new_tokens=max(0, min(sampling.min_tokens - len(self.progress.token_ids), self._max_new)),
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -248,5 +252,17 @@ class JobRun:
         final = done_entry(outcome.status, reason, usage.model_dump_json())
         if outcome.error:
             final["message"] = outcome.error
-        await self._queue.finish(self.job_id, self.spec.model, self.claim.attempt, record, final)
+        await self._write_final(record, final)
         self.outcome = outcome
+
+    async def _write_final(self, record: dict[str, str], final: dict[str, str]) -> None:
+        """Retries through a Redis outage: a finished job is never lost (writes stay fenced)."""
+        delay = 0.1
+        while True:
+            try:
+                await self._queue.finish(self.job_id, self.spec.model, self.claim.attempt, record, final)
+                return
+            except RedisError as e:
+                logger.warning("job %s: writing the result failed (%s); retrying", self.job_id, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)

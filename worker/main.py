@@ -77,7 +77,7 @@ async def serve(settings: WorkerSettings) -> None:
     name = settings.name or model_dir.name
     started = time.monotonic()
     logger.info("loading %s on %s", model_dir, device)
-    engine = OrtEngine(model_dir, device, settings.max_batch_size)
+    engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
     redis = connect(settings.redis_url.get_secret_value())
     info = WorkerInfo(
         id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",

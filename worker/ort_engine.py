@@ -7,6 +7,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,10 @@ def uses_dynamic_batching(model_dir: Path) -> bool:
 
 def context_length(model_dir: Path) -> int:
     genai = json.loads((model_dir / "genai_config.json").read_text())
-    return int(genai["model"]["context_length"])
+    try:
+        return int(genai["model"]["context_length"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{model_dir}/genai_config.json has no model.context_length") from e
 
 
 class OrtTokenizer:
@@ -85,7 +89,10 @@ class _SeededRun:
 class OrtEngine:
     """Owns og.Model and og.Engine on a dedicated thread; asyncio code talks to it through queues."""
 
-    def __init__(self, model_dir: Path, device: Device, max_batch_size: int | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, device: Device, max_batch_size: int | None = None, step_delay_s: float = 0.0
+    ) -> None:
+        self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.context_length = context_length(model_dir)
         self._commands: queue.SimpleQueue[tuple[str, list[GenerationStream]]] = queue.SimpleQueue()
@@ -148,6 +155,8 @@ class OrtEngine:
                 self._step()
             if self._seeded:
                 self._step_seeded()
+            if self._step_delay_s and busy:
+                time.sleep(self._step_delay_s)
 
     def _drain_commands(self, *, block: bool) -> bool:
         try:
@@ -177,6 +186,8 @@ class OrtEngine:
             og_request = self._engine.create_request()
             options = og.TurnOptions(og_request)
             options.set_max_generated_tokens(request.max_new_tokens)
+            if request.min_new_tokens:
+                options.set_min_generated_tokens(request.min_new_tokens)
             options.set_do_sample(sampling)
             if sampling:
                 options.set_temperature(request.temperature)
@@ -202,6 +213,8 @@ class OrtEngine:
             "random_seed": request.seed,
             "max_length": min(self.context_length, len(request.prompt_ids) + request.max_new_tokens),
         }
+        if request.min_new_tokens:
+            options["min_length"] = len(request.prompt_ids) + request.min_new_tokens
         if request.top_k:
             options["top_k"] = request.top_k
         params.set_search_options(**options)
