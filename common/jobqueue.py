@@ -25,21 +25,24 @@ from common.wire import JobSpec, JobStatus
 GENERATE = "generate"
 
 _SUBMIT = """
--- KEYS: record, events, arq job, queue, idempotency (or '')
--- ARGV: id, ttl_s, now_ms, max_queued, arq payload, wake channel,
+-- KEYS: record, events, arq job, queue, idempotency (or ''), queued tokens
+-- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
 --       n record fields, fields..., n event fields, fields...
 if KEYS[5] ~= '' then
   local existing = redis.call('GET', KEYS[5])
   if existing then return {'duplicate', existing} end
 end
-if redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'full', ''} end
+if redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'full', 'jobs'} end
+local cost = tonumber(ARGV[7])
+local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
+if queued > 0 and queued + cost > tonumber(ARGV[8]) then return {'full', 'tokens'} end
 local ttl = tonumber(ARGV[2])
-local n = tonumber(ARGV[7])
+local n = tonumber(ARGV[9])
 local rec = {}
-for i = 8, 7 + 2 * n do rec[#rec + 1] = ARGV[i] end
+for i = 10, 9 + 2 * n do rec[#rec + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(rec))
 redis.call('EXPIRE', KEYS[1], ttl)
-local at = 8 + 2 * n
+local at = 10 + 2 * n
 local m = tonumber(ARGV[at])
 local ev = {}
 for i = at + 1, at + 2 * m do ev[#ev + 1] = ARGV[i] end
@@ -47,16 +50,28 @@ redis.call('XADD', KEYS[2], '*', unpack(ev))
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('SET', KEYS[3], ARGV[5], 'EX', ttl)
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
+redis.call('INCRBY', KEYS[6], cost)
+redis.call('EXPIRE', KEYS[6], ttl)
 if KEYS[5] ~= '' then redis.call('SET', KEYS[5], ARGV[1], 'EX', ttl) end
 redis.call('PUBLISH', ARGV[6], ARGV[1])
 return {'created', ARGV[1]}
 """
 
-_CANCEL = """
--- KEYS: record, queue, events, arq job; ARGV: id, now, cancel channel, n event fields, fields...
+# A job's cost leaves the model's queued-token count when it first starts, expires or is cancelled.
+_UNCOUNT = """
+local function uncount(counter, rec)
+  local cost = tonumber(redis.call('HGET', rec, 'cost') or '0')
+  if cost > 0 and redis.call('DECRBY', counter, cost) < 0 then redis.call('SET', counter, 0) end
+end
+"""
+
+_CANCEL = _UNCOUNT + """
+-- KEYS: record, queue, events, arq job, queued tokens
+-- ARGV: id, now, cancel channel, n event fields, fields...
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 'missing' end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'attempts') == '0' then uncount(KEYS[5], KEYS[1]) end
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   local ev = {}
   for i = 5, 4 + 2 * tonumber(ARGV[4]) do ev[#ev + 1] = ARGV[i] end
@@ -72,8 +87,8 @@ end
 return st
 """
 
-_CLAIM = """
--- KEYS: queue, leases; ARGV: now_ms, lease_ms, max jobs, worker id
+_CLAIM = _UNCOUNT + """
+-- KEYS: queue, leases, queued tokens; ARGV: now_ms, lease_ms, max jobs, worker id
 local now = tonumber(ARGV[1])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for _, id in ipairs(expired) do
@@ -89,10 +104,22 @@ while taken < tonumber(ARGV[3]) do
   redis.call('ZREM', KEYS[1], id)
   local rec = 'ortfleet:job:' .. id
   local st = redis.call('HGET', rec, 'status')
-  if st == 'queued' or st == 'running' then
+  local first = redis.call('HGET', rec, 'attempts') == '0'
+  if first then uncount(KEYS[3], rec) end
+  local deadline = tonumber(redis.call('HGET', rec, 'deadline_ms') or '0')
+  if first and st == 'queued' and deadline > 0 and now > deadline then
+    local created = tonumber(redis.call('HGET', rec, 'created_at'))
+    local waited = string.format('%.1f', (now - created * 1000) / 1000)
+    local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
+    redis.call('HSET', rec, 'status', 'failed', 'finish_reason', 'error', 'error', message,
+      'error_code', 'expired_in_queue', 'finished_at', now / 1000)
+    redis.call('XADD', 'ortfleet:events:' .. id, '*', 'type', 'error', 'status', 'failed', 'message', message,
+      'code', 'expired_in_queue')
+    redis.call('DEL', 'arq:job:' .. id)
+  elseif st == 'queued' or st == 'running' then
     redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), id)
     local attempt = redis.call('HINCRBY', rec, 'attempts', 1)
-    redis.call('HSET', rec, 'status', 'running', 'worker', ARGV[4], 'started_at', ARGV[1] / 1000)
+    redis.call('HSET', rec, 'status', 'running', 'worker', ARGV[4], 'started_at', now / 1000)
     local payload = redis.call('GET', 'arq:job:' .. id) or ''
     out[#out + 1] = id
     out[#out + 1] = attempt
@@ -195,16 +222,23 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class QueueLimits:
+    max_jobs: int
+    max_tokens: int  # prompt and generated tokens of the jobs waiting, estimated at submission
+    max_wait_s: float  # a job still queued after this fails as expired; 0 waits forever
+
+
+@dataclass(frozen=True)
 class Submitted:
     job_id: str
     created: bool
 
 
 class QueueFull(Exception):
-    def __init__(self, model: str, depth: int) -> None:
-        super().__init__(f"the queue of model {model!r} is full ({depth} jobs waiting)")
+    def __init__(self, model: str, limit: str) -> None:
+        super().__init__(f"the queue of model {model!r} is full ({limit})")
         self.model = model
-        self.depth = depth
+        self.limit = limit
 
 
 class JobQueue:
@@ -221,17 +255,28 @@ class JobQueue:
         self._release = redis.register_script(_RELEASE)
 
     async def submit(
-        self, spec: JobSpec, record: dict[str, str], *, max_queued: int, idempotency_key: str | None = None
+        self,
+        spec: JobSpec,
+        record: dict[str, str],
+        *,
+        limits: QueueLimits,
+        cost: int,
+        idempotency_key: str | None = None,
     ) -> Submitted:
+        """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits."""
         now_ms = int(spec.submitted_at * 1000)
+        if limits.max_wait_s:
+            record = {**record, "deadline_ms": str(now_ms + int(limits.max_wait_s * 1000))}
         args = [
             spec.id,
             str(self.ttl_s),
             str(now_ms),
-            str(max_queued),
+            str(limits.max_jobs),
             job_payload(spec, now_ms).decode(),
             keys.wake_channel(spec.model),
-            *_flat(record),
+            str(cost),
+            str(limits.max_tokens),
+            *_flat({**record, "cost": str(cost)}),
             *_flat(status_entry(JobStatus.queued)),
         ]
         script_keys = [
@@ -240,17 +285,26 @@ class JobQueue:
             keys.arq_job(spec.id),
             keys.queue(spec.model),
             idempotency_key or "",
+            keys.queued_tokens(spec.model),
         ]
-        outcome, job_id = await self._submit(keys=script_keys, args=args)
+        outcome, detail = await self._submit(keys=script_keys, args=args)
         if outcome == "full":
-            raise QueueFull(spec.model, max_queued)
+            limit = f"{limits.max_jobs} jobs" if detail == "jobs" else f"{limits.max_tokens} queued tokens"
+            raise QueueFull(spec.model, limit)
+        job_id = detail
         return Submitted(job_id=job_id, created=outcome == "created")
 
     async def cancel(self, job_id: str, model: str) -> str:
         """'cancelled' (was queued), 'cancelling' (running, worker told), 'missing', or a terminal status."""
         done = done_entry(JobStatus.cancelled, "cancelled", None)
         result: str = await self._cancel(
-            keys=[keys.job(job_id), keys.queue(model), keys.events(job_id), keys.arq_job(job_id)],
+            keys=[
+                keys.job(job_id),
+                keys.queue(model),
+                keys.events(job_id),
+                keys.arq_job(job_id),
+                keys.queued_tokens(model),
+            ],
             args=[job_id, str(time.time()), keys.CANCEL_CHANNEL, *_flat(done)],
         )
         return result
@@ -258,7 +312,7 @@ class JobQueue:
     async def claim(self, model: str, worker_id: str, max_jobs: int, lease_s: float) -> list[Claim]:
         now_ms = int(time.time() * 1000)
         raw = await self._claim(
-            keys=[keys.queue(model), keys.leases(model)],
+            keys=[keys.queue(model), keys.leases(model), keys.queued_tokens(model)],
             args=[str(now_ms), str(int(lease_s * 1000)), str(max_jobs), worker_id],
         )
         return [Claim(raw[i], int(raw[i + 1]), raw[i + 2]) for i in range(0, len(raw), 3)]

@@ -33,6 +33,15 @@ def leases(model: str) -> str:
     return f"{PREFIX}leases:{model}"
 
 
+def queued_tokens(model: str) -> str:
+    return f"{PREFIX}queued-tokens:{model}"
+
+
+def finished(model: str) -> str:
+    """zset: "<status>:<job id>" of jobs that finished on a worker -> finish time (ms), last minute only."""
+    return f"{PREFIX}finished:{model}"
+
+
 def wake_channel(model: str) -> str:
     return f"{PREFIX}wake:{model}"
 

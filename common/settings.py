@@ -60,6 +60,18 @@ class GatewaySettings(FleetSettings):
     max_queued_jobs: int = Field(
         10_000, ge=1, description="Jobs that may wait in one model's queue; more get 429 with Retry-After."
     )
+    max_queued_tokens: int = Field(
+        4_000_000,
+        ge=1,
+        description="Prompt and generated tokens (prompt estimated as characters / 4, plus max_tokens) "
+        "that may wait in one model's queue; more get 429 with Retry-After.",
+    )
+    queue_timeout_s: float = Field(
+        900.0,
+        ge=0,
+        description="A job still queued this long after submission fails as 'expired in queue' instead of "
+        "running late; 0 lets jobs wait forever.",
+    )
 
 
 class WorkerSettings(FleetSettings):

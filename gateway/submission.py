@@ -7,7 +7,7 @@ import secrets
 import time
 
 from common import keys
-from common.jobqueue import QueueFull, Submitted
+from common.jobqueue import QueueFull, QueueLimits, Submitted
 from common.wire import JobRequest, JobSpec, JobStatus, Sampling
 from gateway.errors import ApiError
 from gateway.state import AppState
@@ -63,6 +63,20 @@ def check_length(request: JobRequest, context_length: int) -> None:
         )
 
 
+def queue_limits(state: AppState) -> QueueLimits:
+    settings = state.settings
+    return QueueLimits(settings.max_queued_jobs, settings.max_queued_tokens, settings.queue_timeout_s)
+
+
+def estimated_cost(spec: JobSpec) -> int:
+    """Tokens a job will occupy: its prompt (about 4 characters a token) plus what it may generate."""
+    if spec.messages is not None:
+        prompt_chars = sum(len(m.content) + 16 for m in spec.messages)
+    else:
+        prompt_chars = len(spec.prompt or "")
+    return prompt_chars // 4 + 1 + (spec.sampling.max_tokens or 0)
+
+
 async def submit_job(state: AppState, request: JobRequest, idempotency_key: str | None) -> Submitted:
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
@@ -92,7 +106,7 @@ async def submit_job(state: AppState, request: JobRequest, idempotency_key: str 
         idem = keys.idempotency(hashlib.sha256(idempotency_key.encode()).hexdigest())
     try:
         return await state.queue.submit(
-            spec, record, max_queued=state.settings.max_queued_jobs, idempotency_key=idem
+            spec, record, limits=queue_limits(state), cost=estimated_cost(spec), idempotency_key=idem
         )
     except QueueFull as e:
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
