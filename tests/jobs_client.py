@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -33,15 +34,25 @@ async def wait_done(client: httpx.AsyncClient, job_id: str, timeout_s: float = 6
 
 
 async def read_events(
-    client: httpx.AsyncClient, job_id: str, *, headers: dict[str, str] | None = None, **params: str
+    client: httpx.AsyncClient,
+    job_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    connected: asyncio.Event | None = None,
+    **params: str,
 ) -> list[Event]:
-    """Every event of the stream up to and including the final done/error event."""
+    """Every event of the stream up to and including the final done/error event.
+
+    `connected` is set once the stream is open and its first event has arrived.
+    """
     events: list[Event] = []
     async with aconnect_sse(
         client, "GET", f"/v1/jobs/{job_id}/events", params=params, headers=headers or {}
     ) as source:
         async for sse in source.aiter_sse():
             events.append(Event(sse.id, sse.event, json.loads(sse.data)))
+            if connected is not None:
+                connected.set()
             if sse.event in ("done", "error"):
                 break
     return events
