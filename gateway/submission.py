@@ -6,10 +6,12 @@ import hashlib
 import secrets
 import time
 
+from pydantic import ValidationError
+
 from common import keys
 from common.jobqueue import QueueFull, QueueLimits, Submitted
 from common.wire import JobRequest, JobSpec, JobStatus, Sampling
-from gateway.errors import ApiError
+from gateway.errors import ApiError, validation_error
 from gateway.state import AppState
 
 
@@ -63,6 +65,16 @@ def check_length(request: JobRequest, context_length: int) -> None:
         )
 
 
+def resolved_sampling(request: JobRequest, default_max_tokens: int) -> Sampling:
+    """The request's sampling with the gateway's default max_tokens filled in (and checked again)."""
+    fields = request.model_dump(include=set(Sampling.model_fields))
+    fields["max_tokens"] = request.max_tokens or default_max_tokens
+    try:
+        return Sampling.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e) from e
+
+
 def queue_limits(state: AppState) -> QueueLimits:
     settings = state.settings
     return QueueLimits(settings.max_queued_jobs, settings.max_queued_tokens, settings.queue_timeout_s)
@@ -86,12 +98,7 @@ async def submit_job(state: AppState, request: JobRequest, idempotency_key: str 
         model=model,
         prompt=request.prompt,
         messages=request.messages,
-        sampling=Sampling.model_validate(
-            {
-                **request.model_dump(include=set(Sampling.model_fields)),
-                "max_tokens": request.max_tokens or state.settings.default_max_tokens,
-            }
-        ),
+        sampling=resolved_sampling(request, state.settings.default_max_tokens),
         submitted_at=now,
     )
     record = {
@@ -105,8 +112,11 @@ async def submit_job(state: AppState, request: JobRequest, idempotency_key: str 
     if idempotency_key:
         idem = keys.idempotency(hashlib.sha256(idempotency_key.encode()).hexdigest())
     try:
-        return await state.queue.submit(
+        submitted = await state.queue.submit(
             spec, record, limits=queue_limits(state), cost=estimated_cost(spec), idempotency_key=idem
         )
     except QueueFull as e:
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
+    if submitted.created:
+        state.metrics.jobs_submitted.labels(model).inc()
+    return submitted
