@@ -28,7 +28,12 @@ Handler: TypeAlias = Callable[[argparse.Namespace], int | None]
 # Commands in modules of their own (e.g. `bench`, `status`), registered once the module exists:
 # each has `register(subparsers)`, which adds its parser with `set_defaults(func=handler)`, where
 # the handler takes the parsed arguments and returns the exit code.
-PLUGGABLE_COMMANDS = ("common.fleet_bench", "common.fleet_status", "common.fault_drill")
+PLUGGABLE_COMMANDS = (
+    "common.fleet_bench",
+    "common.fleet_status",
+    "common.fault_drill",
+    "common.keys_command",
+)
 MODEL_COMMAND = "common.modelbuild.command"
 
 

@@ -32,8 +32,11 @@ def done_entry(status: JobStatus, finish_reason: str | None, usage_json: str | N
     return fields
 
 
-def error_entry(status: JobStatus, message: str) -> dict[str, str]:
-    return {"type": EventType.error.value, "status": status.value, "message": message}
+def error_entry(status: JobStatus, message: str, code: str | None = None) -> dict[str, str]:
+    fields = {"type": EventType.error.value, "status": status.value, "message": message}
+    if code:
+        fields["code"] = code
+    return fields
 
 
 def is_final(fields: dict[str, str]) -> bool:

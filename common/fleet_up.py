@@ -27,6 +27,7 @@ from common.processes import (
     wait_ready,
     worker_command,
 )
+from common.prometheus_sd import file_sd_groups, write_file_sd
 from common.settings import WorkerSettings
 from common.supervisor import ChildExited, Console, FleetStopped, StopSignals, Supervisor, tail_of
 
@@ -84,6 +85,12 @@ def register(subparsers: Subparsers) -> None:
         default=STARTUP_TIMEOUT_S,
         help=f"seconds the workers get to become live (default {STARTUP_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--metrics-sd",
+        metavar="FILE",
+        type=Path,
+        help="write the gateway's and each worker's /metrics address to FILE, a Prometheus file_sd JSON",
+    )
     parser.set_defaults(func=run)
 
 
@@ -123,11 +130,16 @@ def run(args: argparse.Namespace) -> int:
             data_dir = Path(tempfile.mkdtemp(prefix="ortfleet-up-"))
             redis_url = _start_redis(fleet, signals, data_dir)
         with signals.held():
-            _start_fleet(fleet, args, served, redis_url, port)
+            metrics_ports = _start_fleet(fleet, args, served, redis_url, port)
         base_url = _base_url(args.host, port)
+        worker_metrics = [f"{_base_url(settings.metrics_host, p)}/metrics" for p in metrics_ports]
+        if args.metrics_sd is not None:
+            targets = [url.removeprefix("http://").removesuffix("/metrics") for url in worker_metrics]
+            gateway_target = base_url.removeprefix("http://")
+            write_file_sd(args.metrics_sd, file_sd_groups([gateway_target], targets))
         _await_workers(fleet, base_url, args.workers, served.name, args.startup_timeout)
         console.say(f"fleet ready in {console.elapsed()}")
-        _print_ready(base_url, served, args.workers, redis_url if data_dir is None else None)
+        _print_ready(base_url, served, worker_metrics, redis_url, external_redis=data_dir is None)
         raise ChildExited(fleet.wait_for_exit())
     except FleetStopped as e:
         console.say(f"{signal.Signals(e.signum).name} received: stopping the fleet")
@@ -230,16 +242,24 @@ def _start_redis(fleet: Supervisor, signals: StopSignals, data_dir: Path) -> str
 
 def _start_fleet(
     fleet: Supervisor, args: argparse.Namespace, served: Served, redis_url: str, port: int
-) -> None:
+) -> list[int]:
+    """Spawns the workers (each with a /metrics port of its own) and the gateway; the metrics ports."""
     extra = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
+    metrics_ports: list[int] = []
     for index in range(1, args.workers + 1):
+        metrics_ports.append(free_port())
         command = worker_command(
-            served.model_dir, redis_url, name=served.name, device=args.device, extra=extra
+            served.model_dir,
+            redis_url,
+            name=served.name,
+            device=args.device,
+            extra=[*extra, "--metrics-port", str(metrics_ports[-1])],
         )
         child = fleet.spawn(f"worker-{index}", "worker", command)
         fleet.console.say(f"worker {index}/{args.workers} starting (pid {child.pid}, device {args.device})")
     gateway = fleet.spawn("gateway", "gateway", gateway_command(port, redis_url, host=args.host))
     fleet.console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
+    return metrics_ports
 
 
 def _await_workers(fleet: Supervisor, base_url: str, workers: int, model: str, timeout_s: float) -> None:
@@ -285,18 +305,22 @@ def curl_example(base_url: str, model: str) -> str:
     )
 
 
-def _print_ready(base_url: str, served: Served, workers: int, external_redis: str | None) -> None:
+def _print_ready(
+    base_url: str, served: Served, worker_metrics: list[str], redis_url: str, external_redis: bool
+) -> None:
+    from common.redis_url import mask_url
+
     lines = [
-        f"ortfleet is up: {workers} worker(s) serving {served.name!r}",
+        f"ortfleet is up: {len(worker_metrics)} worker(s) serving {served.name!r}",
         f"  gateway  {base_url}",
         f"  openapi  {base_url}/openapi.json",
         f"  ready    {base_url}/readyz",
         f"  metrics  {base_url}/metrics",
+        *(f"           {url} (worker {index})" for index, url in enumerate(worker_metrics, 1)),
+        f"  status   ortfleet status --redis-url {shlex.quote(mask_url(redis_url))}",
     ]
-    if external_redis is not None:
-        from common.redis_url import mask_url
-
-        lines.append(f"  redis    {mask_url(external_redis)}")
+    if external_redis:
+        lines.append(f"  redis    {mask_url(redis_url)}")
     lines += [
         "",
         "Submit a job and stream its tokens:",

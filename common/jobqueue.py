@@ -25,24 +25,28 @@ from common.wire import JobSpec, JobStatus
 GENERATE = "generate"
 
 _SUBMIT = """
--- KEYS: record, events, arq job, queue, idempotency (or ''), queued tokens
+-- KEYS: record, events, arq job, queue, idempotency (or ''), queued tokens, owner's active jobs, owner's jobs
 -- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
---       n record fields, fields..., n event fields, fields...
+--       owner's max active jobs (0: no limit), n record fields, fields..., n event fields, fields...
 if KEYS[5] ~= '' then
   local existing = redis.call('GET', KEYS[5])
   if existing then return {'duplicate', existing} end
 end
+local horizon = tonumber(ARGV[3]) - tonumber(ARGV[2]) * 1000
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', horizon)
+local max_active = tonumber(ARGV[9])
+if max_active > 0 and redis.call('ZCARD', KEYS[7]) >= max_active then return {'busy', ''} end
 if redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'full', 'jobs'} end
 local cost = tonumber(ARGV[7])
 local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
 if queued > 0 and queued + cost > tonumber(ARGV[8]) then return {'full', 'tokens'} end
 local ttl = tonumber(ARGV[2])
-local n = tonumber(ARGV[9])
+local n = tonumber(ARGV[10])
 local rec = {}
-for i = 10, 9 + 2 * n do rec[#rec + 1] = ARGV[i] end
+for i = 11, 10 + 2 * n do rec[#rec + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(rec))
 redis.call('EXPIRE', KEYS[1], ttl)
-local at = 10 + 2 * n
+local at = 11 + 2 * n
 local m = tonumber(ARGV[at])
 local ev = {}
 for i = at + 1, at + 2 * m do ev[#ev + 1] = ARGV[i] end
@@ -52,6 +56,11 @@ redis.call('SET', KEYS[3], ARGV[5], 'EX', ttl)
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
 redis.call('INCRBY', KEYS[6], cost)
 redis.call('EXPIRE', KEYS[6], ttl)
+redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
+redis.call('EXPIRE', KEYS[7], ttl)
+redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', horizon)
+redis.call('ZADD', KEYS[8], ARGV[3], ARGV[1])
+redis.call('EXPIRE', KEYS[8], ttl)
 if KEYS[5] ~= '' then redis.call('SET', KEYS[5], ARGV[1], 'EX', ttl) end
 redis.call('PUBLISH', ARGV[6], ARGV[1])
 return {'created', ARGV[1]}
@@ -65,13 +74,25 @@ local function uncount(counter, rec)
 end
 """
 
-_CANCEL = _UNCOUNT + """
+# A job leaves its owner's active set when it ends, however it ends.
+_RELEASE_OWNER = """
+local function release_owner(rec, id)
+  local owner = redis.call('HGET', rec, 'owner')
+  if owner then redis.call('ZREM', 'ortfleet:active:' .. owner, id) end
+end
+"""
+
+_CANCEL = (
+    _UNCOUNT
+    + _RELEASE_OWNER
+    + """
 -- KEYS: record, queue, events, arq job, queued tokens
 -- ARGV: id, now, cancel channel, n event fields, fields...
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 'missing' end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'attempts') == '0' then uncount(KEYS[5], KEYS[1]) end
+  release_owner(KEYS[1], ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   local ev = {}
   for i = 5, 4 + 2 * tonumber(ARGV[4]) do ev[#ev + 1] = ARGV[i] end
@@ -86,8 +107,12 @@ if st == 'running' then
 end
 return st
 """
+)
 
-_CLAIM = _UNCOUNT + """
+_CLAIM = (
+    _UNCOUNT
+    + _RELEASE_OWNER
+    + """
 -- KEYS: queue, leases, queued tokens; ARGV: now_ms, lease_ms, max jobs, worker id
 local now = tonumber(ARGV[1])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -116,6 +141,7 @@ while taken < tonumber(ARGV[3]) do
     redis.call('XADD', 'ortfleet:events:' .. id, '*', 'type', 'error', 'status', 'failed', 'message', message,
       'code', 'expired_in_queue')
     redis.call('DEL', 'arq:job:' .. id)
+    release_owner(rec, id)
   elseif st == 'queued' or st == 'running' then
     redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), id)
     local attempt = redis.call('HINCRBY', rec, 'attempts', 1)
@@ -129,6 +155,7 @@ while taken < tonumber(ARGV[3]) do
 end
 return out
 """
+)
 
 _PUBLISH = """
 -- KEYS: record, events
@@ -154,7 +181,9 @@ end
 return written
 """
 
-_FINISH = """
+_FINISH = (
+    _RELEASE_OWNER
+    + """
 -- KEYS: record, events, leases, arq job
 -- ARGV: attempt, id, ttl_s, n record fields, fields..., n event fields, fields...
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
@@ -168,10 +197,33 @@ for i = at + 1, at + 2 * tonumber(ARGV[at]) do ev[#ev + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], '*', unpack(ev))
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])
+release_owner(KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+)
+
+_PURGE = (
+    _UNCOUNT
+    + _RELEASE_OWNER
+    + """
+-- KEYS: record, events, arq job, queue, leases, queued tokens; ARGV: id, cancel channel
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return 0 end
+if redis.call('ZREM', KEYS[4], ARGV[1]) == 1 and redis.call('HGET', KEYS[1], 'attempts') == '0' then
+  uncount(KEYS[6], KEYS[1])
+end
+release_owner(KEYS[1], ARGV[1])
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner then redis.call('ZREM', 'ortfleet:jobs-of:' .. owner, ARGV[1]) end
+local idem = redis.call('HGET', KEYS[1], 'idempotency_key')
+if idem then redis.call('DEL', idem) end
+if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 1
+"""
+)
 
 _RELEASE = """
 -- KEYS: queue, leases; ARGV: id
@@ -221,6 +273,13 @@ class Claim:
     payload: str
 
 
+class OwnerBusy(Exception):
+    def __init__(self, owner: str, limit: int) -> None:
+        super().__init__(f"key {owner!r} has {limit} active jobs, its limit; wait for one to end")
+        self.owner = owner
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     max_jobs: int
@@ -253,6 +312,7 @@ class JobQueue:
         self._publish = redis.register_script(_PUBLISH)
         self._finish = redis.register_script(_FINISH)
         self._release = redis.register_script(_RELEASE)
+        self._purge = redis.register_script(_PURGE)
 
     async def submit(
         self,
@@ -262,6 +322,8 @@ class JobQueue:
         limits: QueueLimits,
         cost: int,
         idempotency_key: str | None = None,
+        owner: str = "",
+        owner_max_active: int = 0,
     ) -> Submitted:
         """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits."""
         now_ms = int(spec.submitted_at * 1000)
@@ -276,7 +338,15 @@ class JobQueue:
             keys.wake_channel(spec.model),
             str(cost),
             str(limits.max_tokens),
-            *_flat({**record, "cost": str(cost)}),
+            str(owner_max_active),
+            *_flat(
+                {
+                    **record,
+                    "cost": str(cost),
+                    "owner": owner,
+                    **({"idempotency_key": idempotency_key} if idempotency_key else {}),
+                }
+            ),
             *_flat(status_entry(JobStatus.queued)),
         ]
         script_keys = [
@@ -286,8 +356,12 @@ class JobQueue:
             keys.queue(spec.model),
             idempotency_key or "",
             keys.queued_tokens(spec.model),
+            keys.active_jobs(owner),
+            keys.owner_jobs(owner),
         ]
         outcome, detail = await self._submit(keys=script_keys, args=args)
+        if outcome == "busy":
+            raise OwnerBusy(owner, owner_max_active)
         if outcome == "full":
             limit = f"{limits.max_jobs} jobs" if detail == "jobs" else f"{limits.max_tokens} queued tokens"
             raise QueueFull(spec.model, limit)
@@ -308,6 +382,21 @@ class JobQueue:
             args=[job_id, str(time.time()), keys.CANCEL_CHANNEL, *_flat(done)],
         )
         return result
+
+    async def purge(self, job_id: str, model: str) -> bool:
+        """Delete every trace of the job now; a running job is told to stop and can write nothing more."""
+        purged: int = await self._purge(
+            keys=[
+                keys.job(job_id),
+                keys.events(job_id),
+                keys.arq_job(job_id),
+                keys.queue(model),
+                keys.leases(model),
+                keys.queued_tokens(model),
+            ],
+            args=[job_id, keys.CANCEL_CHANNEL],
+        )
+        return bool(purged)
 
     async def claim(self, model: str, worker_id: str, max_jobs: int, lease_s: float) -> list[Claim]:
         now_ms = int(time.time() * 1000)
@@ -354,11 +443,23 @@ class JobQueue:
         )
         return bool(done)
 
-    async def fail(self, job_id: str, model: str, attempt: int, message: str, fields: dict[str, str]) -> bool:
+    async def fail(
+        self,
+        job_id: str,
+        model: str,
+        attempt: int,
+        message: str,
+        fields: dict[str, str],
+        code: str | None = None,
+    ) -> bool:
+        """Ends the job as failed; `code` (like `context_length_exceeded`) names the error for programs."""
         record = {
             "status": JobStatus.failed.value,
             "error": message,
             "finished_at": str(time.time()),
             **fields,
         }
-        return await self.finish(job_id, model, attempt, record, error_entry(JobStatus.failed, message))
+        if code:
+            record["error_code"] = code
+        final = error_entry(JobStatus.failed, message, code)
+        return await self.finish(job_id, model, attempt, record, final)

@@ -42,6 +42,18 @@ def finished(model: str) -> str:
     return f"{PREFIX}finished:{model}"
 
 
+def request_rate(owner: str) -> str:
+    return f"{PREFIX}rate:{owner}"
+
+
+def active_jobs(owner: str) -> str:
+    return f"{PREFIX}active:{owner}"
+
+
+def owner_jobs(owner: str) -> str:
+    return f"{PREFIX}jobs-of:{owner}"
+
+
 def wake_channel(model: str) -> str:
     return f"{PREFIX}wake:{model}"
 

@@ -40,6 +40,7 @@ def record_view(fields: dict[str, str], links: JobLinks, queue_position: int | N
         usage=Usage(**usage) if usage else None,
         timings=Timings(**timings) if timings else None,
         error=fields.get("error"),
+        error_code=fields.get("error_code"),
         engine_batch_peak=int(peak) if peak else None,
         links=links,
     )

@@ -25,6 +25,9 @@ class WorkerInfo:
     started_at: float
     in_flight: int = 0
     state: str = "ready"  # ready | draining
+    generated_tokens: int = 0  # since the worker started, running jobs included
+    tokens_per_s: float = 0.0  # over the last few seconds
+    metrics_url: str = ""  # its Prometheus /metrics
 
 
 async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:

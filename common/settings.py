@@ -72,6 +72,33 @@ class GatewaySettings(FleetSettings):
         description="A job still queued this long after submission fails as 'expired in queue' instead of "
         "running late; 0 lets jobs wait forever.",
     )
+    api_keys: SecretStr | None = Field(
+        None,
+        description="API keys the gateway accepts, as comma-separated NAME:KEY pairs; with these or a keys "
+        "file, every route but /healthz and /readyz needs `Authorization: Bearer KEY`.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="Keys file written by `ortfleet keys create` (hashes only); re-read when it changes.",
+    )
+    metrics_api_key: SecretStr | None = Field(
+        None, description="When set, the gateway's /metrics needs `Authorization: Bearer` this key."
+    )
+    allow_anonymous: bool = Field(
+        False,
+        description="Let the gateway listen on a non-loopback address with no API keys (--allow-anonymous).",
+    )
+    key_max_concurrent_jobs: int = Field(
+        64, ge=1, description="Active (queued or running) jobs a key may have, unless its own limit is set."
+    )
+    key_requests_per_minute: int = Field(
+        1200,
+        ge=1,
+        description="Requests a key may make per minute, across all gateways, unless its own is set.",
+    )
+    max_header_bytes: int = Field(
+        16_384, ge=1024, description="Largest request head (request line and headers) the gateway reads."
+    )
 
 
 class WorkerSettings(FleetSettings):
@@ -109,8 +136,27 @@ class WorkerSettings(FleetSettings):
         description="Testing aid: pause this long after each engine step to act as a slower device "
         "(fault drills, balancing experiments); 0 is off.",
     )
+    static_batch_window_s: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="On the static scheduler (a batch runs to its end before it admits anyone): the "
+        "longest a worker waits for the jobs it expects (as many as its last batch had) before it "
+        "starts a batch with fewer; a tenth of it for jobs submitted together; 0 starts at once.",
+    )
     publish_max_batch: int = Field(
         64, ge=1, description="Most tokens written to a job's stream in one Redis round trip."
+    )
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the worker's Prometheus /metrics (--metrics-port); 0 picks a free one. The "
+        "URL is in the worker's registry entry (`ortfleet status` shows it).",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the worker's /metrics listens on; 0.0.0.0 to be scraped from other hosts.",
     )
 
 

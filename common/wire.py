@@ -133,6 +133,9 @@ class JobView(BaseModel):
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
+    error_code: str | None = Field(
+        None, description="The error for programs: context_length_exceeded, expired_in_queue, ..."
+    )
     engine_batch_peak: int | None = Field(
         None, description="Most requests the engine generated together while running this job."
     )

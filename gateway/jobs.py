@@ -7,8 +7,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common import keys
+from common.apikeys import Principal
 from common.records import load_record, record_view
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
+from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.request_body import parse_body
 from gateway.sse import ENTRY_ID, relay, wait_final
@@ -20,12 +22,15 @@ def links(job_id: str) -> JobLinks:
     return JobLinks(self=f"/v1/jobs/{job_id}", events=f"/v1/jobs/{job_id}/events")
 
 
-async def load_view(state: AppState, job_id: str) -> JobView:
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found")
+
+
+async def load_view(state: AppState, job_id: str, principal: Principal) -> JobView:
+    """The job as `principal` may see it: another owner's job does not exist for them (404, not 403)."""
     fields = await load_record(state.redis, job_id)
-    if fields is None:
-        raise ApiError(
-            404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found"
-        )
+    if fields is None or fields.get("owner", "") != principal.name:
+        raise not_found(job_id)
     position = None
     if fields.get("status") == JobStatus.queued.value:
         position = await state.redis.zrank(keys.queue(fields["model"]), job_id)
@@ -39,8 +44,18 @@ def job_response(view: JobView, status: int = 200, headers: dict[str, str] | Non
 async def create_job(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, JobRequest)
-    submitted = await submit_job(state, body, request.headers.get("idempotency-key"))
-    view = await load_view(state, submitted.job_id)
+    principal = principal_of(request.scope)
+    submitted = await submit_job(state, body, request.headers.get("idempotency-key"), principal)
+    if submitted.created:  # as submitted: no read back (the record may already say running)
+        view = JobView(
+            id=submitted.job_id,
+            status=JobStatus.queued,
+            model=submitted.model,
+            created_at=submitted.created_at,
+            links=links(submitted.job_id),
+        )
+    else:
+        view = await load_view(state, submitted.job_id, principal)
     headers = {"Location": view.links.self}
     if not submitted.created:
         headers["Idempotent-Replayed"] = "true"
@@ -50,11 +65,12 @@ async def create_job(request: Request) -> Response:
 async def get_job(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
-    view = await load_view(state, job_id)
+    principal = principal_of(request.scope)
+    view = await load_view(state, job_id, principal)
     wait = _wait_seconds(request, state.settings.max_wait_s)
     if wait > 0 and view.status not in TERMINAL:
         await wait_final(state.redis, job_id, wait)
-        view = await load_view(state, job_id)
+        view = await load_view(state, job_id, principal)
     return job_response(view)
 
 
@@ -74,7 +90,7 @@ def _wait_seconds(request: Request, limit: float) -> float:
 async def job_events(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
-    await load_view(state, job_id)
+    await load_view(state, job_id, principal_of(request.scope))
     after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
     if not ENTRY_ID.match(after):
         raise ApiError(422, f"after: {after!r} is not an event id like 1700000000000-0", param="after")
@@ -86,18 +102,56 @@ async def job_events(request: Request) -> Response:
 async def cancel_job(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
-    view = await load_view(state, job_id)
+    principal = principal_of(request.scope)
+    view = await load_view(state, job_id, principal)
+    if request.query_params.get("purge", "false").lower() in ("1", "true", "yes"):
+        if not await state.queue.purge(job_id, view.model):
+            raise not_found(job_id)
+        return Response(status_code=204)
     outcome = await state.queue.cancel(job_id, view.model)
     if outcome == "missing":
-        raise ApiError(
-            404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found"
-        )
-    view = await load_view(state, job_id)
+        raise not_found(job_id)
+    view = await load_view(state, job_id, principal)
     return job_response(view, 202 if outcome == "cancelling" else 200)
+
+
+async def list_jobs(request: Request) -> Response:
+    """The caller's jobs, newest first; `after` is the `next_cursor` of the page before."""
+    state = app_state(request)
+    principal = principal_of(request.scope)
+    limit = _int_param(request, "limit", 20, 1, 100)
+    after = request.query_params.get("after")
+    upper = "+inf"
+    if after is not None:
+        if not after.isdigit():
+            raise ApiError(422, f"after: {after!r} is not a cursor from next_cursor", param="after")
+        upper = f"({after}"
+    entries = await state.redis.zrevrangebyscore(
+        keys.owner_jobs(principal.name), upper, "-inf", start=0, num=limit + 1, withscores=True
+    )
+    page = entries[:limit]
+    views = []
+    for job_id, _score in page:
+        fields = await load_record(state.redis, job_id)
+        if fields is not None and fields.get("owner", "") == principal.name:
+            views.append(record_view(fields, links(job_id)).model_dump(mode="json"))
+    has_more = len(entries) > limit
+    cursor = str(int(page[-1][1])) if has_more and page else None
+    return JSONResponse({"object": "list", "data": views, "has_more": has_more, "next_cursor": cursor})
+
+
+def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ApiError(422, f"{name}: must be a whole number from {low} to {high}", param=name)
+    return int(raw)
 
 
 routes = [
     Route("/v1/jobs", create_job, methods=["POST"]),
+    Route("/v1/jobs", list_jobs, methods=["GET"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
     Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
     Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.wire import JobRequest, JobView
+from gateway.openai_api import spec as openai_spec
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _ERROR_SCHEMA = {
@@ -27,6 +28,17 @@ _ERROR_SCHEMA = {
                 "code": {"type": ["string", "null"]},
             },
         }
+    },
+}
+_PUBLIC = {"/healthz", "/readyz"}
+_JOB_PAGE = {
+    "type": "object",
+    "required": ["object", "data", "has_more", "next_cursor"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {"$ref": "#/components/schemas/JobView"}},
+        "has_more": {"type": "boolean"},
+        "next_cursor": {"type": ["string", "null"]},
     },
 }
 _JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -46,7 +58,8 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 def build_spec(version: str) -> dict[str, Any]:
     _, defs = models_json_schema(
-        [(JobRequest, "validation"), (JobView, "serialization")], ref_template="#/components/schemas/{model}"
+        [(JobRequest, "validation"), (JobView, "serialization"), *openai_spec.SCHEMA_MODELS],
+        ref_template="#/components/schemas/{model}",
     )
     schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": _ERROR_SCHEMA}
     job = _ref(JobView)
@@ -60,7 +73,19 @@ def build_spec(version: str) -> dict[str, Any]:
                     "202": {"description": "queued", **_json(job)},
                     **_errors(400, 404, 413, 422, 429, 503),
                 },
-            }
+            },
+            "get": {
+                "summary": "The caller's jobs, newest first, a page at a time",
+                "parameters": [
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+                    },
+                    {"name": "after", "in": "query", "schema": {"type": "string", "pattern": r"^\d+$"}},
+                ],
+                "responses": {"200": {"description": "a page of jobs", **_json(_JOB_PAGE)}, **_errors(422)},
+            },
         },
         "/v1/jobs/{job_id}": {
             "get": {
@@ -72,11 +97,12 @@ def build_spec(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "the job", **_json(job)}, **_errors(404, 422)},
             },
             "delete": {
-                "summary": "Cancel a job",
-                "parameters": [_JOB_ID],
+                "summary": "Cancel a job; with purge=true, also delete all of its data at once",
+                "parameters": [_JOB_ID, {"name": "purge", "in": "query", "schema": {"type": "boolean"}}],
                 "responses": {
                     "200": {"description": "cancelled (or already ended)", **_json(job)},
                     "202": {"description": "running; it stops within one engine step", **_json(job)},
+                    "204": {"description": "purged"},
                     **_errors(404),
                 },
             },
@@ -111,12 +137,39 @@ def build_spec(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
             }
         },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics of this gateway, and queue depth per model from Redis",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text exposition format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
     }
+    paths.update(openai_spec.paths())
+    for path, operations in paths.items():
+        if path in _PUBLIC:
+            continue
+        for operation in operations.values():
+            operation["security"] = [{"apiKey": []}]
+            operation["responses"].update(_errors(401, 429))
     return {
         "openapi": "3.1.0",
         "info": {"title": "ortfleet", "version": version},
         "paths": paths,
-        "components": {"schemas": schemas},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "apiKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Needed once API keys are configured; /metrics has a key of its own.",
+                }
+            },
+        },
     }
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -36,6 +37,18 @@ async def relay(
     While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
     goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
     """
+    # One connection for the stream's life: a blocking read per event without a pool round trip.
+    async with (
+        redis.client() as pinned,
+        contextlib.aclosing(_relay(pinned, job_id, after, keepalive_s, outage_limit_s)) as chunks,
+    ):
+        async for chunk in chunks:
+            yield chunk
+
+
+async def _relay(
+    redis: Redis, job_id: str, after: str, keepalive_s: float, outage_limit_s: float
+) -> AsyncGenerator[bytes, None]:
     stream = keys.events(job_id)
     last = after
     outage_since: float | None = None
@@ -69,9 +82,9 @@ async def wait_final(redis: Redis, job_id: str, timeout_s: float) -> None:
     """Return once the job's final event is in its stream, or after `timeout_s`."""
     stream = keys.events(job_id)
     newest = await redis.xrevrange(stream, count=1)
-    if not newest or is_final(newest[0][1]):
+    if newest and is_final(newest[0][1]):
         return
-    last = newest[0][0]
+    last = newest[0][0] if newest else "0-0"  # no stream yet: wait for its first entry
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
         reply = await redis.xread({stream: last}, count=512, block=max(1, int(left * 1000)))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from common import keys
-from common.jobqueue import QueueFull, QueueLimits, Submitted
+from common.apikeys import ANONYMOUS, Principal
+from common.jobqueue import OwnerBusy, QueueFull, QueueLimits, Submitted
 from common.wire import JobRequest, JobSpec, JobStatus, Sampling
 from gateway.errors import ApiError, validation_error
 from gateway.state import AppState
@@ -89,7 +91,16 @@ def estimated_cost(spec: JobSpec) -> int:
     return prompt_chars // 4 + 1 + (spec.sampling.max_tokens or 0)
 
 
-async def submit_job(state: AppState, request: JobRequest, idempotency_key: str | None) -> Submitted:
+@dataclass(frozen=True)
+class SubmittedJob(Submitted):
+    model: str = ""
+    created_at: float = 0.0
+
+
+async def submit_job(
+    state: AppState, request: JobRequest, idempotency_key: str | None, principal: Principal = ANONYMOUS
+) -> SubmittedJob:
+    """Queue the job for `principal`, who owns it; idempotency keys are per owner."""
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
@@ -110,13 +121,22 @@ async def submit_job(state: AppState, request: JobRequest, idempotency_key: str 
     }
     idem = None
     if idempotency_key:
-        idem = keys.idempotency(hashlib.sha256(idempotency_key.encode()).hexdigest())
+        scoped = f"{principal.name}\n{idempotency_key}"
+        idem = keys.idempotency(hashlib.sha256(scoped.encode()).hexdigest())
     try:
         submitted = await state.queue.submit(
-            spec, record, limits=queue_limits(state), cost=estimated_cost(spec), idempotency_key=idem
+            spec,
+            record,
+            limits=queue_limits(state),
+            cost=estimated_cost(spec),
+            idempotency_key=idem,
+            owner=principal.name,
+            owner_max_active=principal.max_concurrent_jobs or 0,
         )
+    except OwnerBusy as e:
+        raise ApiError(429, str(e), code="too_many_active_jobs", headers={"Retry-After": "1"}) from e
     except QueueFull as e:
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
-    return submitted
+    return SubmittedJob(submitted.job_id, submitted.created, model, now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import Fleet, RedisServer
@@ -45,3 +46,33 @@ async def test_the_default_model_answers_that_the_capital_of_france_is_paris(
     assert "Paris" in done["output"]
     assert streamed_text(events) == done["output"]
     assert done["finish_reason"] in ("stop", "length")
+
+
+async def test_the_default_model_answers_through_the_openai_sdk(
+    redis_server: RedisServer, default_model: Path
+) -> None:
+    fleet = Fleet(redis_server.url, default_model)
+    try:
+        fleet.start_gateway()
+        fleet.start_worker("smollm2")
+        async with openai.AsyncOpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused") as sdk:
+            completion = await sdk.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=40,
+                temperature=0,
+            )
+            stream = await sdk.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+            )
+            streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+    finally:
+        fleet.stop_all()
+    answer = completion.choices[0].message.content or ""
+    assert "Paris" in answer
+    assert streamed == answer
+    assert completion.choices[0].finish_reason in ("stop", "length")

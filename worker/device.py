@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
@@ -23,7 +24,18 @@ class Device:
 
     @property
     def gpu_label(self) -> str:
-        return "" if self.index is None else str(self.index)
+        """The GPU's index on the host ('' on the CPU), the label of the worker's metrics."""
+        return "" if self.index is None else host_gpu_index(self.index, os.environ)
+
+
+def host_gpu_index(index: int, environ: Mapping[str, str]) -> str:
+    """Undo the renumbering of CUDA_VISIBLE_DEVICES and of a container's NVIDIA_VISIBLE_DEVICES: a
+    container given GPU 3 sees it as cuda:0, and its metrics should still say GPU 3."""
+    for variable in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        visible = [v.strip() for v in environ.get(variable, "").split(",")]
+        if all(v.isdigit() for v in visible) and index < len(visible):
+            index = int(visible[index])
+    return str(index)
 
 
 def parse_device(text: str, cuda_available: Callable[[], bool]) -> Device:

@@ -49,6 +49,17 @@ class GenerationStream:
         self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
 
 
+def deliver_all(updates: list[tuple[GenerationStream, EngineUpdate]]) -> None:
+    """Hands one engine step's updates to the event loop with a single wake-up (not one per stream)."""
+    if updates:
+        updates[0][0].loop.call_soon_threadsafe(_put_all, updates)
+
+
+def _put_all(updates: list[tuple[GenerationStream, EngineUpdate]]) -> None:
+    for stream, update in updates:
+        stream.updates.put_nowait(update)
+
+
 class Engine(Protocol):
     capacity: int
     context_length: int

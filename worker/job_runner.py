@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class PromptTooLong(ValueError):
-    pass
+    code = "context_length_exceeded"
 
 
 @dataclass
@@ -69,12 +70,20 @@ class JobRun:
         self.started_at = time.time()
         self.batch_peak = 0
         self.prompt_tokens = 0
+        self.tokens_generated = 0  # by this attempt
         self._token_times: list[float] = []
         self.outcome: Outcome | None = None
+        self.engine_done = False  # the engine has finished with this job (its slot is free)
+        self.on_engine_done: Callable[[], None] | None = None
 
     @property
     def job_id(self) -> str:
         return self.claim.job_id
+
+    @property
+    def token_times(self) -> list[float]:
+        """When this attempt received each batch of tokens from the engine (wall clock)."""
+        return self._token_times
 
     def abandon(self) -> None:
         """Stop generating without finishing the job: it goes back to the queue and resumes elsewhere."""
@@ -144,6 +153,7 @@ class JobRun:
         publisher.add(status_entry(JobStatus.running, attempt=self.claim.attempt, worker=self.worker_id))
         try:
             outcome = await self._generate(publisher)
+            self._release_engine()  # the slot is free while the last writes go out
             await publisher.drain()
         except LeaseLost:
             if self._stream is not None and not self._stream.cancel_requested:
@@ -153,6 +163,11 @@ class JobRun:
             await publisher.close()
         if not self._abandoned:
             await self._finish(outcome)
+
+    def _release_engine(self) -> None:
+        self.engine_done = True
+        if self.on_engine_done is not None:
+            self.on_engine_done()
 
     async def _generate(self, publisher: StreamPublisher) -> Outcome:
         done_before = len(self.progress.token_ids)
@@ -182,6 +197,7 @@ class JobRun:
             if update.token_ids:
                 now = time.time()
                 self._token_times.append(now)
+                self.tokens_generated += len(update.token_ids)
                 chunk = "".join(pieces)
                 index = generated - len(update.token_ids)
                 record = None

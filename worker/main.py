@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+from common import aio
 from common.redis_client import connect
 from common.registry import WorkerInfo
 from common.settings import WorkerSettings
-from worker.device import DeviceError, parse_device
+from worker.device import Device, DeviceError, parse_device
+from worker.engine import Engine, Tokenizer
 
 logger = logging.getLogger("worker")
 
@@ -28,6 +30,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", help="served model name (ORTFLEET_NAME, default: the folder's name)")
     parser.add_argument("--redis-url", help="Redis URL (ORTFLEET_REDIS_URL)")
     parser.add_argument("--max-batch-size", type=int, help="engine batch rows (ORTFLEET_MAX_BATCH_SIZE)")
+    parser.add_argument(
+        "--metrics-port", type=int, help="port of /metrics, 0 picks a free one (ORTFLEET_METRICS_PORT)"
+    )
+    parser.add_argument(
+        "--fake-engine",
+        metavar="DELAY_MS:CAPACITY",
+        help="development and benchmarks: no model, a fake engine that gives each of CAPACITY "
+        "requests one token every DELAY_MS (continuous batching); --model is ignored",
+    )
     return parser.parse_args(argv)
 
 
@@ -38,6 +49,7 @@ def build_settings(args: argparse.Namespace) -> WorkerSettings:
         "name": args.name,
         "redis_url": args.redis_url,
         "max_batch_size": args.max_batch_size,
+        "metrics_port": args.metrics_port,
     }
     return WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
 
@@ -63,21 +75,37 @@ def resolve_model(settings: WorkerSettings) -> Path:
     return model
 
 
-async def serve(settings: WorkerSettings) -> None:
+def load_engine(settings: WorkerSettings, fake_engine: str | None) -> tuple[Engine, Tokenizer, Device, str]:
+    if fake_engine is not None:
+        from worker.fake_engine import FakeEngine, parse_fake_engine
+
+        try:
+            delay_s, capacity = parse_fake_engine(fake_engine)
+        except ValueError as e:
+            raise SystemExit(f"ortfleet-worker: {e}") from e
+        fake = FakeEngine(delay_s, capacity)
+        return fake, fake.tokenizer, Device("cpu"), settings.name or "fake"
+
     import onnxruntime_genai as og
 
     from worker.ort_engine import OrtEngine
-    from worker.service import WorkerService
 
     model_dir = resolve_model(settings)
     try:
         device = parse_device(settings.device, og.is_cuda_available)
     except DeviceError as e:
         raise SystemExit(f"ortfleet-worker: {e}") from e
-    name = settings.name or model_dir.name
-    started = time.monotonic()
     logger.info("loading %s on %s", model_dir, device)
     engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
+    return engine, engine.tokenizer, device, settings.name or model_dir.name
+
+
+async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> None:
+    from worker.metrics import start_metrics
+    from worker.service import WorkerService
+
+    started = time.monotonic()
+    engine, tokenizer, device, name = load_engine(settings, fake_engine)
     redis = connect(settings.redis_url.get_secret_value())
     info = WorkerInfo(
         id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
@@ -91,7 +119,7 @@ async def serve(settings: WorkerSettings) -> None:
         pid=os.getpid(),
         started_at=time.time(),
     )
-    service = WorkerService(settings, redis, engine, engine.tokenizer, info)
+    service = WorkerService(settings, redis, engine, tokenizer, info)
     width = await service.warm_up()
     if 0 < width < engine.capacity:
         logger.warning(
@@ -101,6 +129,12 @@ async def serve(settings: WorkerSettings) -> None:
             width,
         )
         engine.capacity = info.capacity = width
+    try:
+        metrics = start_metrics(service, settings.metrics_host, settings.metrics_port)
+    except OSError as e:
+        where = f"{settings.metrics_host}:{settings.metrics_port}"
+        raise SystemExit(f"ortfleet-worker: cannot serve /metrics on {where}: {e}") from e
+    logger.info("metrics on %s", metrics.url)
     logger.info(
         "worker %s serves %r on %s: %d slots, %s batching, ready in %.1f s",
         info.id,
@@ -116,6 +150,7 @@ async def serve(settings: WorkerSettings) -> None:
     try:
         await service.run()
     finally:
+        metrics.close()
         engine.close()
         await redis.aclose()
         logger.info("worker %s stopped", info.id)
@@ -129,4 +164,4 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    asyncio.run(serve(settings))
+    aio.run(serve(settings, args.fake_engine))

@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from worker.device import Device
-from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
+from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ class OrtEngine:
         events = list(self._engine.run(self._buffer))
         rows = len({e.request for e in events}) + len(self._seeded)
         tokens: dict[Any, list[int]] = {}
+        updates: list[tuple[GenerationStream, EngineUpdate]] = []
         for event in events:
             flags = int(event.flags.value)
             if flags & _TOKEN:
@@ -248,12 +249,13 @@ class OrtEngine:
                 stream, _turn = entry
                 finish = Finish.error if flags & _FAILED else _FINISH.get(event.finish_reason, Finish.eos)
                 error = f"engine error {event.error_code.name}" if finish is Finish.error else None
-                stream.deliver(EngineUpdate(tokens.pop(event.request, []), finish, error, rows))
+                updates.append((stream, EngineUpdate(tokens.pop(event.request, []), finish, error, rows)))
                 event.request.close()
         for og_request, ids in tokens.items():
             entry = self._active.get(og_request)
             if entry is not None:
-                entry[0].deliver(EngineUpdate(ids, batch_rows=rows))
+                updates.append((entry[0], EngineUpdate(ids, batch_rows=rows)))
+        deliver_all(updates)  # one wake-up of the event loop per step
 
     def _step_seeded(self) -> None:
         rows = len(self._seeded) + len(self._active)

@@ -56,16 +56,16 @@ class StreamPublisher:
             self._wakeup.clear()
             while self._pending and not self.lost:
                 batch = self._pending[: self._max_batch]
-                record = self._record
+                # Fields added while this write is in flight go with the next one.
+                record, self._record = self._record, {}
                 try:
                     owned = await self._queue.publish(self._job_id, self._attempt, batch, record)
                 except RedisError as e:
                     logger.warning("job %s: writing tokens failed (%s); retrying", self._job_id, e)
+                    self._record = {**record, **self._record}
                     await asyncio.sleep(0.25)
                     continue
                 del self._pending[: len(batch)]
-                if record is self._record:
-                    self._record = {}
                 if not owned:
                     logger.warning(
                         "job %s: lease lost, attempt %s stops writing", self._job_id, self._attempt

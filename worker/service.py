@@ -17,6 +17,7 @@ from common.registry import WorkerInfo, deregister, heartbeat
 from common.settings import WorkerSettings
 from worker.engine import Engine, GenerationRequest, Tokenizer
 from worker.job_runner import JobRun, PromptTooLong
+from worker.throughput import Throughput
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +41,30 @@ class WorkerService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
+        self._last_batch = 0  # jobs in the last static batch
+        self._batch_ended_at = 0.0  # when the worker last ran out of jobs
         self._stopping = asyncio.Event()
         self.on_job_done: Callable[[JobRun], Awaitable[None] | None] | None = None
+        # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
+        self.on_job_failed: Callable[[Claim, str], Awaitable[None] | None] | None = None
+        self._finished_tokens = 0
+        self._throughput = Throughput(time.monotonic())
 
     @property
     def model(self) -> str:
         return self.info.model
 
     def free_slots(self) -> int:
+        busy = sum(1 for run in self.runs.values() if not run.engine_done)
         if self.engine.continuous_batching:
-            return self.engine.capacity - len(self.runs)
+            return self.engine.capacity - busy
         # The static scheduler runs a batch to its end before it admits anyone: claim only between batches.
-        return 0 if self.runs else self.engine.capacity
+        return 0 if busy else self.engine.capacity
+
+    def _engine_released(self) -> None:
+        if all(run.engine_done for run in self.runs.values()):
+            self._batch_ended_at = time.time()
+        self._slot_freed.set()
 
     async def warm_up(self) -> int:
         """Runs one full batch and returns how many requests the engine really generated together."""
@@ -105,10 +118,43 @@ class WorkerService:
                 await asyncio.sleep(0.5)
                 continue
             if claims:
+                if not self.engine.continuous_batching:
+                    if len(claims) < slots:
+                        claims += await self._fill_static_batch(claims, slots)
+                    self._last_batch = len(claims)
                 await self._start(claims)
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.claim_poll_s)
+
+    def _static_target(self, claims: list[Claim], slots: int) -> int:
+        """How many jobs to gather before a static batch starts (it admits no one until it ends): as
+        many as the last batch had, since its clients tend to come back, plus the claimed jobs that
+        were submitted while it ran (they could not join it, and would otherwise run one by one)."""
+        missed = sum(1 for claim in claims if _submitted_at(claim) < self._batch_ended_at)
+        return min(slots, max(len(claims), self._last_batch + missed))
+
+    async def _fill_static_batch(self, claims: list[Claim], slots: int) -> list[Claim]:
+        """More jobs for a static batch, claimed as they are submitted: those it expects, for up to
+        static_batch_window_s; otherwise a tenth of that, for jobs submitted together with the first."""
+        loop = asyncio.get_running_loop()
+        room, target = slots - len(claims), self._static_target(claims, slots)
+        window = self.settings.static_batch_window_s
+        deadline = loop.time() + (window if target > len(claims) else window / 10)
+        enough = target - len(claims) if target > len(claims) else room
+        more: list[Claim] = []
+        while len(more) < enough and (left := deadline - loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+            self._wake.clear()  # before claiming: a job submitted meanwhile wakes the next round
+            try:
+                more += await self.queue.claim(
+                    self.model, self.info.id, room - len(more), self.settings.heartbeat_ttl_s
+                )
+            except RedisError as e:
+                logger.warning("claiming jobs failed (%s)", e)
+                break
+        return more
 
     async def _start(self, claims: list[Claim]) -> None:
         runs: list[JobRun] = []
@@ -124,7 +170,7 @@ class WorkerService:
             try:
                 request = run.engine_request(run.prompt_ids())
             except PromptTooLong as e:
-                self._spawn(self._fail(run.claim, run.spec.model, str(e)))
+                self._spawn(self._fail(run.claim, run.spec.model, str(e), e.code))
                 del self.runs[run.job_id]
                 continue
             started.append(run)
@@ -160,11 +206,17 @@ class WorkerService:
             publish_max_batch=self.settings.publish_max_batch,
             worker_id=self.info.id,
         )
+        run.on_engine_done = self._engine_released
         self.runs[claim.job_id] = run
         return run
 
-    async def _fail(self, claim: Claim, model: str, message: str) -> None:
-        await self.queue.fail(claim.job_id, model, claim.attempt, message, {"finish_reason": "error"})
+    async def _fail(self, claim: Claim, model: str, message: str, code: str | None = None) -> None:
+        fields = {"finish_reason": "error"}
+        failed = await self.queue.fail(claim.job_id, model, claim.attempt, message, fields, code)
+        if failed and self.on_job_failed is not None:
+            result = self.on_job_failed(claim, model)
+            if result is not None:
+                await result
 
     async def _execute(self, run: JobRun) -> None:
         try:
@@ -174,12 +226,20 @@ class WorkerService:
             with contextlib.suppress(RedisError):
                 await self._fail(run.claim, run.spec.model, "the worker failed while running the job")
         finally:
+            self._finished_tokens += run.tokens_generated
             self.runs.pop(run.job_id, None)
-            self._slot_freed.set()
+            if run.engine_done:
+                self._slot_freed.set()  # its slot was freed already; a draining worker counts runs
+            else:
+                self._engine_released()
         if self.on_job_done is not None:
             result = self.on_job_done(run)
             if result is not None:
                 await result
+
+    def generated_tokens(self) -> int:
+        """Tokens this worker generated since it started, running jobs included."""
+        return self._finished_tokens + sum(run.tokens_generated for run in self.runs.values())
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -191,6 +251,10 @@ class WorkerService:
         while True:
             await asyncio.sleep(ttl / 4)
             self.info.in_flight = len(self.runs)
+            self.info.generated_tokens = self.generated_tokens()
+            self.info.tokens_per_s = round(
+                self._throughput.update(self.info.generated_tokens, time.monotonic()), 2
+            )
             try:
                 await heartbeat(self.redis, self.info, ttl, self.settings.job_ttl_s)
                 await self.queue.renew_leases(self.model, list(self.runs), ttl)
@@ -230,3 +294,10 @@ class WorkerService:
             run.abandon()
             await self.queue.release(self.model, job_id)
             logger.info("job %s handed back to the queue", job_id)
+
+
+def _submitted_at(claim: Claim) -> float:
+    try:
+        return parse_job_payload(claim.payload).submitted_at
+    except MalformedJob:
+        return 0.0

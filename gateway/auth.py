@@ -1,0 +1,136 @@
+"""API-key authentication and per-key request rates, as a plain ASGI middleware."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+
+from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from common import keys
+from common.apikeys import ANONYMOUS, KeyRing, Principal
+from gateway.errors import envelope
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+METRICS_PATH = "/metrics"
+
+# A sliding minute: one sorted-set entry per request; answers the seconds to wait, 0 when allowed.
+_RATE = """
+local now = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return math.max(1, math.ceil((tonumber(oldest[2]) + 60000 - now) / 1000))
+end
+redis.call('ZADD', KEYS[1], now, ARGV[3])
+redis.call('PEXPIRE', KEYS[1], 60000)
+return 0
+"""
+
+
+def principal_of(scope: Scope) -> Principal:
+    principal = scope.get("state", {}).get("principal", ANONYMOUS)
+    assert isinstance(principal, Principal)
+    return principal
+
+
+class ApiKeyAuth:
+    """Every route but /healthz and /readyz needs `Authorization: Bearer KEY` once keys are configured;
+    /metrics needs its own key when one is set. The caller's key becomes the request's principal."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keyring: KeyRing,
+        metrics_key: str | None,
+        default_requests_per_minute: int,
+        default_max_concurrent_jobs: int,
+    ) -> None:
+        self.app = app
+        self.keyring = keyring
+        self.metrics_key = metrics_key
+        self.default_rpm = default_requests_per_minute
+        self.default_jobs = default_max_concurrent_jobs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        presented = _bearer(scope)
+        if scope["path"] == METRICS_PATH:
+            if self.metrics_key is not None and not _same(presented, self.metrics_key):
+                await _reject(send, 401, "a valid metrics key is required: Authorization: Bearer KEY")
+                return
+            await self.app(scope, receive, send)
+            return
+        if not self.keyring.enabled:
+            await self.app(scope, receive, send)
+            return
+        if presented is None:
+            await _reject(send, 401, "an API key is required: send Authorization: Bearer KEY")
+            return
+        key = self.keyring.authenticate(presented)
+        if key is None:
+            await _reject(send, 401, "the API key is not valid (unknown or revoked)")
+            return
+        principal = Principal(
+            key.name,
+            key.max_concurrent_jobs or self.default_jobs,
+            key.requests_per_minute or self.default_rpm,
+        )
+        retry_after = await self._over_rate(scope, principal)
+        if retry_after:
+            message = (
+                f"key {key.name!r} is over its limit of {principal.requests_per_minute} requests per minute"
+            )
+            await _reject(send, 429, message, {"Retry-After": str(retry_after)}, code="rate_limit_exceeded")
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+    async def _over_rate(self, scope: Scope, principal: Principal) -> int:
+        """Seconds until the key may call again (0: it may now), counted in Redis across all gateways."""
+        limit = principal.requests_per_minute
+        if not limit:
+            return 0
+        now_ms = int(time.time() * 1000)
+        state = scope["app"].state.ortfleet
+        member = f"{now_ms}-{secrets.token_hex(4)}"
+        try:
+            wait = await state.redis.eval(_RATE, 1, keys.request_rate(principal.name), now_ms, limit, member)
+        except RedisError as e:
+            logger.warning("request rate of %s not counted: %s", principal.name, e)
+            return 0
+        return int(wait)
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            header: str = value.decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def _same(presented: str | None, expected: str) -> bool:
+    return presented is not None and bool(secrets.compare_digest(presented.encode(), expected.encode()))
+
+
+async def _reject(
+    send: Send, status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None
+) -> None:
+    body = json.dumps(envelope(status, message, code=code or ("invalid_api_key" if status == 401 else None)))
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        raw_headers.append((b"www-authenticate", b'Bearer realm="ortfleet"'))
+    for name, value in (headers or {}).items():
+        raw_headers.append((name.lower().encode(), value.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body.encode()})

@@ -1,0 +1,67 @@
+"""`POST /v1/completions` (text completions)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from common.wire import Usage
+from gateway.auth import principal_of
+from gateway.openai_api.choices import ChoiceResult, Choices
+from gateway.openai_api.params import check_choice_count, job_request, prompt_texts, reject_unsupported
+from gateway.openai_api.protocol import Completion, CompletionChoice, CompletionRequest, OpenAIFinishReason
+from gateway.openai_api.serving import respond, served_model
+from gateway.request_body import parse_body
+from gateway.state import app_state
+
+
+@dataclass(frozen=True)
+class CompletionFormat:
+    id: str
+    created: int
+    model: str
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def opening(self) -> list[Completion]:
+        return []
+
+    def text(self, index: int, text: str) -> Completion:
+        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)])
+
+    def finish(self, index: int, reason: OpenAIFinishReason) -> Completion:
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+
+    def usage(self, usage: Usage) -> Completion:
+        return self._chunk([], usage)
+
+    def complete(self, results: list[ChoiceResult], usage: Usage) -> Completion:
+        choices = [
+            CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+            for i, r in enumerate(results)
+        ]
+        return self._chunk(choices, usage)
+
+
+async def create_completion(request: Request) -> Response:
+    state = app_state(request)
+    body = await parse_body(request, CompletionRequest, invalid_status=400)
+    reject_unsupported(body)
+    prompts = prompt_texts(body.prompt)
+    n = body.choices_per_prompt
+    check_choice_count(len(prompts) * n)
+    model = await served_model(state, body.model)
+    jobs = [job_request(body, model, k, prompt=prompt) for prompt in prompts for k in range(n)]
+    prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
+    owner = principal_of(request.scope)
+    choices = await Choices.submit(state, model, jobs, prompt_of, prompt_param="prompt", owner=owner)
+    form = CompletionFormat(f"cmpl-{choices.job_ids[0]}", int(time.time()), model)
+    return await respond(request, choices, form, stream=body.streaming, include_usage=body.include_usage)
+
+
+routes = [Route("/v1/completions", create_completion, methods=["POST"])]

@@ -1,0 +1,116 @@
+"""From OpenAI's parameters to ortfleet job requests, one per choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from common.wire import ChatMessage, JobRequest
+from gateway.errors import ApiError, validation_error
+from gateway.openai_api.protocol import MAX_CHOICES, ChatMessageIn, GenerationParams
+
+_SEEDS = 2**63
+
+
+def reject_unsupported(body: GenerationParams) -> None:
+    """400 naming the parameters set to something ortfleet cannot honour."""
+    names = body.unsupported_parameters()
+    if names:
+        them = "it" if len(names) == 1 else "them"
+        raise ApiError(
+            400,
+            f"{', '.join(names)}: not supported by ortfleet; leave {them} unset",
+            param=names[0],
+            code="unsupported_parameter",
+        )
+
+
+def job_request(
+    body: GenerationParams,
+    model: str,
+    choice: int,
+    *,
+    prompt: str | None = None,
+    messages: list[ChatMessage] | None = None,
+) -> JobRequest:
+    """The job of one choice; choice k of a seeded request samples with seed + k, so choices differ."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    fields: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "messages": messages,
+        "max_tokens": body.generated_limit(),
+        "temperature": 1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "seed": None if body.seed is None else (body.seed + choice) % _SEEDS,
+        "stop": stop or None,
+    }
+    try:
+        return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})
+    except ValidationError as e:
+        raise validation_error(e, 400) from e
+
+
+def job_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """Chat messages as jobs take them: text only; `developer` is the newer name of `system`."""
+    converted = []
+    for i, message in enumerate(messages):
+        if message.role in ("tool", "function") or message.tool_calls or message.function_call:
+            raise ApiError(
+                400,
+                f"messages.{i}: tool calls and tool results are not supported by ortfleet",
+                param=f"messages.{i}",
+                code="unsupported_parameter",
+            )
+        role = "system" if message.role == "developer" else message.role
+        converted.append(ChatMessage.model_validate({"role": role, "content": _text(message, i)}))
+    return converted
+
+
+def _text(message: ChatMessageIn, i: int) -> str:
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise ApiError(400, f"messages.{i}.content: required", param=f"messages.{i}.content")
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        text = part.get("text")
+        if part.get("type") != "text" or not isinstance(text, str):
+            raise ApiError(
+                400,
+                f"messages.{i}.content.{j}: only text parts are supported (got type {part.get('type')!r})",
+                param=f"messages.{i}.content.{j}",
+                code="unsupported_value",
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def prompt_texts(prompt: str | list[Any]) -> list[str]:
+    """A completion's prompts: a string, or a list of strings (each its own choice)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    if not all(isinstance(p, str) for p in prompt):
+        raise ApiError(
+            400,
+            "prompt: token-id prompts are not supported by ortfleet; send text",
+            param="prompt",
+            code="unsupported_value",
+        )
+    return list(prompt)
+
+
+def check_choice_count(count: int) -> None:
+    if count > MAX_CHOICES:
+        raise ApiError(
+            400,
+            f"n: {count} choices requested (prompts times n); at most {MAX_CHOICES} per request",
+            param="n",
+        )

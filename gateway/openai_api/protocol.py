@@ -1,0 +1,214 @@
+"""OpenAI's request and response shapes, as far as ortfleet serves them.
+
+Unknown fields are ignored, as OpenAI clients expect. Fields OpenAI defines that ortfleet cannot
+honour are declared loosely typed, so a request that sets one to anything but its neutral value is
+answered with a 400 naming it (`unsupported_parameters`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from common.wire import Usage
+
+MAX_CHOICES = 128
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = None
+
+
+class GenerationParams(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Served model name; optional when one model is served.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; 0 is greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling bound; default 1.")
+    top_k: int | None = Field(None, ge=0, le=1000, description="vLLM's extension; 0 is off.")
+    stop: str | list[str] | None = Field(None, description="Up to 16 strings that end generation.")
+    seed: int | None = Field(None, description="Makes sampling reproducible.")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices to generate (default 1).")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = Field(None, description="Read only when `stream` is true.")
+    user: str | None = Field(None, description="Accepted and ignored.")
+    # OpenAI's parameters that ortfleet does not honour: accepted only at their neutral values.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.streaming and self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    def generated_limit(self) -> int | None:
+        return self.max_tokens
+
+    def unsupported_parameters(self) -> list[str]:
+        """The parameters set to something ortfleet cannot do, in declaration order."""
+        neutral = self._neutral()
+        return [name for name, is_neutral in neutral.items() if not is_neutral(getattr(self, name))]
+
+    def _neutral(self) -> dict[str, Callable[[Any], bool]]:
+        return {
+            "presence_penalty": _zero,
+            "frequency_penalty": _zero,
+            "logit_bias": _empty,
+            "logprobs": _empty,
+        }
+
+
+def _zero(value: Any) -> bool:
+    return value is None or value == 0
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value is False or value == {} or value == []
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+
+class ChatCompletionRequest(GenerationParams):
+    """Body of `POST /v1/chat/completions`."""
+
+    messages: list[ChatMessageIn] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over `max_tokens`.")
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    audio: Any = None
+    modalities: Any = None
+
+    def generated_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def _neutral(self) -> dict[str, Callable[[Any], bool]]:
+        return {
+            **super()._neutral(),
+            "top_logprobs": _zero,
+            "response_format": lambda v: v is None or v == {"type": "text"},
+            "tools": _empty,
+            "tool_choice": lambda v: v in (None, "none", "auto"),
+            "functions": _empty,
+            "audio": _empty,
+            "modalities": lambda v: v is None or v == ["text"],
+        }
+
+
+class CompletionRequest(GenerationParams):
+    """Body of `POST /v1/completions`."""
+
+    prompt: str | list[Any] = Field(..., description="A string, or a list of strings (one choice each).")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Most tokens to generate (default 16, as OpenAI's)."
+    )
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    def generated_limit(self) -> int | None:
+        return self.max_tokens or 16
+
+    def _neutral(self) -> dict[str, Callable[[Any], bool]]:
+        return {
+            **super()._neutral(),
+            "logprobs": lambda v: v is None or v is False,  # 0 still asks for the chosen tokens' logprobs
+            "echo": _empty,
+            "suffix": lambda v: v is None or v == "",
+            "best_of": lambda v: v is None or v == self.choices_per_prompt,
+        }
+
+
+# Responses -----------------------------------------------------------------------------------------
+
+OpenAIFinishReason = Literal["stop", "length", "abort"]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _only_what_is_set(self) -> dict[str, str]:
+        shown = {"role": self.role, "content": self.content}
+        return {key: value for key, value in shown.items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason | None
+
+
+class Completion(BaseModel):
+    """A text completion, and also each chunk of a streamed one (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None

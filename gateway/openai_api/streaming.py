@@ -1,0 +1,119 @@
+"""A request's jobs relayed as OpenAI chunks over SSE, ending with `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import anyio
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from common.wire import EventType, Usage
+from gateway.errors import envelope
+from gateway.openai_api.choices import ChoiceEvent, ChoiceResult, Choices, finish_reason
+from gateway.openai_api.protocol import OpenAIFinishReason
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class ResponseFormat(Protocol):
+    """How one endpoint (chat or text completions) shapes its chunks and its whole response."""
+
+    def opening(self) -> Sequence[BaseModel]: ...
+
+    def text(self, index: int, text: str) -> BaseModel: ...
+
+    def finish(self, index: int, reason: OpenAIFinishReason) -> BaseModel: ...
+
+    def usage(self, usage: Usage) -> BaseModel: ...
+
+    def complete(self, results: list[ChoiceResult], usage: Usage) -> BaseModel: ...
+
+
+def frame(payload: BaseModel | dict[str, Any]) -> bytes:
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    else:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + data.encode() + b"\n\n"
+
+
+async def chunks(
+    choices: Choices,
+    seen: list[ChoiceEvent],
+    events: AsyncIterator[ChoiceEvent | None],
+    form: ResponseFormat,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The opening chunks, then text as the jobs stream it, a finish chunk per choice, usage, [DONE].
+
+    A job that fails mid-stream ends the stream with OpenAI's in-stream error
+    (`data: {"error": {...}}`, which the SDK raises) after its other jobs are cancelled.
+    """
+    for chunk in form.opening():
+        yield frame(chunk)
+    usages = [Usage() for _ in choices.job_ids]
+    async for event in _chain(seen, events):
+        if event is None:
+            yield KEEPALIVE
+        elif event.kind == EventType.token.value:
+            text = event.fields.get("text", "")
+            if text:
+                yield frame(form.text(event.index, text))
+        elif event.kind == EventType.done.value:
+            usages[event.index] = event.usage()
+            yield frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason"))))
+        elif event.kind == EventType.error.value:
+            await choices.cancel()
+            error = choices.failure(event)
+            yield frame(envelope(error.status, error.message, error.param, error.code))
+            yield DONE
+            return
+    if include_usage:
+        yield frame(form.usage(choices.total_usage(usages)))
+    yield DONE
+
+
+async def _chain(
+    seen: list[ChoiceEvent], events: AsyncIterator[ChoiceEvent | None]
+) -> AsyncIterator[ChoiceEvent | None]:
+    for event in seen:
+        yield event
+    async for later in events:
+        yield later
+
+
+class JobStreamResponse(StreamingResponse):
+    """An SSE response fed by a request's jobs: if it ends before its last chunk (the client went
+    away), the jobs are cancelled, so the workers stop within one engine step and free their slots."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        choices: Choices,
+        events: AsyncGenerator[ChoiceEvent | None, None],
+        headers: dict[str, str],
+    ) -> None:
+        self._choices = choices
+        self._events = events
+        self._ended = False
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
+        super().__init__(self._to_the_end(content), media_type="text/event-stream", headers=headers)
+
+    async def _to_the_end(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in content:
+            yield chunk
+        self._ended = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if not self._ended:
+                    await self._choices.cancel()
+                await self._events.aclose()

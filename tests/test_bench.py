@@ -1,0 +1,117 @@
+"""`ortfleet bench` in each mode with tiny parameters: it runs and writes every figure (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def bench(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "common.cli", "bench", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def figures(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def assert_summary(summary: dict[str, Any], count: int | None = None) -> None:
+    assert set(summary) == {"p50", "p95", "p99", "max", "mean", "n"}
+    assert summary["p50"] is not None and summary["p50"] <= summary["p99"] <= summary["max"]
+    if count is not None:
+        assert summary["n"] == count
+
+
+def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_a_plot(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out, plot = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    done = bench(
+        "--model", str(tiny_model), "--concurrency", "1,2", "--requests", "4", "--max-tokens", "8",
+        "--json", str(out), "--plot", str(plot),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert [level["concurrency"] for level in data["levels"]] == [1, 2]
+    for level in data["levels"]:
+        for mode in ("direct", "fleet"):
+            side = level[mode]
+            assert side["requests"] == 4 and side["errors"] == 0
+            assert side["output_tokens"] == 4 * 8  # min_tokens = max_tokens: every request does the same work
+            assert side["tokens_per_s"] > 0 and side["requests_per_s"] > 0
+            assert_summary(side["ttft_ms"], 4)
+            assert_summary(side["itl_ms"], 4 * 7)
+        ratio = level["fleet_vs_direct"]
+        assert ratio["tokens_per_s"] > 0 and ratio["requests_per_s"] > 0
+        assert set(ratio["ttft_added_ms"]) == {"p50", "p99"} and set(ratio["itl_added_ms"]) == {"p50", "p99"}
+    assert set(data["goals"]) == {
+        "tokens_per_s_ratio>=0.97",
+        "ttft_added_p50<=5.0ms",
+        "ttft_added_p99<=20.0ms",
+        "itl_added_p50<=1.0ms",
+    }
+    assert set(data["single_stream_tokens_per_s"]) == {"direct", "fleet"}
+    assert data["machine"]["cores"] >= 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ratio" in done.stdout and "goals:" in done.stdout
+
+
+def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissions(tmp_path: Path) -> None:
+    out = tmp_path / "gateway.json"
+    bench(
+        "gateway", "--streams", "200", "--rate", "2", "--duration", "2", "--submissions", "200",
+        "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    streams = data["streams"]
+    assert streams["open_streams"] == 200 and streams["streams_failed"] == 0
+    assert streams["events_published"] > 0
+    assert streams["events_received"] == streams["events_published"]
+    assert_summary(streams["relay_latency_ms"], streams["events_received"])
+    assert streams["memory_per_stream_kb"] is not None
+    submissions = data["submissions"]
+    assert submissions["submitted"] == 200 and submissions["per_s"] > 0
+    assert_summary(submissions["latency_ms"], 200)
+
+
+def test_the_simulation_reports_token_shares_queue_waits_and_idle_time(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    bench("sim", "--workers", "20:1,10:2,10:1", "--duration", "4", "--max-tokens", "8", "--json", str(out))
+
+    data = figures(out)
+    workers = data["workers"]
+    assert [(w["delay_ms"], w["capacity"]) for w in workers] == [(20, 1), (10, 1), (10, 2)]  # slowest first
+    assert sum(w["token_share"] for w in workers) == pytest.approx(1, abs=0.01)
+    assert sum(w["expected_share"] for w in workers) == pytest.approx(1, abs=0.01)
+    assert [w["expected_share"] for w in workers] == pytest.approx([1 / 7, 2 / 7, 4 / 7], abs=0.01)
+    assert all(w["idle_while_jobs_waited_ms"] >= 0 and w["idle_gaps"] >= 0 for w in workers)
+    assert data["clients"] == 6  # 1.5x the 4 slots: jobs always wait
+    assert data["jobs"] > 0
+    assert_summary(data["queue_wait_ms"])
+
+
+def test_the_pickup_bench_times_sequential_jobs_on_an_idle_worker(tmp_path: Path) -> None:
+    out = tmp_path / "pickup.json"
+    bench("pickup", "--fake-engine", "5:1", "--jobs", "10", "--json", str(out))
+
+    data = figures(out)
+    assert_summary(data["queue_wait_ms"], 10)
+    assert_summary(data["client_submit_to_running_ms"], 10)
+
+
+def test_bench_options_are_checked() -> None:
+    command = [sys.executable, "-m", "common.cli", "bench", "--concurrency", "0,2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "positive" in done.stderr
+    bad_sim = [sys.executable, "-m", "common.cli", "bench", "sim", "--workers", "fast"]
+    done = subprocess.run(bad_sim, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "DELAY_MS:CAPACITY" in done.stderr

@@ -1,0 +1,246 @@
+"""Worker logic on a real Redis with the fake engine in-process: fast tests of the job loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from common import keys
+from common.events import token_entry
+from common.jobqueue import JobQueue, QueueLimits
+from common.registry import WorkerInfo
+from common.settings import WorkerSettings
+from common.wire import JobSpec, JobStatus, Sampling
+from tests.conftest import RedisServer
+from worker.fake_engine import FakeEngine
+from worker.service import WorkerService
+
+Started = Callable[..., WorkerService]
+
+
+def fake_text(prompt: str, count: int) -> str:
+    """What the fake engine generates after `prompt`: letters by absolute position."""
+    return "".join(chr(ord("a") + (len(prompt.encode()) + i) % 26) for i in range(count))
+
+
+async def submit(redis: Redis, model: str, prompt: str, **sampling: Any) -> str:
+    spec = JobSpec(
+        id=f"job_{time.monotonic_ns()}",
+        model=model,
+        prompt=prompt,
+        sampling=Sampling(**sampling),
+        submitted_at=time.time(),
+    )
+    record = {
+        "id": spec.id,
+        "model": model,
+        "status": JobStatus.queued.value,
+        "created_at": str(spec.submitted_at),
+        "attempts": "0",
+    }
+    await JobQueue(redis, 3600).submit(spec, record, limits=QueueLimits(1000, 10**9, 0), cost=1)
+    return spec.id
+
+
+async def wait_final(redis: Redis, job_id: str, timeout_s: float = 10.0) -> dict[str, str]:
+    last = "0-0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply = await redis.xread({keys.events(job_id): last}, block=200)
+        for entry_id, fields in reply[0][1] if reply else []:
+            last = entry_id
+            if fields["type"] in ("done", "error"):
+                record: dict[str, str] = await redis.hgetall(keys.job(job_id))  # type: ignore[misc]
+                return record
+    raise AssertionError(f"job {job_id} did not finish within {timeout_s} s")
+
+
+async def wait_for_tokens(redis: Redis, job_id: str, count: int) -> None:
+    last, seen = "0-0", 0
+    while seen < count:
+        reply = await redis.xread({keys.events(job_id): last}, block=1000)
+        for entry_id, fields in reply[0][1] if reply else []:
+            last = entry_id
+            seen += fields["type"] == "token"
+
+
+async def token_entries(redis: Redis, job_id: str) -> list[dict[str, str]]:
+    entries = await redis.xrange(keys.events(job_id))
+    return [fields for _id, fields in entries if fields["type"] == "token"]
+
+
+def settings(redis_server: RedisServer) -> WorkerSettings:
+    return WorkerSettings(
+        redis_url=redis_server.url, heartbeat_ttl_s=1.0, claim_poll_s=0.2, shutdown_grace_s=0.5
+    )
+
+
+def worker_info(model: str, engine: FakeEngine) -> WorkerInfo:
+    return WorkerInfo(
+        id=f"fake-{model}-{time.monotonic_ns()}",
+        model=model,
+        device="cpu",
+        gpu="",
+        capacity=engine.capacity,
+        context_length=engine.context_length,
+        continuous_batching=engine.continuous_batching,
+        host="test",
+        pid=0,
+        started_at=time.time(),
+    )
+
+
+@pytest.fixture
+async def start_worker(redis_server: RedisServer, redis: Redis) -> AsyncIterator[Started]:
+    """Starts WorkerServices on fake engines in this event loop; stops them at teardown."""
+    running: list[tuple[WorkerService, asyncio.Task[None], FakeEngine]] = []
+
+    def start(model: str, engine: FakeEngine | None = None) -> WorkerService:
+        engine = engine or FakeEngine(0.002, 4)
+        service = WorkerService(
+            settings(redis_server), redis, engine, engine.tokenizer, worker_info(model, engine)
+        )
+        running.append((service, asyncio.create_task(service.run()), engine))
+        return service
+
+    yield start
+    for service, task, engine in running:
+        service.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+        await engine.aclose()
+
+
+async def test_a_job_on_the_fake_engine_streams_its_text_and_finishes_with_usage(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    start_worker(model_name)
+    job_id = await submit(redis, model_name, "Hello", max_tokens=12)
+
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "succeeded" and record["finish_reason"] == "length"
+    assert record["output"] == fake_text("Hello", 12)
+    entries = await token_entries(redis, job_id)
+    assert "".join(e["text"] for e in entries) == record["output"]
+    assert [int(e["index"]) for e in entries] == sorted(int(e["index"]) for e in entries)
+    assert '"completion_tokens":12' in record["usage"]
+
+
+async def test_min_tokens_masks_end_of_sequence(redis: Redis, start_worker: Started, model_name: str) -> None:
+    start_worker(model_name, FakeEngine(0.002, 2, eos_after=3))
+    early = await submit(redis, model_name, "Hi", max_tokens=10)
+    fixed = await submit(redis, model_name, "Hi", max_tokens=10, min_tokens=8)
+
+    early_record, fixed_record = await wait_final(redis, early), await wait_final(redis, fixed)
+
+    assert early_record["output"] == fake_text("Hi", 3) and early_record["finish_reason"] == "stop"
+    assert fixed_record["output"] == fake_text("Hi", 8) and fixed_record["finish_reason"] == "stop"
+
+
+async def test_min_tokens_above_max_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_tokens"):
+        Sampling(max_tokens=4, min_tokens=5)
+
+
+async def test_the_worker_applies_stop_strings_for_a_static_engine(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    start_worker(model_name, FakeEngine(0.002, 4, continuous_batching=False))
+    # After a 2-byte prompt the fake engine writes "cdefghij...".
+    job_id = await submit(redis, model_name, "Hi", max_tokens=20, stop=["gh"])
+
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "succeeded" and record["finish_reason"] == "stop"
+    assert record["output"] == "cdef"
+    assert "".join(e["text"] for e in await token_entries(redis, job_id)) == "cdef"
+
+
+async def test_cancelling_a_running_job_stops_it_and_frees_its_slot(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    start_worker(model_name, FakeEngine(0.02, 1))  # one slot: the next job runs only once it is freed
+    job_id = await submit(redis, model_name, "Hi", max_tokens=1000)
+    await wait_for_tokens(redis, job_id, 1)
+
+    assert await JobQueue(redis, 3600).cancel(job_id, model_name) == "cancelling"
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
+    assert 0 < len(record["output"]) < 1000
+    after = await submit(redis, model_name, "Hi", max_tokens=2)
+    assert (await wait_final(redis, after))["status"] == "succeeded"
+
+
+async def test_a_resumed_job_continues_from_the_published_tokens_without_gap_or_duplicate(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    job_id = await submit(redis, model_name, "Hello", max_tokens=10)
+    [claim] = await queue.claim(model_name, "ghost", 1, 30)
+    first = fake_text("Hello", 4)
+    ids = [ord(c) for c in first]
+    await queue.publish(job_id, claim.attempt, [token_entry(first, ids, 0)], {"first_token_at": "1"})
+    assert await queue.release(model_name, job_id)  # the ghost worker stopped: the job goes back
+
+    start_worker(model_name)
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "succeeded" and record["attempts"] == "2"
+    assert record["output"] == fake_text("Hello", 10)
+    entries = await token_entries(redis, job_id)
+    assert "".join(e["text"] for e in entries) == fake_text("Hello", 10)
+    indexes = [int(e["index"]) for e in entries]
+    assert indexes == sorted(set(indexes)) and indexes[0] == 0
+    assert '"completion_tokens":10' in record["usage"]
+
+
+async def test_a_worker_that_lost_its_lease_never_writes_into_the_job_again(
+    redis_server: RedisServer, redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    # A worker that stalls (no heartbeat for 60 s) while its engine keeps generating.
+    ghost_engine = FakeEngine(0.01, 1)
+    stalled = WorkerSettings(redis_url=redis_server.url, heartbeat_ttl_s=60.0, shutdown_grace_s=0.5)
+    info = worker_info(model_name, ghost_engine)
+    ghost = WorkerService(stalled, redis, ghost_engine, ghost_engine.tokenizer, info)
+    ghost_task = asyncio.create_task(ghost.run())
+    job_id = await submit(redis, model_name, "Hello", max_tokens=40)
+    await wait_for_tokens(redis, job_id, 3)
+
+    await redis.zadd(keys.leases(model_name), {job_id: 0})  # its lease runs out
+    start_worker(model_name, FakeEngine(0.001, 1))
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "succeeded" and record["attempts"] == "2"
+    assert record["worker"] != ghost.info.id
+    entries = await redis.xrange(keys.events(job_id))
+    assert [f["type"] for _id, f in entries].count("done") == 1
+    text = "".join(f.get("text", "") for _id, f in entries if f["type"] == "token")
+    assert text == fake_text("Hello", 40) == record["output"]
+    ghost.stop()
+    await asyncio.wait_for(ghost_task, 5)
+    await ghost_engine.aclose()
+
+
+async def test_a_static_worker_waits_a_moment_for_the_jobs_that_will_fill_its_next_batch(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    first = [await submit(redis, model_name, "Hi", max_tokens=4) for _ in range(2)]
+    start_worker(model_name, FakeEngine(0.005, 4, continuous_batching=False))
+    assert [(await wait_final(redis, job))["engine_batch_peak"] for job in first] == ["2", "2"]
+
+    # Its two clients come back a few milliseconds apart: the two jobs still run as one batch.
+    again = await submit(redis, model_name, "Hi", max_tokens=4)
+    await asyncio.sleep(0.005)
+    later = await submit(redis, model_name, "Hi", max_tokens=4)
+    records = [await wait_final(redis, job) for job in (again, later)]
+
+    assert [r["engine_batch_peak"] for r in records] == ["2", "2"]
+    assert abs(float(records[0]["started_at"]) - float(records[1]["started_at"])) < 0.05

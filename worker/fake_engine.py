@@ -1,0 +1,154 @@
+"""A stand-in engine with a set speed and capacity: worker logic without a model, fleet simulations.
+
+It batches continuously: every `delay_s` each active request gets one token, and a request
+submitted between steps joins at the next one. Text is byte-level; the generated token at
+absolute position p (prompt included) is the letter ``"abcdefghijklmnopqrstuvwxyz"[p % 26]``, so a
+job resumed from its published tokens continues exactly where the first attempt stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+
+from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
+
+EOS = 256
+_A = ord("a")
+
+
+def parse_fake_engine(spec: str) -> tuple[float, int]:
+    """`DELAY_MS:CAPACITY` (e.g. `20:4`) -> (seconds per step, batch rows)."""
+    try:
+        delay, capacity = spec.split(":")
+        delay_s, rows = float(delay) / 1000, int(capacity)
+    except ValueError as e:
+        raise ValueError(f"--fake-engine: {spec!r} is not DELAY_MS:CAPACITY, e.g. 20:4") from e
+    if delay_s <= 0 or rows < 1:
+        raise ValueError(f"--fake-engine: {spec!r} needs a positive delay and a capacity of at least 1")
+    return delay_s, rows
+
+
+class FakeDecoder:
+    def decode(self, token_id: int) -> str:
+        return chr(token_id) if token_id < EOS else ""
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(self, messages_json: str) -> str:
+        messages = json.loads(messages_json)
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+    def stream_decoder(self) -> FakeDecoder:
+        return FakeDecoder()
+
+
+@dataclass
+class _Active:
+    stream: GenerationStream
+    produced: int = 0
+
+
+class FakeEngine:
+    """Implements worker.engine.Engine on the event loop: one token per active request per step."""
+
+    def __init__(
+        self,
+        delay_s: float,
+        capacity: int,
+        *,
+        context_length: int = 8192,
+        eos_after: int | None = None,
+        continuous_batching: bool = True,
+    ) -> None:
+        """`eos_after`: end each request with end of sequence after that many tokens (default: never).
+        `continuous_batching=False` makes the worker treat it like the static scheduler: it claims
+        only between batches and applies stop strings itself."""
+        self.continuous_batching = continuous_batching
+        self.delay_s = delay_s
+        self.capacity = capacity
+        self.context_length = context_length
+        self.eos_token_ids = frozenset({EOS})
+        self.tokenizer = FakeTokenizer()
+        self.steps = 0
+        self._eos_after = eos_after
+        self._active: list[_Active] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
+        loop = asyncio.get_running_loop()
+        streams = [GenerationStream(request=request, loop=loop) for request in requests]
+        for stream in streams:
+            if len(stream.request.prompt_ids) >= self.context_length:
+                stream.deliver(EngineUpdate([], Finish.error, "the prompt does not fit the context"))
+            else:
+                self._active.append(_Active(stream))
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="fake-engine")
+        assert self._wake is not None
+        self._wake.set()
+        return streams
+
+    def cancel(self, stream: GenerationStream) -> None:
+        stream.cancel_requested = True
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            if not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                due = loop.time()
+            due += self.delay_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            due = max(due, loop.time() - self.delay_s)  # a late step is not made up by a burst
+            self._step()
+
+    def _step(self) -> None:
+        self.steps += 1
+        rows = len(self._active)
+        for active in list(self._active):
+            update = self._next(active, rows)
+            if update.finish is not None:
+                self._active.remove(active)
+            active.stream.updates.put_nowait(update)
+
+    def _next(self, active: _Active, rows: int) -> EngineUpdate:
+        request = active.stream.request
+        if active.stream.cancel_requested:
+            return EngineUpdate([], Finish.cancelled, batch_rows=rows)
+        if self._eos_after is not None and active.produced >= max(self._eos_after, request.min_new_tokens):
+            return EngineUpdate([], Finish.eos, batch_rows=rows)
+        position = len(request.prompt_ids) + active.produced
+        active.produced += 1
+        token = _A + position % 26
+        finish = Finish.length if active.produced >= request.max_new_tokens else None
+        if finish is None and self.continuous_batching and request.stop:
+            finish = self._stop_string(active, request.stop)
+        return EngineUpdate([token], finish, batch_rows=rows)
+
+    @staticmethod
+    def _stop_string(active: _Active, stop: list[str]) -> Finish | None:
+        # Like a continuous-batching engine: it watches the text it generated for the stop strings.
+        start = len(active.stream.request.prompt_ids)
+        text = "".join(chr(_A + (start + i) % 26) for i in range(active.produced))
+        return Finish.stop_string if any(s in text for s in stop) else None

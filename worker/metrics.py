@@ -1,0 +1,235 @@
+"""A worker's Prometheus metrics (its own registry, served on its own port) and its job outcome notes.
+
+Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` ->
+``ortfleet_time_to_first_token_seconds``); every series carries the worker's model, device and GPU index.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import logging
+import platform
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from threading import Thread
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from redis.exceptions import RedisError
+
+from common.fleet_stats import record_outcome
+from common.jobqueue import Claim
+from common.wire import TERMINAL, FinishReason, JobStatus
+
+if TYPE_CHECKING:
+    from worker.job_runner import JobRun
+    from worker.service import WorkerService
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "ortfleet"
+LABELS = ("model", "device", "gpu")
+# From a GPU's milliseconds to a busy CPU's minutes: one set of buckets serves both kinds of worker.
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+INTER_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+REQUEST_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
+SUCCESS_REASONS = (FinishReason.stop, FinishReason.length)
+_WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+
+class WorkerMetrics:
+    """Observes each job when it ends (through the service's hooks) and the engine's load at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, service: WorkerService) -> None:
+        self.registry = registry
+        self.service = service
+        info = service.info
+        values = (info.model, info.device, info.gpu)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(name, doc, LABELS, namespace=NAMESPACE, registry=registry, buckets=buckets)
+            return metric.labels(*values)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Submission to the first generated token.", TTFT_BUCKETS
+        )
+        self.inter_token = histogram(
+            "inter_token_latency_seconds", "Time between successive generated tokens.", INTER_TOKEN_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Submission to the end of the job.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Submission to the start on a worker (first attempt).",
+            REQUEST_BUCKETS,
+        )
+        prompt = Counter(
+            "prompt_tokens", "Prompt tokens prefilled.", LABELS, namespace=NAMESPACE, registry=registry
+        )
+        self.prompt_tokens = prompt.labels(*values)
+        finished = Counter(
+            "jobs_finished",
+            "Jobs that finished on this worker, by final status.",
+            [*LABELS, "status"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.finished = {s: finished.labels(*values, s.value) for s in TERMINAL}
+        success = Counter(
+            "request_success",
+            "Jobs that succeeded on this worker, by finish reason (stop or length).",
+            [*LABELS, "finished_reason"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.success = {r: success.labels(*values, r.value) for r in SUCCESS_REASONS}
+        Info("worker", "What this worker serves and runs on.", namespace=NAMESPACE, registry=registry).info(
+            worker_labels(service)
+        )
+        registry.register(EngineLoad(service, values))
+
+    async def job_done(self, run: JobRun) -> None:
+        submitted = run.spec.submitted_at
+        times = run.token_times
+        self.prompt_tokens.inc(run.prompt_tokens)
+        if times and not run.progress.token_ids:  # this attempt generated the job's first token
+            self.ttft.observe(times[0] - submitted)
+        for earlier, later in itertools.pairwise(times):
+            self.inter_token.observe(later - earlier)
+        if run.claim.attempt == 1:
+            self.queue_time.observe(max(0.0, run.started_at - submitted))
+        outcome = run.outcome
+        if outcome is None:  # handed back, lost its lease, or failed (counted by job_failed)
+            return
+        self.e2e.observe(time.time() - submitted)
+        self.finished[outcome.status].inc()
+        if outcome.status is JobStatus.succeeded and outcome.finish_reason in self.success:
+            self.success[outcome.finish_reason].inc()
+        await self._note(run.spec.model, run.job_id, outcome.status)
+
+    async def job_failed(self, claim: Claim, model: str) -> None:
+        self.finished[JobStatus.failed].inc()
+        await self._note(model, claim.job_id, JobStatus.failed)
+
+    async def _note(self, model: str, job_id: str, status: JobStatus) -> None:
+        try:
+            await record_outcome(self.service.redis, model, job_id, status.value)
+        except RedisError as e:
+            logger.warning("could not note job %s as %s (%s)", job_id, status.value, e)
+
+
+class EngineLoad:
+    """Running requests, capacity and generated tokens, read from the service when Prometheus scrapes."""
+
+    def __init__(self, service: WorkerService, values: tuple[str, ...]) -> None:
+        self.service = service
+        self.values = list(values)
+
+    def collect(self) -> Iterable[Metric]:
+        service = self.service
+        running = GaugeMetricFamily(
+            f"{NAMESPACE}_num_requests_running", "Jobs generating on this worker now.", labels=LABELS
+        )
+        running.add_metric(self.values, len(service.runs))
+        capacity = GaugeMetricFamily(
+            f"{NAMESPACE}_engine_capacity",
+            "Requests the engine generates together (its slots).",
+            labels=LABELS,
+        )
+        capacity.add_metric(self.values, service.engine.capacity)
+        # The heartbeat's snapshot: written by the event loop in one step, so it never goes backwards.
+        generated = CounterMetricFamily(
+            f"{NAMESPACE}_generation_tokens", "Tokens generated (running jobs included).", labels=LABELS
+        )
+        generated.add_metric(self.values, service.info.generated_tokens)
+        return [running, capacity, generated]
+
+
+def worker_labels(service: WorkerService) -> dict[str, str]:
+    info = service.info
+    return {
+        "model": info.model,
+        "device": info.device,
+        "gpu": info.gpu,
+        "worker": info.id,
+        "host": info.host,
+        "batching": "continuous" if info.continuous_batching else "static",
+        "context_length": str(info.context_length),
+        "ortfleet_version": _version("ortfleet"),
+        "onnxruntime_genai_version": _version("onnxruntime-genai", "onnxruntime-genai-cuda"),
+        "onnxruntime_version": _version("onnxruntime", "onnxruntime-gpu"),
+        "python_version": platform.python_version(),
+    }
+
+
+def _version(*distributions: str) -> str:
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@dataclass
+class MetricsServer:
+    server: WSGIServer
+    thread: Thread
+    url: str
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, Thread]:
+    """prometheus_client's start_http_server, with a short poll so that closing it is quick."""
+    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
+    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    thread = Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def start_metrics(service: WorkerService, host: str, port: int) -> MetricsServer:
+    """Hook the worker's metrics into its service and serve them on host:port (0: a free port)."""
+    metrics = WorkerMetrics(CollectorRegistry(), service)
+    service.on_job_done = metrics.job_done
+    service.on_job_failed = metrics.job_failed
+    server, thread = serve(metrics.registry, host, port)
+    bound = server.server_address[1]
+    shown = socket.gethostname() if host in _WILDCARD_HOSTS else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    service.info.metrics_url = f"http://{shown}:{bound}/metrics"
+    return MetricsServer(server, thread, service.info.metrics_url)
