@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,56 +23,52 @@ def default_model() -> Path:
     return ensure_default_model(FleetSettings().model_cache)
 
 
-async def test_the_default_model_answers_that_the_capital_of_france_is_paris(
-    redis_server: RedisServer, default_model: Path
-) -> None:
+@pytest.fixture(scope="module")
+def smollm2(redis_server: RedisServer, default_model: Path) -> Iterator[str]:
+    """A gateway and a worker serving the default model as "smollm2"; yields the gateway's URL."""
     fleet = Fleet(redis_server.url, default_model)
     try:
         fleet.start_gateway()
         fleet.start_worker("smollm2")
-        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=60) as client:
-            job = await submit(
-                client,
-                {
-                    "model": "smollm2",
-                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                    "max_tokens": 40,
-                },
-            )
-            events = await read_events(client, job["id"])
-            done = await wait_done(client, job["id"])
+        yield fleet.gateway_url
     finally:
         fleet.stop_all()
+
+
+async def test_the_default_model_answers_that_the_capital_of_france_is_paris(smollm2: str) -> None:
+    async with httpx.AsyncClient(base_url=smollm2, timeout=60) as client:
+        job = await submit(
+            client,
+            {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 40,
+            },
+        )
+        events = await read_events(client, job["id"])
+        done = await wait_done(client, job["id"])
     assert done["status"] == "succeeded", done
     assert "Paris" in done["output"]
     assert streamed_text(events) == done["output"]
     assert done["finish_reason"] in ("stop", "length")
 
 
-async def test_the_default_model_answers_through_the_openai_sdk(
-    redis_server: RedisServer, default_model: Path
-) -> None:
-    fleet = Fleet(redis_server.url, default_model)
-    try:
-        fleet.start_gateway()
-        fleet.start_worker("smollm2")
-        async with openai.AsyncOpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused") as sdk:
-            completion = await sdk.chat.completions.create(
-                model="smollm2",
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
-                max_tokens=40,
-                temperature=0,
-            )
-            stream = await sdk.chat.completions.create(
-                model="smollm2",
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
-                max_tokens=40,
-                temperature=0,
-                stream=True,
-            )
-            streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
-    finally:
-        fleet.stop_all()
+async def test_the_default_model_answers_through_the_openai_sdk(smollm2: str) -> None:
+    async with openai.AsyncOpenAI(base_url=smollm2 + "/v1", api_key="unused") as sdk:
+        completion = await sdk.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=40,
+            temperature=0,
+        )
+        stream = await sdk.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+        )
+        streamed = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
     answer = completion.choices[0].message.content or ""
     assert "Paris" in answer
     assert streamed == answer
