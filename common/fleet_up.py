@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from common.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers
 from common.processes import (
     REDIS_MISSING,
     StartupError,
@@ -48,7 +50,13 @@ def register(subparsers: Subparsers) -> None:
         "the URLs and a curl example, and run until Ctrl-C, then stop everything.",
     )
     parser.add_argument(
-        "--workers", metavar="N", type=_positive_int, default=1, help="worker processes (default 1)"
+        "--workers", metavar="N", type=_positive_int, help="worker processes on --device (default 1)"
+    )
+    parser.add_argument(
+        "--gpus",
+        metavar="all|I,J",
+        help="one worker pinned to each of these GPUs (cuda:N) instead of --workers; all: every GPU "
+        "nvidia-smi lists. Without --model, serves the default model built fp16 with paged attention",
     )
     parser.add_argument(
         "--model",
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             raise StartupError(REDIS_MISSING)
         port = args.port or free_port()
         _check_port_free(args.host, port)
+        plan = _plan_workers(args)
         served = _resolve_model(args, settings.model_cache, console)
         if args.redis_url:
             redis_url = args.redis_url
@@ -130,14 +139,14 @@ def run(args: argparse.Namespace) -> int:
             data_dir = Path(tempfile.mkdtemp(prefix="ortfleet-up-"))
             redis_url = _start_redis(fleet, signals, data_dir)
         with signals.held():
-            metrics_ports = _start_fleet(fleet, args, served, redis_url, port)
+            metrics_ports = _start_fleet(fleet, args, plan, served, redis_url, port)
         base_url = _base_url(args.host, port)
         worker_metrics = [f"{_base_url(settings.metrics_host, p)}/metrics" for p in metrics_ports]
         if args.metrics_sd is not None:
             targets = [url.removeprefix("http://").removesuffix("/metrics") for url in worker_metrics]
             gateway_target = base_url.removeprefix("http://")
             write_file_sd(args.metrics_sd, file_sd_groups([gateway_target], targets))
-        _await_workers(fleet, base_url, args.workers, served.name, args.startup_timeout)
+        _await_workers(fleet, base_url, len(plan), served.name, args.startup_timeout)
         console.say(f"fleet ready in {console.elapsed()}")
         _print_ready(base_url, served, worker_metrics, redis_url, external_redis=data_dir is None)
         raise ChildExited(fleet.wait_for_exit())
@@ -168,6 +177,20 @@ def _load_settings() -> WorkerSettings:
         raise StartupError(f"invalid ORTFLEET_* settings: {e}") from e
 
 
+def _plan_workers(args: argparse.Namespace) -> list[PlannedWorker]:
+    try:
+        return plan_workers(
+            workers=args.workers,
+            gpus=args.gpus,
+            device=args.device,
+            probe=nvidia_smi_gpus,
+            pick_port=free_port,
+            environ=os.environ,
+        )
+    except GpuPlanError as e:
+        raise StartupError(str(e)) from e
+
+
 def _resolve_model(args: argparse.Namespace, cache_root: Path, console: Console) -> Served:
     if args.model is not None:
         model_dir: Path = args.model.expanduser().resolve()
@@ -178,7 +201,8 @@ def _resolve_model(args: argparse.Namespace, cache_root: Path, console: Console)
 
         console.say(f"default model: looking in {cache_root}, building it there if needed")
         try:
-            model_dir = ensure_default_model(cache_root, progress=True)
+            device = "cuda" if args.gpus else "cpu"
+            model_dir = ensure_default_model(cache_root, device=device, progress=True)
         except (RuntimeError, OSError) as e:
             raise StartupError(f"the default model could not be built: {e}") from e
     served = Served(model_dir, args.name or model_dir.name)
@@ -241,25 +265,29 @@ def _start_redis(fleet: Supervisor, signals: StopSignals, data_dir: Path) -> str
 
 
 def _start_fleet(
-    fleet: Supervisor, args: argparse.Namespace, served: Served, redis_url: str, port: int
+    fleet: Supervisor,
+    args: argparse.Namespace,
+    plan: list[PlannedWorker],
+    served: Served,
+    redis_url: str,
+    port: int,
 ) -> list[int]:
-    """Spawns the workers (each with a /metrics port of its own) and the gateway; the metrics ports."""
+    """Spawns the planned workers (each with a /metrics port of its own) and the gateway; the metrics
+    ports."""
     extra = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
-    metrics_ports: list[int] = []
-    for index in range(1, args.workers + 1):
-        metrics_ports.append(free_port())
+    for index, planned in enumerate(plan, 1):
         command = worker_command(
             served.model_dir,
             redis_url,
             name=served.name,
-            device=args.device,
-            extra=[*extra, "--metrics-port", str(metrics_ports[-1])],
+            device=planned.device,
+            extra=[*extra, "--metrics-port", str(planned.metrics_port)],
         )
-        child = fleet.spawn(f"worker-{index}", "worker", command)
-        fleet.console.say(f"worker {index}/{args.workers} starting (pid {child.pid}, device {args.device})")
+        child = fleet.spawn(planned.name, "worker", command)
+        fleet.console.say(f"worker {index}/{len(plan)} starting (pid {child.pid}, device {planned.device})")
     gateway = fleet.spawn("gateway", "gateway", gateway_command(port, redis_url, host=args.host))
     fleet.console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
-    return metrics_ports
+    return [planned.metrics_port for planned in plan]
 
 
 def _await_workers(fleet: Supervisor, base_url: str, workers: int, model: str, timeout_s: float) -> None:

