@@ -23,6 +23,7 @@ from common.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_w
 from common.processes import (
     REDIS_MISSING,
     StartupError,
+    child_env,
     free_port,
     gateway_command,
     start_redis,
@@ -278,14 +279,13 @@ def _start_fleet(
     for index, planned in enumerate(plan, 1):
         command = worker_command(
             served.model_dir,
-            redis_url,
             name=served.name,
             device=planned.device,
             extra=[*extra, "--metrics-port", str(planned.metrics_port)],
         )
-        child = fleet.spawn(planned.name, "worker", command)
+        child = fleet.spawn(planned.name, "worker", command, child_env(redis_url))
         fleet.console.say(f"worker {index}/{len(plan)} starting (pid {child.pid}, device {planned.device})")
-    gateway = fleet.spawn("gateway", "gateway", gateway_command(port, redis_url, host=args.host))
+    gateway = fleet.spawn("gateway", "gateway", gateway_command(port, host=args.host), child_env(redis_url))
     fleet.console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
     return [planned.metrics_port for planned in plan]
 

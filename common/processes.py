@@ -80,27 +80,24 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeou
     raise StartupError(f"{what} did not listen on port {port} within {timeout_s:g} s")
 
 
+def child_env(redis_url: str) -> dict[str, str]:
+    """The Redis URL for a child process: in its environment, where `ps` does not show a password."""
+    return {"ORTFLEET_REDIS_URL": redis_url}
+
+
 def worker_command(
-    model: Path, redis_url: str, *, name: str | None = None, device: str = "auto", extra: Sequence[str] = ()
+    model: Path, *, name: str | None = None, device: str = "auto", extra: Sequence[str] = ()
 ) -> list[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "--model",
-        str(model),
-        "--redis-url",
-        redis_url,
-        "--device",
-        device,
-    ]
+    """A worker's argv; give it the Redis URL with `child_env`."""
+    command = [sys.executable, "-m", "worker", "--model", str(model), "--device", device]
     if name:
         command += ["--name", name]
     return [*command, *extra]
 
 
-def gateway_command(port: int, redis_url: str, *, host: str = "127.0.0.1") -> list[str]:
-    return [sys.executable, "-m", "gateway", "--host", host, "--port", str(port), "--redis-url", redis_url]
+def gateway_command(port: int, *, host: str = "127.0.0.1") -> list[str]:
+    """A gateway's argv; give it the Redis URL with `child_env`."""
+    return [sys.executable, "-m", "gateway", "--host", host, "--port", str(port)]
 
 
 def wait_ready(

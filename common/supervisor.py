@@ -88,8 +88,8 @@ class Supervisor:
         self.stopping = False
         self.killed = False
 
-    def spawn(self, name: str, role: str, command: list[str]) -> Child:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def spawn(self, name: str, role: str, command: list[str], env: dict[str, str] | None = None) -> Child:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # A group of their own: the terminal's Ctrl-C reaches only `up`, which stops them in order.
         process = subprocess.Popen(
             command,

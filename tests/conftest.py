@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common.processes import (
+    child_env,
     free_port,
     gateway_command,
     start_redis,
@@ -108,7 +109,7 @@ class Fleet:
             command,
             stdout=handle,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env, **(env or {})},
+            env={**os.environ, **child_env(self.redis_url), **self.env, **(env or {})},
         )
         proc = Proc(name, process, log)
         self.procs.append(proc)
@@ -116,7 +117,7 @@ class Fleet:
 
     def start_gateway(self, env: dict[str, str] | None = None) -> tuple[Proc, str]:
         port = free_port()
-        proc = self._spawn("gateway", gateway_command(port, self.redis_url), env)
+        proc = self._spawn("gateway", gateway_command(port), env)
         wait_for_port(port, proc.process, "gateway")
         url = f"http://127.0.0.1:{port}"
         self.gateway_url = self.gateway_url or url
@@ -127,9 +128,7 @@ class Fleet:
     ) -> Proc:
         """A worker serving the tiny model as `name`; waits until the gateway sees it live."""
         before = self.live_workers(name)
-        proc = self._spawn(
-            f"worker-{name}", worker_command(self.model_dir, self.redis_url, name=name, extra=extra), env
-        )
+        proc = self._spawn(f"worker-{name}", worker_command(self.model_dir, name=name, extra=extra), env)
         if wait:
             try:
                 wait_ready(self.gateway_url, workers=before + 1, model=name, timeout_s=60)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.processes import (
+    child_env,
     free_port,
     gateway_command,
     start_redis,
@@ -28,6 +29,7 @@ class LocalFleet:
         self.redis_port = free_port()
         self.redis = start_redis(self.redis_port, self.dir / "redis", appendonly=False)
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.env.update(child_env(self.redis_url))
         self.gateways: list[subprocess.Popen[bytes]] = []
         self.workers: list[subprocess.Popen[bytes]] = []
         self.url = ""
@@ -44,7 +46,7 @@ class LocalFleet:
 
     def start_gateway(self) -> str:
         port = free_port()
-        process = self._spawn(f"gateway-{len(self.gateways)}", gateway_command(port, self.redis_url))
+        process = self._spawn(f"gateway-{len(self.gateways)}", gateway_command(port))
         self.gateways.append(process)
         wait_for_port(port, process, "the gateway")
         self.url = self.url or f"http://127.0.0.1:{port}"
@@ -54,7 +56,7 @@ class LocalFleet:
         self, model: Path | None, name: str, extra: Sequence[str] = ()
     ) -> subprocess.Popen[bytes]:
         """A worker serving `model` (None with `--fake-engine` in extra) as `name`."""
-        command = worker_command(model or Path("."), self.redis_url, name=name, extra=extra)
+        command = worker_command(model or Path("."), name=name, extra=extra)
         process = self._spawn(f"worker-{len(self.workers)}", command)
         self.workers.append(process)
         return process
