@@ -51,6 +51,9 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
             assert_summary(side["itl_ms"], 4 * 7)
         ratio = level["fleet_vs_direct"]
         assert ratio["tokens_per_s"] > 0 and ratio["requests_per_s"] > 0
+        assert len(ratio["tokens_per_s_by_round"]) == 1 and ratio["tokens_per_s_median_of_rounds"] > 0
+        assert all(level[side]["engine_batch_rows_mean"] >= 1 for side in ("direct", "fleet"))
+        assert {"gateway", "redis", "worker_loop", "worker_engine"} <= set(level["fleet"]["cpu_ms_per_token"])
         assert set(ratio["ttft_added_ms"]) == {"p50", "p99"} and set(ratio["itl_added_ms"]) == {"p50", "p99"}
     assert set(data["goals"]) == {
         "tokens_per_s_ratio>=0.97",

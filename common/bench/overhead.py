@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ class LevelRun:
     results: list[RequestResult] = field(default_factory=list)
     wall_s: float = 0.0  # summed over rounds
     errors: int = 0
+    round_rates: list[float] = field(default_factory=list)  # tokens/s of each round
 
     def figures(self) -> dict[str, Any]:
         tokens = sum(r.tokens for r in self.results)
@@ -58,6 +60,7 @@ class LevelRun:
             "ttft_ms": summary([r.ttft for r in self.results]),
             "itl_ms": summary(gaps),
             "engine_batch_rows_mean": round(sum(rows) / len(rows), 2) if rows else None,
+            "tokens_per_s_by_round": [round(rate, 2) for rate in self.round_rates],
         }
 
 
@@ -82,10 +85,13 @@ async def run_level(
                 tick()
 
     started = time.perf_counter()
+    done_before = sum(r.tokens for r in record.results)
     try:
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     finally:
-        record.wall_s += time.perf_counter() - started
+        wall = time.perf_counter() - started
+        record.wall_s += wall
+        record.round_rates.append((sum(r.tokens for r in record.results) - done_before) / wall)
         await backend.close_clients()
 
 
@@ -98,8 +104,12 @@ def compare(direct: dict[str, Any], fleet: dict[str, Any]) -> dict[str, Any]:
         a, b = fleet[metric], direct[metric]
         return round(a / b, 4) if a and b else None
 
+    pairs = zip(fleet["tokens_per_s_by_round"], direct["tokens_per_s_by_round"], strict=True)
+    by_round = [round(a / b, 4) for a, b in pairs if b]
     return {
         "tokens_per_s": ratio("tokens_per_s"),
+        "tokens_per_s_by_round": by_round,
+        "tokens_per_s_median_of_rounds": round(statistics.median(by_round), 4) if by_round else None,
         "requests_per_s": ratio("requests_per_s"),
         "ttft_added_ms": {"p50": added("ttft_ms", "p50"), "p99": added("ttft_ms", "p99")},
         "itl_added_ms": {"p50": added("itl_ms", "p50"), "p99": added("itl_ms", "p99")},

@@ -63,7 +63,15 @@ def fleet_table(figures: dict[str, Any]) -> str:
             ]
         )
     goals = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in figures["goals"].items())
-    return f"{table(headers, rows)}\n(latencies in ms; ratio = fleet/direct)\ngoals: {goals}"
+    rounds = "; ".join(
+        f"{level['concurrency']}: "
+        + " ".join(f"{r:.3f}" for r in level["fleet_vs_direct"]["tokens_per_s_by_round"])
+        for level in figures["levels"]
+    )
+    return (
+        f"{table(headers, rows)}\n(latencies in ms; ratio = fleet/direct)\n"
+        f"tokens/s ratio of each round, by concurrency: {rounds}\ngoals: {goals}"
+    )
 
 
 def _ratio(value: float | None) -> str:
