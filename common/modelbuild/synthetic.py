@@ -17,7 +17,7 @@ from common.modelbuild.convert import (
     require_modules,
     run_builder,
 )
-from common.modelbuild.tiny import CHATML_TEMPLATE, SPECIAL_TOKENS
+from common.modelbuild.tiny import SPECIAL_TOKENS, chatml_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,6 @@ def byte_pair_tokenizer(vocab_size: int) -> Any:
     (printable ASCII first) until the vocabulary is full. A model's random weights can sample every id,
     so every id must decode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     alphabet = _byte_symbols()
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
@@ -206,15 +205,7 @@ def byte_pair_tokenizer(vocab_size: int) -> Any:
     bpe.add_special_tokens(list(SPECIAL_TOKENS))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    endoftext, im_start, im_end = SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=bpe,
-        bos_token=im_start,
-        eos_token=im_end,
-        pad_token=endoftext,
-        unk_token=endoftext,
-        chat_template=CHATML_TEMPLATE,
-    )
+    return chatml_tokenizer(bpe)
 
 
 def _byte_symbols() -> list[str]:

@@ -88,7 +88,6 @@ def _save_checkpoint(hf_dir: Path, *, seed: int) -> None:
 
 def _tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -100,6 +99,13 @@ def _tokenizer() -> Any:
         show_progress=False,
     )
     bpe.train_from_iterator(_CORPUS, trainer=trainer)
+    return chatml_tokenizer(bpe)
+
+
+def chatml_tokenizer(bpe: Any) -> Any:
+    """A transformers tokenizer around a byte-level BPE, with ChatML's special tokens and template."""
+    from transformers import PreTrainedTokenizerFast
+
     endoftext, im_start, im_end = SPECIAL_TOKENS
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=bpe,
