@@ -65,7 +65,11 @@ def register(subparsers: Subparsers) -> None:
         type=Path,
         help="ORT-GenAI model folder to serve (default: the default model, built if needed)",
     )
-    parser.add_argument("--name", metavar="NAME", help="served model name (default: the model folder's name)")
+    parser.add_argument(
+        "--name",
+        metavar="NAME",
+        help="served model name (default: smollm2 for the default model, else the folder's name)",
+    )
     parser.add_argument(
         "--device", metavar="DEVICE", default="auto", help="auto, cpu, cuda or cuda:N (default auto)"
     )
@@ -192,6 +196,9 @@ def _plan_workers(args: argparse.Namespace) -> list[PlannedWorker]:
         raise StartupError(str(e)) from e
 
 
+DEFAULT_MODEL_SERVED_AS = "smollm2"  # the name the README's examples use
+
+
 def _resolve_model(args: argparse.Namespace, cache_root: Path, console: Console) -> Served:
     if args.model is not None:
         model_dir: Path = args.model.expanduser().resolve()
@@ -206,7 +213,8 @@ def _resolve_model(args: argparse.Namespace, cache_root: Path, console: Console)
             model_dir = ensure_default_model(cache_root, device=device, progress=True)
         except (RuntimeError, OSError) as e:
             raise StartupError(f"the default model could not be built: {e}") from e
-    served = Served(model_dir, args.name or model_dir.name)
+    default_name = model_dir.name if args.model is not None else DEFAULT_MODEL_SERVED_AS
+    served = Served(model_dir, args.name or default_name)
     console.say(f"model {served.name!r} from {model_dir}")
     return served
 
