@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -83,6 +84,29 @@ def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeou
 def child_env(redis_url: str) -> dict[str, str]:
     """The Redis URL for a child process: in its environment, where `ps` does not show a password."""
     return {"ORTFLEET_REDIS_URL": redis_url}
+
+
+def spawn(
+    command: list[str], log: Path, redis_url: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """A fleet process: its output in `log`, the Redis URL (and `env`) in its environment."""
+    with log.open("wb") as handle:
+        return subprocess.Popen(
+            command,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **child_env(redis_url), **(env or {})},
+        )
+
+
+def start_gateway_process(
+    redis_url: str, log: Path, env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A gateway on a free loopback port, once it listens; returns the process and its base URL."""
+    port = free_port()
+    process = spawn(gateway_command(port), log, redis_url, env)
+    wait_for_port(port, process, "the gateway")
+    return process, f"http://127.0.0.1:{port}"
 
 
 def worker_command(

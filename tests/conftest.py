@@ -16,12 +16,11 @@ import pytest
 from redis.asyncio import Redis
 
 from common.processes import (
-    child_env,
     free_port,
-    gateway_command,
+    spawn,
+    start_gateway_process,
     start_redis,
     stop,
-    wait_for_port,
     wait_ready,
     worker_command,
 )
@@ -102,24 +101,17 @@ class Fleet:
     procs: list[Proc] = field(default_factory=list)
     gateway_url: str = ""
 
-    def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> Proc:
-        log = LOGS / f"{name}-{len(self.procs)}-{os.getpid()}.log"
-        handle = log.open("wb")
-        process = subprocess.Popen(
-            command,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **child_env(self.redis_url), **self.env, **(env or {})},
-        )
-        proc = Proc(name, process, log)
-        self.procs.append(proc)
-        return proc
+    def _log(self, name: str) -> Path:
+        return LOGS / f"{name}-{len(self.procs)}-{os.getpid()}.log"
+
+    def _env(self, env: dict[str, str] | None) -> dict[str, str]:
+        return {**self.env, **(env or {})}
 
     def start_gateway(self, env: dict[str, str] | None = None) -> tuple[Proc, str]:
-        port = free_port()
-        proc = self._spawn("gateway", gateway_command(port), env)
-        wait_for_port(port, proc.process, "gateway")
-        url = f"http://127.0.0.1:{port}"
+        log = self._log("gateway")
+        process, url = start_gateway_process(self.redis_url, log, self._env(env))
+        proc = Proc("gateway", process, log)
+        self.procs.append(proc)
         self.gateway_url = self.gateway_url or url
         return proc, url
 
@@ -128,7 +120,10 @@ class Fleet:
     ) -> Proc:
         """A worker serving the tiny model as `name`; waits until the gateway sees it live."""
         before = self.live_workers(name)
-        proc = self._spawn(f"worker-{name}", worker_command(self.model_dir, name=name, extra=extra), env)
+        log = self._log(f"worker-{name}")
+        command = worker_command(self.model_dir, name=name, extra=extra)
+        proc = Proc(f"worker-{name}", spawn(command, log, self.redis_url, self._env(env)), log)
+        self.procs.append(proc)
         if wait:
             try:
                 wait_ready(self.gateway_url, workers=before + 1, model=name, timeout_s=60)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from common.processes import (
-    child_env,
     free_port,
-    gateway_command,
+    spawn,
+    start_gateway_process,
     start_redis,
     stop,
-    wait_for_port,
     wait_ready,
     worker_command,
 )
@@ -25,11 +23,10 @@ class LocalFleet:
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="ortfleet-bench-"))
-        self.env = {**os.environ, "ORTFLEET_LOG_LEVEL": "warning", **(env or {})}
+        self.env = {"ORTFLEET_LOG_LEVEL": "warning", **(env or {})}
         self.redis_port = free_port()
         self.redis = start_redis(self.redis_port, self.dir / "redis", appendonly=False)
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
-        self.env.update(child_env(self.redis_url))
         self.gateways: list[subprocess.Popen[bytes]] = []
         self.workers: list[subprocess.Popen[bytes]] = []
         self.url = ""
@@ -40,24 +37,19 @@ class LocalFleet:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
-        log = (self.dir / f"{name}.log").open("wb")
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-
     def start_gateway(self) -> str:
-        port = free_port()
-        process = self._spawn(f"gateway-{len(self.gateways)}", gateway_command(port))
+        log = self.dir / f"gateway-{len(self.gateways)}.log"
+        process, url = start_gateway_process(self.redis_url, log, self.env)
         self.gateways.append(process)
-        wait_for_port(port, process, "the gateway")
-        self.url = self.url or f"http://127.0.0.1:{port}"
-        return f"http://127.0.0.1:{port}"
+        self.url = self.url or url
+        return url
 
     def start_worker(
         self, model: Path | None, name: str, extra: Sequence[str] = ()
     ) -> subprocess.Popen[bytes]:
         """A worker serving `model` (None with `--fake-engine` in extra) as `name`."""
         command = worker_command(model or Path("."), name=name, extra=extra)
-        process = self._spawn(f"worker-{len(self.workers)}", command)
+        process = spawn(command, self.dir / f"worker-{len(self.workers)}.log", self.redis_url, self.env)
         self.workers.append(process)
         return process
 
