@@ -1,1 +1,2 @@
-"""Code shared by the ortfleet gateway and workers: settings, wire formats, Redis layout."""
+"""What the ortfleet gateway and workers share: settings, wire formats, Redis keys, the job record and
+its state machine in Redis, the worker registry, API keys and fleet figures."""

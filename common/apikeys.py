@@ -28,6 +28,8 @@ class ApiKey:
     created_at: float = 0.0
     max_concurrent_jobs: int | None = None
     requests_per_minute: int | None = None
+    weight: float = 1.0  # its share of the fleet's tokens against other keys of the same class
+    max_class: str = "interactive"  # the highest priority class its jobs may take
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class Principal:
     name: str
     max_concurrent_jobs: int | None = None
     requests_per_minute: int | None = None
+    weight: float = 1.0
+    max_class: str = "interactive"
 
 
 ANONYMOUS = Principal("")
@@ -50,11 +54,26 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+CLASSES = ("interactive", "batch")  # highest first, as common.wire.PRIORITY_ORDER
+MAX_WEIGHT = 1000.0
+
+
+def check_weight(weight: float) -> float:
+    if not 0 < weight <= MAX_WEIGHT:
+        raise ApiKeyError(f"weight: {weight:g} must be above 0 and at most {MAX_WEIGHT:g}")
+    return weight
+
+
+def check_class(max_class: str) -> str:
+    if max_class not in CLASSES:
+        raise ApiKeyError(f"max class: {max_class!r} is not one of {', '.join(CLASSES)}")
+    return max_class
+
+
 def check_name(name: str) -> str:
     if not NAME.match(name):
         raise ApiKeyError(
-            f"key name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter "
-            "or digit"
+            f"key name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
         )
     return name
 
@@ -73,6 +92,9 @@ class KeyFile:
         try:
             data = json.loads(path.read_text())
             keys = [ApiKey(**entry) for entry in data.get("keys", [])]
+            for key in keys:
+                check_weight(key.weight)
+                check_class(key.max_class)
         except (ValueError, TypeError) as e:
             raise ApiKeyError(f"{path} is not an ortfleet keys file: {e}") from e
         return cls(path, keys)
@@ -86,13 +108,27 @@ class KeyFile:
         os.chmod(staged, 0o600)
         os.replace(staged, self.path)
 
-    def create(self, name: str, *, max_concurrent_jobs: int | None, requests_per_minute: int | None) -> str:
+    def create(
+        self,
+        name: str,
+        *,
+        max_concurrent_jobs: int | None,
+        requests_per_minute: int | None,
+        weight: float = 1.0,
+        max_class: str = "interactive",
+    ) -> str:
         """Add a key and return it: the only time it is ever shown."""
         check_name(name)
+        check_weight(weight)
+        check_class(max_class)
         if any(k.name == name for k in self.keys):
             raise ApiKeyError(f"a key named {name!r} exists already; revoke it first or pick another name")
         key = new_key()
-        self.keys.append(ApiKey(name, digest(key), time.time(), max_concurrent_jobs, requests_per_minute))
+        self.keys.append(
+            ApiKey(
+                name, digest(key), time.time(), max_concurrent_jobs, requests_per_minute, weight, max_class
+            )
+        )
         return key
 
     def revoke(self, name: str) -> None:
@@ -103,17 +139,25 @@ class KeyFile:
 
 
 def parse_env_keys(raw: str) -> list[ApiKey]:
-    """ORTFLEET_API_KEYS: comma-separated NAME:KEY pairs (a bare KEY is named key-1, key-2, ...)."""
+    """ORTFLEET_API_KEYS: comma-separated NAME:KEY[:WEIGHT[:MAX_CLASS]] (a bare KEY is named key-1, ...)."""
     keys: list[ApiKey] = []
     for index, item in enumerate(part.strip() for part in raw.split(",")):
         if not item:
             continue
-        name, sep, key = item.partition(":")
-        if not sep:
-            name, key = f"key-{index + 1}", item
+        parts = item.split(":")
+        if len(parts) == 1:
+            parts = [f"key-{index + 1}", item]
+        if len(parts) > 4:
+            raise ApiKeyError(f"ORTFLEET_API_KEYS: {parts[0]!r} is not NAME:KEY[:WEIGHT[:MAX_CLASS]]")
+        name, key = parts[0], parts[1]
         if len(key) < 16:
             raise ApiKeyError(f"ORTFLEET_API_KEYS: the key named {name!r} is shorter than 16 characters")
-        keys.append(ApiKey(check_name(name), digest(key)))
+        try:
+            weight = check_weight(float(parts[2])) if len(parts) > 2 else 1.0
+            max_class = check_class(parts[3]) if len(parts) > 3 else "interactive"
+        except ValueError as e:
+            raise ApiKeyError(f"ORTFLEET_API_KEYS: the key named {name!r}: {e}") from e
+        keys.append(ApiKey(check_name(name), digest(key), weight=weight, max_class=max_class))
     return keys
 
 
@@ -141,6 +185,11 @@ class KeyRing:
             if secrets.compare_digest(key.sha256, wanted):
                 found = key
         return found
+
+    def named(self, name: str) -> ApiKey | None:
+        """The key of that name, while it is not revoked."""
+        self._refresh()
+        return next((key for key in self._keys if key.name == name), None)
 
     def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()

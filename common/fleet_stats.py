@@ -13,19 +13,28 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from common import keys
+from common.wire import PRIORITY_ORDER
 
 RECENT_WINDOW_S = 60
 
 
+# Jobs read at the head of each class's queue to find the longest wait: the queue is ordered by fair
+# share, not by age, so the oldest job is usually, not always, among them.
+_OLDEST_SCAN = 16
+
+
 @dataclass(frozen=True)
 class QueueStats:
-    depth: int  # jobs waiting in the model's queue
-    oldest_wait_s: float  # how long the longest-waiting fresh submission has waited (0 when none)
+    depth: int  # jobs waiting in the model's queues
+    oldest_wait_s: float  # how long the longest-waiting job near a queue's head has waited (0 when none)
+    by_class: dict[str, int] = field(default_factory=dict)  # jobs waiting per priority class
+    waiting_keys: dict[str, int] = field(default_factory=dict)  # "<class>:<key>" -> jobs near the heads
 
 
 @dataclass(frozen=True)
 class RecentOutcomes:
-    """Jobs of a model that finished on a worker in the last minute, by status."""
+    """Jobs of a model that ended in the last minute, by status: on a worker, or cancelled or expired
+    while queued (noted by the queue's scripts)."""
 
     by_status: Counter[str] = field(default_factory=Counter)
 
@@ -40,24 +49,53 @@ class RecentOutcomes:
 
 async def queue_stats(redis: Redis, models: list[str], now: float | None = None) -> dict[str, QueueStats]:
     now = time.time() if now is None else now
+    classes = [cls.value for cls in PRIORITY_ORDER]
     async with redis.pipeline(transaction=False) as pipe:
         for model in models:
-            pipe.zcard(keys.queue(model))
-            # Score 0 marks a job handed back to the head of the queue; its submission time is elsewhere.
-            pipe.zrangebyscore(keys.queue(model), "(0", "+inf", start=0, num=1, withscores=True)
+            for cls in classes:
+                pipe.zcard(keys.queue(model, cls))
+                pipe.zrange(keys.queue(model, cls), 0, _OLDEST_SCAN - 1)
         replies = await pipe.execute()
-    stats: dict[str, QueueStats] = {}
-    for index, model in enumerate(models):
-        depth, oldest = replies[2 * index], replies[2 * index + 1]
-        wait = max(0.0, now - oldest[0][1] / 1000) if oldest else 0.0
-        stats[model] = QueueStats(int(depth), wait)
-    return stats
+    heads: list[tuple[str, str, str]] = []  # (model, class, job id)
+    depths: dict[str, dict[str, int]] = {model: {} for model in models}
+    for index, (model, cls) in enumerate((m, c) for m in models for c in classes):
+        depths[model][cls] = int(replies[2 * index])
+        heads += [(model, cls, job_id) for job_id in replies[2 * index + 1]]
+    async with redis.pipeline(transaction=False) as pipe:
+        for _model, _cls, job_id in heads:
+            pipe.hmget(keys.job(job_id), ["created_at", "owner"])
+        found = await pipe.execute()
+    oldest: dict[str, float] = dict.fromkeys(models, 0.0)
+    waiting: dict[str, Counter[str]] = {model: Counter() for model in models}
+    for (model, cls, _job_id), (created, owner) in zip(heads, found, strict=True):
+        if created is None:
+            continue
+        oldest[model] = max(oldest[model], now - float(created))
+        waiting[model][f"{cls}:{owner or '-'}"] += 1
+    return {
+        model: QueueStats(sum(depths[model].values()), oldest[model], depths[model], dict(waiting[model]))
+        for model in models
+    }
+
+
+async def service_rate(redis: Redis, model: str, now: float | None = None) -> float:
+    """Jobs of the model that succeeded or failed per second, over the last minute."""
+    done = (await recent_outcomes(redis, [model], now))[model]
+    return (done.finished - done.by_status["cancelled"]) / RECENT_WINDOW_S
+
+
+async def served_tokens(redis: Redis, model: str) -> dict[str, int]:
+    """Tokens served (prompt and generated) by the model's finished jobs: per class, and per
+    "<class>:<key>"."""
+    raw: dict[str, str] = await redis.hgetall(keys.served_tokens(model))  # type: ignore[misc]
+    return {name: int(value) for name, value in raw.items()}
 
 
 async def record_outcome(
     redis: Redis, model: str, job_id: str, status: str, now: float | None = None
 ) -> None:
-    """Note that a job finished (status: succeeded, failed or cancelled); older notes are dropped."""
+    """Note that a job ended on a worker (status: succeeded, failed or cancelled); older notes are
+    dropped. Jobs that end while queued are noted by the queue's scripts, in the same form."""
     now_ms = int((time.time() if now is None else now) * 1000)
     key = keys.finished(model)
     async with redis.pipeline(transaction=True) as pipe:

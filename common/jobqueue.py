@@ -1,11 +1,16 @@
-"""The job state machine in Redis: every transition is one atomic Lua script.
+"""The job state machine in Redis: every transition is one JobQueue method and one atomic Lua script.
 
-A model's queue is a sorted set of job ids scored by submission time. A worker claims a job by
-moving it to the model's lease set, scored by the lease's expiry; its heartbeat pushes that
-expiry forward. A lease that runs out (the worker died) puts the job back at the head of the
-queue, where any worker of the model resumes it. Writes to a job's stream and record are fenced
-by the attempt number, so a worker that lost its lease can never write into the job again.
-The job itself is stored in arq's format (``arq:job:<id>``, JSON-serialized).
+A model has one queue per priority class (common.wire.PRIORITY_ORDER): a sorted set of job ids scored
+by a fair-share tag (start-time fair queuing by tokens between keys, weighted per key; see
+job_scripts._FAIR). A worker claims from the highest class with waiting jobs, moving the job to the
+model's lease set, scored by the lease's expiry; its heartbeat pushes that expiry forward. A lease
+that runs out (the worker died) puts the job back in its queue with its tag, where any worker of the
+model resumes it; so does a batch job preempted for interactive work. Writes to a job's stream and
+record are fenced by the attempt number, so a worker that lost its lease can never write into the job
+again.
+The scripts (common/job_scripts.py) receive every key they touch in KEYS, derived in common/keys.py;
+the record's fields and their encoding are common/records.py's. The job itself is stored in arq's
+format (``arq:job:<id>``, JSON-serialized).
 """
 
 from __future__ import annotations
@@ -18,218 +23,22 @@ from typing import Any
 from arq.jobs import deserialize_job_raw, serialize_job
 from redis.asyncio import Redis
 
-from common import keys
+from common import job_scripts, keys
+from common.error_codes import ErrorCode
 from common.events import done_entry, error_entry, status_entry
-from common.wire import JobSpec, JobStatus
+from common.fleet_stats import RECENT_WINDOW_S
+from common.records import JobRecord, RecordUpdate, load_record
+from common.wire import PRIORITY_ORDER, FinishReason, JobSpec, JobStatus, PriorityClass
 
 GENERATE = "generate"
 
-_SUBMIT = """
--- KEYS: record, events, arq job, queue, idempotency (or ''), queued tokens, owner's active jobs, owner's jobs
--- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
---       owner's max active jobs (0: no limit), n record fields, fields..., n event fields, fields...
-if KEYS[5] ~= '' then
-  local existing = redis.call('GET', KEYS[5])
-  if existing then return {'duplicate', existing} end
-end
-local horizon = tonumber(ARGV[3]) - tonumber(ARGV[2]) * 1000
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', horizon)
-local max_active = tonumber(ARGV[9])
-if max_active > 0 and redis.call('ZCARD', KEYS[7]) >= max_active then return {'busy', ''} end
-if redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'full', 'jobs'} end
-local cost = tonumber(ARGV[7])
-local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
-if queued > 0 and queued + cost > tonumber(ARGV[8]) then return {'full', 'tokens'} end
-local ttl = tonumber(ARGV[2])
-local n = tonumber(ARGV[10])
-local rec = {}
-for i = 11, 10 + 2 * n do rec[#rec + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(rec))
-redis.call('EXPIRE', KEYS[1], ttl)
-local at = 11 + 2 * n
-local m = tonumber(ARGV[at])
-local ev = {}
-for i = at + 1, at + 2 * m do ev[#ev + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(ev))
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('SET', KEYS[3], ARGV[5], 'EX', ttl)
-redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
-redis.call('INCRBY', KEYS[6], cost)
-redis.call('EXPIRE', KEYS[6], ttl)
-redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
-redis.call('EXPIRE', KEYS[7], ttl)
-redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', horizon)
-redis.call('ZADD', KEYS[8], ARGV[3], ARGV[1])
-redis.call('EXPIRE', KEYS[8], ttl)
-if KEYS[5] ~= '' then redis.call('SET', KEYS[5], ARGV[1], 'EX', ttl) end
-redis.call('PUBLISH', ARGV[6], ARGV[1])
-return {'created', ARGV[1]}
-"""
-
-# A job's cost leaves the model's queued-token count when it first starts, expires or is cancelled.
-_UNCOUNT = """
-local function uncount(counter, rec)
-  local cost = tonumber(redis.call('HGET', rec, 'cost') or '0')
-  if cost > 0 and redis.call('DECRBY', counter, cost) < 0 then redis.call('SET', counter, 0) end
-end
-"""
-
-# A job leaves its owner's active set when it ends, however it ends.
-_RELEASE_OWNER = """
-local function release_owner(rec, id)
-  local owner = redis.call('HGET', rec, 'owner')
-  if owner then redis.call('ZREM', 'ortfleet:active:' .. owner, id) end
-end
-"""
-
-_CANCEL = (
-    _UNCOUNT
-    + _RELEASE_OWNER
-    + """
--- KEYS: record, queue, events, arq job, queued tokens
--- ARGV: id, now, cancel channel, n event fields, fields...
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return 'missing' end
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
-  if redis.call('HGET', KEYS[1], 'attempts') == '0' then uncount(KEYS[5], KEYS[1]) end
-  release_owner(KEYS[1], ARGV[1])
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
-  local ev = {}
-  for i = 5, 4 + 2 * tonumber(ARGV[4]) do ev[#ev + 1] = ARGV[i] end
-  redis.call('XADD', KEYS[3], '*', unpack(ev))
-  redis.call('DEL', KEYS[4])
-  return 'cancelled'
-end
-if st == 'running' then
-  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
-  redis.call('PUBLISH', ARGV[3], ARGV[1])
-  return 'cancelling'
-end
-return st
-"""
-)
-
-_CLAIM = (
-    _UNCOUNT
-    + _RELEASE_OWNER
-    + """
--- KEYS: queue, leases, queued tokens; ARGV: now_ms, lease_ms, max jobs, worker id
-local now = tonumber(ARGV[1])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
-for _, id in ipairs(expired) do
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZADD', KEYS[1], 0, id)
-end
-local out = {}
-local taken = 0
-while taken < tonumber(ARGV[3]) do
-  local head = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #head == 0 then break end
-  local id = head[1]
-  redis.call('ZREM', KEYS[1], id)
-  local rec = 'ortfleet:job:' .. id
-  local st = redis.call('HGET', rec, 'status')
-  local first = redis.call('HGET', rec, 'attempts') == '0'
-  if first then uncount(KEYS[3], rec) end
-  local deadline = tonumber(redis.call('HGET', rec, 'deadline_ms') or '0')
-  if first and st == 'queued' and deadline > 0 and now > deadline then
-    local created = tonumber(redis.call('HGET', rec, 'created_at'))
-    local waited = string.format('%.1f', (now - created * 1000) / 1000)
-    local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
-    redis.call('HSET', rec, 'status', 'failed', 'finish_reason', 'error', 'error', message,
-      'error_code', 'expired_in_queue', 'finished_at', now / 1000)
-    redis.call('XADD', 'ortfleet:events:' .. id, '*', 'type', 'error', 'status', 'failed', 'message', message,
-      'code', 'expired_in_queue')
-    redis.call('DEL', 'arq:job:' .. id)
-    release_owner(rec, id)
-  elseif st == 'queued' or st == 'running' then
-    redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), id)
-    local attempt = redis.call('HINCRBY', rec, 'attempts', 1)
-    redis.call('HSET', rec, 'status', 'running', 'worker', ARGV[4], 'started_at', now / 1000)
-    local payload = redis.call('GET', 'arq:job:' .. id) or ''
-    out[#out + 1] = id
-    out[#out + 1] = attempt
-    out[#out + 1] = payload
-    taken = taken + 1
-  end
-end
-return out
-"""
-)
-
-_PUBLISH = """
--- KEYS: record, events
--- ARGV: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...
-if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return -1 end
-local nrec = tonumber(ARGV[2])
-if nrec > 0 then
-  local rec = {}
-  for i = 3, 2 + 2 * nrec do rec[#rec + 1] = ARGV[i] end
-  redis.call('HSET', KEYS[1], unpack(rec))
-end
-local count_at = 3 + 2 * nrec
-local at = count_at + 1
-local written = 0
-for _ = 1, tonumber(ARGV[count_at]) do
-  local n = tonumber(ARGV[at])
-  local ev = {}
-  for i = at + 1, at + 2 * n do ev[#ev + 1] = ARGV[i] end
-  redis.call('XADD', KEYS[2], '*', unpack(ev))
-  at = at + 1 + 2 * n
-  written = written + 1
-end
-return written
-"""
-
-_FINISH = (
-    _RELEASE_OWNER
-    + """
--- KEYS: record, events, leases, arq job
--- ARGV: attempt, id, ttl_s, n record fields, fields..., n event fields, fields...
-if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
-local n = tonumber(ARGV[4])
-local rec = {}
-for i = 5, 4 + 2 * n do rec[#rec + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(rec))
-local at = 5 + 2 * n
-local ev = {}
-for i = at + 1, at + 2 * tonumber(ARGV[at]) do ev[#ev + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(ev))
-redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('DEL', KEYS[4])
-release_owner(KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-)
-
-_PURGE = (
-    _UNCOUNT
-    + _RELEASE_OWNER
-    + """
--- KEYS: record, events, arq job, queue, leases, queued tokens; ARGV: id, cancel channel
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return 0 end
-if redis.call('ZREM', KEYS[4], ARGV[1]) == 1 and redis.call('HGET', KEYS[1], 'attempts') == '0' then
-  uncount(KEYS[6], KEYS[1])
-end
-release_owner(KEYS[1], ARGV[1])
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner then redis.call('ZREM', 'ortfleet:jobs-of:' .. owner, ARGV[1]) end
-local idem = redis.call('HGET', KEYS[1], 'idempotency_key')
-if idem then redis.call('DEL', idem) end
-if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-return 1
-"""
-)
-
-_RELEASE = """
--- KEYS: queue, leases; ARGV: id
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then redis.call('ZADD', KEYS[1], 0, ARGV[1]) return 1 end
-return 0
-"""
+# A claim looks at the queue again, up to this many times in all, when the claim script stops early:
+# the head of the queue moved, or a job expired whose owner the claim did not look up (it looks up
+# owners only then, since only an expired job's owner has keys to change).
+_CLAIM_ROUNDS = 4
+_HEAD_MOVED = 1
+_OWNERS_NEEDED = 2
+_EXPIRED = ErrorCode.expired_in_queue.value
 
 
 def _flat(fields: dict[str, str]) -> list[str]:
@@ -250,6 +59,14 @@ def _json_bytes(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
+def claim_priority(claim: Claim) -> PriorityClass:
+    """The class of a claimed job, from its payload (interactive when unreadable)."""
+    try:
+        return parse_job_payload(claim.payload).priority
+    except MalformedJob:
+        return PriorityClass.interactive
+
+
 class MalformedJob(ValueError):
     """A job found in Redis that is not one ortfleet wrote (truncated, foreign or pickled)."""
 
@@ -267,10 +84,32 @@ def parse_job_payload(payload: str) -> JobSpec:
 
 
 @dataclass(frozen=True)
-class Claim:
+class StepWrite:
+    """One job's share of a worker's write for an engine step."""
+
     job_id: str
     attempt: int
-    payload: str
+    entries: list[dict[str, str]]
+    record: dict[str, str]  # RecordUpdate.to_fields()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job a worker claimed: its writes into the job carry `attempt`."""
+
+    job_id: str
+    attempt: int
+    payload: str  # the job in arq's format
+    model: str
+    owner: str
+    quarantined: bool = False  # a suspect job's attempt: it runs alone, its worker takes nothing else
+    quarantine_deaths: int = 0  # workers that died running it in quarantine, before this attempt
+
+
+@dataclass(frozen=True)
+class Claimed:
+    claims: list[Claim]
+    suspect_waiting: bool  # a suspect job waits for a worker that runs nothing else
 
 
 class OwnerBusy(Exception):
@@ -301,34 +140,102 @@ class QueueFull(Exception):
 
 
 class JobQueue:
-    """Atomic job transitions shared by the gateway (submit, cancel) and workers (claim ... finish)."""
+    """Atomic job transitions shared by the gateway (submit, cancel, purge) and workers (claim ... finish).
+
+    Its Redis client is its own: callers read and change jobs through its methods only.
+    """
 
     def __init__(self, redis: Redis, ttl_s: int) -> None:
-        self.redis = redis
+        self._redis = redis
         self.ttl_s = ttl_s
-        self._submit = redis.register_script(_SUBMIT)
-        self._cancel = redis.register_script(_CANCEL)
-        self._claim = redis.register_script(_CLAIM)
-        self._publish = redis.register_script(_PUBLISH)
-        self._finish = redis.register_script(_FINISH)
-        self._release = redis.register_script(_RELEASE)
-        self._purge = redis.register_script(_PURGE)
+        self._submit = redis.register_script(job_scripts.SUBMIT)
+        self._cancel = redis.register_script(job_scripts.CANCEL)
+        self._claim = redis.register_script(job_scripts.CLAIM)
+        self._renew = redis.register_script(job_scripts.RENEW)
+        self._publish = redis.register_script(job_scripts.PUBLISH)
+        self._publish_step = redis.register_script(job_scripts.PUBLISH_STEP)
+        self._finish = redis.register_script(job_scripts.FINISH)
+        self._release = redis.register_script(job_scripts.RELEASE)
+        self._purge = redis.register_script(job_scripts.PURGE)
+        self._reserve_preemption = redis.register_script(job_scripts.RESERVE_PREEMPTION)
+
+    async def record(self, job_id: str) -> JobRecord | None:
+        return await load_record(self._redis, job_id)
+
+    async def owned_record(self, job_id: str, owner: str) -> JobRecord | None:
+        """The job's record if `owner` owns it. The owner's index is asked first, so another owner's job
+        and a missing one take the same path (one lookup that finds nothing) and cannot be told apart."""
+        if await self._redis.zscore(keys.owner_jobs(owner), job_id) is None:
+            return None
+        record = await load_record(self._redis, job_id)
+        return record if record is not None and record.owner == owner else None
+
+    async def queue_position(
+        self, model: str, job_id: str, priority: PriorityClass = PriorityClass.interactive
+    ) -> int | None:
+        """Jobs ahead of this one: those waiting in higher classes and before it in its own class's
+        queue; None when it is not queued."""
+        higher = PRIORITY_ORDER[: PRIORITY_ORDER.index(priority)]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for cls in higher:
+                pipe.zcard(keys.queue(model, cls.value))
+            pipe.zrank(keys.queue(model, priority.value), job_id)
+            *ahead, rank = await pipe.execute()
+        return None if rank is None else int(rank) + sum(int(n) for n in ahead)
+
+    async def reserve_preemption(self, model: str, slots: int, waiting: int, hold_s: float) -> bool:
+        """Whether a worker may free `slots` for the `waiting` interactive jobs: False when the slots
+        other workers are freeing cover them already. Reservations lapse after `hold_s`."""
+        reserved: int = await self._reserve_preemption(
+            keys=[keys.preempting(model)], args=[str(slots), str(waiting), str(int(hold_s * 1000))]
+        )
+        return bool(reserved)
+
+    async def end_preemption(self, model: str, hold_s: float) -> None:
+        """One reserved slot is free: its job is back in the queue, or ended before it stopped."""
+        await self._reserve_preemption(
+            keys=[keys.preempting(model)], args=["-1", "0", str(int(hold_s * 1000))]
+        )
+
+    async def waiting(self, model: str) -> dict[PriorityClass, int]:
+        """Jobs waiting in each class's queue of the model."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for cls in PRIORITY_ORDER:
+                pipe.zcard(keys.queue(model, cls.value))
+            counts = await pipe.execute()
+        return {cls: int(n) for cls, n in zip(PRIORITY_ORDER, counts, strict=True)}
+
+    async def entries(self, job_id: str) -> list[dict[str, str]]:
+        """Every entry of the job's stream so far, oldest first."""
+        return [fields for _entry_id, fields in await self._redis.xrange(keys.events(job_id))]
 
     async def submit(
         self,
         spec: JobSpec,
-        record: dict[str, str],
         *,
         limits: QueueLimits,
         cost: int,
         idempotency_key: str | None = None,
         owner: str = "",
         owner_max_active: int = 0,
+        weight: float = 1.0,
+        request_digest: str | None = None,
     ) -> Submitted:
         """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits."""
         now_ms = int(spec.submitted_at * 1000)
-        if limits.max_wait_s:
-            record = {**record, "deadline_ms": str(now_ms + int(limits.max_wait_s * 1000))}
+        record = JobRecord(
+            id=spec.id,
+            model=spec.model,
+            status=JobStatus.queued,
+            created_at=spec.submitted_at,
+            owner=owner,
+            cost=cost,
+            idempotency_key=idempotency_key,
+            request_digest=request_digest,
+            deadline_ms=now_ms + int(limits.max_wait_s * 1000) if limits.max_wait_s else None,
+            priority=spec.priority,
+            weight=weight,
+        )
         args = [
             spec.id,
             str(self.ttl_s),
@@ -339,25 +246,19 @@ class JobQueue:
             str(cost),
             str(limits.max_tokens),
             str(owner_max_active),
-            *_flat(
-                {
-                    **record,
-                    "cost": str(cost),
-                    "owner": owner,
-                    **({"idempotency_key": idempotency_key} if idempotency_key else {}),
-                }
-            ),
+            owner,
+            repr(float(weight)),
+            *_flat(record.to_fields()),
             *_flat(status_entry(JobStatus.queued)),
         ]
         script_keys = [
-            keys.job(spec.id),
-            keys.events(spec.id),
-            keys.arq_job(spec.id),
-            keys.queue(spec.model),
-            idempotency_key or "",
+            *keys.job_keys(spec.id),
+            keys.queue(spec.model, spec.priority.value),
             keys.queued_tokens(spec.model),
             keys.active_jobs(owner),
             keys.owner_jobs(owner),
+            keys.fair_tags(spec.model, spec.priority.value),
+            *([idempotency_key] if idempotency_key else []),
         ]
         outcome, detail = await self._submit(keys=script_keys, args=args)
         if outcome == "busy":
@@ -370,96 +271,203 @@ class JobQueue:
 
     async def cancel(self, job_id: str, model: str) -> str:
         """'cancelled' (was queued), 'cancelling' (running, worker told), 'missing', or a terminal status."""
-        done = done_entry(JobStatus.cancelled, "cancelled", None)
+        record = await self.record(job_id)
+        if record is None:
+            return "missing"
+        now = time.time()
+        done = done_entry(JobStatus.cancelled, FinishReason.cancelled.value, None)
         result: str = await self._cancel(
             keys=[
                 keys.job(job_id),
-                keys.queue(model),
+                keys.queue(model, record.priority.value),
                 keys.events(job_id),
                 keys.arq_job(job_id),
                 keys.queued_tokens(model),
+                keys.active_jobs(record.owner),
+                keys.finished(model),
             ],
-            args=[job_id, str(time.time()), keys.CANCEL_CHANNEL, *_flat(done)],
+            args=[
+                job_id,
+                str(now),
+                keys.CANCEL_CHANNEL,
+                str(int(now * 1000)),
+                str(RECENT_WINDOW_S * 1000),
+                *_flat(done),
+            ],
         )
         return result
 
     async def purge(self, job_id: str, model: str) -> bool:
         """Delete every trace of the job now; a running job is told to stop and can write nothing more."""
+        record = await self.record(job_id)
+        if record is None:
+            return False
         purged: int = await self._purge(
             keys=[
-                keys.job(job_id),
-                keys.events(job_id),
-                keys.arq_job(job_id),
-                keys.queue(model),
+                *keys.job_keys(job_id),
+                keys.queue(model, record.priority.value),
                 keys.leases(model),
                 keys.queued_tokens(model),
+                keys.active_jobs(record.owner),
+                keys.owner_jobs(record.owner),
+                *([record.idempotency_key] if record.idempotency_key else []),
             ],
             args=[job_id, keys.CANCEL_CHANNEL],
         )
         return bool(purged)
 
-    async def claim(self, model: str, worker_id: str, max_jobs: int, lease_s: float) -> list[Claim]:
-        now_ms = int(time.time() * 1000)
-        raw = await self._claim(
-            keys=[keys.queue(model), keys.leases(model), keys.queued_tokens(model)],
-            args=[str(now_ms), str(int(lease_s * 1000)), str(max_jobs), worker_id],
+    async def claim(
+        self, model: str, worker_id: str, max_jobs: int, lease_s: float, *, idle: bool = True
+    ) -> list[Claim]:
+        """Up to `max_jobs` jobs from the heads of the model's queues, highest class first (jobs whose
+        lease ran out go back to their queue first)."""
+        return (await self.claim_jobs(model, worker_id, max_jobs, lease_s, idle=idle)).claims
+
+    async def claim_jobs(
+        self, model: str, worker_id: str, max_jobs: int, lease_s: float, *, idle: bool = True
+    ) -> Claimed:
+        """Up to `max_jobs` jobs from the heads of the model's queues, highest class first (jobs whose
+        lease ran out go back to their queue first). A suspect job (a worker died holding it) is taken
+        only by an `idle` worker (it runs nothing), as the claim's only job; a claim stops at a suspect
+        job it may not take, and says one waits."""
+        claims: list[Claim] = []
+        suspect_waiting = False
+        owners_needed = False
+        for _ in range(_CLAIM_ROUNDS):
+            wanted = max_jobs - len(claims)
+            if wanted <= 0:
+                break
+            now_ms = int(time.time() * 1000)
+            ids = await self._claim_candidates(model, wanted, now_ms)
+            if not ids:
+                break
+            owners = await self._owners(ids) if owners_needed else {}
+            script_keys = [keys.leases(model), keys.queued_tokens(model), keys.finished(model)]
+            for cls in PRIORITY_ORDER:
+                script_keys += [keys.queue(model, cls.value), keys.fair_tags(model, cls.value)]
+            window_ms = RECENT_WINDOW_S * 1000
+            args = [str(now_ms), str(int(lease_s * 1000)), str(wanted), worker_id, str(window_ms), _EXPIRED]
+            args.append("1" if idle and not claims else "0")
+            args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER)]
+            for job_id in ids:
+                owner = owners.get(job_id)
+                script_keys += [*keys.job_keys(job_id), keys.active_jobs(owner or "")]
+                args += [job_id, owner or "", "1" if owner is not None else "0"]
+            raw = await self._claim(keys=script_keys, args=args)
+            taken = [
+                Claim(
+                    raw[i], int(raw[i + 1]), raw[i + 2], model, raw[i + 3], raw[i + 4] == "1", int(raw[i + 5])
+                )
+                for i in range(2, len(raw), 6)
+            ]
+            claims += taken
+            suspect_waiting = raw[1] == "1"
+            stopped = int(raw[0])
+            if stopped == _OWNERS_NEEDED:
+                owners_needed = True
+            elif stopped != _HEAD_MOVED or any(claim.quarantined for claim in taken):
+                break
+        return Claimed(claims, suspect_waiting)
+
+    async def _claim_candidates(self, model: str, wanted: int, now_ms: int) -> list[str]:
+        """The jobs a claim may take: those whose lease ran out, then the head of each class's queue."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zrangebyscore(keys.leases(model), "-inf", now_ms)
+            for cls in PRIORITY_ORDER:
+                pipe.zrange(keys.queue(model, cls.value), 0, wanted - 1)
+            expired, *heads = await pipe.execute()
+        return list(dict.fromkeys([*expired, *(job_id for head in heads for job_id in head)]))
+
+    async def _owners(self, job_ids: list[str]) -> dict[str, str]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(keys.job(job_id), "owner")
+            owners = await pipe.execute()
+        return {job_id: owner or "" for job_id, owner in zip(job_ids, owners, strict=True)}
+
+    async def renew_leases(self, claims: list[Claim], lease_s: float) -> int:
+        """Push forward the leases of the jobs these claims still hold; returns how many."""
+        renewed = 0
+        for model in {claim.model for claim in claims}:
+            held = [claim for claim in claims if claim.model == model]
+            expiry = int((time.time() + lease_s) * 1000)
+            args = [str(expiry)]
+            for claim in held:
+                args += [claim.job_id, str(claim.attempt)]
+            script_keys = [keys.leases(model), *(keys.job(claim.job_id) for claim in held)]
+            renewed += int(await self._renew(keys=script_keys, args=args))
+        return renewed
+
+    async def release(self, claim: Claim, *, preempted: bool = False) -> bool:
+        """Give a running job back to its queue, in its place (a stopping worker's unfinished job, or
+        batch work preempted for interactive work); False when the claim no longer holds it."""
+        queue = keys.queue(claim.model, claim_priority(claim).value)
+        released = await self._release(
+            keys=[queue, keys.leases(claim.model), keys.job(claim.job_id)],
+            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0"],
         )
-        return [Claim(raw[i], int(raw[i + 1]), raw[i + 2]) for i in range(0, len(raw), 3)]
-
-    async def renew_leases(self, model: str, job_ids: list[str], lease_s: float) -> None:
-        if not job_ids:
-            return
-        expiry = int((time.time() + lease_s) * 1000)
-        await self.redis.zadd(keys.leases(model), dict.fromkeys(job_ids, expiry), xx=True)
-
-    async def release(self, model: str, job_id: str) -> bool:
-        """Give a running job back to the head of its queue (a stopping worker's unfinished job)."""
-        released = await self._release(keys=[keys.queue(model), keys.leases(model)], args=[job_id])
         if released:
-            await self.redis.publish(keys.wake_channel(model), job_id)
+            await self._redis.publish(keys.wake_channel(claim.model), claim.job_id)
         return bool(released)
 
     async def publish(
         self, job_id: str, attempt: int, entries: list[dict[str, str]], record: dict[str, str] | None = None
     ) -> bool:
-        """Append entries to the job's stream (and set record fields); False once the attempt lost the job."""
+        """Append entries to the job's stream and set record fields (RecordUpdate.to_fields()) in one
+        write; False once the attempt lost the job."""
         args = [str(attempt), *_flat(record or {}), str(len(entries))]
         for entry in entries:
             args += _flat(entry)
         written: int = await self._publish(keys=[keys.job(job_id), keys.events(job_id)], args=args)
         return written >= 0
 
-    async def finish(
-        self,
-        job_id: str,
-        model: str,
-        attempt: int,
-        record: dict[str, str],
-        final_entry: dict[str, str],
-    ) -> bool:
+    async def publish_step(self, writes: list[StepWrite]) -> list[bool]:
+        """Several jobs' entries (and record fields) in one script call, each fenced by its attempt;
+        per job, False once its attempt lost the job."""
+        script_keys: list[str] = []
+        args: list[str] = []
+        for write in writes:
+            script_keys += [keys.job(write.job_id), keys.events(write.job_id)]
+            args += [str(write.attempt), *_flat(write.record), str(len(write.entries))]
+            for entry in write.entries:
+                args += _flat(entry)
+        written: list[int] = await self._publish_step(keys=script_keys, args=args)
+        return [count >= 0 for count in written]
+
+    async def finish(self, claim: Claim, update: RecordUpdate, final_entry: dict[str, str]) -> bool:
+        """End the job with its final record fields and stream entry; False once the claim lost it.
+        The tokens it served (its usage) settle its owner's fair share."""
+        priority = claim_priority(claim).value
         done: int = await self._finish(
-            keys=[keys.job(job_id), keys.events(job_id), keys.leases(model), keys.arq_job(job_id)],
-            args=[str(attempt), job_id, str(self.ttl_s), *_flat(record), *_flat(final_entry)],
+            keys=[
+                keys.job(claim.job_id),
+                keys.events(claim.job_id),
+                keys.leases(claim.model),
+                keys.arq_job(claim.job_id),
+                keys.active_jobs(claim.owner),
+                keys.fair_tags(claim.model, priority),
+                keys.served_tokens(claim.model),
+            ],
+            args=[
+                str(claim.attempt),
+                claim.job_id,
+                str(self.ttl_s),
+                str(update.usage.total_tokens if update.usage else -1),
+                priority,
+                *_flat(update.to_fields()),
+                *_flat(final_entry),
+            ],
         )
         return bool(done)
 
-    async def fail(
-        self,
-        job_id: str,
-        model: str,
-        attempt: int,
-        message: str,
-        fields: dict[str, str],
-        code: str | None = None,
-    ) -> bool:
-        """Ends the job as failed; `code` (like `context_length_exceeded`) names the error for programs."""
-        record = {
-            "status": JobStatus.failed.value,
-            "error": message,
-            "finished_at": str(time.time()),
-            **fields,
-        }
-        if code:
-            record["error_code"] = code
-        final = error_entry(JobStatus.failed, message, code)
-        return await self.finish(job_id, model, attempt, record, final)
+    async def fail(self, claim: Claim, message: str, code: ErrorCode | None = None) -> bool:
+        """Ends the job as failed; `code` (like context_length_exceeded) names the error for programs."""
+        update = RecordUpdate(
+            status=JobStatus.failed,
+            finish_reason=FinishReason.error,
+            error=message,
+            error_code=code,
+            finished_at=time.time(),
+        )
+        final = error_entry(JobStatus.failed, message, code.value if code else None)
+        return await self.finish(claim, update, final)

@@ -1,6 +1,12 @@
-"""Every Redis key and channel ortfleet uses, in one place."""
+"""Every Redis key and channel ortfleet names, and the functions that derive them.
+
+The Lua scripts of common/jobqueue.py build no key names: their callers derive every key here and
+pass it in KEYS.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from arq.constants import job_key_prefix as _arq_job_prefix
 
@@ -25,8 +31,40 @@ def arq_job(job_id: str) -> str:
     return ARQ_JOB_PREFIX + job_id
 
 
-def queue(model: str) -> str:
-    return f"{PREFIX}queue:{model}"
+class JobKeys(NamedTuple):
+    """The keys of one job, all derived from its id."""
+
+    record: str
+    events: str
+    arq_job: str
+
+
+def job_keys(job_id: str) -> JobKeys:
+    return JobKeys(job(job_id), events(job_id), arq_job(job_id))
+
+
+def queue(model: str, priority: str = "interactive") -> str:
+    """zset: the model's waiting jobs of one priority class -> their fair-share tag (common/fair_share.py)."""
+    if priority == "interactive":
+        return f"{PREFIX}queue:{model}"
+    return f"{PREFIX}queue:{model}:{priority}"
+
+
+def fair_tags(model: str, priority: str) -> str:
+    """hash: per key of a model's priority class, the finish tag of its last job; ":v" the class's
+    virtual time, ":seq" its submission counter (common/fair_share.py)."""
+    return f"{PREFIX}fair:{model}:{priority}"
+
+
+def preempting(model: str) -> str:
+    """string: engine slots workers are freeing for the model's waiting interactive jobs (short-lived)."""
+    return f"{PREFIX}preempting:{model}"
+
+
+def served_tokens(model: str) -> str:
+    """hash: "<class>" and "<class>:<key>" -> tokens served (prompt and generated) by finished jobs;
+    it expires a job TTL after the last one."""
+    return f"{PREFIX}served:{model}"
 
 
 def leases(model: str) -> str:
@@ -38,7 +76,8 @@ def queued_tokens(model: str) -> str:
 
 
 def finished(model: str) -> str:
-    """zset: "<status>:<job id>" of jobs that finished on a worker -> finish time (ms), last minute only."""
+    """zset: "<status>:<job id>" of jobs that ended (on a worker or in the queue) -> end time (ms),
+    last minute only."""
     return f"{PREFIX}finished:{model}"
 
 
@@ -64,3 +103,52 @@ def worker(worker_id: str) -> str:
 
 def idempotency(digest: str) -> str:
     return f"{PREFIX}idem:{digest}"
+
+
+# The OpenAI async APIs (files, batches, responses), kept by the gateways.
+BATCHES_ACTIVE = (
+    PREFIX + "batches:active"
+)  # zset: batch id -> creation time (ms), while a driver owes it work
+
+
+def file(file_id: str) -> str:
+    return f"{PREFIX}file:{file_id}"
+
+
+def file_lines(file_id: str) -> str:
+    """list: the file's lines, each with its line break, in order."""
+    return f"{PREFIX}file-lines:{file_id}"
+
+
+def owner_files(owner: str) -> str:
+    return f"{PREFIX}files-of:{owner}"
+
+
+def batch(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_in_flight(batch_id: str) -> str:
+    """hash: line index -> the job answering it ("pending" between reserving the line and submitting it)."""
+    return f"{PREFIX}batch-in-flight:{batch_id}"
+
+
+def batch_lease(batch_id: str) -> str:
+    return f"{PREFIX}batch-lease:{batch_id}"
+
+
+def owner_batches(owner: str) -> str:
+    return f"{PREFIX}batches-of:{owner}"
+
+
+def response(response_id: str) -> str:
+    return f"{PREFIX}response:{response_id}"
+
+
+def tokenizer_calls(model: str) -> str:
+    """list: tokenize/detokenize calls for any worker of the model (JSON, pushed left, popped right)."""
+    return f"{PREFIX}tokenizer-calls:{model}"
+
+
+def tokenizer_reply(call_id: str) -> str:
+    return f"{PREFIX}tokenizer-reply:{call_id}"

@@ -6,15 +6,10 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.model_folder import default_cache_root
 from common.redis_url import mask_url
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-
-
-def _default_model_cache() -> Path:
-    from common.modelbuild.cache import default_cache_root
-
-    return default_cache_root()
 
 
 class FleetSettings(BaseSettings):
@@ -30,7 +25,7 @@ class FleetSettings(BaseSettings):
         86_400, ge=60, description="Seconds a job's record and token stream are kept after submission."
     )
     model_cache: Path = Field(
-        default_factory=_default_model_cache,
+        default_factory=default_cache_root,
         description="Folder where `ortfleet model default` builds and keeps converted models.",
     )
     log_level: LogLevel = Field("info", description="Log level of the process.")
@@ -47,6 +42,15 @@ class GatewaySettings(FleetSettings):
 
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on.")
+    redis_socket_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest wait for Redis to answer a command; a stalled Redis then gets the client a 503 "
+        "instead of a hang.",
+    )
+    redis_connect_timeout_s: float = Field(
+        2.0, gt=0, description="Longest wait to open a connection to Redis."
+    )
     max_body_bytes: int = Field(
         1_048_576, ge=1024, description="Largest request body accepted; larger bodies get 413."
     )
@@ -75,7 +79,7 @@ class GatewaySettings(FleetSettings):
     api_keys: SecretStr | None = Field(
         None,
         description="API keys the gateway accepts, as comma-separated NAME:KEY pairs; with these or a keys "
-        "file, every route but /healthz and /readyz needs `Authorization: Bearer KEY`.",
+        "file, every route but /healthz, /readyz, /health and /version needs `Authorization: Bearer KEY`.",
     )
     api_keys_file: Path | None = Field(
         None,
@@ -88,6 +92,11 @@ class GatewaySettings(FleetSettings):
         False,
         description="Let the gateway listen on a non-loopback address with no API keys (--allow-anonymous).",
     )
+    metrics_per_key: bool = Field(
+        False,
+        description="Label the queued-job and served-token metrics by API key as well as by class (one "
+        "series per key and class: enable only with a bounded number of keys).",
+    )
     key_max_concurrent_jobs: int = Field(
         64, ge=1, description="Active (queued or running) jobs a key may have, unless its own limit is set."
     )
@@ -97,7 +106,104 @@ class GatewaySettings(FleetSettings):
         description="Requests a key may make per minute, across all gateways, unless its own is set.",
     )
     max_header_bytes: int = Field(
-        16_384, ge=1024, description="Largest request head (request line and headers) the gateway reads."
+        16_384,
+        ge=1024,
+        description="Largest request head (request line and headers) the gateway reads; larger ones get 431.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Time a client has to send a request's head (line and headers) once it connects or "
+        "starts a request; a slower one is disconnected with 408.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Time a client has to send a request's whole body after its head; a slower one is "
+        "disconnected with 408.",
+    )
+    max_json_depth: int = Field(
+        32, ge=4, le=500, description="Deepest nesting of arrays and objects in a JSON body; deeper gets 400."
+    )
+    max_number_digits: int = Field(
+        40, ge=20, le=1000, description="Most digits of a number in a JSON body; longer gets 400."
+    )
+    key_max_open_streams: int = Field(
+        32,
+        ge=1,
+        description="Event streams, long-polls and waiting OpenAI calls one API key may hold open on one "
+        "gateway at once; more get 429. A gateway without API keys has no such cap.",
+    )
+    max_file_bytes: int = Field(
+        104_857_600,
+        ge=1024,
+        description="Largest file `POST /v1/files` accepts (read as a stream, kept in Redis); larger "
+        "ones get 413.",
+    )
+    file_ttl_s: int = Field(
+        86_400 * 7,
+        ge=60,
+        description="Seconds an uploaded file, and a batch's output and error files, are kept.",
+    )
+    batch_max_lines: int = Field(50_000, ge=1, description="Most requests one batch's input file may hold.")
+    batch_max_in_flight: int = Field(
+        32,
+        ge=1,
+        description="Lines of one batch queued or running at a time; the batch's driver feeds more as "
+        "they end.",
+    )
+    batch_window_s: float = Field(
+        86_400.0,
+        gt=0,
+        description="Seconds the `24h` completion window lasts; a batch not done by then expires (its "
+        "unfinished lines go to the error file). Shorten it only to try expiry out.",
+    )
+    batch_lease_s: float = Field(
+        10.0,
+        gt=0.1,
+        description="Seconds a gateway's lease on driving a batch lasts unrenewed; another gateway takes the "
+        "batch over this long after its driver died.",
+    )
+    batch_tick_s: float = Field(
+        0.5, gt=0, description="Seconds between two steps of a gateway's batch driver."
+    )
+    queue_without_workers: bool = Field(
+        False,
+        description="Queue a job for a known model (served within the job TTL) that has no live worker "
+        "now, instead of answering 503: for workers scaled to zero by an autoscaler on queue depth. The "
+        "job waits at most ORTFLEET_QUEUE_TIMEOUT_S.",
+    )
+    cors_origins: str = Field(
+        "",
+        description="Comma-separated origins (https://app.example.com) whose web pages may call the API, "
+        "or * for any; empty: no CORS headers.",
+    )
+    stream_token_secret: SecretStr | None = Field(
+        None,
+        description="Secret (16+ characters, the same on every gateway) that signs stream tokens, which let "
+        "a browser's EventSource read a job's events on a keyed gateway; unset: no stream tokens.",
+        min_length=16,
+    )
+    stream_token_ttl_s: int = Field(
+        300, ge=10, le=86_400, description="Seconds a stream token stays valid for opening a job's events."
+    )
+    redis_max_connections: int = Field(
+        6,
+        ge=1,
+        description="Pooled Redis connections of one gateway for its requests; commands beyond wait for "
+        "one. Open SSE streams hold none (see relay_connections).",
+    )
+    relay_connections: int = Field(
+        2,
+        ge=1,
+        description="Redis connections that read every open event stream of one gateway (each a blocking "
+        "XREAD over its share of the streams), whatever the number of streams.",
+    )
+    relay_buffer_events: int = Field(
+        256,
+        ge=1,
+        description="Events buffered for one SSE client; a client further behind reads on from Redis "
+        "once it catches up, without holding up the others.",
     )
 
 
@@ -116,7 +222,21 @@ class WorkerSettings(FleetSettings):
         "(the static scheduler's default is 4).",
     )
     max_attempts: int = Field(
-        3, ge=1, description="Times a job may be started before it fails (a job that kills workers)."
+        3,
+        ge=1,
+        description="Worker deaths a job may cause in quarantine (running alone on its worker, after a "
+        "first death made it suspect) before it fails as poison; stopped or drained workers never count.",
+    )
+    resume_mode: Literal["replay", "prefill"] = Field(
+        "replay",
+        description="How a job resumes from the tokens already streamed: replay (recompute them one "
+        "decode step each, as first computed: greedy text equals an uninterrupted run's) or prefill "
+        "(one prefill of prompt and tokens: faster, but the text may differ after the resume point).",
+    )
+    crash_marker: str = Field(
+        "",
+        description="Testing aid: a worker kills itself (SIGKILL) when it starts a job whose prompt "
+        "holds this text, as an engine crash would (a poison job); empty is off.",
     )
     claim_poll_s: float = Field(
         1.0,
@@ -146,6 +266,19 @@ class WorkerSettings(FleetSettings):
     )
     publish_max_batch: int = Field(
         64, ge=1, description="Most tokens written to a job's stream in one Redis round trip."
+    )
+    preempt_batch: bool = Field(
+        True,
+        description="Batch jobs yield to interactive ones: when interactive jobs wait and no slot is free, "
+        "a worker sends batch jobs back to the queue (they resume later from their streamed tokens; "
+        "not an attempt). On the static scheduler this cuts the whole batch.",
+    )
+    preempt_after_s: float = Field(
+        0.01,
+        ge=0,
+        le=60,
+        description="How long interactive jobs wait (for a worker with a free slot) before a worker full "
+        "of batch jobs preempts them.",
     )
     metrics_port: int = Field(
         0,

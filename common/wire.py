@@ -1,12 +1,14 @@
-"""The wire formats shared by gateway and workers: job requests, job records, stream events."""
+"""The wire formats shared by gateway and workers: job requests and specs, the job as the API shows it,
+stream event types. The job's record in Redis is common/records.py's."""
 
 from __future__ import annotations
 
-import json
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from common.guidance import Guidance, ResponseFormat
 
 
 class JobStatus(str, Enum):
@@ -17,8 +19,19 @@ class JobStatus(str, Enum):
     cancelled = "cancelled"
 
 
-ACTIVE = frozenset({JobStatus.queued, JobStatus.running})
 TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+class PriorityClass(str, Enum):
+    """A job's priority class: a worker claims interactive jobs before any batch job, and batch work
+    yields its engine slots to waiting interactive jobs."""
+
+    interactive = "interactive"
+    batch = "batch"
+
+
+# Highest class first: the order in which workers claim.
+PRIORITY_ORDER = (PriorityClass.interactive, PriorityClass.batch)
 
 
 class FinishReason(str, Enum):
@@ -56,6 +69,15 @@ class Sampling(BaseModel):
     top_k: int = Field(0, ge=0, le=1000, description="Sample among the k most likely tokens; 0 is off.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed for reproducible sampling.")
     stop: StopList | None = Field(None, description="Strings that end generation (not included in output).")
+    # vLLM's sampling extensions.
+    ignore_eos: bool = Field(False, description="Generate exactly max_tokens: end of sequence is masked.")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=2.0, description="Above 1 discourages tokens already in the prompt or output."
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=16, description="Token ids that end generation (not included in output)."
+    )
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the text.")
 
     @field_validator("min_tokens")
     @classmethod
@@ -65,10 +87,6 @@ class Sampling(BaseModel):
             raise ValueError(f"must not exceed max_tokens ({most})")
         return value
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 class JobRequest(Sampling):
     """Body of `POST /v1/jobs`: a prompt or chat messages, and sampling parameters."""
@@ -77,6 +95,14 @@ class JobRequest(Sampling):
     prompt: str | None = Field(None, min_length=1, description="Raw text to continue.")
     messages: list[ChatMessage] | None = Field(
         None, min_length=1, description="Chat messages; the worker applies the model's chat template."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="Structured output: json_object, json_schema, regex, choice or grammar."
+    )
+    priority: PriorityClass = Field(
+        PriorityClass.interactive,
+        description="Priority class: `interactive` (default) or `batch`, which waits while interactive "
+        "jobs wait and yields its engine slots to them.",
     )
 
     @model_validator(mode="after")
@@ -95,6 +121,8 @@ class JobSpec(BaseModel):
     messages: list[ChatMessage] | None = None
     sampling: Sampling
     submitted_at: float
+    priority: PriorityClass = PriorityClass.interactive
+    guidance: Guidance | None = None  # structured output: the grammar the output must follow
 
 
 class Usage(BaseModel):
@@ -127,7 +155,12 @@ class JobView(BaseModel):
     created_at: float
     attempts: int = 0
     worker: str | None = None
+    priority: PriorityClass = PriorityClass.interactive
     queue_position: int | None = Field(None, description="Jobs ahead of this one while it is queued.")
+    queue_eta_s: float | None = Field(
+        None, description="Seconds until it starts while queued, from the model's recent service rate."
+    )
+    preemptions: int = Field(0, description="Times batch work was paused for interactive jobs.")
     output: str | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
@@ -139,6 +172,21 @@ class JobView(BaseModel):
     engine_batch_peak: int | None = Field(
         None, description="Most requests the engine generated together while running this job."
     )
+    worker_deaths: int = Field(
+        0,
+        description="Workers that died running this job. The first makes it suspect: its later attempts "
+        "run alone on their worker, in quarantine.",
+    )
+    quarantine_deaths: int = Field(
+        0,
+        description="Worker deaths while the job ran in quarantine; at ORTFLEET_MAX_ATTEMPTS, poison.",
+    )
+    resumed_from: int | None = Field(
+        None, description="Tokens already streamed when the last attempt resumed the job (none: not resumed)."
+    )
+    resume_exact: bool | None = Field(
+        None, description="Whether the resumed attempt's replay computed every streamed token again exactly."
+    )
     links: JobLinks
 
 
@@ -147,20 +195,3 @@ class EventType(str, Enum):
     token = "token"
     done = "done"
     error = "error"
-
-
-def encode_fields(fields: dict[str, Any]) -> dict[str, str]:
-    """Flatten a record or event into Redis hash/stream fields (strings; nested values as JSON)."""
-    out: dict[str, str] = {}
-    for key, value in fields.items():
-        if value is None:
-            continue
-        if isinstance(value, Enum):
-            out[key] = str(value.value)
-        elif isinstance(value, BaseModel):
-            out[key] = value.model_dump_json()
-        elif isinstance(value, str):
-            out[key] = value
-        else:
-            out[key] = json.dumps(value)
-    return out

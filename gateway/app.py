@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 
@@ -10,24 +12,38 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 from common.apikeys import KeyRing, parse_env_keys
 from common.jobqueue import JobQueue
-from common.redis_client import connect
+from common.redis_client import connect, gateway_client_name
 from common.settings import GatewaySettings
-from gateway import health, jobs, metrics, openai_api, openapi
+from gateway import health, jobs, metrics, metrics_route, openai_api, openapi, tokenizer
 from gateway.auth import ApiKeyAuth
+from gateway.batches import routes as batches
+from gateway.batches.driver import BatchDriver
 from gateway.body_limit import BodySizeLimit
 from gateway.errors import (
     ApiError,
+    ClientGone,
     api_error_handler,
+    client_gone_handler,
     http_error_handler,
     redis_error_handler,
     unexpected_error_handler,
 )
+from gateway.files import routes as files
 from gateway.fleet import FleetView
 from gateway.http_metrics import HttpMetrics
+from gateway.openai_api.choices import JOB_ID_HEADER
+from gateway.relay import StreamRelay
+from gateway.responses import routes as responses
 from gateway.state import AppState
+from gateway.stream_slots import StreamSlots
+from gateway.stream_tokens import StreamTokens
+from gateway.stream_tokens import routes as stream_tokens_routes
+
+MULTIPART_OVERHEAD_BYTES = 65_536  # a file upload's form fields and part headers
 
 
 def package_version() -> str:
@@ -43,24 +59,85 @@ def keyring(settings: GatewaySettings) -> KeyRing:
     return KeyRing(env_keys, path)
 
 
-def build_app(settings: GatewaySettings | None = None) -> Starlette:
+def cors(settings: GatewaySettings) -> list[Middleware]:
+    """CORS for the origins in ORTFLEET_CORS_ORIGINS, outermost, so preflights never need a key."""
+    origins = [origin.strip() for origin in settings.cors_origins.split(",") if origin.strip()]
+    if not origins:
+        return []
+    exposed = [JOB_ID_HEADER, "Location", "Retry-After", "Idempotent-Replayed"]
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=exposed,
+            max_age=600,
+        )
+    ]
+
+
+def stream_tokens(settings: GatewaySettings) -> StreamTokens | None:
+    secret = settings.stream_token_secret
+    return StreamTokens(secret.get_secret_value().encode(), settings.stream_token_ttl_s) if secret else None
+
+
+def build_app(
+    settings: GatewaySettings | None = None, gateway_metrics: metrics.GatewayMetrics | None = None
+) -> Starlette:
     """The gateway as an ASGI app; Redis is connected in the lifespan."""
     settings = settings or GatewaySettings()
-    gateway_metrics = metrics.GatewayMetrics()
+    gateway_metrics = gateway_metrics or metrics.GatewayMetrics(per_key=settings.metrics_per_key)
+    tokens = stream_tokens(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = connect(settings.redis_url.get_secret_value())
+        url, name = settings.redis_url.get_secret_value(), gateway_client_name(os.getpid())
+        redis = connect(
+            url,
+            max_connections=settings.redis_max_connections,
+            client_name=name,
+            socket_timeout_s=settings.redis_socket_timeout_s,
+            connect_timeout_s=settings.redis_connect_timeout_s,
+            retries=1,
+        )
         queue = JobQueue(redis, settings.job_ttl_s)
-        app.state.ortfleet = AppState(settings, redis, queue, FleetView(redis), gateway_metrics)
+        streams = StreamSlots(settings.key_max_open_streams, gateway_metrics)
+        relay = StreamRelay(
+            url,
+            redis,
+            connections=settings.relay_connections,
+            buffer=settings.relay_buffer_events,
+            client_name=name,
+        )
+        await relay.start()
+        app.state.ortfleet = AppState(
+            settings, redis, queue, FleetView(redis), gateway_metrics, streams, relay
+        )
+        driver = asyncio.create_task(BatchDriver(app.state.ortfleet).run(), name="batch-driver")
         try:
             yield
         finally:
+            driver.cancel()
+            await asyncio.gather(driver, return_exceptions=True)
+            await relay.close()
             await redis.aclose()
 
     app = Starlette(
-        routes=[*jobs.routes, *openai_api.routes, *health.routes, *openapi.routes, *metrics.routes],
+        routes=[
+            *jobs.routes,
+            *stream_tokens_routes,
+            *openai_api.routes,
+            *files.routes,
+            *batches.routes,
+            *responses.routes,
+            *tokenizer.routes,
+            *health.routes,
+            *openapi.routes,
+            *metrics_route.routes,
+        ],
         middleware=[
+            *cors(settings),
             Middleware(HttpMetrics, metrics=gateway_metrics),
             Middleware(
                 ApiKeyAuth,
@@ -68,16 +145,24 @@ def build_app(settings: GatewaySettings | None = None) -> Starlette:
                 metrics_key=settings.metrics_api_key.get_secret_value() if settings.metrics_api_key else None,
                 default_requests_per_minute=settings.key_requests_per_minute,
                 default_max_concurrent_jobs=settings.key_max_concurrent_jobs,
+                stream_token_key=tokens.key_of if tokens is not None else None,
             ),
-            Middleware(BodySizeLimit, max_bytes=settings.max_body_bytes),
+            Middleware(
+                BodySizeLimit,
+                max_bytes=settings.max_body_bytes,
+                path_limits={"/v1/files": settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
+            ),
         ],
         exception_handlers={
             ApiError: api_error_handler,
+            ClientGone: client_gone_handler,
             HTTPException: http_error_handler,
             RedisError: redis_error_handler,
             Exception: unexpected_error_handler,
         },
         lifespan=lifespan,
     )
-    app.state.openapi = openapi.build_spec(package_version())
+    app.state.version = package_version()
+    app.state.stream_tokens = tokens
+    app.state.openapi = openapi.build_spec(app.state.version)
     return app

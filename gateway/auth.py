@@ -6,17 +6,20 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common import keys
 from common.apikeys import ANONYMOUS, KeyRing, Principal
+from common.error_codes import ErrorCode
 from gateway.errors import envelope
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+STREAM_TOKEN_INVALID = "\n"  # no key is named so
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
 METRICS_PATH = "/metrics"
 
 # A sliding minute: one sorted-set entry per request; answers the seconds to wait, 0 when allowed.
@@ -40,8 +43,9 @@ def principal_of(scope: Scope) -> Principal:
 
 
 class ApiKeyAuth:
-    """Every route but /healthz and /readyz needs `Authorization: Bearer KEY` once keys are configured;
-    /metrics needs its own key when one is set. The caller's key becomes the request's principal."""
+    """Every route but the health checks and /version needs `Authorization: Bearer KEY` once keys are
+    configured; /metrics needs its own key when one is set. The caller's key becomes the request's
+    principal."""
 
     def __init__(
         self,
@@ -50,8 +54,12 @@ class ApiKeyAuth:
         metrics_key: str | None,
         default_requests_per_minute: int,
         default_max_concurrent_jobs: int,
+        stream_token_key: Callable[[Scope], str | None] | None = None,
     ) -> None:
+        """`stream_token_key`: the key name a request's stream token vouches for, STREAM_TOKEN_INVALID for
+        a bad token, None when it has none."""
         self.app = app
+        self.stream_token_key = stream_token_key
         self.keyring = keyring
         self.metrics_key = metrics_key
         self.default_rpm = default_requests_per_minute
@@ -71,10 +79,21 @@ class ApiKeyAuth:
         if not self.keyring.enabled:
             await self.app(scope, receive, send)
             return
-        if presented is None:
+        if (
+            presented is None
+            and self.stream_token_key is not None
+            and (token := self.stream_token_key(scope))
+        ):
+            key = self.keyring.named(token)
+            if key is None:
+                message = "the stream token is not valid for this job (expired, altered, or its key revoked)"
+                await _reject(send, 401, message)
+                return
+        elif presented is None:
             await _reject(send, 401, "an API key is required: send Authorization: Bearer KEY")
             return
-        key = self.keyring.authenticate(presented)
+        else:
+            key = self.keyring.authenticate(presented)
         if key is None:
             await _reject(send, 401, "the API key is not valid (unknown or revoked)")
             return
@@ -82,13 +101,16 @@ class ApiKeyAuth:
             key.name,
             key.max_concurrent_jobs or self.default_jobs,
             key.requests_per_minute or self.default_rpm,
+            key.weight,
+            key.max_class,
         )
         retry_after = await self._over_rate(scope, principal)
         if retry_after:
             message = (
                 f"key {key.name!r} is over its limit of {principal.requests_per_minute} requests per minute"
             )
-            await _reject(send, 429, message, {"Retry-After": str(retry_after)}, code="rate_limit_exceeded")
+            limited = ErrorCode.rate_limit_exceeded
+            await _reject(send, 429, message, {"Retry-After": str(retry_after)}, code=limited)
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
@@ -124,9 +146,14 @@ def _same(presented: str | None, expected: str) -> bool:
 
 
 async def _reject(
-    send: Send, status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None
+    send: Send,
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    code: ErrorCode | None = None,
 ) -> None:
-    body = json.dumps(envelope(status, message, code=code or ("invalid_api_key" if status == 401 else None)))
+    code = code or (ErrorCode.invalid_api_key if status == 401 else None)
+    body = json.dumps(envelope(status, message, code=code))
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         raw_headers.append((b"www-authenticate", b'Bearer realm="ortfleet"'))

@@ -1,4 +1,5 @@
-"""The one error envelope (OpenAI's shape), produced only by the handlers registered here."""
+"""The one error envelope (OpenAI's shape): produced by the exception handlers registered here, and
+by the few places that answer before them or inside a stream (auth, an SSE error frame)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import logging
 from typing import Any
 
 from pydantic import ValidationError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
+
+from common.error_codes import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ class ApiError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: ErrorCode | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -44,13 +48,22 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def envelope(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+class ClientGone(Exception):
+    """The client went away before its request was read or answered: nothing to send, nothing to log."""
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left; nobody receives it
+
+
+def envelope(
+    status: int, message: str, param: str | None = None, code: ErrorCode | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
             "param": param,
-            "code": code,
+            "code": code.value if code else None,
         }
     }
 
@@ -77,8 +90,16 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, exc)
-    body = envelope(503, "the job store (Redis) is unavailable; retry shortly", code="store_unavailable")
-    return JSONResponse(body, 503, {"Retry-After": "1"})
+    if isinstance(exc, RedisTimeoutError):
+        request.app.state.ortfleet.metrics.rejected.labels("store_timeout").inc()
+        message, code = "the job store (Redis) did not answer in time; retry shortly", ErrorCode.store_timeout
+    else:
+        message, code = "the job store (Redis) is unavailable; retry shortly", ErrorCode.store_unavailable
+    return JSONResponse(envelope(503, message, code=code), 503, {"Retry-After": "1"})
+
+
+async def client_gone_handler(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:

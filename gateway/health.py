@@ -1,21 +1,30 @@
-"""Liveness, readiness and the list of served models."""
+"""Liveness and readiness, in ortfleet's words (/healthz, /readyz) and vLLM's and TGI's (/health), and
+the version (/version)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.errors import ApiError
-from gateway.fleet import ModelState
 from gateway.state import app_state
 
 
 async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
+
+
+async def health(request: Request) -> Response:
+    """vLLM's and TGI's check: 200 with an empty body while a worker serves; 503 otherwise."""
+    reply = await readyz(request)
+    if reply.status_code == 200:
+        return Response(status_code=200)
+    return reply
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": request.app.state.version})
 
 
 async def readyz(request: Request) -> Response:
@@ -27,41 +36,14 @@ async def readyz(request: Request) -> Response:
         return JSONResponse({"status": "unavailable", "reason": f"Redis is unreachable: {e}"}, 503)
     if not fleet.live:
         return JSONResponse({"status": "unavailable", "reason": "no live worker"}, 503)
-    models = {name: {"workers": m.workers, "capacity": m.capacity} for name, m in fleet.live.items()}
+    # Public: live workers per model, what a load balancer or a deployment waits for; no load figures.
+    models = {name: {"workers": m.workers} for name, m in fleet.live.items()}
     return JSONResponse({"status": "ready", "models": models})
-
-
-def model_entry(m: ModelState) -> dict[str, Any]:
-    return {
-        "id": m.name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "ortfleet",
-        "context_length": m.context_length,
-        "workers": m.workers,
-        "capacity": m.capacity,
-        "in_flight": m.in_flight,
-    }
-
-
-async def list_models(request: Request) -> Response:
-    fleet = await app_state(request).fleet.snapshot(fresh=True)
-    data = [model_entry(m) for m in sorted(fleet.live.values(), key=lambda m: m.name)]
-    return JSONResponse({"object": "list", "data": data})
-
-
-async def retrieve_model(request: Request) -> Response:
-    name = request.path_params["model_id"]
-    fleet = await app_state(request).fleet.snapshot(fresh=True)
-    if name not in fleet.live:
-        message = f"model {name!r} is not served by a live worker"
-        raise ApiError(404, message, param="model", code="model_not_found")
-    return JSONResponse(model_entry(fleet.live[name]))
 
 
 routes = [
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
 ]

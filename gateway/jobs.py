@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import re
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common import keys
 from common.apikeys import Principal
-from common.records import load_record, record_view
+from common.error_codes import ErrorCode
+from common.fleet_stats import service_rate
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
 from gateway.errors import ApiError
+from gateway.openai_api.serving import until_disconnect
 from gateway.request_body import parse_body
-from gateway.sse import ENTRY_ID, relay, wait_final
+from gateway.sse import read_position, relay, valid_entry_id, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -23,18 +27,22 @@ def links(job_id: str) -> JobLinks:
 
 
 def not_found(job_id: str) -> ApiError:
-    return ApiError(404, f"job {job_id!r} does not exist (or has expired)", param="id", code="job_not_found")
+    message = f"job {job_id!r} does not exist (or has expired)"
+    return ApiError(404, message, param="id", code=ErrorCode.job_not_found)
 
 
 async def load_view(state: AppState, job_id: str, principal: Principal) -> JobView:
     """The job as `principal` may see it: another owner's job does not exist for them (404, not 403)."""
-    fields = await load_record(state.redis, job_id)
-    if fields is None or fields.get("owner", "") != principal.name:
+    record = await state.queue.owned_record(job_id, principal.name)
+    if record is None:
         raise not_found(job_id)
-    position = None
-    if fields.get("status") == JobStatus.queued.value:
-        position = await state.redis.zrank(keys.queue(fields["model"]), job_id)
-    return record_view(fields, links(job_id), position)
+    position = eta = None
+    if record.status is JobStatus.queued:
+        position = await state.queue.queue_position(record.model, job_id, record.priority)
+        rate = await service_rate(state.redis, record.model)
+        if position is not None and rate > 0:
+            eta = round((position + 1) / rate, 1)
+    return record.view(links(job_id), position, eta)
 
 
 def job_response(view: JobView, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -52,6 +60,7 @@ async def create_job(request: Request) -> Response:
             status=JobStatus.queued,
             model=submitted.model,
             created_at=submitted.created_at,
+            priority=body.priority,
             links=links(submitted.job_id),
         )
     else:
@@ -69,7 +78,8 @@ async def get_job(request: Request) -> Response:
     view = await load_view(state, job_id, principal)
     wait = _wait_seconds(request, state.settings.max_wait_s)
     if wait > 0 and view.status not in TERMINAL:
-        await wait_final(state.redis, job_id, wait)
+        with state.streams.slot(principal.name):  # a client that leaves frees its Redis connection at once
+            await until_disconnect(request, wait_final(state.relay, state.redis, job_id, wait))
         view = await load_view(state, job_id, principal)
     return job_response(view)
 
@@ -92,9 +102,14 @@ async def job_events(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     await load_view(state, job_id, principal_of(request.scope))
     after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
-    if not ENTRY_ID.match(after):
+    if not valid_entry_id(after):
         raise ApiError(422, f"after: {after!r} is not an event id like 1700000000000-0", param="after")
-    stream = relay(state.redis, job_id, after, state.settings.sse_keepalive_s)
+    if await read_position(state.redis, job_id, after) == "beyond":
+        raise ApiError(422, f"after: {after!r} is past the newest event of this job", param="after")
+    owner = principal_of(request.scope).name
+    state.streams.take(owner)
+    relayed = relay(state.relay, state.redis, job_id, after, state.settings.sse_keepalive_s)
+    stream = state.streams.holding(owner, relayed)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
@@ -120,31 +135,41 @@ async def list_jobs(request: Request) -> Response:
     state = app_state(request)
     principal = principal_of(request.scope)
     limit = _int_param(request, "limit", 20, 1, 100)
+    index = keys.owner_jobs(principal.name)
+    upper, skip = "+inf", 0
     after = request.query_params.get("after")
-    upper = "+inf"
     if after is not None:
-        if not after.isdigit():
+        cursor = _CURSOR.fullmatch(after)
+        if cursor is None:
             raise ApiError(422, f"after: {after!r} is not a cursor from next_cursor", param="after")
-        upper = f"({after}"
+        score, last_id = cursor.groups()
+        # Jobs submitted in the same millisecond share a score; Redis orders them by id, so the page
+        # goes on after the cursor's job among them.
+        upper = score
+        same: list[str] = await state.redis.zrangebyscore(index, score, score)
+        skip = sum(1 for job_id in same if job_id >= last_id)
     entries = await state.redis.zrevrangebyscore(
-        keys.owner_jobs(principal.name), upper, "-inf", start=0, num=limit + 1, withscores=True
+        index, upper, "-inf", start=skip, num=limit + 1, withscores=True
     )
     page = entries[:limit]
     views = []
     for job_id, _score in page:
-        fields = await load_record(state.redis, job_id)
-        if fields is not None and fields.get("owner", "") == principal.name:
-            views.append(record_view(fields, links(job_id)).model_dump(mode="json"))
+        record = await state.queue.record(job_id)
+        if record is not None and record.owner == principal.name:
+            views.append(record.view(links(job_id)).model_dump(mode="json"))
     has_more = len(entries) > limit
-    cursor = str(int(page[-1][1])) if has_more and page else None
-    return JSONResponse({"object": "list", "data": views, "has_more": has_more, "next_cursor": cursor})
+    cursor_out = f"{int(page[-1][1])}.{page[-1][0]}" if has_more and page else None
+    return JSONResponse({"object": "list", "data": views, "has_more": has_more, "next_cursor": cursor_out})
+
+
+_CURSOR = re.compile(r"([0-9]{1,16})\.([A-Za-z0-9_-]{1,64})", re.ASCII)
 
 
 def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not low <= int(raw) <= high:
         raise ApiError(422, f"{name}: must be a whole number from {low} to {high}", param=name)
     return int(raw)
 

@@ -11,6 +11,8 @@ import uvicorn
 
 from common.settings import GatewaySettings
 from gateway.app import build_app
+from gateway.http_protocol import guarded_protocol
+from gateway.metrics import GatewayMetrics
 
 
 def is_loopback(host: str) -> bool:
@@ -51,12 +53,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    gateway_metrics = GatewayMetrics()
+    protocol = guarded_protocol(
+        settings.max_header_bytes,
+        settings.header_timeout_s,
+        settings.body_timeout_s,
+        lambda reason: gateway_metrics.rejected.labels(reason).inc(),
+    )
     uvicorn.run(
-        build_app(settings),
+        build_app(settings, gateway_metrics),
+        http=protocol,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
     )

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics and its `/metrics` route.
+"""The gateway's Prometheus metrics (served by `gateway.metrics_route`).
 
 HTTP traffic is counted by the HttpMetrics middleware; queue depth and live workers per model are read
 from Redis when Prometheus scrapes, so every gateway replica reports the same, correct figures.
@@ -11,24 +11,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
-from common.fleet_stats import QueueStats, queue_stats
+from common.fleet_stats import QueueStats, queue_stats, served_tokens
+from gateway.batch_progress import BatchMetrics
 from gateway.fleet import FleetView
-from gateway.state import app_state
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +36,7 @@ HTTP_BUCKETS = (
 class GatewayMetrics:
     """The metrics of one gateway process, in a registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_key: bool = False) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.http_requests = Counter(
@@ -73,8 +68,17 @@ class GatewayMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
-        self.fleet = FleetFigures()
+        self.rejected = Counter(
+            "requests_rejected",
+            "Requests refused by a protective limit, by reason (header_too_large, read_timeout, "
+            "json_too_deep, number_too_long, invalid_json, invalid_text, too_many_streams, store_timeout).",
+            ["reason"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.fleet = FleetFigures(per_key)
         registry.register(self.fleet)
+        self.batches = BatchMetrics(registry, NAMESPACE)
 
     async def refresh(self, redis: Redis, fleet: FleetView) -> None:
         """Read the figures that live in Redis; on a Redis error they are left out of this scrape."""
@@ -82,12 +86,16 @@ class GatewayMetrics:
             snapshot = await fleet.snapshot(fresh=True)
             models = sorted(snapshot.known)
             queues = await queue_stats(redis, models)
+            await self.batches.refresh(redis)
+            served = {name: await served_tokens(redis, name) for name in models}
         except (RedisError, OSError) as e:
             logger.warning("metrics: Redis is unreachable, queue figures left out (%s)", e)
             self.fleet.models = {}
             return
         self.fleet.models = {
-            name: ModelFigures(queues[name], snapshot.live[name].workers if name in snapshot.live else 0)
+            name: ModelFigures(
+                queues[name], snapshot.live[name].workers if name in snapshot.live else 0, served[name]
+            )
             for name in models
         }
 
@@ -96,13 +104,16 @@ class GatewayMetrics:
 class ModelFigures:
     queue: QueueStats
     workers: int
+    served: dict[str, int]  # tokens served per "<class>" and "<class>:<key>"
 
 
 class FleetFigures:
-    """Queue depth, oldest wait and live workers per model, as last read from Redis."""
+    """Queue depth, oldest wait, live workers and served tokens per model, as last read from Redis; by
+    priority class, and by key only when the operator allows it (one series per key and class)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_key: bool = False) -> None:
         self.models: dict[str, ModelFigures] = {}
+        self.per_key = per_key
 
     def collect(self) -> Iterable[Metric]:
         waiting = GaugeMetricFamily(
@@ -116,18 +127,43 @@ class FleetFigures:
         workers = GaugeMetricFamily(
             f"{NAMESPACE}_workers_live", "Workers serving the model with a live heartbeat.", labels=["model"]
         )
+        by_class = GaugeMetricFamily(
+            f"{NAMESPACE}_queued_jobs",
+            "Jobs waiting in the model's queue, by priority class.",
+            labels=["model", "priority"],
+        )
+        served = CounterMetricFamily(
+            f"{NAMESPACE}_served_tokens",
+            "Tokens served (prompt and generated) by the model's finished jobs, by priority class.",
+            labels=["model", "priority"],
+        )
+        families: list[Metric] = [waiting, oldest, workers, by_class, served]
+        if self.per_key:
+            waiting_keys = GaugeMetricFamily(
+                f"{NAMESPACE}_queued_jobs_by_key",
+                "Jobs near the head of the model's queue, by class and API key.",
+                labels=["model", "priority", "key"],
+            )
+            served_keys = CounterMetricFamily(
+                f"{NAMESPACE}_served_tokens_by_key",
+                "Tokens served by the model's finished jobs, by priority class and API key.",
+                labels=["model", "priority", "key"],
+            )
+            families += [waiting_keys, served_keys]
         for name, figures in self.models.items():
             waiting.add_metric([name], figures.queue.depth)
             oldest.add_metric([name], figures.queue.oldest_wait_s)
             workers.add_metric([name], figures.workers)
-        return [waiting, oldest, workers]
-
-
-async def metrics_endpoint(request: Request) -> Response:
-    state = app_state(request)
-    await state.metrics.refresh(state.redis, state.fleet)
-    body = generate_latest(state.metrics.registry)
-    return Response(body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-routes = [Route("/metrics", metrics_endpoint, methods=["GET"])]
+            for cls, count in figures.queue.by_class.items():
+                by_class.add_metric([name, cls], count)
+            for label, tokens in figures.served.items():
+                cls, sep, key = label.partition(":")
+                if not sep:
+                    served.add_metric([name, cls], tokens)
+                elif self.per_key:
+                    served_keys.add_metric([name, cls, key], tokens)
+            if self.per_key:
+                for label, count in figures.queue.waiting_keys.items():
+                    cls, _, key = label.partition(":")
+                    waiting_keys.add_metric([name, cls, key], count)
+        return families

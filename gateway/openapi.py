@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.wire import JobRequest, JobView
+from gateway import async_spec
 from gateway.openai_api import spec as openai_spec
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -30,7 +31,7 @@ _ERROR_SCHEMA = {
         }
     },
 }
-_PUBLIC = {"/healthz", "/readyz"}
+_PUBLIC = {"/healthz", "/readyz", "/health", "/version"}
 _JOB_PAGE = {
     "type": "object",
     "required": ["object", "data", "has_more", "next_cursor"],
@@ -56,9 +57,27 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+def _tokenizer_operation(summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary + ", answered by a worker of the model",
+            "requestBody": {"required": True, **_json({"type": "object"})},
+            "responses": {
+                "200": {"description": "ok", **_json({"type": "object"})},
+                **_errors(400, 404, 503, 504),
+            },
+        }
+    }
+
+
 def build_spec(version: str) -> dict[str, Any]:
     _, defs = models_json_schema(
-        [(JobRequest, "validation"), (JobView, "serialization"), *openai_spec.SCHEMA_MODELS],
+        [
+            (JobRequest, "validation"),
+            (JobView, "serialization"),
+            *openai_spec.SCHEMA_MODELS,
+            *async_spec.SCHEMA_MODELS,
+        ],
         ref_template="#/components/schemas/{model}",
     )
     schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": _ERROR_SCHEMA}
@@ -82,7 +101,11 @@ def build_spec(version: str) -> dict[str, Any]:
                         "in": "query",
                         "schema": {"type": "integer", "minimum": 1, "maximum": 100},
                     },
-                    {"name": "after", "in": "query", "schema": {"type": "string", "pattern": r"^\d+$"}},
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "schema": {"type": "string", "pattern": r"^[0-9]+\.[A-Za-z0-9_-]+$"},
+                    },
                 ],
                 "responses": {"200": {"description": "a page of jobs", **_json(_JOB_PAGE)}, **_errors(422)},
             },
@@ -112,7 +135,11 @@ def build_spec(version: str) -> dict[str, Any]:
                 "summary": "SSE: status, token, done/error events; resumable by Last-Event-ID or after",
                 "parameters": [
                     _JOB_ID,
-                    {"name": "after", "in": "query", "schema": {"type": "string", "pattern": r"^\d+-\d+$"}},
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "schema": {"type": "string", "pattern": r"^[0-9]{1,20}-[0-9]{1,20}$"},
+                    },
                     {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
                 ],
                 "responses": {
@@ -137,6 +164,25 @@ def build_spec(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
             }
         },
+        "/v1/jobs/{job_id}/stream-token": {
+            "post": {
+                "summary": "A signed token that opens the job's events from a browser's EventSource",
+                "parameters": [_JOB_ID],
+                "responses": {
+                    "201": {"description": "token, expires_at and events_url", **_json({"type": "object"})},
+                    **_errors(404, 501),
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "vLLM's and TGI's health check: 200, empty, while a worker serves",
+                "responses": {"200": {"description": "serving"}, "503": {"description": "not serving"}},
+            }
+        },
+        "/version": {"get": {"summary": "ortfleet's version", "responses": {"200": {"description": "ok"}}}},
+        "/tokenize": _tokenizer_operation("vLLM's: a prompt or chat messages as the model's token ids"),
+        "/detokenize": _tokenizer_operation("vLLM's: token ids as text"),
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics of this gateway, and queue depth per model from Redis",
@@ -150,6 +196,7 @@ def build_spec(version: str) -> dict[str, Any]:
         },
     }
     paths.update(openai_spec.paths())
+    paths.update(async_spec.paths())
     for path, operations in paths.items():
         if path in _PUBLIC:
             continue

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -13,14 +12,44 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.responses import StreamingResponse
 
 from common import keys
 from common.events import event_payload, is_final
+from gateway.relay import StreamRelay
 
 logger = logging.getLogger(__name__)
 
-ENTRY_ID = re.compile(r"^\d+-\d+$")
 KEEPALIVE = b": keep-alive\n\n"
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})", re.ASCII)
+_MAX_PART = 2**64 - 1
+PURGED = {"type": "error", "status": "failed", "message": "the job was purged", "code": "job_purged"}
+
+
+def valid_entry_id(text: str) -> bool:
+    """A Redis stream id as `after` or Last-Event-ID may give it: ASCII digits, each part below 2**64."""
+    match = _ENTRY_ID.fullmatch(text)
+    return match is not None and all(int(part) <= _MAX_PART for part in match.groups())
+
+
+def entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def read_position(redis: Redis, job_id: str, after: str) -> str:
+    """Where `after` stands in the job's stream: "ended" when the final entry is at or before it
+    (nothing more will come), "beyond" when it is past the newest entry of a stream still being
+    written (no such event was ever sent), else "ok"."""
+    if after == "0-0":
+        return "ok"
+    newest = await redis.xrevrange(keys.events(job_id), count=1)
+    if not newest:
+        return "ok"
+    newest_id, fields = newest[0]
+    if is_final(fields):
+        return "ended" if entry_key(newest_id) <= entry_key(after) else "ok"
+    return "beyond" if entry_key(after) > entry_key(newest_id) else "ok"
 
 
 def frame(entry_id: str, fields: dict[str, str]) -> bytes:
@@ -29,56 +58,69 @@ def frame(entry_id: str, fields: dict[str, str]) -> bytes:
     return f"id: {entry_id}\nevent: {event}\ndata: {data}\n\n".encode()
 
 
+Entry = tuple[str, dict[str, str]]
+
+
 async def relay(
-    redis: Redis, job_id: str, after: str, keepalive_s: float, outage_limit_s: float = 60.0
+    streams: StreamRelay,
+    redis: Redis,
+    job_id: str,
+    after: str,
+    keepalive_s: float,
+    outage_limit_s: float = 60.0,
 ) -> AsyncIterator[bytes]:
     """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one.
 
     While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
     goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
     """
-    # One connection for the stream's life: a blocking read per event without a pool round trip.
-    async with (
-        redis.client() as pinned,
-        contextlib.aclosing(_relay(pinned, job_id, after, keepalive_s, outage_limit_s)) as chunks,
-    ):
-        async for chunk in chunks:
-            yield chunk
+    async with contextlib.aclosing(
+        entries(streams, redis, job_id, after, keepalive_s, outage_limit_s)
+    ) as read:
+        async for entry in read:
+            yield KEEPALIVE if entry is None else frame(*entry)
 
 
-async def _relay(
-    redis: Redis, job_id: str, after: str, keepalive_s: float, outage_limit_s: float
-) -> AsyncGenerator[bytes, None]:
+async def entries(
+    streams: StreamRelay,
+    redis: Redis,
+    job_id: str,
+    after: str,
+    keepalive_s: float,
+    outage_limit_s: float = 60.0,
+) -> AsyncGenerator[Entry | None, None]:
+    """The job's stream entries after `after` as `relay` reads them; None where a keep-alive is due."""
     stream = keys.events(job_id)
-    last = after
-    outage_since: float | None = None
-    while True:
-        try:
-            reply = await redis.xread({stream: last}, count=512, block=int(keepalive_s * 1000))
-            outage_since = None
-        except (RedisConnectionError, RedisTimeoutError) as e:
-            now = time.monotonic()
-            outage_since = outage_since or now
-            if now - outage_since > outage_limit_s:
-                logger.warning("job %s: Redis away for %.0f s, ending the stream", job_id, now - outage_since)
-                return
-            logger.info("job %s: Redis unreachable (%s); the stream waits", job_id, e)
-            yield KEEPALIVE
-            await asyncio.sleep(0.25)
-            continue
-        if not reply:
-            if not await redis.exists(stream):
-                return
-            yield KEEPALIVE
-            continue
-        for entry_id, fields in reply[0][1]:
-            last = entry_id
-            yield frame(entry_id, fields)
-            if is_final(fields):
-                return
+    if await read_position(redis, job_id, after) == "ended":
+        return
+    async with streams.follow({stream: after}) as follower:
+        while True:
+            batch = await follower.next(keepalive_s)
+            if not batch:
+                away = streams.unreachable_for()
+                if away is not None and away > outage_limit_s:
+                    logger.warning("job %s: Redis away for %.0f s, ending the stream", job_id, away)
+                    return
+                if away is None and not await _exists(redis, stream):
+                    yield f"{int(time.time() * 1000)}-0", PURGED
+                    return
+                yield None
+                continue
+            for _key, entry_id, fields in batch:
+                yield entry_id, fields
+                if is_final(fields):
+                    return
 
 
-async def wait_final(redis: Redis, job_id: str, timeout_s: float) -> None:
+async def _exists(redis: Redis, stream: str) -> bool:
+    """Whether the stream is still there (expired or purged: it ends); True while Redis is away."""
+    try:
+        return bool(await redis.exists(stream))
+    except (RedisConnectionError, RedisTimeoutError):
+        return True
+
+
+async def wait_final(streams: StreamRelay, redis: Redis, job_id: str, timeout_s: float) -> None:
     """Return once the job's final event is in its stream, or after `timeout_s`."""
     stream = keys.events(job_id)
     newest = await redis.xrevrange(stream, count=1)
@@ -86,11 +128,25 @@ async def wait_final(redis: Redis, job_id: str, timeout_s: float) -> None:
         return
     last = newest[0][0] if newest else "0-0"  # no stream yet: wait for its first entry
     deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        reply = await redis.xread({stream: last}, count=512, block=max(1, int(left * 1000)))
-        if not reply:
-            return
-        for entry_id, fields in reply[0][1]:
-            last = entry_id
-            if is_final(fields):
+    async with streams.follow({stream: last}) as follower:
+        while (left := deadline - time.monotonic()) > 0:
+            if any(is_final(fields) for _key, _id, fields in await follower.next(left)):
                 return
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that know whether they ran to their end: `ended` stays False when the client
+    left first, for subclasses that then cancel what the stream was for."""
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        self.ended = False
+        super().__init__(
+            self._to_the_end(content),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+
+    async def _to_the_end(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in content:
+            yield chunk
+        self.ended = True

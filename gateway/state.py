@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 from starlette.requests import Request
@@ -9,9 +8,9 @@ from starlette.requests import Request
 from common.jobqueue import JobQueue
 from common.settings import GatewaySettings
 from gateway.fleet import FleetView
-
-if TYPE_CHECKING:
-    from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics
+from gateway.relay import StreamRelay
+from gateway.stream_slots import StreamSlots
 
 
 @dataclass
@@ -21,6 +20,8 @@ class AppState:
     queue: JobQueue
     fleet: FleetView
     metrics: GatewayMetrics
+    streams: StreamSlots
+    relay: StreamRelay
 
 
 def app_state(request: Request) -> AppState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -11,8 +12,10 @@ from pydantic import ValidationError
 
 from common import keys
 from common.apikeys import ANONYMOUS, Principal
+from common.error_codes import ErrorCode
+from common.guidance import Guidance
 from common.jobqueue import OwnerBusy, QueueFull, QueueLimits, Submitted
-from common.wire import JobRequest, JobSpec, JobStatus, Sampling
+from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
 from gateway.errors import ApiError, validation_error
 from gateway.state import AppState
 
@@ -30,7 +33,8 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
             return name, fleet.live[name].context_length
         names = sorted(fleet.live) or sorted(fleet.known)
         if not names:
-            raise ApiError(503, "no worker is serving any model yet", param="model", code="no_live_worker")
+            message = "no worker is serving any model yet"
+            raise ApiError(503, message, param="model", code=ErrorCode.no_live_worker)
         raise ApiError(422, f"model: required, this fleet serves {', '.join(names)}", param="model")
     if requested not in fleet.known:
         fleet = await state.fleet.snapshot(fresh=True)
@@ -40,16 +44,18 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
             404,
             f"model {requested!r} does not exist (served: {served})",
             param="model",
-            code="model_not_found",
+            code=ErrorCode.model_not_found,
         )
     if requested not in fleet.live:
         fleet = await state.fleet.snapshot(fresh=True)
+    if requested not in fleet.live and state.settings.queue_without_workers:
+        return requested, fleet.known[requested]  # it waits for a worker (scaled to zero, starting)
     if requested not in fleet.live:
         raise ApiError(
             503,
             f"no live worker serves model {requested!r}",
             param="model",
-            code="no_live_worker",
+            code=ErrorCode.no_live_worker,
             headers={"Retry-After": "5"},
         )
     return requested, fleet.live[requested].context_length
@@ -63,7 +69,7 @@ def check_length(request: JobRequest, context_length: int) -> None:
             f"max_tokens: {max_tokens} does not fit the model's context of {context_length} tokens "
             "(prompt and generated tokens together)",
             param="max_tokens",
-            code="context_length_exceeded",
+            code=ErrorCode.context_length_exceeded,
         )
 
 
@@ -75,6 +81,18 @@ def resolved_sampling(request: JobRequest, default_max_tokens: int) -> Sampling:
         return Sampling.model_validate(fields)
     except ValidationError as e:
         raise validation_error(e) from e
+
+
+def guidance_of(request: JobRequest) -> Guidance | None:
+    """The grammar for the request's response_format; ignore_eos cannot go with one (the grammar ends)."""
+    guidance = request.response_format.guidance() if request.response_format is not None else None
+    if guidance is not None and request.ignore_eos:
+        raise ApiError(
+            422,
+            "ignore_eos: cannot be combined with structured output, whose grammar decides where it ends",
+            param="ignore_eos",
+        )
+    return guidance
 
 
 def queue_limits(state: AppState) -> QueueLimits:
@@ -91,6 +109,49 @@ def estimated_cost(spec: JobSpec) -> int:
     return prompt_chars // 4 + 1 + (spec.sampling.max_tokens or 0)
 
 
+def idempotency_redis_key(principal: Principal, idempotency_key: str) -> str:
+    """Where the job submitted under `idempotency_key` is found; idempotency keys are per owner."""
+    scoped = f"{principal.name}\n{idempotency_key}"
+    return keys.idempotency(hashlib.sha256(scoped.encode()).hexdigest())
+
+
+def request_digest(request: JobRequest, priority: PriorityClass) -> str:
+    """What an idempotent retry must repeat: the request and its class, as canonical JSON, hashed."""
+    canonical = json.dumps(
+        {"request": request.model_dump(mode="json"), "priority": priority.value},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+async def check_same_request(state: AppState, job_id: str, digest: str | None, idempotency_key: str) -> None:
+    """422 when an Idempotency-Key comes back with another request than the one it was first used for."""
+    record = await state.queue.record(job_id)
+    if record is None or record.request_digest is None or record.request_digest == digest:
+        return
+    raise ApiError(
+        422,
+        f"Idempotency-Key {idempotency_key!r} was first used for another request (job {job_id}); "
+        "a retry must repeat the request exactly, and a new request needs a new key",
+        param="Idempotency-Key",
+        code=ErrorCode.idempotency_key_reused,
+    )
+
+
+def check_priority(requested: PriorityClass, principal: Principal) -> None:
+    """403 when the key may not submit jobs of this class (its ceiling is lower)."""
+    ceiling = PriorityClass(principal.max_class)
+    if PRIORITY_ORDER.index(requested) < PRIORITY_ORDER.index(ceiling):
+        raise ApiError(
+            403,
+            f"priority: key {principal.name!r} may submit {ceiling.value} jobs at most, "
+            f"not {requested.value}",
+            param="priority",
+            code=ErrorCode.priority_not_allowed,
+        )
+
+
 @dataclass(frozen=True)
 class SubmittedJob(Submitted):
     model: str = ""
@@ -98,9 +159,16 @@ class SubmittedJob(Submitted):
 
 
 async def submit_job(
-    state: AppState, request: JobRequest, idempotency_key: str | None, principal: Principal = ANONYMOUS
+    state: AppState,
+    request: JobRequest,
+    idempotency_key: str | None,
+    principal: Principal = ANONYMOUS,
+    priority: PriorityClass | None = None,
 ) -> SubmittedJob:
-    """Queue the job for `principal`, who owns it; idempotency keys are per owner."""
+    """Queue the job for `principal`, who owns it; idempotency keys are per owner. `priority` (a batch
+    line's) overrides the request's class."""
+    effective = priority or request.priority
+    check_priority(effective, principal)
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
@@ -111,32 +179,28 @@ async def submit_job(
         messages=request.messages,
         sampling=resolved_sampling(request, state.settings.default_max_tokens),
         submitted_at=now,
+        priority=effective,
+        guidance=guidance_of(request),
     )
-    record = {
-        "id": spec.id,
-        "model": model,
-        "status": JobStatus.queued.value,
-        "created_at": str(now),
-        "attempts": "0",
-    }
-    idem = None
-    if idempotency_key:
-        scoped = f"{principal.name}\n{idempotency_key}"
-        idem = keys.idempotency(hashlib.sha256(scoped.encode()).hexdigest())
+    idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
+    digest = request_digest(request, effective) if idem else None
     try:
         submitted = await state.queue.submit(
             spec,
-            record,
             limits=queue_limits(state),
             cost=estimated_cost(spec),
             idempotency_key=idem,
             owner=principal.name,
             owner_max_active=principal.max_concurrent_jobs or 0,
+            weight=principal.weight,
+            request_digest=digest,
         )
     except OwnerBusy as e:
-        raise ApiError(429, str(e), code="too_many_active_jobs", headers={"Retry-After": "1"}) from e
+        raise ApiError(429, str(e), code=ErrorCode.too_many_active_jobs, headers={"Retry-After": "1"}) from e
     except QueueFull as e:
-        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
+        raise ApiError(429, str(e), code=ErrorCode.queue_full, headers={"Retry-After": "1"}) from e
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
+    else:
+        await check_same_request(state, submitted.job_id, digest, idempotency_key or "")
     return SubmittedJob(submitted.job_id, submitted.created, model, now)

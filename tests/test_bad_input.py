@@ -11,12 +11,6 @@ from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 
 
-@pytest.fixture
-def served(fleet: Fleet, model_name: str) -> str:
-    fleet.start_worker(model_name)
-    return model_name
-
-
 def error_of(reply: httpx.Response) -> dict[str, str]:
     error: dict[str, str] = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 
 def bench(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "common.cli", "bench", *args]
+    command = [sys.executable, "-m", "ortfleet", "bench", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -53,7 +54,11 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
         assert ratio["tokens_per_s"] > 0 and ratio["requests_per_s"] > 0
         assert len(ratio["tokens_per_s_by_round"]) == 1 and ratio["tokens_per_s_median_of_rounds"] > 0
         assert all(level[side]["engine_batch_rows_mean"] >= 1 for side in ("direct", "fleet"))
-        assert {"gateway", "redis", "worker_loop", "worker_engine"} <= set(level["fleet"]["cpu_ms_per_token"])
+        cpu = level["fleet"]["cpu_ms_per_token"]
+        assert {"gateway", "redis", "worker_loop", "worker_engine", "client", "fleet_overhead"} <= set(cpu)
+        assert cpu["fleet_overhead"] == pytest.approx(
+            cpu["gateway"] + cpu["worker_loop"] + cpu["redis"], abs=0.001
+        )
         assert set(ratio["ttft_added_ms"]) == {"p50", "p99"} and set(ratio["itl_added_ms"]) == {"p50", "p99"}
     assert set(data["goals"]) == {
         "tokens_per_s_ratio>=0.97",
@@ -64,7 +69,26 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
     assert set(data["single_stream_tokens_per_s"]) == {"direct", "fleet"}
     assert data["machine"]["cores"] >= 1
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "ratio" in done.stdout and "goals:" in done.stdout
+    assert "ratio" in done.stdout and "goals:" in done.stdout and "overhead" in done.stdout
+    assert data["pinning"] is None
+
+
+def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own(tiny_model: Path, tmp_path: Path) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pinning needs at least two cores")
+    out = tmp_path / "pinned.json"
+    done = bench(
+        "--pin", "--engine-cores", "1", "--model", str(tiny_model), "--concurrency", "2", "--requests", "4",
+        "--max-tokens", "8", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    cores = sorted(os.sched_getaffinity(0))
+    assert data["pinning"] == {"engine_cores": cores[-1:], "other_cores": cores[:-1]}
+    [level] = data["levels"]
+    assert level["fleet"]["errors"] == 0 and level["fleet"]["output_tokens"] == 4 * 8
+    assert level["direct"]["output_tokens"] == 4 * 8
+    assert "pinned: engine on cores" in done.stdout
 
 
 def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissions(tmp_path: Path) -> None:
@@ -81,6 +105,7 @@ def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissio
     assert streams["events_received"] == streams["events_published"]
     assert_summary(streams["relay_latency_ms"], streams["events_received"])
     assert streams["memory_per_stream_kb"] is not None
+    assert 1 <= streams["redis_connections"]["max_while_relaying"] <= 8  # 200 streams, 8 connections at most
     submissions = data["submissions"]
     assert submissions["submitted"] == 200 and submissions["per_s"] > 0
     assert_summary(submissions["latency_ms"], 200)
@@ -112,9 +137,9 @@ def test_the_pickup_bench_times_sequential_jobs_on_an_idle_worker(tmp_path: Path
 
 
 def test_bench_options_are_checked() -> None:
-    command = [sys.executable, "-m", "common.cli", "bench", "--concurrency", "0,2"]
+    command = [sys.executable, "-m", "ortfleet", "bench", "--concurrency", "0,2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "positive" in done.stderr
-    bad_sim = [sys.executable, "-m", "common.cli", "bench", "sim", "--workers", "fast"]
+    bad_sim = [sys.executable, "-m", "ortfleet", "bench", "sim", "--workers", "fast"]
     done = subprocess.run(bad_sim, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "DELAY_MS:CAPACITY" in done.stderr

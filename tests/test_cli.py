@@ -19,14 +19,14 @@ from queue import Empty, SimpleQueue
 import httpx
 import psutil
 
-from common.processes import REDIS_MISSING, free_port
+from ortfleet.fleet.processes import REDIS_MISSING, free_port
 
 SECRET = "hunter2-s3cret"
 
 
 def ortfleet(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
+        [sys.executable, "-m", "ortfleet", *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -89,7 +89,7 @@ class Up:
 def ortfleet_up(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Up]:
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "up", *args],
+            [sys.executable, "-m", "ortfleet", "up", *args],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.default_model
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from common.modelbuild.default import ensure_default_model
     from common.settings import FleetSettings
+    from ortfleet.modelbuild.default import ensure_default_model
 
     return ensure_default_model(FleetSettings().model_cache)
 

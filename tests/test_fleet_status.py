@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from common.processes import free_port
+from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import submit, wait_done
 from tests.test_cli import ortfleet

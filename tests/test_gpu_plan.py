@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from common.gpu_plan import (
+from ortfleet.fleet.gpu_plan import (
     NO_GPU,
     NVIDIA_SMI_QUERY,
     GpuPlanError,

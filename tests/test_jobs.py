@@ -217,6 +217,23 @@ async def test_an_idempotency_key_returns_the_same_job_on_retry(
     assert done["attempts"] == 1
 
 
+async def test_an_idempotency_key_reused_for_another_request_gets_422_naming_it(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    headers = {"Idempotency-Key": f"reused-{model_name}"}
+    body = {"model": model_name, "prompt": "Hello", "max_tokens": 4}
+    first = await client.post("/v1/jobs", json=body, headers=headers)
+    retry = await client.post("/v1/jobs", json=body, headers=headers)
+    reused = await client.post("/v1/jobs", json={**body, "prompt": "Something else"}, headers=headers)
+    assert first.status_code == retry.status_code == 202
+    assert retry.json()["id"] == first.json()["id"]
+    assert reused.status_code == 422
+    error = reused.json()["error"]
+    assert error["code"] == "idempotency_key_reused" and error["param"] == "Idempotency-Key"
+    assert first.json()["id"] in error["message"]
+
+
 async def test_every_key_of_a_job_expires(
     redis_server: object, tiny_model: object, redis: Redis, model_name: str
 ) -> None:

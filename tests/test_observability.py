@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.processes import free_port, stop
+from ortfleet.fleet.processes import free_port, stop
 from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_cli import ortfleet_up

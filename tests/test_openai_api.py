@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -23,23 +23,11 @@ LONG = 480  # generated tokens that take the tiny model long enough to be interr
 
 
 @pytest.fixture
-def sdk(fleet: Fleet) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest.fixture
 async def async_sdk(fleet: Fleet) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
         base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0
     ) as client:
         yield client
-
-
-@pytest.fixture
-def served(fleet: Fleet, model_name: str) -> str:
-    fleet.start_worker(model_name)
-    return model_name
 
 
 def chat(content: str) -> list[Any]:
@@ -326,7 +314,6 @@ BAD_VALUES: list[tuple[str, Any]] = [
 UNSUPPORTED_IN_CHAT: list[tuple[str, Any]] = [
     ("logprobs", True),
     ("top_logprobs", 2),
-    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"),
     ("logit_bias", {"50": 10}),

@@ -21,12 +21,12 @@ from common.apikeys import KeyFile
 from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, submit, wait_done
 
-PUBLIC = {"/healthz", "/readyz"}
+PUBLIC = {"/healthz", "/readyz", "/health", "/version"}
 
 
 def create_key(path: Path, name: str, *extra: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "common.cli", "keys", "create", name, "--file", str(path), *extra],
+        [sys.executable, "-m", "ortfleet", "keys", "create", name, "--file", str(path), *extra],
         capture_output=True,
         text=True,
         check=True,
@@ -187,7 +187,7 @@ def test_keys_can_be_created_listed_and_revoked(key_file: Path) -> None:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "common.cli", "keys", *args, "--file", str(key_file)],
+            [sys.executable, "-m", "ortfleet", "keys", *args, "--file", str(key_file)],
             capture_output=True,
             text=True,
         )
@@ -247,7 +247,7 @@ async def test_no_prompt_or_output_text_reaches_the_logs_at_the_default_level(
     bad = await client.post("/v1/jobs", json={"model": model_name, "prompt": canary, "temperature": 9})
     assert bad.status_code == 422
     fleet.stop_all()
-    for proc in fleet.procs:
+    for proc in fleet.processes:
         text = proc.log.read_text(errors="replace")
         assert canary not in text, proc.log
         assert not done["output"] or done["output"] not in text or len(done["output"]) < 4
@@ -255,7 +255,7 @@ async def test_no_prompt_or_output_text_reaches_the_logs_at_the_default_level(
 
 
 def test_the_gateway_refuses_a_public_address_without_keys_unless_told_to(tmp_path: Path) -> None:
-    from common.processes import free_port
+    from ortfleet.fleet.processes import free_port
 
     port = free_port()
     refused = subprocess.run(

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -14,14 +12,14 @@ from redis.asyncio import Redis
 from common import keys
 from common.events import token_entry
 from common.jobqueue import JobQueue, QueueLimits
-from common.registry import WorkerInfo
+from common.records import RecordUpdate
 from common.settings import WorkerSettings
-from common.wire import JobSpec, JobStatus, Sampling
+from common.wire import JobSpec, Sampling
 from tests.conftest import RedisServer
+from tests.fake_workers import Started, worker_info
+from tests.redis_events import wait_final, wait_for_tokens
 from worker.fake_engine import FakeEngine
 from worker.service import WorkerService
-
-Started = Callable[..., WorkerService]
 
 
 def fake_text(prompt: str, count: int) -> str:
@@ -37,84 +35,13 @@ async def submit(redis: Redis, model: str, prompt: str, **sampling: Any) -> str:
         sampling=Sampling(**sampling),
         submitted_at=time.time(),
     )
-    record = {
-        "id": spec.id,
-        "model": model,
-        "status": JobStatus.queued.value,
-        "created_at": str(spec.submitted_at),
-        "attempts": "0",
-    }
-    await JobQueue(redis, 3600).submit(spec, record, limits=QueueLimits(1000, 10**9, 0), cost=1)
+    await JobQueue(redis, 3600).submit(spec, limits=QueueLimits(1000, 10**9, 0), cost=1)
     return spec.id
-
-
-async def wait_final(redis: Redis, job_id: str, timeout_s: float = 10.0) -> dict[str, str]:
-    last = "0-0"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        reply = await redis.xread({keys.events(job_id): last}, block=200)
-        for entry_id, fields in reply[0][1] if reply else []:
-            last = entry_id
-            if fields["type"] in ("done", "error"):
-                record: dict[str, str] = await redis.hgetall(keys.job(job_id))  # type: ignore[misc]
-                return record
-    raise AssertionError(f"job {job_id} did not finish within {timeout_s} s")
-
-
-async def wait_for_tokens(redis: Redis, job_id: str, count: int) -> None:
-    last, seen = "0-0", 0
-    while seen < count:
-        reply = await redis.xread({keys.events(job_id): last}, block=1000)
-        for entry_id, fields in reply[0][1] if reply else []:
-            last = entry_id
-            seen += fields["type"] == "token"
 
 
 async def token_entries(redis: Redis, job_id: str) -> list[dict[str, str]]:
     entries = await redis.xrange(keys.events(job_id))
     return [fields for _id, fields in entries if fields["type"] == "token"]
-
-
-def settings(redis_server: RedisServer) -> WorkerSettings:
-    return WorkerSettings(
-        redis_url=redis_server.url, heartbeat_ttl_s=1.0, claim_poll_s=0.2, shutdown_grace_s=0.5
-    )
-
-
-def worker_info(model: str, engine: FakeEngine) -> WorkerInfo:
-    return WorkerInfo(
-        id=f"fake-{model}-{time.monotonic_ns()}",
-        model=model,
-        device="cpu",
-        gpu="",
-        capacity=engine.capacity,
-        context_length=engine.context_length,
-        continuous_batching=engine.continuous_batching,
-        host="test",
-        pid=0,
-        started_at=time.time(),
-    )
-
-
-@pytest.fixture
-async def start_worker(redis_server: RedisServer, redis: Redis) -> AsyncIterator[Started]:
-    """Starts WorkerServices on fake engines in this event loop; stops them at teardown."""
-    running: list[tuple[WorkerService, asyncio.Task[None], FakeEngine]] = []
-
-    def start(model: str, engine: FakeEngine | None = None) -> WorkerService:
-        engine = engine or FakeEngine(0.002, 4)
-        service = WorkerService(
-            settings(redis_server), redis, engine, engine.tokenizer, worker_info(model, engine)
-        )
-        running.append((service, asyncio.create_task(service.run()), engine))
-        return service
-
-    yield start
-    for service, task, engine in running:
-        service.stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 5)
-        await engine.aclose()
 
 
 async def test_a_job_on_the_fake_engine_streams_its_text_and_finishes_with_usage(
@@ -187,8 +114,10 @@ async def test_a_resumed_job_continues_from_the_published_tokens_without_gap_or_
     [claim] = await queue.claim(model_name, "ghost", 1, 30)
     first = fake_text("Hello", 4)
     ids = [ord(c) for c in first]
-    await queue.publish(job_id, claim.attempt, [token_entry(first, ids, 0)], {"first_token_at": "1"})
-    assert await queue.release(model_name, job_id)  # the ghost worker stopped: the job goes back
+    await queue.publish(
+        job_id, claim.attempt, [token_entry(first, ids, 0)], RecordUpdate(first_token_at=1).to_fields()
+    )
+    assert await queue.release(claim)  # the ghost worker stopped: the job goes back
 
     start_worker(model_name)
     record = await wait_final(redis, job_id)
@@ -244,3 +173,26 @@ async def test_a_static_worker_waits_a_moment_for_the_jobs_that_will_fill_its_ne
 
     assert [r["engine_batch_peak"] for r in records] == ["2", "2"]
     assert abs(float(records[0]["started_at"]) - float(records[1]["started_at"])) < 0.05
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string_on_a_continuous_engine(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    start_worker(model_name, FakeEngine(0.002, 4, continuous_batching=True))
+    kept = await submit(redis, model_name, "Hi", max_tokens=20, stop=["gh"], include_stop_str_in_output=True)
+    dropped = await submit(redis, model_name, "Hi", max_tokens=20, stop=["gh"])
+
+    assert (await wait_final(redis, kept))["output"] == "cdefgh"
+    assert (await wait_final(redis, dropped))["output"].startswith("cdef")
+
+
+async def test_a_stop_token_id_ends_the_text_before_it(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    start_worker(model_name, FakeEngine(0.002, 4))
+    job_id = await submit(redis, model_name, "Hi", max_tokens=20, stop_token_ids=[ord("g")])
+
+    record = await wait_final(redis, job_id)
+
+    assert record["finish_reason"] == "stop" and record["output"] == "cdef"
+    assert '"completion_tokens":5' in record["usage"]  # the stop token is counted, not shown

@@ -1,4 +1,4 @@
-"""Choosing the device a worker runs on and configuring ORT-GenAI's providers for it."""
+"""Choosing the device a worker runs on (--device) and the host GPU index its metrics carry."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from common.error_codes import ErrorCode
+
 
 class Finish(str, Enum):
     eos = "eos"
@@ -26,6 +28,14 @@ class GenerationRequest:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] | None = None  # handed to the engine only when it supports stop strings
+    repetition_penalty: float = 1.0
+    guidance: tuple[str, str] | None = (
+        None  # structured output: (json_schema | regex | lark_grammar, grammar)
+    )
+    # Tokens an earlier attempt generated after the prompt: the engine computes them again as they were
+    # first computed (prompt prefill, then one decode step each) and delivers only the tokens after them.
+    # max_new_tokens and min_new_tokens count from the end of the replayed tokens.
+    replay_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,10 @@ class EngineUpdate:
     finish: Finish | None = None
     error: str | None = None
     batch_rows: int = 1
+    error_code: ErrorCode | None = None  # for programs, like invalid_response_format
+    # On a request's first update after a replay: whether the replay reproduced every replayed token
+    # (False: the engine computed another token somewhere and continued from the replayed one).
+    replay_exact: bool | None = None
 
 
 @dataclass
@@ -81,6 +95,8 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages_json: str) -> str: ...
 
     def stream_decoder(self) -> StreamDecoder: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
 
 
 class StreamDecoder(Protocol):

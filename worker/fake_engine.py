@@ -19,10 +19,15 @@ EOS = 256
 _A = ord("a")
 
 
+def fake_engine_is_static(spec: str) -> bool:
+    """`DELAY_MS:CAPACITY:static` acts as the static scheduler (batches run to their end)."""
+    return spec.endswith(":static")
+
+
 def parse_fake_engine(spec: str) -> tuple[float, int]:
-    """`DELAY_MS:CAPACITY` (e.g. `20:4`) -> (seconds per step, batch rows)."""
+    """`DELAY_MS:CAPACITY[:static]` (e.g. `20:4`) -> (seconds per step, batch rows)."""
     try:
-        delay, capacity = spec.split(":")
+        delay, capacity = spec.removesuffix(":static").split(":")
         delay_s, rows = float(delay) / 1000, int(capacity)
     except ValueError as e:
         raise ValueError(f"--fake-engine: {spec!r} is not DELAY_MS:CAPACITY, e.g. 20:4") from e
@@ -46,6 +51,9 @@ class FakeTokenizer:
 
     def stream_decoder(self) -> FakeDecoder:
         return FakeDecoder()
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < EOS).decode(errors="replace")
 
 
 @dataclass
@@ -75,7 +83,6 @@ class FakeEngine:
         self.context_length = context_length
         self.eos_token_ids = frozenset({EOS})
         self.tokenizer = FakeTokenizer()
-        self.steps = 0
         self._eos_after = eos_after
         self._active: list[_Active] = []
         self._wake: asyncio.Event | None = None
@@ -124,7 +131,6 @@ class FakeEngine:
             self._step()
 
     def _step(self) -> None:
-        self.steps += 1
         rows = len(self._active)
         for active in list(self._active):
             update = self._next(active, rows)
@@ -138,7 +144,7 @@ class FakeEngine:
             return EngineUpdate([], Finish.cancelled, batch_rows=rows)
         if self._eos_after is not None and active.produced >= max(self._eos_after, request.min_new_tokens):
             return EngineUpdate([], Finish.eos, batch_rows=rows)
-        position = len(request.prompt_ids) + active.produced
+        position = len(request.prompt_ids) + len(request.replay_ids) + active.produced
         active.produced += 1
         token = _A + position % 26
         finish = Finish.length if active.produced >= request.max_new_tokens else None
@@ -149,6 +155,6 @@ class FakeEngine:
     @staticmethod
     def _stop_string(active: _Active, stop: list[str]) -> Finish | None:
         # Like a continuous-batching engine: it watches the text it generated for the stop strings.
-        start = len(active.stream.request.prompt_ids)
+        start = len(active.stream.request.prompt_ids) + len(active.stream.request.replay_ids)
         text = "".join(chr(_A + (start + i) % 26) for i in range(active.produced))
         return Finish.stop_string if any(s in text for s in stop) else None

@@ -11,19 +11,27 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from common import keys
-from common.events import done_entry, entry_token_ids, status_entry, token_entry
+from common.error_codes import ErrorCode
+from common.events import done_entry, entry_token_ids, error_entry, status_entry, token_entry
 from common.jobqueue import Claim, JobQueue
+from common.records import RecordUpdate
 from common.wire import EventType, FinishReason, JobSpec, JobStatus, Timings, Usage
 from worker.engine import Engine, EngineUpdate, Finish, GenerationRequest, GenerationStream, Tokenizer
-from worker.publisher import LeaseLost, StreamPublisher
+from worker.publisher import LeaseLost, StepWriter, StreamPublisher
 from worker.stop_strings import StopMatcher
 
 logger = logging.getLogger(__name__)
 
 
 class PromptTooLong(ValueError):
-    code = "context_length_exceeded"
+    code = ErrorCode.context_length_exceeded
+
+
+class GuidedResume(ValueError):
+    """A structured-output job cannot go on from tokens an earlier attempt streamed: the engine's
+    grammar would start again from its beginning."""
+
+    code = ErrorCode.structured_output_not_resumable
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Outcome:
     text: str
     generated: int
     error: str | None = None
+    error_code: ErrorCode | None = None
 
 
 class JobRun:
@@ -53,19 +62,23 @@ class JobRun:
         queue: JobQueue,
         engine: Engine,
         tokenizer: Tokenizer,
-        publish_max_batch: int,
+        writer: StepWriter,
         worker_id: str,
+        replay: bool = True,
     ) -> None:
         self.worker_id = worker_id
+        self._replay = replay  # resume by replaying the published tokens (else: one prefill of them)
         self.claim = claim
         self.spec = spec
         self._queue = queue
         self._engine = engine
         self._tokenizer = tokenizer
-        self._publish_max_batch = publish_max_batch
+        self._writer = writer
         self._stream: GenerationStream | None = None
         self._cancelled = False
         self._abandoned = False
+        self._preempting = False  # asked to stop for interactive work (see preempted)
+        self.preempted = False  # stopped for interactive work: its worker gives it back to the queue
         self.progress = Progress()
         self.started_at = time.time()
         self.batch_peak = 0
@@ -90,6 +103,17 @@ class JobRun:
         self._abandoned = True
         self.cancel()
 
+    @property
+    def preempt_requested(self) -> bool:
+        return self._preempting
+
+    def preempt(self) -> None:
+        """Stop generating for interactive work: unless it ends first, the job goes back to the queue
+        once its streamed tokens are written, and resumes from them."""
+        self._preempting = True
+        if self._stream is not None and not self._stream.cancel_requested:
+            self._engine.cancel(self._stream)
+
     def cancel(self) -> None:
         self._cancelled = True
         if self._stream is not None:
@@ -97,15 +121,13 @@ class JobRun:
 
     async def load_progress(self) -> None:
         """Reads a cancel that raced the claim and, on a retry, the tokens already streamed."""
-        redis = self._queue.redis
-        fields = ["cancel_requested", "first_token_at"]
-        cancel, first = await redis.hmget(keys.job(self.job_id), fields)  # type: ignore[misc]
-        if cancel:
+        record = await self._queue.record(self.job_id)
+        if record is not None and record.cancel_requested:
             self._cancelled = True
         if self.claim.attempt == 1:
             return
-        self.progress.first_token_at = float(first) if first else None
-        for _entry_id, fields in await redis.xrange(keys.events(self.job_id)):
+        self.progress.first_token_at = record.first_token_at if record is not None else None
+        for fields in await self._queue.entries(self.job_id):
             if fields.get("type") == EventType.token.value:
                 self.progress.token_ids += entry_token_ids(fields)
                 self.progress.text += fields.get("text", "")
@@ -134,23 +156,34 @@ class JobRun:
         self._max_new = max(0, min(wanted, self._room))
         if self._cancelled or self._max_new == 0:
             return None
+        guidance = self.spec.guidance
+        if guidance is not None and self.progress.token_ids:
+            raise GuidedResume(
+                f"the worker running this structured-output job stopped after {len(self.progress.token_ids)} "
+                "tokens, and structured output cannot resume from them; submit the job again"
+            )
+        done = self.progress.token_ids
+        fewest = self._max_new if sampling.ignore_eos else sampling.min_tokens - len(done)
         return GenerationRequest(
-            prompt_ids=prompt_ids + self.progress.token_ids,
+            prompt_ids=prompt_ids if self._replay else prompt_ids + done,
+            replay_ids=tuple(done) if self._replay else (),
             max_new_tokens=self._max_new,
-            min_new_tokens=max(0, min(sampling.min_tokens - len(self.progress.token_ids), self._max_new)),
+            min_new_tokens=max(0, min(fewest, self._max_new)),
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
-            stop=sampling.stop,
+            stop=None if sampling.include_stop_str_in_output else sampling.stop,  # kept: matched here
+            repetition_penalty=sampling.repetition_penalty,
+            guidance=(guidance.kind, guidance.grammar) if guidance is not None else None,
         )
 
     def attach(self, stream: GenerationStream) -> None:
         self._stream = stream
 
     async def run(self) -> None:
-        publisher = StreamPublisher(self._queue, self.job_id, self.claim.attempt, self._publish_max_batch)
-        publisher.add(status_entry(JobStatus.running, attempt=self.claim.attempt, worker=self.worker_id))
+        publisher = self._writer.publisher(self.job_id, self.claim.attempt)
+        publisher.add(self._running_entry(), self._running_record())
         try:
             outcome = await self._generate(publisher)
             self._release_engine()  # the slot is free while the last writes go out
@@ -161,8 +194,30 @@ class JobRun:
             return
         finally:
             await publisher.close()
+        if self._preempting and not self._cancelled and outcome.status is JobStatus.cancelled:
+            self.preempted = True
+            return
         if not self._abandoned:
             await self._finish(outcome)
+
+    def _running_entry(self) -> dict[str, str]:
+        """The attempt's first event: a resumed attempt says from which token, a quarantined one says so."""
+        resumed = len(self.progress.token_ids) if self.claim.attempt > 1 else None
+        return status_entry(
+            JobStatus.running,
+            attempt=self.claim.attempt,
+            worker=self.worker_id,
+            prompt_tokens=self.prompt_tokens,
+            resumed_from=resumed,
+            quarantined="true" if self.claim.quarantined else None,
+        )
+
+    def _running_record(self) -> dict[str, str] | None:
+        if self.claim.attempt == 1:
+            return None
+        return RecordUpdate(
+            resumed_from=len(self.progress.token_ids), resumes=self.claim.attempt - 1
+        ).to_fields()
 
     def _release_engine(self) -> None:
         self.engine_done = True
@@ -178,7 +233,14 @@ class JobRun:
         decoder = self._tokenizer.stream_decoder()
         for token in self.progress.token_ids:
             decoder.decode(token)
-        matcher = StopMatcher(self.spec.sampling.stop or []) if not self._engine.continuous_batching else None
+        sampling = self.spec.sampling
+        own_stops = not self._engine.continuous_batching or sampling.include_stop_str_in_output
+        matcher = (
+            StopMatcher(sampling.stop or [], keep_stop=sampling.include_stop_str_in_output)
+            if own_stops
+            else None
+        )
+        stop_ids = frozenset(sampling.stop_token_ids or ())
         text = self.progress.text
         generated = done_before
         while True:
@@ -188,6 +250,10 @@ class JobRun:
             hit_stop = False
             for token in update.token_ids:
                 generated += 1
+                if token in stop_ids:  # vLLM's stop_token_ids: ends the text like end of sequence
+                    pieces.append("")
+                    hit_stop = True
+                    break
                 piece = decoder.decode(token)
                 if matcher is not None:
                     piece, hit_stop = matcher.feed(piece)
@@ -203,7 +269,9 @@ class JobRun:
                 record = None
                 if self.progress.first_token_at is None:
                     self.progress.first_token_at = now
-                    record = {"first_token_at": str(now)}
+                    record = RecordUpdate(first_token_at=now).to_fields()
+                if update.replay_exact is not None:
+                    record = {**(record or {}), **RecordUpdate(resume_exact=update.replay_exact).to_fields()}
                 publisher.add(token_entry(chunk, update.token_ids[: len(pieces)], index), record)
                 text += chunk
             if hit_stop:
@@ -229,7 +297,9 @@ class JobRun:
         if finish is Finish.cancelled or (self._cancelled and finish is not Finish.error):
             return Outcome(JobStatus.cancelled, FinishReason.cancelled, text, generated)
         if finish is Finish.error:
-            return Outcome(JobStatus.failed, FinishReason.error, text, generated, update.error)
+            return Outcome(
+                JobStatus.failed, FinishReason.error, text, generated, update.error, update.error_code
+            )
         if finish is Finish.length:
             return Outcome(JobStatus.succeeded, FinishReason.length, text, generated)
         return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated)
@@ -252,31 +322,32 @@ class JobRun:
             else None,
             total_s=round(now - submitted, 6),
         )
-        record = {
-            "status": outcome.status.value,
-            "output": outcome.text,
-            "usage": usage.model_dump_json(),
-            "timings": timings.model_dump_json(),
-            "finished_at": str(now),
-            "engine_batch_peak": str(self.batch_peak),
-        }
-        if outcome.finish_reason is not None:
-            record["finish_reason"] = outcome.finish_reason.value
-        if outcome.error:
-            record["error"] = outcome.error
+        record = RecordUpdate(
+            status=outcome.status,
+            output=outcome.text,
+            usage=usage,
+            timings=timings,
+            finished_at=now,
+            engine_batch_peak=self.batch_peak,
+            finish_reason=outcome.finish_reason,
+            error=outcome.error or None,
+            error_code=outcome.error_code,
+        )
         reason = outcome.finish_reason.value if outcome.finish_reason else None
         final = done_entry(outcome.status, reason, usage.model_dump_json())
         if outcome.error:
             final["message"] = outcome.error
+        if outcome.error_code:  # a job refused before generating: an error event, as for a long prompt
+            final = error_entry(outcome.status, outcome.error or "the job failed", outcome.error_code.value)
         await self._write_final(record, final)
         self.outcome = outcome
 
-    async def _write_final(self, record: dict[str, str], final: dict[str, str]) -> None:
+    async def _write_final(self, record: RecordUpdate, final: dict[str, str]) -> None:
         """Retries through a Redis outage: a finished job is never lost (writes stay fenced)."""
         delay = 0.1
         while True:
             try:
-                await self._queue.finish(self.job_id, self.spec.model, self.claim.attempt, record, final)
+                await self._queue.finish(self.claim, record, final)
                 return
             except RedisError as e:
                 logger.warning("job %s: writing the result failed (%s); retrying", self.job_id, e)

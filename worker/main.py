@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from common import aio
+from common.model_folder import default_model_dir, is_complete
 from common.redis_client import connect
 from common.registry import WorkerInfo
 from common.settings import WorkerSettings
@@ -35,9 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--fake-engine",
-        metavar="DELAY_MS:CAPACITY",
+        metavar="DELAY_MS:CAPACITY[:static]",
         help="development and benchmarks: no model, a fake engine that gives each of CAPACITY "
-        "requests one token every DELAY_MS (continuous batching); --model is ignored",
+        "requests one token every DELAY_MS (continuous batching; with :static, batches run to their "
+        "end as on the static scheduler); --model is ignored",
     )
     return parser.parse_args(argv)
 
@@ -58,9 +60,6 @@ def resolve_model(settings: WorkerSettings) -> Path:
     if settings.model is not None:
         model = settings.model.expanduser().resolve()
     else:
-        from common.modelbuild.cache import is_complete
-        from common.modelbuild.default import default_model_dir
-
         model = default_model_dir(settings.model_cache)
         if not is_complete(model):
             raise SystemExit(
@@ -77,13 +76,13 @@ def resolve_model(settings: WorkerSettings) -> Path:
 
 def load_engine(settings: WorkerSettings, fake_engine: str | None) -> tuple[Engine, Tokenizer, Device, str]:
     if fake_engine is not None:
-        from worker.fake_engine import FakeEngine, parse_fake_engine
+        from worker.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
 
         try:
             delay_s, capacity = parse_fake_engine(fake_engine)
         except ValueError as e:
             raise SystemExit(f"ortfleet-worker: {e}") from e
-        fake = FakeEngine(delay_s, capacity)
+        fake = FakeEngine(delay_s, capacity, continuous_batching=not fake_engine_is_static(fake_engine))
         return fake, fake.tokenizer, Device("cpu"), settings.name or "fake"
 
     import onnxruntime_genai as og
@@ -103,6 +102,7 @@ def load_engine(settings: WorkerSettings, fake_engine: str | None) -> tuple[Engi
 async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> None:
     from worker.metrics import start_metrics
     from worker.service import WorkerService
+    from worker.tokenizer_service import serve_tokenizer
 
     started = time.monotonic()
     engine, tokenizer, device, name = load_engine(settings, fake_engine)
@@ -147,9 +147,11 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
+    tokenizer_calls = asyncio.create_task(serve_tokenizer(redis, name, tokenizer), name="tokenizer-calls")
     try:
         await service.run()
     finally:
+        tokenizer_calls.cancel()
         metrics.close()
         engine.close()
         await redis.aclose()

@@ -100,6 +100,13 @@ class WorkerMetrics:
             registry=registry,
         )
         self.success = {r: success.labels(*values, r.value) for r in SUCCESS_REASONS}
+        self.preemptions = Counter(
+            "num_preemptions",
+            "Batch jobs this worker sent back to the queue for interactive work (they resume later).",
+            LABELS,
+            namespace=NAMESPACE,
+            registry=registry,
+        ).labels(*values)
         Info("worker", "What this worker serves and runs on.", namespace=NAMESPACE, registry=registry).info(
             worker_labels(service)
         )
@@ -115,6 +122,8 @@ class WorkerMetrics:
             self.inter_token.observe(later - earlier)
         if run.claim.attempt == 1:
             self.queue_time.observe(max(0.0, run.started_at - submitted))
+        if run.preempted:
+            self.preemptions.inc()
         outcome = run.outcome
         if outcome is None:  # handed back, lost its lease, or failed (counted by job_failed)
             return

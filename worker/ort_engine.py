@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 import onnxruntime_genai as og
 
+from common.error_codes import ErrorCode
 from worker.device import Device
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
 
@@ -32,6 +35,28 @@ _FINISH = {
     og.FinishReason.CANCELLED: Finish.cancelled,
     og.FinishReason.FAILED: Finish.error,
 }
+
+
+class GuidanceRejected(ValueError):
+    """The engine could not compile a request's structured-output grammar."""
+
+
+def guide_turn(options: og.TurnOptions, guidance: tuple[str, str] | None) -> None:
+    """Constrains a turn to the request's grammar (compiled when the turn begins: see grammar_errors)."""
+    if guidance is not None:
+        options.set_guidance(*guidance)
+
+
+@contextlib.contextmanager
+def grammar_errors(guidance: tuple[str, str] | None) -> Iterator[None]:
+    """Turns the engine's refusal of a request's grammar into GuidanceRejected, naming what it is."""
+    try:
+        yield
+    except Exception as e:
+        if guidance is None or "grammar" not in str(e):
+            raise
+        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
+        raise GuidanceRejected(f"response_format: the engine cannot use this {guidance[0]}: {detail}") from e
 
 
 def load_config(model_dir: Path, device: Device, max_batch_size: int | None) -> og.Config:
@@ -69,6 +94,9 @@ class OrtTokenizer:
     def apply_chat_template(self, messages_json: str) -> str:
         return str(self._tokenizer.apply_chat_template(messages_json, add_generation_prompt=True))
 
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(np.asarray(token_ids, dtype=np.int32)))
+
     def stream_decoder(self) -> og.TokenizerStream:
         return self._tokenizer.create_stream()
 
@@ -78,12 +106,20 @@ class OrtTokenizer:
 
 
 @dataclass
-class _SeededRun:
-    """A seeded sampling request on the static scheduler, which cannot seed a turn: its own generator."""
+class _SoloRun:
+    """A request on a generator of its own, outside og.Engine's batch: a seeded sampling request on the
+    static scheduler (which cannot seed a turn), and a resumed request, whose replay needs the
+    generator's one-token steps."""
 
     stream: GenerationStream
     generator: og.Generator
-    produced: int = 0
+    produced: int = 0  # tokens after the replayed ones
+    replayed: int = 0
+    exact: bool = True
+
+    @property
+    def replaying(self) -> bool:
+        return self.replayed < len(self.stream.request.replay_ids)
 
 
 class OrtEngine:
@@ -146,15 +182,15 @@ class OrtEngine:
 
     def _loop(self) -> None:
         self._active: dict[Any, tuple[GenerationStream, int]] = {}
-        self._seeded: list[_SeededRun] = []
+        self._solo: list[_SoloRun] = []
         while True:
-            busy = self._engine.has_pending_requests() or bool(self._seeded)
+            busy = self._engine.has_pending_requests() or bool(self._solo)
             if not self._drain_commands(block=not busy):
                 return
             if self._engine.has_pending_requests():
                 self._step()
-            if self._seeded:
-                self._step_seeded()
+            if self._solo:
+                self._step_solo()
             if self._step_delay_s and busy:
                 time.sleep(self._step_delay_s)
 
@@ -180,8 +216,8 @@ class OrtEngine:
         request = stream.request
         sampling = request.temperature > 0 and request.top_k != 1
         try:
-            if sampling and request.seed is not None and not self.continuous_batching:
-                self._seeded.append(_SeededRun(stream, self._seeded_generator(request)))
+            if request.replay_ids or (sampling and request.seed is not None and not self.continuous_batching):
+                self._solo.append(_SoloRun(stream, self._solo_generator(request, sampling)))
                 return
             og_request = self._engine.create_request()
             options = og.TurnOptions(og_request)
@@ -198,28 +234,44 @@ class OrtEngine:
                     options.set_seed(request.seed)
             if request.stop and self.continuous_batching:
                 options.set_stop_strings(request.stop)
-            turn = og_request.begin_turn(np.asarray(request.prompt_ids, dtype=np.int32), options)
+            if request.repetition_penalty != 1.0:
+                options.set_repetition_penalty(request.repetition_penalty)
+            guide_turn(options, request.guidance)
+            with grammar_errors(request.guidance):
+                turn = og_request.begin_turn(np.asarray(request.prompt_ids, dtype=np.int32), options)
+        except GuidanceRejected as e:
+            stream.deliver(
+                EngineUpdate([], Finish.error, str(e), error_code=ErrorCode.invalid_response_format)
+            )
+            return
         except Exception as e:
             stream.deliver(EngineUpdate([], Finish.error, f"the engine refused the request: {e}"))
             return
         self._active[og_request] = (stream, int(turn))
 
-    def _seeded_generator(self, request: GenerationRequest) -> og.Generator:
-        params = og.GeneratorParams(self._model)
+    def _solo_generator(self, request: GenerationRequest, sampling: bool) -> og.Generator:
+        before = len(request.prompt_ids) + len(request.replay_ids)
         options: dict[str, Any] = {
-            "do_sample": True,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "random_seed": request.seed,
-            "max_length": min(self.context_length, len(request.prompt_ids) + request.max_new_tokens),
+            "do_sample": sampling,
+            "max_length": min(self.context_length, before + request.max_new_tokens),
         }
+        if sampling:
+            options.update(temperature=request.temperature, top_p=request.top_p)
+            if request.seed is not None:
+                options["random_seed"] = request.seed
+            if request.top_k:
+                options["top_k"] = request.top_k
         if request.min_new_tokens:
-            options["min_length"] = len(request.prompt_ids) + request.min_new_tokens
-        if request.top_k:
-            options["top_k"] = request.top_k
+            options["min_length"] = before + request.min_new_tokens
+        if request.repetition_penalty != 1.0:
+            options["repetition_penalty"] = request.repetition_penalty
+        params = og.GeneratorParams(self._model)
         params.set_search_options(**options)
-        generator = og.Generator(self._model, params)
-        generator.append_tokens(np.asarray(request.prompt_ids, dtype=np.int32))
+        with grammar_errors(request.guidance):
+            if request.guidance is not None:
+                params.set_guidance(*request.guidance)
+            generator = og.Generator(self._model, params)
+            generator.append_tokens(np.asarray(request.prompt_ids, dtype=np.int32))
         return generator
 
     def _stop(self, stream: GenerationStream) -> None:
@@ -227,15 +279,15 @@ class OrtEngine:
             if active is stream:
                 og_request.cancel_turn(turn)
                 return
-        for run in self._seeded:
+        for run in self._solo:
             if run.stream is stream:
-                self._seeded.remove(run)
+                self._solo.remove(run)
                 stream.deliver(EngineUpdate([], Finish.cancelled))
                 return
 
     def _step(self) -> None:
         events = list(self._engine.run(self._buffer))
-        rows = len({e.request for e in events}) + len(self._seeded)
+        rows = len({e.request for e in events}) + len(self._solo)
         tokens: dict[Any, list[int]] = {}
         updates: list[tuple[GenerationStream, EngineUpdate]] = []
         for event in events:
@@ -257,22 +309,44 @@ class OrtEngine:
                 updates.append((entry[0], EngineUpdate(ids, batch_rows=rows)))
         deliver_all(updates)  # one wake-up of the event loop per step
 
-    def _step_seeded(self) -> None:
-        rows = len(self._seeded) + len(self._active)
-        for run in list(self._seeded):
+    def _step_solo(self) -> None:
+        rows = len(self._solo) + len(self._active)
+        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        for run in list(self._solo):
             try:
-                run.generator.generate_next_token()
-                token = int(run.generator.get_next_tokens()[0])
+                update = self._replay_step(run) if run.replaying else self._solo_step(run, rows)
             except Exception as e:
-                self._seeded.remove(run)
-                run.stream.deliver(EngineUpdate([], Finish.error, f"generation failed: {e}", rows))
+                update = EngineUpdate([], Finish.error, f"generation failed: {e}", rows)
+            if update is None:
                 continue
-            run.produced += 1
-            if token in self.eos_token_ids:
-                self._seeded.remove(run)
-                run.stream.deliver(EngineUpdate([], Finish.eos, None, rows))
-            elif run.produced >= run.stream.request.max_new_tokens or run.generator.is_done():
-                self._seeded.remove(run)
-                run.stream.deliver(EngineUpdate([token], Finish.length, None, rows))
-            else:
-                run.stream.deliver(EngineUpdate([token], None, None, rows))
+            if update.finish is not None:
+                self._solo.remove(run)
+            updates.append((run.stream, update))
+        deliver_all(updates)
+
+    @staticmethod
+    def _replay_step(run: _SoloRun) -> None:
+        """One decode step of a replay: the step that first computed the replayed token, computed again.
+        Should it give another token (a different batch, another device), the replayed token is put in
+        its place, so the job continues from what its stream already holds."""
+        generator = run.generator
+        expected = run.stream.request.replay_ids[run.replayed]
+        generator.generate_next_token()
+        if int(generator.get_next_tokens()[0]) != expected:
+            generator.rewind_to(generator.token_count() - 1)
+            generator.append_tokens(np.asarray([expected], dtype=np.int32))
+            run.exact = False
+        run.replayed += 1
+        return None
+
+    def _solo_step(self, run: _SoloRun, rows: int) -> EngineUpdate:
+        replayed = bool(run.stream.request.replay_ids) and run.produced == 0
+        exact = run.exact if replayed else None
+        run.generator.generate_next_token()
+        token = int(run.generator.get_next_tokens()[0])
+        run.produced += 1
+        if token in self.eos_token_ids:
+            return EngineUpdate([], Finish.eos, None, rows, replay_exact=exact)
+        if run.produced >= run.stream.request.max_new_tokens or run.generator.is_done():
+            return EngineUpdate([token], Finish.length, None, rows, replay_exact=exact)
+        return EngineUpdate([token], None, None, rows, replay_exact=exact)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 
@@ -12,11 +14,14 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common import keys
+from common.error_codes import ErrorCode
 from common.jobqueue import Claim, JobQueue, MalformedJob, parse_job_payload
 from common.registry import WorkerInfo, deregister, heartbeat
 from common.settings import WorkerSettings
+from common.wire import PriorityClass
 from worker.engine import Engine, GenerationRequest, Tokenizer
-from worker.job_runner import JobRun, PromptTooLong
+from worker.job_runner import GuidedResume, JobRun, PromptTooLong
+from worker.publisher import StepWriter
 from worker.throughput import Throughput
 
 logger = logging.getLogger(__name__)
@@ -34,19 +39,23 @@ class WorkerService:
         self.settings = settings
         self.redis = redis
         self.queue = JobQueue(redis, settings.job_ttl_s)
+        self.writer = StepWriter(self.queue, settings.publish_max_batch)
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
         self.runs: dict[str, JobRun] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self._interactive_wake = asyncio.Event()  # a job was submitted: maybe batch work must yield
         self._slot_freed = asyncio.Event()
         self._last_batch = 0  # jobs in the last static batch
         self._batch_ended_at = 0.0  # when the worker last ran out of jobs
         self._stopping = asyncio.Event()
+        self._suspect_waiting = False  # a suspect job waits for this worker to run nothing else
         self.on_job_done: Callable[[JobRun], Awaitable[None] | None] | None = None
         # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
         self.on_job_failed: Callable[[Claim, str], Awaitable[None] | None] | None = None
+        self.preemptions = 0
         self._finished_tokens = 0
         self._throughput = Throughput(time.monotonic())
 
@@ -56,6 +65,10 @@ class WorkerService:
 
     def free_slots(self) -> int:
         busy = sum(1 for run in self.runs.values() if not run.engine_done)
+        if any(run.claim.quarantined for run in self.runs.values()):
+            return 0  # a quarantined job runs alone until it ends
+        if self._suspect_waiting and busy:
+            return 0  # take no more, so that the worker runs nothing else and can take the suspect
         if self.engine.continuous_batching:
             return self.engine.capacity - busy
         # The static scheduler runs a batch to its end before it admits anyone: claim only between batches.
@@ -86,6 +99,8 @@ class WorkerService:
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
         ]
+        if self.settings.preempt_batch:
+            background.append(asyncio.create_task(self._preempt_loop(), name="preempt"))
         try:
             await self._claim_loop()
             await self._drain()
@@ -93,6 +108,7 @@ class WorkerService:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self.writer.close()
             with contextlib.suppress(RedisError):
                 await deregister(self.redis, self.info.id)
 
@@ -109,16 +125,20 @@ class WorkerService:
                 await self._slot_freed.wait()
                 continue
             self._wake.clear()
+            idle = all(run.engine_done for run in self.runs.values())
             try:
-                claims = await self.queue.claim(
-                    self.model, self.info.id, slots, self.settings.heartbeat_ttl_s
+                claimed = await self.queue.claim_jobs(
+                    self.model, self.info.id, slots, self.settings.heartbeat_ttl_s, idle=idle
                 )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s); retrying", e)
                 await asyncio.sleep(0.5)
                 continue
+            claims = claimed.claims
+            self._suspect_waiting = claimed.suspect_waiting
             if claims:
-                if not self.engine.continuous_batching:
+                quarantined = any(claim.quarantined for claim in claims)
+                if not self.engine.continuous_batching and not quarantined:
                     if len(claims) < slots:
                         claims += await self._fill_static_batch(claims, slots)
                     self._last_batch = len(claims)
@@ -149,7 +169,7 @@ class WorkerService:
             self._wake.clear()  # before claiming: a job submitted meanwhile wakes the next round
             try:
                 more += await self.queue.claim(
-                    self.model, self.info.id, room - len(more), self.settings.heartbeat_ttl_s
+                    self.model, self.info.id, room - len(more), self.settings.heartbeat_ttl_s, idle=False
                 )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s)", e)
@@ -169,8 +189,14 @@ class WorkerService:
         for run in runs:
             try:
                 request = run.engine_request(run.prompt_ids())
-            except PromptTooLong as e:
+            except (PromptTooLong, GuidedResume) as e:
                 self._spawn(self._fail(run.claim, run.spec.model, str(e), e.code))
+                del self.runs[run.job_id]
+                continue
+            except Exception as e:  # the job's content broke the tokenizer or the chat template
+                logger.warning("job %s: its prompt could not be prepared (%s)", run.job_id, type(e).__name__)
+                message = f"the prompt could not be prepared for the model: {e}"
+                self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.invalid_prompt))
                 del self.runs[run.job_id]
                 continue
             started.append(run)
@@ -178,8 +204,21 @@ class WorkerService:
                 requests.append(request)
                 generating.append(run)
         if requests:
-            for run, stream in zip(generating, self.engine.submit(requests), strict=True):
+            try:
+                streams = self.engine.submit(requests)
+            except Exception as e:  # a request the engine refused: fail these jobs, keep the worker
+                logger.exception("the engine refused %d job(s)", len(requests))
+                for run in generating:
+                    message = f"the engine could not start the job: {e}"
+                    self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.invalid_prompt))
+                    self.runs.pop(run.job_id, None)
+                    started.remove(run)
+                self._engine_released()
+                streams = []
+                generating = []
+            for run, stream in zip(generating, streams, strict=True):
                 run.attach(stream)
+        crash_on_marker(self.settings.crash_marker, generating)
         for run in started:
             self._spawn(self._execute(run))
 
@@ -190,12 +229,8 @@ class WorkerService:
             logger.error("job %s: %s", claim.job_id, e)
             await self._fail(claim, self.model, f"{e}; the job cannot run")
             return None
-        if claim.attempt > self.settings.max_attempts:
-            message = (
-                f"the job was started {claim.attempt - 1} times and each time its worker stopped "
-                f"before it finished; giving up after {self.settings.max_attempts} attempts"
-            )
-            await self._fail(claim, spec.model, message)
+        if claim.quarantine_deaths >= self.settings.max_attempts:
+            await self._fail(claim, spec.model, poison_message(claim.quarantine_deaths), ErrorCode.poison)
             return None
         run = JobRun(
             claim,
@@ -203,16 +238,16 @@ class WorkerService:
             queue=self.queue,
             engine=self.engine,
             tokenizer=self.tokenizer,
-            publish_max_batch=self.settings.publish_max_batch,
+            writer=self.writer,
             worker_id=self.info.id,
+            replay=self.settings.resume_mode == "replay",
         )
         run.on_engine_done = self._engine_released
         self.runs[claim.job_id] = run
         return run
 
-    async def _fail(self, claim: Claim, model: str, message: str, code: str | None = None) -> None:
-        fields = {"finish_reason": "error"}
-        failed = await self.queue.fail(claim.job_id, model, claim.attempt, message, fields, code)
+    async def _fail(self, claim: Claim, model: str, message: str, code: ErrorCode | None = None) -> None:
+        failed = await self.queue.fail(claim, message, code)
         if failed and self.on_job_failed is not None:
             result = self.on_job_failed(claim, model)
             if result is not None:
@@ -221,6 +256,11 @@ class WorkerService:
     async def _execute(self, run: JobRun) -> None:
         try:
             await run.run()
+            if run.preempted and await self.queue.release(run.claim, preempted=True):
+                self.preemptions += 1
+            if run.preempt_requested:
+                with contextlib.suppress(RedisError):
+                    await self.queue.end_preemption(self.model, self.settings.heartbeat_ttl_s)
         except Exception:
             logger.exception("job %s failed in the worker", run.job_id)
             with contextlib.suppress(RedisError):
@@ -248,18 +288,25 @@ class WorkerService:
 
     async def _heartbeat_loop(self) -> None:
         ttl = self.settings.heartbeat_ttl_s
+        late = False
         while True:
-            await asyncio.sleep(ttl / 4)
+            if not late:  # a beat that took long (Redis stalled) is followed by another at once
+                await asyncio.sleep(ttl / 4)
+            began = time.monotonic()
             self.info.in_flight = len(self.runs)
             self.info.generated_tokens = self.generated_tokens()
             self.info.tokens_per_s = round(
                 self._throughput.update(self.info.generated_tokens, time.monotonic()), 2
             )
             try:
-                await heartbeat(self.redis, self.info, ttl, self.settings.job_ttl_s)
-                await self.queue.renew_leases(self.model, list(self.runs), ttl)
-            except RedisError as e:
-                logger.warning("heartbeat failed (%s)", e)
+                await asyncio.wait_for(self._beat(ttl), ttl / 2)
+            except (RedisError, TimeoutError) as e:
+                logger.warning("heartbeat failed (%s)", e or "Redis did not answer in time")
+            late = time.monotonic() - began > ttl / 4
+
+    async def _beat(self, ttl: float) -> None:
+        await heartbeat(self.redis, self.info, ttl, self.settings.job_ttl_s)
+        await self.queue.renew_leases([run.claim for run in self.runs.values()], ttl)
 
     async def _listen(self) -> None:
         wake = keys.wake_channel(self.model)
@@ -271,6 +318,7 @@ class WorkerService:
                 async for message in pubsub.listen():
                     if message["channel"] == wake:
                         self._wake.set()
+                        self._interactive_wake.set()
                     else:
                         run = self.runs.get(message["data"])
                         if run is not None:
@@ -282,6 +330,52 @@ class WorkerService:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    def _preemptable(self) -> list[JobRun]:
+        """The batch jobs to stop when interactive jobs wait and no slot is free: on continuous
+        batching any batch row (latest started first); on the static scheduler the whole batch, and
+        only when every job in it is batch work."""
+        busy = [run for run in self.runs.values() if not run.engine_done and not run.preempted]
+        if not busy or self.free_slots() > 0:
+            return []
+        batch = [run for run in busy if run.spec.priority is PriorityClass.batch]
+        if not self.engine.continuous_batching:
+            return batch if len(batch) == len(busy) else []
+        return sorted(batch, key=lambda run: run.started_at, reverse=True)
+
+    async def _preempt_loop(self) -> None:
+        """Batch yields to interactive: checked when jobs are submitted, and every claim poll."""
+        wait = self.settings.preempt_after_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._interactive_wake.wait(), self.settings.claim_poll_s)
+            self._interactive_wake.clear()
+            if not self._preemptable():
+                continue
+            try:
+                if not (await self.queue.waiting(self.model))[PriorityClass.interactive]:
+                    continue
+                await asyncio.sleep(wait)  # a worker with a free slot may take them meanwhile
+                waiting = (await self.queue.waiting(self.model))[PriorityClass.interactive]
+                victims = self._preemptable()
+                if self.engine.continuous_batching:
+                    victims = victims[:waiting]
+                # Workers full of batch work all see the same waiting jobs: only as many slots are
+                # freed, fleet-wide, as jobs wait.
+                if not victims or not await self.queue.reserve_preemption(
+                    self.model, len(victims), waiting, self.settings.heartbeat_ttl_s
+                ):
+                    continue
+            except RedisError as e:
+                logger.warning("reading the queue failed (%s)", e)
+                continue
+            for run in victims:
+                if run.preempt_requested or run.engine_done:  # reserved, and ended on its own
+                    with contextlib.suppress(RedisError):
+                        await self.queue.end_preemption(self.model, self.settings.heartbeat_ttl_s)
+                    continue
+                logger.info("job %s: batch work preempted for %d interactive jobs", run.job_id, waiting)
+                run.preempt()
+
     async def _drain(self) -> None:
         """On stop: let running jobs finish within the grace period, then hand the rest back."""
         self.info.state = "draining"
@@ -292,8 +386,29 @@ class WorkerService:
                 await asyncio.wait_for(self._slot_freed.wait(), deadline - time.monotonic())
         for job_id, run in list(self.runs.items()):
             run.abandon()
-            await self.queue.release(self.model, job_id)
-            logger.info("job %s handed back to the queue", job_id)
+            if await self.queue.release(run.claim):
+                logger.info("job %s handed back to the queue", job_id)
+
+
+def poison_message(deaths: int) -> str:
+    return (
+        f"the job failed as poison: its worker died {deaths} times while the job ran alone on it, in "
+        f"quarantine (after an earlier worker death); giving up after {deaths} quarantined attempts "
+        "(ORTFLEET_MAX_ATTEMPTS)"
+    )
+
+
+def crash_on_marker(marker: str, runs: list[JobRun]) -> None:
+    """Testing aid: the worker dies at once, as an engine crash would, once it runs a job whose
+    prompt holds the marker (the jobs batched with it die with it)."""
+    if not marker:
+        return
+    for run in runs:
+        spec = run.spec
+        text = spec.prompt or "".join(m.model_dump_json() for m in spec.messages or [])
+        if marker in text:
+            logger.error("job %s holds the crash marker: the worker dies (a testing aid)", run.job_id)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _submitted_at(claim: Claim) -> float:

@@ -76,7 +76,14 @@ async def create_chat_completion(request: Request) -> Response:
     owner = principal_of(request.scope)
     choices = await Choices.submit(state, model, jobs, [0] * n, prompt_param="messages", owner=owner)
     form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", int(time.time()), model, n)
-    return await respond(request, choices, form, stream=body.streaming, include_usage=body.include_usage)
+    return await respond(
+        request,
+        choices,
+        form,
+        stream=body.streaming,
+        include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+    )
 
 
 routes = [Route("/v1/chat/completions", create_chat_completion, methods=["POST"])]

@@ -6,18 +6,20 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from common import keys
 from common.apikeys import Principal
+from common.error_codes import ErrorCode
 from common.events import is_final
-from common.records import load_record
 from common.wire import EventType, JobRequest, JobStatus, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
+from gateway.sse import PURGED
 from gateway.state import AppState
 from gateway.submission import submit_job
 
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-EXPIRED_IN_QUEUE = "expired_in_queue"
 JOB_ID_HEADER = "X-Ortfleet-Job-Id"  # the jobs behind a response, comma-separated in choice order
 
 _FINISH: dict[str, OpenAIFinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort"}
@@ -26,6 +28,13 @@ _FINISH: dict[str, OpenAIFinishReason] = {"stop": "stop", "length": "length", "c
 def finish_reason(job_reason: str | None) -> OpenAIFinishReason:
     """OpenAI's name for a job's finish reason; a job cancelled through the job API is vLLM's 'abort'."""
     return _FINISH.get(job_reason or "", "stop")
+
+
+def _error_code(raw: str | None) -> ErrorCode | None:
+    try:
+        return ErrorCode(raw) if raw else None
+    except ValueError:
+        return None
 
 
 def as_openai_error(error: ApiError) -> ApiError:
@@ -71,6 +80,7 @@ class Choices:
         self.job_ids = job_ids
         self.prompt_of = prompt_of
         self.prompt_param = prompt_param
+        self._slot_owner: str | None = None
 
     @classmethod
     async def submit(
@@ -83,17 +93,37 @@ class Choices:
         prompt_param: str,
         owner: Principal,
     ) -> Choices:
-        """Submits one job per choice; if one is refused (queue full), the ones before it are cancelled."""
+        """Submits one job per choice; if one is refused (queue full), the ones before it are cancelled.
+
+        The request holds one of its key's stream slots until `release`: it waits on Redis meanwhile.
+        """
+        limit = owner.max_concurrent_jobs
+        if limit and len(requests) > limit:  # could never be admitted: say so, rather than a 429 to retry
+            raise ApiError(
+                400,
+                f"n: {len(requests)} choices requested, more than this key's {limit} active jobs",
+                param="n",
+                code=ErrorCode.too_many_choices,
+            )
+        state.streams.take(owner.name)
         choices = cls(state, model, [], prompt_of, prompt_param)
+        choices._slot_owner = owner.name
         try:
             for request in requests:
                 choices.job_ids.append((await submit_job(state, request, None, owner)).job_id)
         except BaseException as e:
+            choices.release()
             await asyncio.shield(choices.cancel())
             if isinstance(e, ApiError):
                 raise as_openai_error(e) from e
             raise
         return choices
+
+    def release(self) -> None:
+        """Give back the key's stream slot (once)."""
+        if self._slot_owner is not None:
+            self.state.streams.give_back(self._slot_owner)
+            self._slot_owner = None
 
     async def cancel(self) -> None:
         await asyncio.gather(*(self.state.queue.cancel(job_id, self.model) for job_id in self.job_ids))
@@ -101,19 +131,31 @@ class Choices:
     async def events(self, tick_s: float) -> AsyncGenerator[ChoiceEvent | None, None]:
         """Every job's stream entries as they come, until each job's final one; None after `tick_s` idle."""
         index = {keys.events(job_id): i for i, job_id in enumerate(self.job_ids)}
-        after = dict.fromkeys(index, "0-0")
-        while after:
-            reply = await self.state.redis.xread(after, count=512, block=max(1, int(tick_s * 1000)))  # type: ignore[arg-type]
-            if not reply:
-                yield None
-                continue
-            for stream, entries in reply:
-                for entry_id, fields in entries:
-                    after[stream] = entry_id
+        async with self.state.relay.follow(dict.fromkeys(index, "0-0")) as follower:
+            following = set(index)
+            while following:
+                entries = await follower.next(tick_s)
+                if not entries:
+                    for stream in [s for s in following if not await self._exists(s)]:
+                        following.discard(stream)  # purged: its job will never end by itself
+                        follower.stop(stream)
+                        yield ChoiceEvent(index[stream], PURGED)
+                    yield None
+                    continue
+                for stream, _entry_id, fields in entries:
+                    if stream not in following:
+                        continue
                     yield ChoiceEvent(index[stream], fields)
                     if is_final(fields):
-                        del after[stream]
-                        break
+                        following.discard(stream)
+                        follower.stop(stream)
+
+    async def _exists(self, stream: str) -> bool:
+        """Whether a job's stream is still there (purged: gone); True while Redis is away."""
+        try:
+            return bool(await self.state.redis.exists(stream))
+        except (RedisConnectionError, RedisTimeoutError):
+            return True
 
     async def wait_started(
         self, events: AsyncIterator[ChoiceEvent | None], limit_s: float
@@ -147,29 +189,33 @@ class Choices:
                 raise self.failure(event)
         results = []
         for job_id in self.job_ids:
-            record = await load_record(self.state.redis, job_id) or {}
-            usage = record.get("usage")
-            results.append(
-                ChoiceResult(
-                    record.get("output", ""),
-                    finish_reason(record.get("finish_reason")),
-                    Usage.model_validate_json(usage) if usage else Usage(),
-                )
-            )
+            record = await self.state.queue.record(job_id)
+            if record is None:
+                results.append(ChoiceResult("", finish_reason(None), Usage()))
+                continue
+            reason = record.finish_reason.value if record.finish_reason else None
+            results.append(ChoiceResult(record.output or "", finish_reason(reason), record.usage or Usage()))
         return results
 
     def failure(self, event: ChoiceEvent) -> ApiError:
         """The error for a failed job: 400 for a prompt longer than the context, 503 for one that waited
         too long in the queue, else 500."""
         message = event.fields.get("message") or "the job failed"
-        code = event.fields.get("code")
+        code = _error_code(event.fields.get("code"))
         job = self.job_ids[event.index]
         headers = {JOB_ID_HEADER: job}
-        if code == CONTEXT_LENGTH_EXCEEDED:
+        if code is ErrorCode.context_length_exceeded:
             return ApiError(400, message, param=self.prompt_param, code=code, headers=headers)
-        if code == EXPIRED_IN_QUEUE:  # the fleet was too busy to start it in time: worth a retry
+        if code is ErrorCode.invalid_response_format:
+            return ApiError(400, message, param="response_format", code=code, headers=headers)
+        if code is ErrorCode.invalid_prompt:
+            return ApiError(400, message, param=self.prompt_param, code=code, headers=headers)
+        if code is ErrorCode.job_purged:
+            return ApiError(404, f"job {job} {message}", code=code, headers=headers)
+        if code is ErrorCode.expired_in_queue:  # the fleet was too busy to start it in time: worth a retry
             return ApiError(503, f"job {job} {message}", code=code, headers={**headers, "Retry-After": "5"})
-        return ApiError(500, f"job {job} failed: {message}", code=code or "job_failed", headers=headers)
+        code = code or ErrorCode.job_failed
+        return ApiError(500, f"job {job} failed: {message}", code=code, headers=headers)
 
     def total_usage(self, usages: list[Usage]) -> Usage:
         """Completion tokens of every choice; prompt tokens once per prompt (n choices share one)."""

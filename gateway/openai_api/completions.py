@@ -61,7 +61,14 @@ async def create_completion(request: Request) -> Response:
     owner = principal_of(request.scope)
     choices = await Choices.submit(state, model, jobs, prompt_of, prompt_param="prompt", owner=owner)
     form = CompletionFormat(f"cmpl-{choices.job_ids[0]}", int(time.time()), model)
-    return await respond(request, choices, form, stream=body.streaming, include_usage=body.include_usage)
+    return await respond(
+        request,
+        choices,
+        form,
+        stream=body.streaming,
+        include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+    )
 
 
 routes = [Route("/v1/completions", create_completion, methods=["POST"])]

@@ -6,9 +6,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from common.error_codes import ErrorCode
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.openai_api.protocol import MAX_CHOICES, ChatMessageIn, GenerationParams
+from gateway.openai_api.structured import response_format
 
 _SEEDS = 2**63
 
@@ -22,7 +24,7 @@ def reject_unsupported(body: GenerationParams) -> None:
             400,
             f"{', '.join(names)}: not supported by ortfleet; leave {them} unset",
             param=names[0],
-            code="unsupported_parameter",
+            code=ErrorCode.unsupported_parameter,
         )
 
 
@@ -46,11 +48,22 @@ def job_request(
         "top_k": body.top_k,
         "seed": None if body.seed is None else (body.seed + choice) % _SEEDS,
         "stop": stop or None,
+        "ignore_eos": body.ignore_eos,
+        "min_tokens": body.min_tokens,
+        "repetition_penalty": body.repetition_penalty,
+        "stop_token_ids": body.stop_token_ids,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "response_format": response_format(body),
+        "priority": body.priority,
     }
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})
     except ValidationError as e:
-        raise validation_error(e, 400) from e
+        error = validation_error(e, 400)
+        named = body.limit_name()
+        if error.param == "max_tokens" and named != "max_tokens":
+            error = ApiError(400, named + error.message.removeprefix("max_tokens"), param=named)
+        raise error from e
 
 
 def job_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
@@ -62,7 +75,7 @@ def job_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
                 400,
                 f"messages.{i}: tool calls and tool results are not supported by ortfleet",
                 param=f"messages.{i}",
-                code="unsupported_parameter",
+                code=ErrorCode.unsupported_parameter,
             )
         role = "system" if message.role == "developer" else message.role
         converted.append(ChatMessage.model_validate({"role": role, "content": _text(message, i)}))
@@ -85,7 +98,7 @@ def _text(message: ChatMessageIn, i: int) -> str:
                 400,
                 f"messages.{i}.content.{j}: only text parts are supported (got type {part.get('type')!r})",
                 param=f"messages.{i}.content.{j}",
-                code="unsupported_value",
+                code=ErrorCode.unsupported_value,
             )
         texts.append(text)
     return "\n".join(texts)
@@ -102,7 +115,7 @@ def prompt_texts(prompt: str | list[Any]) -> list[str]:
             400,
             "prompt: token-id prompts are not supported by ortfleet; send text",
             param="prompt",
-            code="unsupported_value",
+            code=ErrorCode.unsupported_value,
         )
     return list(prompt)
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from common.wire import Usage
+from common.wire import PriorityClass, Usage
 
 MAX_CHOICES = 128
 
@@ -21,6 +21,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage so far in every chunk.")
 
 
 class GenerationParams(BaseModel):
@@ -39,6 +40,22 @@ class GenerationParams(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="Read only when `stream` is true.")
     user: str | None = Field(None, description="Accepted and ignored.")
+    # vLLM's sampling extensions (validated again as the job's sampling).
+    ignore_eos: bool | None = Field(None, description="Generate exactly max_tokens.")
+    min_tokens: int | None = Field(None, ge=0, description="Fewest tokens to generate.")
+    repetition_penalty: float | None = Field(None, description="Above 1 discourages repeats.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
+    include_stop_str_in_output: bool | None = Field(None, description="Keep the stop string in the text.")
+    # Structured output (see structured.py): at most one of these.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    priority: PriorityClass | None = Field(
+        None, description="ortfleet's extension: the job's priority class, interactive (default) or batch."
+    )
     # OpenAI's parameters that ortfleet does not honour: accepted only at their neutral values.
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -57,8 +74,17 @@ class GenerationParams(BaseModel):
     def include_usage(self) -> bool:
         return self.streaming and self.stream_options is not None and bool(self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return self.streaming and options is not None and bool(options.continuous_usage_stats)
+
     def generated_limit(self) -> int | None:
         return self.max_tokens
+
+    def limit_name(self) -> str:
+        """The field the client used for the limit on generated tokens."""
+        return "max_tokens"
 
     def unsupported_parameters(self) -> list[str]:
         """The parameters set to something ortfleet cannot do, in declaration order."""
@@ -97,7 +123,6 @@ class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessageIn] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over `max_tokens`.")
     top_logprobs: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -107,11 +132,13 @@ class ChatCompletionRequest(GenerationParams):
     def generated_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def limit_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def _neutral(self) -> dict[str, Callable[[Any], bool]]:
         return {
             **super()._neutral(),
             "top_logprobs": _zero,
-            "response_format": lambda v: v is None or v == {"type": "text"},
             "tools": _empty,
             "tool_choice": lambda v: v in (None, "none", "auto"),
             "functions": _empty,

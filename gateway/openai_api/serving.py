@@ -9,19 +9,13 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import ApiError
+from gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientGone
 from gateway.openai_api.choices import JOB_ID_HEADER, Choices, as_openai_error
 from gateway.openai_api.streaming import JobStreamResponse, ResponseFormat, chunks
 from gateway.state import AppState
 from gateway.submission import resolve_model
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left; nobody receives it
-
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    pass
 
 
 async def served_model(state: AppState, requested: str | None) -> str:
@@ -33,7 +27,13 @@ async def served_model(state: AppState, requested: str | None) -> str:
 
 
 async def respond(
-    request: Request, choices: Choices, form: ResponseFormat, *, stream: bool, include_usage: bool
+    request: Request,
+    choices: Choices,
+    form: ResponseFormat,
+    *,
+    stream: bool,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> Response:
     """The whole response once every job ended, or (stream) SSE chunks as they generate.
 
@@ -50,14 +50,17 @@ async def respond(
         else:
             results = await until_disconnect(request, choices.results(events))
     except ClientGone:
+        choices.release()
         await choices.cancel()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except BaseException:
+        choices.release()
         await events.aclose()
         raise
     if stream:
-        content = chunks(choices, seen, events, form, include_usage)
-        return JobStreamResponse(content, choices, events, headers)
+        content = chunks(choices, seen, events, form, include_usage, continuous_usage)
+        return JobStreamResponse(content, choices, events, headers)  # releases the slot when it ends
+    choices.release()
     usage = choices.total_usage([result.usage for result in results])
     return JSONResponse(form.complete(results, usage).model_dump(mode="json"), headers=headers)
 
@@ -74,8 +77,15 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
             task.cancel()
     if task in done:
         return task.result()
-    await asyncio.gather(task, return_exceptions=True)
+    # Not awaited: a Redis read with a socket timeout may finish its round before it sees the cancel,
+    # and the client is gone now, not then.
+    task.add_done_callback(_retrieve)
     raise ClientGone
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _disconnected(request: Request) -> None:

@@ -8,13 +8,14 @@ from typing import Any, Protocol
 
 import anyio
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from common.events import entry_token_ids
 from common.wire import EventType, Usage
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceResult, Choices, finish_reason
 from gateway.openai_api.protocol import OpenAIFinishReason
+from gateway.sse import EventStreamResponse
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
@@ -48,6 +49,7 @@ async def chunks(
     events: AsyncIterator[ChoiceEvent | None],
     form: ResponseFormat,
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """The opening chunks, then text as the jobs stream it, a finish chunk per choice, usage, [DONE].
 
@@ -60,10 +62,17 @@ async def chunks(
     async for event in _chain(seen, events):
         if event is None:
             yield KEEPALIVE
+        elif event.kind == EventType.status.value and "prompt_tokens" in event.fields:
+            usages[event.index].prompt_tokens = int(event.fields["prompt_tokens"])
         elif event.kind == EventType.token.value:
             text = event.fields.get("text", "")
+            usage = usages[event.index]
+            usage.completion_tokens += len(entry_token_ids(event.fields))
             if text:
-                yield frame(form.text(event.index, text))
+                chunk = form.text(event.index, text)
+                if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, every chunk
+                    chunk = chunk.model_copy(update={"usage": choices.total_usage(usages)})
+                yield frame(chunk)
         elif event.kind == EventType.done.value:
             usages[event.index] = event.usage()
             yield frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason"))))
@@ -87,7 +96,7 @@ async def _chain(
         yield later
 
 
-class JobStreamResponse(StreamingResponse):
+class JobStreamResponse(EventStreamResponse):
     """An SSE response fed by a request's jobs: if it ends before its last chunk (the client went
     away), the jobs are cancelled, so the workers stop within one engine step and free their slots."""
 
@@ -100,20 +109,14 @@ class JobStreamResponse(StreamingResponse):
     ) -> None:
         self._choices = choices
         self._events = events
-        self._ended = False
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
-        super().__init__(self._to_the_end(content), media_type="text/event-stream", headers=headers)
-
-    async def _to_the_end(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        async for chunk in content:
-            yield chunk
-        self._ended = True
+        super().__init__(content, headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self._choices.release()
             with anyio.CancelScope(shield=True):
-                if not self._ended:
+                if not self.ended:
                     await self._choices.cancel()
                 await self._events.aclose()

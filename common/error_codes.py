@@ -1,0 +1,45 @@
+"""Every error code ortfleet gives programs: in the error envelope, a job's record and its error event."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    # A job's own failure: its record's error_code and its stream's error event.
+    context_length_exceeded = "context_length_exceeded"
+    expired_in_queue = "expired_in_queue"
+    job_failed = "job_failed"
+    invalid_response_format = "invalid_response_format"  # the engine cannot compile the grammar
+    structured_output_not_resumable = "structured_output_not_resumable"
+    poison = "poison"  # its workers died running it alone, in quarantine, ORTFLEET_MAX_ATTEMPTS times
+    # Requests the gateway refuses.
+    invalid_api_key = "invalid_api_key"
+    rate_limit_exceeded = "rate_limit_exceeded"
+    too_many_active_jobs = "too_many_active_jobs"
+    queue_full = "queue_full"
+    model_not_found = "model_not_found"
+    no_live_worker = "no_live_worker"
+    job_not_found = "job_not_found"
+    file_not_found = "file_not_found"
+    batch_not_found = "batch_not_found"
+    response_not_found = "response_not_found"
+    priority_not_allowed = "priority_not_allowed"
+    unsupported_parameter = "unsupported_parameter"
+    unsupported_value = "unsupported_value"
+    store_unavailable = "store_unavailable"
+    worker_timeout = "worker_timeout"  # no worker answered a tokenizer call in time
+    stream_tokens_disabled = "stream_tokens_disabled"
+    store_timeout = "store_timeout"
+    # refused by a protective limit
+    invalid_json = "invalid_json"
+    invalid_text = "invalid_text"
+    json_too_deep = "json_too_deep"
+    number_too_long = "number_too_long"
+    number_out_of_range = "number_out_of_range"
+    too_many_streams = "too_many_streams"
+    too_many_choices = "too_many_choices"
+    # a job ended by its content or by a purge
+    invalid_prompt = "invalid_prompt"
+    job_purged = "job_purged"
+    idempotency_key_reused = "idempotency_key_reused"

@@ -1,0 +1,172 @@
+"""A batch's lines: checking the input file, turning a line into a job through the OpenAI request parsing,
+and a finished job into a line of the output or error file (OpenAI's format)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from common.error_codes import ErrorCode
+from common.records import JobRecord
+from common.wire import JobRequest, JobStatus, Usage
+from gateway.errors import ApiError, envelope, validation_error
+from gateway.openai_api.chat import ChatFormat
+from gateway.openai_api.choices import ChoiceResult, finish_reason
+from gateway.openai_api.completions import CompletionFormat
+from gateway.openai_api.params import job_messages, job_request, prompt_texts, reject_unsupported
+from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api.serving import served_model
+from gateway.state import AppState
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+MAX_REPORTED_ERRORS = 100
+
+
+@dataclass(frozen=True)
+class LineError:
+    code: str
+    message: str
+    line: int
+    param: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+
+def check_line(raw: str, number: int, endpoint: str, seen: set[str]) -> LineError | None:
+    """What is wrong with the shape of line `number` (1-based) of the input file, if anything."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return LineError("invalid_json_line", f"line {number}: not valid JSON ({e.msg})", number)
+    if not isinstance(data, dict):
+        return LineError("invalid_request", f"line {number}: must be a JSON object", number)
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return LineError(
+            "missing_required_parameter", f"line {number}: custom_id is required", number, "custom_id"
+        )
+    if custom_id in seen:
+        return LineError(
+            "duplicate_custom_id", f"line {number}: custom_id {custom_id!r} repeats", number, "custom_id"
+        )
+    seen.add(custom_id)
+    if data.get("method", "POST") != "POST":
+        return LineError("invalid_method", f"line {number}: method must be POST", number, "method")
+    if data.get("url") != endpoint:
+        return LineError(
+            "mismatched_url", f"line {number}: url must be the batch's endpoint {endpoint}", number, "url"
+        )
+    if not isinstance(data.get("body"), dict):
+        return LineError("invalid_request", f"line {number}: body must be a JSON object", number, "body")
+    return None
+
+
+def custom_id_of(raw: str) -> str:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        return ""
+    return str(data.get("custom_id", "")) if isinstance(data, dict) else ""
+
+
+async def line_job(state: AppState, raw: str, endpoint: str) -> JobRequest:
+    """The job answering one line, parsed as the endpoint parses its requests; ApiError when it is bad."""
+    body: dict[str, Any] = json.loads(raw)["body"]
+    try:
+        if endpoint == CHAT:
+            chat = ChatCompletionRequest.model_validate(body)
+            reject_unsupported(chat)
+            _one_choice(chat.choices_per_prompt)
+            model = await served_model(state, chat.model)
+            return job_request(chat, model, 0, messages=job_messages(chat.messages))
+        completion = CompletionRequest.model_validate(body)
+        reject_unsupported(completion)
+        prompts = prompt_texts(completion.prompt)
+        _one_choice(completion.choices_per_prompt * len(prompts))
+        model = await served_model(state, completion.model)
+        return job_request(completion, model, 0, prompt=prompts[0])
+    except ValidationError as e:
+        raise validation_error(e, 400) from e
+
+
+def _one_choice(count: int) -> None:
+    if count != 1:
+        raise ApiError(400, "n: a batch line asks for one choice (one prompt, n=1)", param="n")
+
+
+def answer_line(
+    custom_id: str, job_id: str, status_code: int, body: dict[str, Any], number: int | None = None
+) -> str:
+    line: dict[str, Any] = {
+        "id": f"batch_req_{job_id.removeprefix('job_')}",
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": job_id, "body": body},
+        "error": None,
+    }
+    if number is not None:
+        line["line"] = number
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def refused_line(custom_id: str, number: int, batch_id: str, error: ApiError) -> str:
+    """The error-file line of a request refused before it ran, with its line number."""
+    line = {
+        "id": f"batch_req_{batch_id.removeprefix('batch_')}_{number}",
+        "custom_id": custom_id,
+        "response": {
+            "status_code": error.status,
+            "request_id": None,
+            "body": envelope(error.status, f"line {number}: {error.message}", error.param, error.code),
+        },
+        "error": None,
+        "line": number,
+    }
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def unanswered_line(custom_id: str, number: int, batch_id: str, code: str, message: str) -> str:
+    """The error-file line of a request the batch never ran (expired, cancelled)."""
+    line = {
+        "id": f"batch_req_{batch_id.removeprefix('batch_')}_{number}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+        "line": number,
+    }
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def finished_line(
+    custom_id: str, number: int, batch_id: str, endpoint: str, job_id: str, record: JobRecord | None
+) -> tuple[str, str]:
+    """('output' or 'error', the file line) for the finished job `job_id` of line `number`; a job whose
+    record is gone failed."""
+    status = record.status if record is not None else JobStatus.failed
+    if record is not None and status is JobStatus.succeeded:
+        usage = record.usage or Usage()
+        reason = record.finish_reason.value if record.finish_reason else None
+        result = ChoiceResult(record.output or "", finish_reason(reason), usage)
+        created = int(record.created_at)
+        model = record.model
+        form: ChatFormat | CompletionFormat
+        if endpoint == CHAT:
+            form = ChatFormat(f"chatcmpl-{job_id}", created, model, 1)
+        else:
+            form = CompletionFormat(f"cmpl-{job_id}", created, model)
+        body = form.complete([result], usage).model_dump(mode="json")
+        return "output", answer_line(custom_id, job_id, 200, body)
+    if status is JobStatus.cancelled:
+        return "error", unanswered_line(
+            custom_id, number, batch_id, "batch_cancelled", "cancelled with the batch"
+        )
+    message = "the job vanished" if record is None else record.error or "the request failed"
+    code = (record.error_code if record is not None else None) or ErrorCode.job_failed
+    status_code = 400 if code is ErrorCode.context_length_exceeded else 500
+    body = envelope(status_code, f"line {number}: {message}", None, code)
+    return "error", answer_line(custom_id, job_id, status_code, body, number)

@@ -1,0 +1,313 @@
+"""A batch's durable state in Redis, and its transitions, each one atomic Lua script.
+
+A batch is a record (status, counts, cursor), its lines in flight (line index -> job id), and its
+output and error files' lines. Every write of a driver is fenced by the driver's lease token, and a
+line is answered only by the script that removes it from the lines in flight, so however many
+processes die or race, each line is fed once and answered once.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+
+PENDING = "pending"  # a line reserved for feeding whose job may or may not exist yet
+
+
+class BatchStatus(str, Enum):
+    validating = "validating"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    failed = "failed"
+    expired = "expired"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+ENDED = frozenset({BatchStatus.completed, BatchStatus.failed, BatchStatus.expired, BatchStatus.cancelled})
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_urlsafe(18)
+
+
+_LEASE = """
+-- KEYS: lease; ARGV: token, lease_ms. Takes the lease if free, renews it if ours.
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+_SET_STATUS = """
+-- KEYS: batch, lease (or '' for a client's request); ARGV: token, from statuses (comma-separated), to,
+--       n fields, fields...
+if KEYS[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lease' end
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return 'missing' end
+local allowed = false
+for s in string.gmatch(ARGV[2], '[^,]+') do if s == st then allowed = true end end
+if not allowed then return st end
+redis.call('HSET', KEYS[1], 'status', ARGV[3])
+local n = tonumber(ARGV[4])
+for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 'ok'
+"""
+
+_RESERVE = """
+-- KEYS: batch, lease, in flight, input lines; ARGV: token, the status the batch must have
+-- Takes the next line that is not blank: in flight as 'pending'; returns {index, line}, or {} at the end.
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {} end
+if redis.call('HGET', KEYS[1], 'status') ~= ARGV[2] then return {} end
+local total = redis.call('LLEN', KEYS[4])
+local at = tonumber(redis.call('HGET', KEYS[1], 'next') or '0')
+while at < total do
+  local line = redis.call('LINDEX', KEYS[4], at)
+  at = at + 1
+  if string.find(line, '%S') then
+    redis.call('HSET', KEYS[1], 'next', at)
+    redis.call('HSET', KEYS[3], at - 1, 'pending')
+    return {at - 1, line}
+  end
+end
+redis.call('HSET', KEYS[1], 'next', at)
+return {}
+"""
+
+_STARTED = """
+-- KEYS: in flight; ARGV: index, job id
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'pending' then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+_ANSWER = """
+-- KEYS: batch, in flight, output lines, error lines; ARGV: index, expected (job id or 'pending'),
+--   'output' or 'error', the line, ttl_s
+-- Answers the line once: only while it is still in flight with the expected job.
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+if ARGV[3] == 'output' then
+  redis.call('RPUSH', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'completed', 1)
+  redis.call('HINCRBY', KEYS[1], 'output_bytes', string.len(ARGV[4]))
+else
+  redis.call('RPUSH', KEYS[4], ARGV[4])
+  redis.call('EXPIRE', KEYS[4], ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'failed', 1)
+  redis.call('HINCRBY', KEYS[1], 'error_bytes', string.len(ARGV[4]))
+end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Batch:
+    fields: dict[str, str]
+
+    @property
+    def id(self) -> str:
+        return self.fields["id"]
+
+    @property
+    def owner(self) -> str:
+        return self.fields.get("owner", "")
+
+    @property
+    def status(self) -> BatchStatus:
+        return BatchStatus(self.fields["status"])
+
+    @property
+    def input_file_id(self) -> str:
+        return self.fields["input_file_id"]
+
+    @property
+    def endpoint(self) -> str:
+        return self.fields["endpoint"]
+
+    @property
+    def output_file_id(self) -> str:
+        return self.fields["output_file_id"]
+
+    @property
+    def error_file_id(self) -> str:
+        return self.fields["error_file_id"]
+
+    @property
+    def outcome(self) -> BatchStatus:
+        """What a finalizing or cancelling batch ends as."""
+        return BatchStatus(self.fields.get("outcome", BatchStatus.completed.value))
+
+    def number(self, name: str) -> int:
+        return int(self.fields.get(name, "0"))
+
+    def view(self) -> dict[str, Any]:
+        """The batch as OpenAI shows it."""
+        f = self.fields
+
+        def at(name: str) -> int | None:
+            raw = f.get(name)
+            return int(float(raw)) if raw else None
+
+        status = self.status
+        ended = status in ENDED
+        errors = json.loads(f["errors"]) if f.get("errors") else None
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": {"object": "list", "data": errors} if errors else None,
+            "input_file_id": self.input_file_id,
+            "completion_window": f.get("completion_window", "24h"),
+            "status": status.value,
+            "output_file_id": self.output_file_id if ended and self.number("completed") else None,
+            "error_file_id": self.error_file_id if ended and self.number("failed") else None,
+            "created_at": at("created_at"),
+            "in_progress_at": at("in_progress_at"),
+            "expires_at": at("expires_at"),
+            "finalizing_at": at("finalizing_at"),
+            "completed_at": at("completed_at"),
+            "failed_at": at("failed_at"),
+            "expired_at": at("expired_at"),
+            "cancelling_at": at("cancelling_at"),
+            "cancelled_at": at("cancelled_at"),
+            "request_counts": {
+                "total": self.number("total"),
+                "completed": self.number("completed"),
+                "failed": self.number("failed"),
+            },
+            "metadata": json.loads(f["metadata"]) if f.get("metadata") else None,
+        }
+
+
+def _flat(fields: dict[str, str]) -> list[str]:
+    out = [str(len(fields))]
+    for key, value in fields.items():
+        out += [key, value]
+    return out
+
+
+class BatchState:
+    """The batch records and their transitions; shared by the routes (create, cancel) and the drivers."""
+
+    def __init__(self, redis: Redis, ttl_s: int) -> None:
+        self.redis = redis
+        self.ttl_s = ttl_s
+        self._lease = redis.register_script(_LEASE)
+        self._set_status = redis.register_script(_SET_STATUS)
+        self._reserve = redis.register_script(_RESERVE)
+        self._started = redis.register_script(_STARTED)
+        self._answer = redis.register_script(_ANSWER)
+
+    async def create(self, fields: dict[str, str], expires_at: float) -> Batch:
+        ttl = int(expires_at - time.time()) + self.ttl_s
+        batch_id = fields["id"]
+        owner = fields.get("owner", "")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.batch(batch_id), mapping=fields)
+            pipe.expire(keys.batch(batch_id), ttl)
+            pipe.zadd(keys.owner_batches(owner), {batch_id: int(float(fields["created_at"]) * 1000)})
+            pipe.expire(keys.owner_batches(owner), ttl)
+            pipe.zadd(keys.BATCHES_ACTIVE, {batch_id: int(float(fields["created_at"]) * 1000)})
+            await pipe.execute()
+        return Batch(fields)
+
+    async def load(self, batch_id: str) -> Batch | None:
+        fields: dict[str, str] = await self.redis.hgetall(keys.batch(batch_id))  # type: ignore[misc]
+        return Batch(fields) if fields else None
+
+    async def take_lease(self, batch_id: str, token: str, lease_s: float) -> bool:
+        held: int = await self._lease(keys=[keys.batch_lease(batch_id)], args=[token, int(lease_s * 1000)])
+        return bool(held)
+
+    async def drop_lease(self, batch_id: str, token: str) -> None:
+        if await self.redis.get(keys.batch_lease(batch_id)) == token:
+            await self.redis.delete(keys.batch_lease(batch_id))
+
+    async def move(
+        self,
+        batch_id: str,
+        from_statuses: set[BatchStatus],
+        to: BatchStatus,
+        fields: dict[str, str] | None = None,
+        token: str | None = None,
+    ) -> str:
+        """'ok', or why not: 'lease' (not the driver any more), 'missing', or the batch's status."""
+        lease = keys.batch_lease(batch_id) if token is not None else ""
+        result: str = await self._set_status(
+            keys=[keys.batch(batch_id), lease],
+            args=[token or "", ",".join(s.value for s in from_statuses), to.value, *_flat(fields or {})],
+        )
+        return result
+
+    async def reserve(
+        self, batch: Batch, token: str, status: BatchStatus = BatchStatus.in_progress
+    ) -> tuple[int, str] | None:
+        """The next line to feed, now in flight as pending; None when every line has been fed (or the
+        batch's status is no longer `status`)."""
+        reply = await self._reserve(
+            keys=[
+                keys.batch(batch.id),
+                keys.batch_lease(batch.id),
+                keys.batch_in_flight(batch.id),
+                keys.file_lines(batch.input_file_id),
+            ],
+            args=[token, status.value],
+        )
+        if not reply:
+            return None
+        return int(reply[0]), str(reply[1])
+
+    async def started(self, batch_id: str, index: int, job_id: str) -> bool:
+        done: int = await self._started(keys=[keys.batch_in_flight(batch_id)], args=[index, job_id])
+        return bool(done)
+
+    async def in_flight(self, batch_id: str) -> dict[int, str]:
+        raw: dict[str, str] = await self.redis.hgetall(keys.batch_in_flight(batch_id))  # type: ignore[misc]
+        return {int(index): job for index, job in raw.items()}
+
+    async def answer(self, batch: Batch, index: int, expected: str, kind: str, line: str) -> bool:
+        """Writes the line's answer to the output ('output') or error ('error') file, once."""
+        done: int = await self._answer(
+            keys=[
+                keys.batch(batch.id),
+                keys.batch_in_flight(batch.id),
+                keys.file_lines(batch.output_file_id),
+                keys.file_lines(batch.error_file_id),
+            ],
+            args=[index, expected, kind, line, self.ttl_s],
+        )
+        return bool(done)
+
+    async def active(self) -> list[str]:
+        ids: list[str] = await self.redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+        return ids
+
+    async def retire(self, batch_id: str) -> None:
+        await self.redis.zrem(keys.BATCHES_ACTIVE, batch_id)
+        await self.redis.delete(keys.batch_in_flight(batch_id))
+
+    async def list_batches(self, owner: str, limit: int, after: str | None) -> list[Batch]:
+        upper = "+inf"
+        if after is not None:
+            score = await self.redis.zscore(keys.owner_batches(owner), after)
+            if score is None:
+                return []
+            upper = f"({int(score)}"
+        ids = await self.redis.zrevrangebyscore(keys.owner_batches(owner), upper, "-inf", start=0, num=limit)
+        found = []
+        for batch_id in ids:
+            batch = await self.load(batch_id)
+            if batch is not None and batch.owner == owner:
+                found.append(batch)
+        return found

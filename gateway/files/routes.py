@@ -1,0 +1,119 @@
+"""OpenAI's Files API: `POST/GET /v1/files`, `GET/DELETE /v1/files/{id}`, `GET /v1/files/{id}/content`."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common import keys
+from common.error_codes import ErrorCode
+from gateway.auth import principal_of
+from gateway.errors import ApiError
+from gateway.files.store import PURPOSES, FileStore, StoredFile, new_file_id
+from gateway.files.upload import receive_upload
+from gateway.state import app_state
+
+MAX_LIST = 10_000
+
+
+def file_store(request: Request) -> FileStore:
+    state = app_state(request)
+    return FileStore(state.redis, state.settings.file_ttl_s)
+
+
+def not_found(file_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"file {file_id!r} does not exist (or has expired)",
+        param="file_id",
+        code=ErrorCode.file_not_found,
+    )
+
+
+async def owned_file(request: Request) -> StoredFile:
+    file_id = request.path_params["file_id"]
+    stored = await file_store(request).get(file_id, principal_of(request.scope).name)
+    if stored is None:
+        raise not_found(file_id)
+    return stored
+
+
+async def create_file(request: Request) -> Response:
+    state = app_state(request)
+    store = file_store(request)
+    file_id = new_file_id()
+    upload = await receive_upload(
+        request.stream(),
+        request.headers.get("content-type", ""),
+        store,
+        file_id,
+        max_bytes=state.settings.max_file_bytes,
+        max_line_bytes=state.settings.max_body_bytes,
+    )
+    try:
+        purpose = upload.fields.get("purpose")
+        if purpose is None:
+            raise ApiError(400, "purpose: required (batch)", param="purpose")
+        if purpose not in PURPOSES:
+            raise ApiError(
+                400, f"purpose: {purpose!r} is not supported by ortfleet; use 'batch'", param="purpose"
+            )
+        if upload.filename is None:
+            raise ApiError(400, "file: required, as a multipart file part named `file`", param="file")
+    except ApiError:
+        await store.redis.delete(keys.file_lines(file_id))
+        raise
+    owner = principal_of(request.scope).name
+    stored = await store.register(file_id, owner, purpose, upload.filename, upload.size, upload.lines)
+    return JSONResponse(stored.view())
+
+
+async def list_files(request: Request) -> Response:
+    limit_raw = request.query_params.get("limit", "10000")
+    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= MAX_LIST:
+        raise ApiError(400, f"limit: must be a whole number from 1 to {MAX_LIST}", param="limit")
+    limit = int(limit_raw)
+    purpose = request.query_params.get("purpose")
+    after = request.query_params.get("after")
+    owner = principal_of(request.scope).name
+    found = await file_store(request).list_files(owner, purpose, limit + 1, after)
+    page = found[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [stored.view() for stored in page],
+            "has_more": len(found) > limit,
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+        }
+    )
+
+
+async def get_file(request: Request) -> Response:
+    return JSONResponse((await owned_file(request)).view())
+
+
+async def delete_file(request: Request) -> Response:
+    stored = await owned_file(request)
+    if not await file_store(request).delete(stored.id, stored.owner):
+        raise not_found(stored.id)
+    return JSONResponse({"id": stored.id, "object": "file", "deleted": True})
+
+
+async def file_content(request: Request) -> Response:
+    stored = await owned_file(request)
+    filename = stored.filename.replace('"', "").replace("\\", "")
+    headers = {"Content-Disposition": f'attachment; filename="{filename}"'}
+    return StreamingResponse(
+        file_store(request).content(stored.id), media_type="application/octet-stream", headers=headers
+    )
+
+
+routes = [
+    Route("/v1/files", create_file, methods=["POST"]),
+    Route("/v1/files", list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", get_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+]

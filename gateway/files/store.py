@@ -1,0 +1,166 @@
+"""Files in Redis: a record per file and its lines in a list, owned by the key that made them."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys
+
+READ_CHUNK_LINES = 1000
+PURPOSES = ("batch",)  # what clients may upload; batch_output is what batches write
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_urlsafe(18)
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    id: str
+    owner: str
+    purpose: str
+    filename: str
+    bytes: int
+    lines: int
+    created_at: int
+    expires_at: int
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> StoredFile:
+        return cls(
+            id=fields["id"],
+            owner=fields.get("owner", ""),
+            purpose=fields["purpose"],
+            filename=fields.get("filename", ""),
+            bytes=int(fields.get("bytes", "0")),
+            lines=int(fields.get("lines", "0")),
+            created_at=int(fields["created_at"]),
+            expires_at=int(fields["expires_at"]),
+        )
+
+    def view(self) -> dict[str, Any]:
+        """The file as OpenAI shows it."""
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+class FileStore:
+    """Every gateway reads and writes the same files; a file and its lines expire together."""
+
+    def __init__(self, redis: Redis, ttl_s: int) -> None:
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    async def append_lines(self, file_id: str, lines: list[bytes]) -> None:
+        if lines:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(keys.file_lines(file_id), *lines)
+                pipe.expire(keys.file_lines(file_id), self.ttl_s)
+                await pipe.execute()
+
+    async def register(
+        self, file_id: str, owner: str, purpose: str, filename: str, size: int, lines: int
+    ) -> StoredFile:
+        """Makes the file (whose lines are already stored) visible to its owner."""
+        now = int(time.time())
+        stored = StoredFile(file_id, owner, purpose, filename, size, lines, now, now + self.ttl_s)
+        fields = {
+            "id": file_id,
+            "owner": owner,
+            "purpose": purpose,
+            "filename": filename,
+            "bytes": str(size),
+            "lines": str(lines),
+            "created_at": str(now),
+            "expires_at": str(stored.expires_at),
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.file(file_id), mapping=fields)
+            pipe.expire(keys.file(file_id), self.ttl_s)
+            pipe.expire(keys.file_lines(file_id), self.ttl_s)
+            pipe.zadd(keys.owner_files(owner), {file_id: now})
+            pipe.expire(keys.owner_files(owner), self.ttl_s)
+            await pipe.execute()
+        return stored
+
+    async def get(self, file_id: str, owner: str) -> StoredFile | None:
+        """The file if `owner` made it; another key's file does not exist for them."""
+        fields: dict[str, str] = await self.redis.hgetall(keys.file(file_id))  # type: ignore[misc]
+        if not fields or fields.get("owner", "") != owner:
+            return None
+        return StoredFile.from_fields(fields)
+
+    async def keep_until(self, file_id: str, expires_at: float) -> None:
+        """Keeps the file at least until `expires_at` (a batch reading it may run that long)."""
+        ttl = int(expires_at - time.time()) + 1
+        for key in (keys.file(file_id), keys.file_lines(file_id)):
+            if await self.redis.ttl(key) < ttl:
+                await self.redis.expire(key, ttl)
+        await self.redis.hset(keys.file(file_id), "expires_at", str(int(expires_at)))  # type: ignore[misc]
+
+    async def list_files(
+        self, owner: str, purpose: str | None, limit: int, after: str | None
+    ) -> list[StoredFile]:
+        """The owner's files, newest first, after the file `after`."""
+        upper = "+inf"
+        if after is not None:
+            score = await self.redis.zscore(keys.owner_files(owner), after)
+            if score is None:
+                return []
+            upper = f"({int(score)}"
+        found: list[StoredFile] = []
+        offset = 0
+        while len(found) < limit:
+            ids = await self.redis.zrevrangebyscore(
+                keys.owner_files(owner), upper, "-inf", start=offset, num=limit * 2
+            )
+            if not ids:
+                break
+            offset += len(ids)
+            for file_id in ids:
+                stored = await self.get(file_id, owner)
+                if stored is None:
+                    await self.redis.zrem(keys.owner_files(owner), file_id)
+                elif purpose is None or stored.purpose == purpose:
+                    found.append(stored)
+        return found[:limit]
+
+    async def delete(self, file_id: str, owner: str) -> bool:
+        if await self.get(file_id, owner) is None:
+            return False
+        await self.redis.delete(keys.file(file_id), keys.file_lines(file_id))
+        await self.redis.zrem(keys.owner_files(owner), file_id)
+        return True
+
+    async def line_count(self, file_id: str) -> int:
+        count: int = await self.redis.llen(keys.file_lines(file_id))  # type: ignore[misc]
+        return count
+
+    async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
+        lines: list[str] = await self.redis.lrange(keys.file_lines(file_id), start, start + count - 1)  # type: ignore[misc]
+        return lines
+
+    async def content(self, file_id: str) -> AsyncIterator[bytes]:
+        """The file's bytes, a thousand lines at a time."""
+        start = 0
+        while True:
+            lines = await self.read_lines(file_id, start, READ_CHUNK_LINES)
+            if not lines:
+                return
+            yield "".join(lines).encode()
+            start += len(lines)

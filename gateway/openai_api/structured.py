@@ -1,0 +1,101 @@
+"""Structured output as OpenAI and vLLM ask for it, turned into the job's `response_format`.
+
+OpenAI: `response_format` of type `text`, `json_object` or `json_schema`. vLLM: `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` (Lark syntax), or the newer `structured_outputs`
+object with `json`, `regex`, `choice`, `grammar` or `json_object`. At most one of them per request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from common.error_codes import ErrorCode
+from common.guidance import ResponseFormat
+from gateway.errors import ApiError
+from gateway.openai_api.protocol import GenerationParams
+
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def response_format(body: GenerationParams) -> ResponseFormat | None:
+    """The one structured-output request of `body`; 400 naming the field when it is malformed or when
+    more than one is given."""
+    given = {
+        name: value
+        for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        if (value := getattr(body, name)) is not None
+    }
+    if body.structured_outputs is not None:
+        given["structured_outputs"] = body.structured_outputs
+    if given.get("response_format") in ({"type": "text"}, "text"):
+        del given["response_format"]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(given)
+        raise ApiError(400, f"{names}: give at most one way to constrain the output", param=next(iter(given)))
+    name, value = next(iter(given.items()))
+    return _parse(name, _raw_format(name, value))
+
+
+def _raw_format(name: str, value: Any) -> dict[str, Any]:
+    if name == "response_format":
+        if not isinstance(value, dict):
+            raise ApiError(400, "response_format: must be an object with a 'type'", param=name)
+        return value
+    if name == "guided_json":
+        return {"type": "json_schema", "json_schema": {"schema": _schema(name, value)}}
+    if name == "guided_regex":
+        return {"type": "regex", "regex": value}
+    if name == "guided_choice":
+        return {"type": "choice", "choice": value}
+    if name == "guided_grammar":
+        return {"type": "grammar", "grammar": value}
+    return _structured_outputs(value)
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ApiError(400, "structured_outputs: must be an object", param="structured_outputs")
+    set_fields = {k: v for k, v in value.items() if v is not None and v is not False}
+    if set_fields.keys() - {*_STRUCTURED_OUTPUTS, "json_object"}:
+        unknown = sorted(set_fields.keys() - {*_STRUCTURED_OUTPUTS, "json_object"})[0]
+        raise ApiError(
+            400,
+            f"structured_outputs.{unknown}: not supported by ortfleet (json, regex, choice, grammar or "
+            "json_object)",
+            param=f"structured_outputs.{unknown}",
+            code=ErrorCode.unsupported_parameter,
+        )
+    if len(set_fields) != 1:
+        raise ApiError(400, "structured_outputs: give exactly one of its fields", param="structured_outputs")
+    key, inner = next(iter(set_fields.items()))
+    if key == "json_object":
+        return {"type": "json_object"}
+    if key == "json":
+        return {"type": "json_schema", "json_schema": {"schema": _schema("structured_outputs.json", inner)}}
+    return {"type": _STRUCTURED_OUTPUTS[key], key: inner}
+
+
+def _schema(name: str, value: Any) -> Any:
+    """vLLM takes a schema as an object or as a JSON string."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"{name}: not a JSON schema: {e}", param=name) from e
+    return value
+
+
+def _parse(name: str, raw: dict[str, Any]) -> ResponseFormat:
+    try:
+        return ResponseFormat.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        param = f"{name}.{where}" if name == "response_format" and where else name
+        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ApiError(400, f"{param}: {message.removeprefix('Value error, ')}", param=param) from e

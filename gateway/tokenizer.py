@@ -1,0 +1,102 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`, answered by a worker of the model.
+
+The gateway has no model files; a live worker of the model answers through Redis with the tokenizer
+it generates with, so every gateway replica gives the ids the fleet actually uses.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from common import keys
+from common.error_codes import ErrorCode
+from common.tokenizer_calls import TokenizerCall, TokenizerReply
+from common.wire import ChatMessage
+from gateway.errors import ApiError
+from gateway.openai_api.params import job_messages
+from gateway.openai_api.protocol import ChatMessageIn
+from gateway.request_body import parse_body
+from gateway.state import AppState, app_state
+from gateway.submission import resolve_model
+
+CALL_TIMEOUT_S = 10
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=1_000_000)
+    messages: list[ChatMessageIn] | None = Field(None, min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=1_000_000)
+
+
+async def tokenize(request: Request) -> Response:
+    state = app_state(request)
+    body = await parse_body(request, TokenizeRequest, invalid_status=400)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "prompt: give exactly one of 'prompt' and 'messages'", param="prompt")
+    messages: list[ChatMessage] | None = job_messages(body.messages) if body.messages else None
+    model, context = await _model(state, body.model)
+    reply = await _call(state, model, op="tokenize", prompt=body.prompt, messages=messages)
+    tokens = reply.tokens or []
+    return JSONResponse(
+        {"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": None}
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    state = app_state(request)
+    body = await parse_body(request, DetokenizeRequest, invalid_status=400)
+    model, _context = await _model(state, body.model)
+    reply = await _call(state, model, op="detokenize", tokens=body.tokens)
+    return JSONResponse({"prompt": reply.text or ""})
+
+
+async def _model(state: AppState, requested: str | None) -> tuple[str, int]:
+    try:
+        return await resolve_model(state, requested)
+    except ApiError as e:  # vLLM's routes answer bad values with 400, as the OpenAI ones do
+        if e.status != 422:
+            raise
+        raise ApiError(400, e.message, param=e.param, code=e.code) from e
+
+
+async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:
+    call = TokenizerCall(id=secrets.token_urlsafe(12), deadline=time.time() + CALL_TIMEOUT_S, **fields)
+    calls = keys.tokenizer_calls(model)
+    async with state.redis.pipeline(transaction=True) as pipe:
+        pipe.lpush(calls, call.model_dump_json(exclude_none=True))
+        pipe.expire(calls, int(CALL_TIMEOUT_S) + 1)  # calls nobody took go away with their callers
+        await pipe.execute()
+    popped = await state.redis.blpop([keys.tokenizer_reply(call.id)], timeout=CALL_TIMEOUT_S)  # type: ignore[misc]
+    if popped is None:
+        raise ApiError(
+            504,
+            f"no worker of model {model!r} answered within {CALL_TIMEOUT_S:g} s",
+            code=ErrorCode.worker_timeout,
+            headers={"Retry-After": "1"},
+        )
+    reply = TokenizerReply.model_validate_json(popped[1])
+    if reply.error is not None:
+        raise ApiError(400, reply.error, param="tokens" if call.op == "detokenize" else "prompt")
+    return reply
+
+
+routes = [
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+]

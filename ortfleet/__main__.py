@@ -1,0 +1,3 @@
+from ortfleet.cli import main
+
+main()

@@ -1,0 +1,165 @@
+"""The two sides of the overhead benchmark: the engine in-process (direct) and the fleet over HTTP/SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ortfleet.bench.http import Connection
+
+PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "List five ideas for a weekend trip near the mountains, with one sentence on each.",
+    "What is the capital of France? Answer, then describe the city in a few sentences.",
+    "Describe the water cycle.",
+    "Give me a recipe for a simple tomato soup, step by step.",
+    "Why is the sky blue? Explain the physics briefly but precisely.",
+    "Summarise the plot of a detective novel you would like to read, in one paragraph.",
+)
+
+
+@dataclass
+class RequestResult:
+    start: float
+    end: float
+    ttft: float
+    tokens: int
+    gaps: list[float] = field(default_factory=list)  # per token after the first, seconds
+    batch_rows: int | None = None  # most requests the engine generated together during this one
+    job_id: str | None = None
+
+
+class Timeline:
+    """Records one request's token arrivals: TTFT, and inter-token gaps spread over each arrival."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ttft: float | None = None
+        self.tokens = 0
+        self.gaps: list[float] = []
+        self._last = self.start
+
+    def arrived(self, count: int, at: float) -> None:
+        if count <= 0:
+            return
+        if self.ttft is None:
+            self.ttft = at - self.start
+        else:
+            self.gaps += [(at - self._last) / count] * count
+        self.tokens += count
+        self._last = at
+
+    def result(self, batch_rows: int | None = None, job_id: str | None = None) -> RequestResult:
+        if self.ttft is None:
+            raise RuntimeError("the request produced no token")
+        end = time.perf_counter()
+        return RequestResult(self.start, end, self.ttft, self.tokens, self.gaps, batch_rows, job_id)
+
+
+class Backend(Protocol):
+    name: str
+
+    async def client(self) -> Callable[[str], Awaitable[RequestResult]]:
+        """A new client: a function that runs one request to its end."""
+        ...
+
+    async def close_clients(self) -> None: ...
+
+
+class DirectBackend:
+    """The worker's engine in this process; requests made in the same event-loop turn are submitted
+    together, as a worker submits the jobs it claims together."""
+
+    name = "direct"
+
+    def __init__(self, model_dir: Path, max_tokens: int) -> None:
+        from worker.device import Device
+        from worker.ort_engine import OrtEngine
+
+        self.engine = OrtEngine(model_dir, Device("cpu"))
+        self.max_tokens = max_tokens
+        self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
+
+    async def client(self) -> Callable[[str], Awaitable[RequestResult]]:
+        return self.generate
+
+    async def close_clients(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.engine.close()
+
+    async def generate(self, prompt: str) -> RequestResult:
+        from worker.engine import GenerationRequest
+
+        timeline = Timeline()
+        ids = self.engine.tokenizer.encode(prompt)  # the worker tokenizes inside the fleet's TTFT too
+        request = GenerationRequest(ids, max_new_tokens=self.max_tokens, min_new_tokens=self.max_tokens)
+        stream = await self._submit(request)
+        rows = 0
+        while True:
+            update = await stream.updates.get()
+            timeline.arrived(len(update.token_ids), time.perf_counter())
+            rows = max(rows, update.batch_rows)
+            if update.finish is not None:
+                if update.error:
+                    raise RuntimeError(update.error)
+                return timeline.result(batch_rows=rows)
+
+    def _submit(self, request: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((request, future))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        streams = self.engine.submit([request for request, _ in pending])
+        for (_, future), stream in zip(pending, streams, strict=True):
+            future.set_result(stream)
+
+
+class FleetBackend:
+    """The fleet over HTTP: POST /v1/jobs, then its SSE stream; one keep-alive connection per client."""
+
+    name = "fleet"
+
+    def __init__(self, url: str, model: str, max_tokens: int) -> None:
+        self.url = url
+        self.model = model
+        self.max_tokens = max_tokens
+        self._connections: list[Connection] = []
+
+    async def client(self) -> Callable[[str], Awaitable[RequestResult]]:
+        connection = Connection(self.url)
+        self._connections.append(connection)
+
+        async def generate(prompt: str) -> RequestResult:
+            return await self.generate(connection, prompt)
+
+        return generate
+
+    async def close_clients(self) -> None:
+        for connection in self._connections:
+            await connection.close()
+        self._connections.clear()
+
+    async def generate(self, connection: Connection, prompt: str) -> RequestResult:
+        timeline = Timeline()
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
+        body["min_tokens"] = self.max_tokens
+        job = await connection.json("POST", "/v1/jobs", body, expect=202)
+        async for event in connection.events(job["links"]["events"]):
+            if event.event == "token":
+                timeline.arrived(len(json.loads(event.data)["token_ids"]), event.received)
+            elif event.event == "error":
+                raise RuntimeError(f"job {job['id']} failed: {event.data}")
+        return timeline.result(job_id=job["id"])

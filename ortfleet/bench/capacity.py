@@ -1,0 +1,267 @@
+"""`ortfleet bench gateway`: one gateway process alone, no model.
+
+Streams: job records and event streams are created straight in Redis, the client opens one SSE
+stream per job, and a synthetic publisher (a separate process, standing in for the workers) adds
+token entries to every stream at a set rate, each carrying its publish time; the client measures
+publish -> receipt. Submissions: keep-alive connections POST /v1/jobs as fast as the gateway
+answers (a registered stand-in worker makes the model live; the jobs just queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event as EventType
+from typing import Any
+
+from tqdm import tqdm
+
+from common import aio, keys
+from common.records import JobRecord
+from common.redis_client import connect, gateway_client_name
+from common.registry import WorkerInfo, heartbeat
+from common.wire import JobStatus
+from ortfleet.bench.http import Connection
+from ortfleet.bench.machine import cpu_seconds, describe, rss_bytes
+from ortfleet.bench.report import table
+from ortfleet.bench.stats import summary
+from ortfleet.fleet.launcher import throwaway_fleet
+
+MODEL = "bench-gateway"
+OPEN_AT_ONCE = 128  # connections being opened at the same time
+
+
+@dataclass(frozen=True)
+class CapacityOptions:
+    streams: int
+    rate: float  # token events per second per stream
+    duration_s: float
+    submissions: int
+    submit_concurrency: int
+
+
+def run(options: CapacityOptions) -> dict[str, Any]:
+    env = {"ORTFLEET_MAX_QUEUED_JOBS": "100000000", "ORTFLEET_MAX_QUEUED_TOKENS": "1000000000000"}
+    with throwaway_fleet(env) as fleet:
+        _, url = fleet.start_gateway()
+        gateway_pid = fleet.gateways[0].pid
+        aio.run(_register_stand_in(fleet.redis_url))
+        fleet.wait_workers(MODEL, 1)
+        streams = aio.run(stream_step(options, url, fleet.redis_url, gateway_pid))
+        submissions = aio.run(_submissions(options, url))
+    return {
+        "bench": "gateway",
+        "machine": describe(),
+        "options": options.__dict__,
+        "streams": streams,
+        "submissions": submissions,
+    }
+
+
+async def _register_stand_in(redis_url: str) -> None:
+    redis = connect(redis_url)
+    info = WorkerInfo(
+        id="bench-stand-in",
+        model=MODEL,
+        device="cpu",
+        gpu="",
+        capacity=1,
+        context_length=8192,
+        continuous_batching=True,
+        host="bench",
+        pid=os.getpid(),
+        started_at=time.time(),
+    )
+    await heartbeat(redis, info, 3600, 3600)
+    await redis.aclose()
+
+
+def _job_ids(count: int) -> list[str]:
+    return [f"bench_{i:06d}" for i in range(count)]
+
+
+async def _create_jobs(redis_url: str, count: int) -> None:
+    redis = connect(redis_url)
+    now = time.time()
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id in _job_ids(count):
+            record = JobRecord(id=job_id, model=MODEL, status=JobStatus.running, created_at=now, attempts=1)
+            pipe.hset(keys.job(job_id), mapping=record.to_fields())
+            pipe.xadd(keys.events(job_id), {"type": "status", "status": "running", "attempt": "1"})
+        await pipe.execute()
+    await redis.aclose()
+
+
+async def stream_step(options: CapacityOptions, url: str, redis_url: str, gateway_pid: int) -> dict[str, Any]:
+    await _create_jobs(redis_url, options.streams)
+    rss_before = rss_bytes(gateway_pid)
+    latencies: list[float] = []
+    connected = asyncio.Event()
+    opened = 0
+    gate = asyncio.Semaphore(OPEN_AT_ONCE)
+    bar = tqdm(total=options.streams, desc="opening SSE streams", unit="stream", file=sys.stderr, leave=False)
+
+    async def follow(job_id: str) -> None:
+        nonlocal opened
+        connection = Connection(url)
+        try:
+            async with gate:
+                events = connection.events(f"/v1/jobs/{job_id}/events")
+                await anext(events)  # the status entry: the stream is open
+            opened += 1
+            bar.update()
+            if opened == options.streams:
+                connected.set()
+            async for event in events:
+                if event.event == "token":
+                    sent = float(json.loads(event.data)["text"])
+                    latencies.append(event.received - sent)
+        finally:
+            await connection.close()
+
+    followers = [asyncio.create_task(follow(job_id)) for job_id in _job_ids(options.streams)]
+    await asyncio.wait_for(connected.wait(), timeout=300)
+    bar.close()
+    await asyncio.sleep(1.0)
+    rss_open = rss_bytes(gateway_pid)
+    connections = [await gateway_connections(redis_url, gateway_pid)]
+
+    context = multiprocessing.get_context("spawn")
+    start = context.Event()
+    published = context.Value("q", 0)
+    publisher = context.Process(
+        target=publish,
+        args=(redis_url, options.streams, options.rate, options.duration_s, start, published),
+        daemon=True,
+    )
+    publisher.start()
+    cpu_before = cpu_seconds(gateway_pid)
+    started = time.perf_counter()
+    start.set()
+    with tqdm(total=round(options.duration_s), desc="relaying", unit="s", file=sys.stderr, leave=False) as b:
+        while publisher.is_alive() and time.perf_counter() - started < options.duration_s + 60:
+            await asyncio.sleep(1.0)
+            connections.append(await gateway_connections(redis_url, gateway_pid))
+            b.update()
+    publisher.join(10)
+    elapsed = time.perf_counter() - started
+    gateway_cpu = (cpu_seconds(gateway_pid) - cpu_before) / elapsed
+    done, pending = await asyncio.wait(followers, timeout=60)
+    for task in pending:
+        task.cancel()
+    failed = sum(1 for task in done if task.exception() is not None)
+    return {
+        "open_streams": opened,
+        "streams_failed": failed + len(pending),
+        "events_published": published.value,
+        "events_received": len(latencies),
+        "events_per_s": round(len(latencies) / options.duration_s, 1),
+        "relay_latency_ms": summary(latencies),
+        "gateway_cpu_cores": round(gateway_cpu, 3),
+        "gateway_rss_mb": {"idle": round(rss_before / 2**20, 1), "open": round(rss_open / 2**20, 1)},
+        "memory_per_stream_kb": round((rss_open - rss_before) / options.streams / 1024, 1),
+        "redis_connections": {"streams_open": connections[0], "max_while_relaying": max(connections)},
+    }
+
+
+async def gateway_connections(redis_url: str, gateway_pid: int) -> int:
+    """The Redis connections the gateway holds (by the client name it gives them)."""
+    redis = connect(redis_url)
+    try:
+        clients = await redis.client_list()
+    finally:
+        await redis.aclose()
+    return sum(1 for client in clients if client.get("name") == gateway_client_name(gateway_pid))
+
+
+def publish(
+    redis_url: str, streams: int, rate: float, duration_s: float, start: EventType, published: Any
+) -> None:
+    """The stand-in for the workers (a process of its own): token entries at `rate` per stream."""
+    start.wait()
+    aio.run(_publish(redis_url, streams, rate, duration_s, published))
+
+
+async def _publish(redis_url: str, streams: int, rate: float, duration_s: float, published: Any) -> None:
+    # Round robin: event m goes to stream m % streams at began + m / (rate * streams), so every
+    # stream gets `rate` events a second with phases spread evenly.
+    redis = connect(redis_url)
+    ids = _job_ids(streams)
+    per_s = rate * streams
+    began = time.perf_counter()
+    count = 0
+    while (now := time.perf_counter()) - began < duration_s:
+        due = int((now - began) * per_s) + 1
+        if due > count:
+            async with redis.pipeline(transaction=False) as pipe:
+                sent = f"{time.perf_counter():.6f}"
+                for m in range(count, due):
+                    entry = {"type": "token", "text": sent, "ids": "1", "index": str(m // streams)}
+                    pipe.xadd(keys.events(ids[m % streams]), entry)  # type: ignore[arg-type]
+                await pipe.execute()
+            count = due
+        await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - now)))
+    published.value = count
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded", "finish_reason": "length"})
+        await pipe.execute()
+    await redis.aclose()
+
+
+async def _submissions(options: CapacityOptions, url: str) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": "Hello, how are you today?", "max_tokens": 16}
+    latencies: list[float] = []
+    left = options.submissions
+    bar = tqdm(total=options.submissions, desc="submitting", unit="job", file=sys.stderr, leave=False)
+
+    async def submitter() -> None:
+        nonlocal left
+        connection = Connection(url)
+        try:
+            while left > 0:
+                left -= 1
+                sent = time.perf_counter()
+                await connection.json("POST", "/v1/jobs", body, expect=202)
+                latencies.append(time.perf_counter() - sent)
+                bar.update()
+        finally:
+            await connection.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(submitter() for _ in range(options.submit_concurrency)))
+    elapsed = time.perf_counter() - started
+    bar.close()
+    return {
+        "submitted": len(latencies),
+        "connections": options.submit_concurrency,
+        "per_s": round(len(latencies) / elapsed, 1),
+        "latency_ms": summary(latencies),
+    }
+
+
+def text(figures: dict[str, Any]) -> str:
+    s, sub = figures["streams"], figures["submissions"]
+    lat, rss = s["relay_latency_ms"], s["gateway_rss_mb"]
+    rows = [
+        ["open SSE streams", s["open_streams"]],
+        ["streams failed", s["streams_failed"]],
+        ["token events relayed / published", f"{s['events_received']} / {s['events_published']}"],
+        ["events per second (all streams)", s["events_per_s"]],
+        ["relay latency p50 / p99 / max (ms)", f"{lat['p50']} / {lat['p99']} / {lat['max']}"],
+        ["gateway CPU while relaying (cores)", s["gateway_cpu_cores"]],
+        ["gateway RSS idle -> streams open (MB)", f"{rss['idle']} -> {rss['open']}"],
+        ["memory per open stream (KB)", s["memory_per_stream_kb"]],
+        [
+            "gateway Redis connections: streams open / max while relaying",
+            f"{s['redis_connections']['streams_open']} / {s['redis_connections']['max_while_relaying']}",
+        ],
+        ["submissions per second", sub["per_s"]],
+        ["submission latency p50 / p99 (ms)", f"{sub['latency_ms']['p50']} / {sub['latency_ms']['p99']}"],
+    ]
+    return table(["gateway", "value"], rows)

@@ -1,0 +1,148 @@
+"""Printing benchmark figures as tables, writing them as JSON, and plotting the fleet benchmark."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def write_json(path: Path, figures: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def fleet_table(figures: dict[str, Any]) -> str:
+    headers = ["conc", "mode", "tok/s", "req/s", "TTFT p50", "p95", "p99", "ITL p50", "ITL p99"]
+    rows: list[list[Any]] = []
+    for level in figures["levels"]:
+        for mode in ("direct", "fleet"):
+            f = level[mode]
+            rows.append(
+                [
+                    level["concurrency"],
+                    mode,
+                    f["tokens_per_s"],
+                    f["requests_per_s"],
+                    f["ttft_ms"]["p50"],
+                    f["ttft_ms"]["p95"],
+                    f["ttft_ms"]["p99"],
+                    f["itl_ms"]["p50"],
+                    f["itl_ms"]["p99"],
+                ]
+            )
+        c = level["fleet_vs_direct"]
+        rows.append(
+            [
+                "",
+                "ratio/+ms",
+                _ratio(c["tokens_per_s"]),
+                _ratio(c["requests_per_s"]),
+                _added(c["ttft_added_ms"]["p50"]),
+                "",
+                _added(c["ttft_added_ms"]["p99"]),
+                _added(c["itl_added_ms"]["p50"]),
+                _added(c["itl_added_ms"]["p99"]),
+            ]
+        )
+    goals = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in figures["goals"].items())
+    rounds = "; ".join(
+        f"{level['concurrency']}: "
+        + " ".join(f"{r:.3f}" for r in level["fleet_vs_direct"]["tokens_per_s_by_round"])
+        for level in figures["levels"]
+    )
+    pinning = figures.get("pinning")
+    pinned = (
+        f"\npinned: engine on cores {pinning['engine_cores']}, the rest on {pinning['other_cores']}"
+        if pinning
+        else ""
+    )
+    return (
+        f"{table(headers, rows)}\n(latencies in ms; ratio = fleet/direct)\n"
+        f"tokens/s ratio of each round, by concurrency: {rounds}\ngoals: {goals}{pinned}\n\n"
+        f"{cpu_table(figures)}"
+    )
+
+
+CPU_COLUMNS = ("gateway", "worker_loop", "redis", "fleet_overhead", "client", "worker_engine")
+
+
+def cpu_table(figures: dict[str, Any]) -> str:
+    """CPU ms per generated token of each fleet process, by concurrency."""
+    rows = []
+    for level in figures["levels"]:
+        cpu = level["fleet"].get("cpu_ms_per_token", {})
+        rows.append([level["concurrency"], *(cpu.get(column) for column in CPU_COLUMNS)])
+    headers = ["conc", "gateway", "worker loop", "redis", "overhead", "client", "engine"]
+    note = "(fleet CPU ms per generated token; overhead = gateway + worker loop + redis)"
+    return f"{table(headers, rows)}\n{note}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
+
+
+def _added(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}"
+
+
+def plot_fleet(figures: dict[str, Any], path: Path) -> None:
+    """Tokens/s and TTFT against concurrency, fleet beside direct."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = figures["levels"]
+    x = [level["concurrency"] for level in levels]
+    fig, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.38
+    positions = range(len(x))
+    for offset, mode, color in ((-width / 2, "direct", "#4c72b0"), (width / 2, "fleet", "#dd8452")):
+        values = [level[mode]["tokens_per_s"] or 0 for level in levels]
+        throughput.bar([p + offset for p in positions], values, width, label=mode, color=color)
+        for q, style in (("p50", "-o"), ("p99", "--s")):
+            ttft.plot(
+                list(positions),
+                [level[mode]["ttft_ms"][q] for level in levels],
+                style,
+                color=color,
+                label=f"{mode} {q}",
+            )
+    for axis in (throughput, ttft):
+        axis.set_xticks(list(positions), [str(c) for c in x])
+        axis.set_xlabel("concurrent streams")
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend()
+    throughput.set_ylabel("output tokens/s (all streams)")
+    throughput.set_title("Aggregate throughput")
+    ttft.set_ylabel("time to first token (ms)")
+    ttft.set_yscale("log")
+    ttft.set_title("TTFT")
+    machine = figures["machine"]
+    fig.suptitle(
+        f"ortfleet vs its engine in-process: {Path(figures['model']).name}, "
+        f"{figures['max_tokens']} tokens/request, {machine['cores']} cores ({machine['cpu']})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Fault drills on a throwaway local fleet: `ortfleet drill kills` and `ortfleet drill chaos`."""

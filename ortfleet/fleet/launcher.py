@@ -1,0 +1,288 @@
+"""The one way to run a fleet on this machine: redis-server, gateways and workers as child processes,
+watched for exits and stopped in order. `ortfleet up`, the benchmarks, the fault drills and the test
+fixtures all start their processes here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty, SimpleQueue
+from typing import Literal
+
+from redis import Redis
+
+from common import keys
+from ortfleet.fleet.processes import (
+    StartupError,
+    child_env,
+    free_port,
+    gateway_command,
+    start_redis,
+    stop,
+    wait_for_port,
+    wait_ready,
+    worker_command,
+)
+
+Role = Literal["redis", "gateway", "worker"]
+LineSink = Callable[[str, str], None]
+LOG_TAIL_LINES = 20
+GATEWAY_STOP_S = 15.0
+REDIS_STOP_S = 15.0
+
+
+@dataclass
+class FleetProcess:
+    """One child process of a local fleet. Its output goes to `log`, or line by line to the fleet's sink
+    (then `log` is None and the last lines are kept in `tail`)."""
+
+    name: str
+    role: Role
+    process: subprocess.Popen[bytes]
+    log: Path | None
+    url: str = ""
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def last_lines(self, lines: int = LOG_TAIL_LINES) -> list[str]:
+        if self.log is None:
+            return list(self.tail)[-lines:]
+        if not self.log.is_file():
+            return []
+        return self.log.read_text(errors="replace").splitlines()[-lines:]
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.last_lines(lines))
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
+
+class LocalFleet:
+    """Starts the processes of a fleet against one Redis (its own, or `redis_url`) and stops all of them
+    on `stop_all` (or on leaving a `with`): gateways first, then workers, which hand their running jobs
+    back, then Redis.
+
+    Each child runs in a process group of its own, so a terminal's Ctrl-C reaches only the parent, which
+    stops them in that order. With `output`, each line a child prints is passed to it as (name, line);
+    otherwise it goes to a log file in `log_dir`.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        model_dir: Path | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        log_dir: Path | None = None,
+        output: LineSink | None = None,
+    ) -> None:
+        self.redis_url = redis_url or ""
+        self.model_dir = model_dir
+        self.env = dict(env or {})
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ortfleet-fleet-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.output = output
+        self.processes: list[FleetProcess] = []
+        self.exits: SimpleQueue[FleetProcess] = SimpleQueue()
+        self.stopping = False
+        self.gateway_url = ""
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> LocalFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    @property
+    def gateways(self) -> list[FleetProcess]:
+        return self._role("gateway")
+
+    @property
+    def workers(self) -> list[FleetProcess]:
+        return self._role("worker")
+
+    def start_redis(self, *, appendonly: bool = True, data_dir: Path | None = None) -> FleetProcess:
+        """A redis-server of the fleet's own on a free port (AOF on unless `appendonly` is False)."""
+        port = free_port()
+        log = self.log_dir / f"redis-{port}.log"
+        data = data_dir or self.log_dir / f"redis-{port}"
+        process = start_redis(port, data, appendonly=appendonly, log=log)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        return self._adopt(FleetProcess("redis", "redis", process, log, url=self.redis_url))
+
+    def start_gateway(
+        self, env: Mapping[str, str] | None = None, *, port: int | None = None, host: str = "127.0.0.1"
+    ) -> tuple[FleetProcess, str]:
+        """A gateway on `port` (a free one by default), once it listens; the process and its base URL."""
+        port = port or free_port()
+        child = self._spawn("gateway", "gateway", gateway_command(port, host=host), env)
+        wait_for_port(port, child.process, "the gateway")
+        child.url = f"http://127.0.0.1:{port}"
+        self.gateway_url = self.gateway_url or child.url
+        return child, child.url
+
+    def start_worker(
+        self,
+        name: str,
+        *extra: str,
+        model: Path | None = None,
+        device: str = "auto",
+        env: Mapping[str, str] | None = None,
+        wait: bool = True,
+        timeout_s: float = 60.0,
+        label: str | None = None,
+    ) -> FleetProcess:
+        """A worker serving `model` (the fleet's model by default) as `name`. With `wait`, returns once this
+        very process has registered as live (a dead worker's entry, still live until its heartbeat runs out,
+        does not count)."""
+        model_dir = model or self.model_dir or Path(".")
+        command = worker_command(model_dir, name=name, device=device, extra=extra)
+        child = self._spawn(label or f"worker-{name}", "worker", command, env)
+        if wait:
+            self.wait_registered(child, timeout_s=timeout_s)
+        return child
+
+    def wait_registered(self, child: FleetProcess, *, timeout_s: float = 60.0) -> None:
+        """Until the worker process `child` has a live entry in the fleet's registry."""
+        deadline = time.monotonic() + timeout_s
+        with Redis.from_url(self.redis_url, socket_timeout=5.0, decode_responses=True) as redis:
+            while time.monotonic() < deadline:
+                if not child.alive():
+                    raise StartupError(
+                        f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}"
+                    )
+                now_ms = int(time.time() * 1000)
+                for worker_id in redis.zrangebyscore(keys.WORKERS, now_ms, "+inf"):
+                    if redis.hget(keys.worker(worker_id), "pid") == str(child.pid):
+                        return
+                time.sleep(0.05)
+        raise StartupError(f"{child.name} did not register within {timeout_s:g} s:\n{child.log_tail()}")
+
+    def wait_workers(
+        self, model: str, count: int, *, timeout_s: float = 300.0, watched: FleetProcess | None = None
+    ) -> None:
+        """Until the first gateway sees `count` live workers of `model`; shows the log of a worker that
+        did not come up."""
+        try:
+            gateway = self.gateways[0].process if self.gateways else None
+            wait_ready(self.gateway_url, gateway, workers=count, model=model, timeout_s=timeout_s)
+        except Exception as e:
+            shown = watched or (self.workers[-1] if self.workers else None)
+            if shown is not None:
+                e.add_note(f"last lines of {shown.name}:\n{shown.log_tail()}")
+            raise
+
+    def unexpected_exit(self) -> FleetProcess | None:
+        """A child that exited while the fleet was not stopping, if any."""
+        if self.stopping:
+            return None
+        return next((child for child in self.processes if not child.alive()), None)
+
+    def wait_for_exit(self, poll_s: float = 1.0) -> FleetProcess:
+        """Blocks until a child exits; that child."""
+        while True:
+            with contextlib.suppress(Empty):
+                return self.exits.get(timeout=poll_s)
+
+    def stop_all(self, worker_timeout_s: float = 30.0, say: Callable[[str], None] | None = None) -> None:
+        """Gateways first, then every worker at once (each hands its running jobs back to the queue
+        within `worker_timeout_s`), then Redis."""
+        self.stopping = True
+        for child in self.gateways:
+            stop(child.process, GATEWAY_STOP_S)
+        workers = [child for child in self.workers if child.alive()]
+        if workers and say is not None:
+            say(f"stopping {len(workers)} worker(s); running jobs are handed back to the queue")
+        for child in workers:
+            child.process.terminate()
+        for child in workers:
+            stop(child.process, worker_timeout_s)
+        for child in self._role("redis"):
+            stop(child.process, REDIS_STOP_S)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+
+    def kill_all(self) -> None:
+        for child in self.processes:
+            if child.alive():
+                child.process.kill()
+
+    def _spawn(
+        self, name: str, role: Role, command: list[str], env: Mapping[str, str] | None
+    ) -> FleetProcess:
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
+        if self.redis_url:
+            environment.update(child_env(self.redis_url))
+        if self.output is None:
+            log: Path | None = self.log_dir / f"{name}-{len(self.processes)}-{os.getpid()}.log"
+            assert log is not None
+            with log.open("wb") as handle:
+                process = subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+                    env=environment, process_group=0,
+                )  # fmt: skip
+        else:
+            log = None
+            process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env=environment, process_group=0,
+            )  # fmt: skip
+        return self._adopt(FleetProcess(name, role, process, log))
+
+    def _adopt(self, child: FleetProcess) -> FleetProcess:
+        self.processes.append(child)
+        watch = self._forward if child.log is None else self._await_exit
+        thread = threading.Thread(target=watch, args=(child,), name=f"watch-{child.name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return child
+
+    def _forward(self, child: FleetProcess) -> None:
+        assert child.process.stdout is not None and self.output is not None
+        for raw in child.process.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            child.tail.append(line)
+            self.output(child.name, line)
+        self._await_exit(child)
+
+    def _await_exit(self, child: FleetProcess) -> None:
+        child.process.wait()
+        self.exits.put(child)
+
+    def _role(self, role: Role) -> list[FleetProcess]:
+        return [child for child in self.processes if child.role == role]
+
+
+def throwaway_fleet(env: Mapping[str, str] | None = None) -> LocalFleet:
+    """A fleet for a benchmark or a drill: quiet logs and a redis-server of its own that keeps nothing."""
+    fleet = LocalFleet(env={"ORTFLEET_LOG_LEVEL": "warning", **(env or {})})
+    fleet.start_redis(appendonly=False)
+    return fleet

@@ -1,0 +1,217 @@
+"""Random-weight models with a real model's architecture, built from its config alone (no download):
+the size and speed of the real thing for benchmarks, noise for text."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from ortfleet.modelbuild.cache import install_model
+from ortfleet.modelbuild.convert import (
+    StageProgress,
+    check_generates,
+    cuda_available,
+    quiet_transformers,
+    require_modules,
+    run_builder,
+)
+from ortfleet.modelbuild.tiny import SPECIAL_TOKENS, chatml_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC_RECIPE = "synthetic-random-weights/1"
+SYNTHETIC_DEVICES = ("cpu", "cuda")
+_REQUIRED_MODULES = ("torch", "transformers", "tokenizers", "onnx_ir", "onnxscript")
+_HEAD_SIZE_STEP = 16
+_MLP_STEP = 64  # whole int4 quantization blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A decoder's architecture: what its config says, without its weights."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float
+    rms_norm_eps: float
+
+    def resized(self, *, layers: int | None = None, hidden: int | None = None) -> Shape:
+        """This shape with fewer layers and/or a smaller hidden size (the MLP shrinks in proportion),
+        so that tests and CPU builds stay small; the vocabulary and the head count are kept."""
+        shape = self
+        if layers is not None:
+            if not 1 <= layers <= self.num_layers:
+                raise ValueError(
+                    f"--layers must be from 1 to {self.num_layers} for {self.name}, not {layers}"
+                )
+            shape = dataclasses.replace(shape, num_layers=layers)
+        if hidden is not None:
+            # ORT's CPU GroupQueryAttention needs a head size that is a multiple of 16.
+            step = _HEAD_SIZE_STEP * self.num_heads
+            if not 1 <= hidden <= self.hidden_size or hidden % step:
+                raise ValueError(
+                    f"--hidden must be a multiple of {step} (head sizes a multiple of {_HEAD_SIZE_STEP}) up "
+                    f"to {self.hidden_size} for {self.name}, not {hidden}"
+                )
+            scaled = self.intermediate_size * hidden // self.hidden_size
+            intermediate = max(_MLP_STEP, scaled // _MLP_STEP * _MLP_STEP)
+            shape = dataclasses.replace(shape, hidden_size=hidden, intermediate_size=intermediate)
+        return shape
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.num_layers} layers, hidden {self.hidden_size}, {self.num_heads} heads, "
+            f"MLP {self.intermediate_size}, vocab {self.vocab_size}, context {self.context_length}"
+        )
+
+
+PHI3_MINI = Shape(
+    name="phi3-mini",
+    hidden_size=3072,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    intermediate_size=8192,
+    vocab_size=32064,
+    context_length=4096,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+)
+SHAPES = {PHI3_MINI.name: PHI3_MINI}
+
+
+def build_synthetic_model(
+    out_dir: Path,
+    shape: Shape,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    force: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Build a random-weight Phi-3 ORT-GenAI model of ``shape`` in ``out_dir``: int4 for the CPU, or
+    fp16 with paged attention (continuous batching) for CUDA. The check that it generates runs only
+    where onnxruntime-genai can use the device. Returns the folder's absolute path."""
+    if device not in SYNTHETIC_DEVICES:
+        raise ValueError(f"synthetic models are built for {' or '.join(SYNTHETIC_DEVICES)}, not {device!r}")
+
+    def build(work: Path, staged: Path) -> None:
+        require_modules(*_REQUIRED_MODULES)
+        _build(work, staged, shape, device=device, seed=seed, progress=StageProgress(3, enabled=progress))
+
+    fields = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(shape).items())
+    source = f"random weights, seed {seed}, {fields}"
+    return install_model(out_dir, build, source=source, recipe=f"{SYNTHETIC_RECIPE}/{device}", force=force)
+
+
+def builder_arguments(device: str) -> tuple[str, str, dict[str, str]]:
+    """Precision, execution provider and extra options of the model builder for ``device``."""
+    if device == "cuda":
+        return "fp16", "cuda", {"use_paged_attention": "true"}
+    return "int4", "cpu", {}
+
+
+def _build(
+    work: Path, staged: Path, shape: Shape, *, device: str, seed: int, progress: StageProgress
+) -> None:
+    logger.info("building a random-weight model, %s, for %s", shape.describe(), device)
+    hf_dir = work / "hf"
+    precision, provider, extra_options = builder_arguments(device)
+    with (
+        progress.stage(f"creating a tokenizer and random weights ({shape.describe()})"),
+        quiet_transformers(),
+    ):
+        _save_checkpoint(hf_dir, shape, seed=seed, half=device == "cuda")
+    with progress.stage(f"building the {precision} {provider} ONNX model"):
+        run_builder(
+            hf_dir,
+            staged,
+            work / "builder-cache",
+            precision=precision,
+            execution_provider=provider,
+            extra_options=extra_options,
+            on_output=progress.note,
+        )
+    with progress.stage("checking that onnxruntime-genai runs it"):
+        if device == "cuda" and not cuda_available():
+            logger.warning(
+                "skipped the check that %s generates: this onnxruntime-genai cannot use CUDA", staged
+            )
+            return
+        check_generates(staged)
+
+
+def _save_checkpoint(hf_dir: Path, shape: Shape, *, seed: int, half: bool) -> None:
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    tokenizer = byte_pair_tokenizer(shape.vocab_size)
+    tokenizer.save_pretrained(hf_dir)
+    config = Phi3Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.context_length,
+        original_max_position_embeddings=shape.context_length,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rms_norm_eps=shape.rms_norm_eps,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    dtype = torch.float16 if half else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # a full-size model is 7.6 GB in fp16, twice that in fp32
+    try:
+        model = Phi3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.save_pretrained(hf_dir)
+
+
+def byte_pair_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries, built without training: the tiny
+    model's special tokens and chat template, the 256 byte symbols, then merges of byte pairs
+    (printable ASCII first) until the vocabulary is full. A model's random weights can sample every id,
+    so every id must decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_symbols()
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in alphabet:
+        vocab[symbol] = len(vocab)
+    pairs_needed = vocab_size - len(vocab)
+    if not 0 <= pairs_needed <= len(alphabet) ** 2:
+        raise ValueError(
+            f"a byte-pair vocabulary holds {len(vocab)} to {len(vocab) + len(alphabet) ** 2} entries"
+        )
+    merges = [(a, b) for a in alphabet for b in alphabet][:pairs_needed]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.add_special_tokens(list(SPECIAL_TOKENS))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return chatml_tokenizer(bpe)
+
+
+def _byte_symbols() -> list[str]:
+    """The ByteLevel pre-tokenizer's symbols for the 256 bytes, printable ASCII first."""
+    from tokenizers import pre_tokenizers
+
+    symbols: list[str] = pre_tokenizers.ByteLevel.alphabet()
+    printable = ["\u0120", *(chr(code) for code in range(0x21, 0x7F))]  # U+0120 stands for the space
+    return [*printable, *sorted(s for s in symbols if s not in printable)]

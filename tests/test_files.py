@@ -1,0 +1,61 @@
+"""OpenAI's Files API with the official `openai` SDK: uploads read as a stream into Redis, capped in size."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import Fleet, RedisServer
+
+MAX_FILE = 300_000
+MAX_BODY = 4096
+
+
+@pytest.fixture
+def sdk(redis_server: RedisServer, tiny_model: Path) -> Iterator[openai.OpenAI]:
+    """A gateway whose files may be far larger than its request bodies."""
+    env = {"ORTFLEET_MAX_FILE_BYTES": str(MAX_FILE), "ORTFLEET_MAX_BODY_BYTES": str(MAX_BODY)}
+    fleet = Fleet(redis_server.url, tiny_model, env=env)
+    fleet.start_gateway()
+    with openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+    fleet.stop_all()
+
+
+def jsonl(lines: int, width: int = 100) -> bytes:
+    return b"".join(b'{"custom_id": "%d", "pad": "%s"}\n' % (i, b"x" * width) for i in range(lines))
+
+
+def test_an_uploaded_file_is_listed_read_back_byte_for_byte_and_deleted(sdk: openai.OpenAI) -> None:
+    content = jsonl(2000)  # larger than a request body may be: the upload is read as a stream
+    assert MAX_BODY < len(content) < MAX_FILE
+    uploaded = sdk.files.create(file=("requests.jsonl", io.BytesIO(content)), purpose="batch")
+    assert (uploaded.bytes, uploaded.filename, uploaded.purpose) == (len(content), "requests.jsonl", "batch")
+    assert sdk.files.retrieve(uploaded.id).bytes == len(content)
+    assert uploaded.id in [f.id for f in sdk.files.list()]
+    assert sdk.files.content(uploaded.id).content == content
+    assert sdk.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(uploaded.id)
+
+
+def test_a_file_past_the_size_cap_is_refused_with_413(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        sdk.files.create(file=("big.jsonl", io.BytesIO(jsonl(4000))), purpose="batch")
+    assert refused.value.status_code == 413
+
+
+def test_a_line_longer_than_a_request_body_is_refused_naming_it(sdk: openai.OpenAI) -> None:
+    content = jsonl(3) + jsonl(1, width=MAX_BODY * 2)
+    with pytest.raises(openai.APIStatusError, match="line 4") as refused:
+        sdk.files.create(file=("long.jsonl", io.BytesIO(content)), purpose="batch")
+    assert refused.value.status_code == 413
+
+
+def test_a_purpose_other_than_batch_is_refused_naming_it(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")

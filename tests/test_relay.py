@@ -1,0 +1,208 @@
+"""The gateway's stream relay: many open streams on a few Redis connections, slow readers apart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from common import keys
+from common.redis_client import connect, gateway_client_name
+from gateway.relay import Entry, Follower, StreamRelay
+from tests.conftest import Fleet, RedisServer
+from tests.jobs_client import read_events
+
+STREAMS = 300
+POOL, RELAY = 4, 2  # the gateway's Redis connections: request pool, relay readers
+
+
+async def create_running_jobs(redis: Redis, prefix: str, count: int) -> list[str]:
+    """Job records and streams written straight to Redis, as a worker would have them: no model needed."""
+    job_ids = [f"{prefix}_{i:04d}" for i in range(count)]
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            record = {"id": job_id, "model": "relay", "status": "running", "created_at": str(time.time())}
+            pipe.hset(keys.job(job_id), mapping=record)
+            pipe.expire(keys.job(job_id), 600)
+            pipe.xadd(keys.events(job_id), {"type": "status", "status": "running", "attempt": "1"})
+            pipe.expire(keys.events(job_id), 600)
+        await pipe.execute()
+    return job_ids
+
+
+async def gateway_connections(redis: Redis, pid: int) -> int:
+    clients = await redis.client_list()
+    return sum(1 for client in clients if client["name"] == gateway_client_name(pid))
+
+
+@pytest.fixture
+def gateways(redis_server: RedisServer) -> Iterator[Fleet]:
+    """Gateways alone (no worker, no model)."""
+    fleet = Fleet(redis_server.url, Path("no-model"))
+    yield fleet
+    fleet.stop_all()
+
+
+async def test_hundreds_of_open_streams_hold_no_more_redis_connections_than_the_gateways_bound(
+    gateways: Fleet, redis: Redis
+) -> None:
+    gateway, url = gateways.start_gateway(
+        env={"ORTFLEET_REDIS_MAX_CONNECTIONS": str(POOL), "ORTFLEET_RELAY_CONNECTIONS": str(RELAY)}
+    )
+    job_ids = await create_running_jobs(redis, "many", STREAMS)
+    opened = 0
+    all_open = asyncio.Event()
+
+    async def on_open() -> None:
+        nonlocal opened
+        opened += 1
+        if opened == STREAMS:
+            all_open.set()
+
+    limits = httpx.Limits(max_connections=STREAMS + 10)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+
+        async def follow(job_id: str) -> list[str]:
+            connected = asyncio.Event()
+            reader = asyncio.create_task(read_events(client, job_id, connected=connected))
+            await connected.wait()
+            await on_open()
+            return [event.event for event in await reader]
+
+        readers = [asyncio.create_task(follow(job_id)) for job_id in job_ids]
+        await asyncio.wait_for(all_open.wait(), 120)
+        assert await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY
+        async with redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.xadd(keys.events(job_id), {"type": "token", "text": "hi", "ids": "1", "index": "0"})
+                pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded"})
+            await pipe.execute()
+        streams = await asyncio.wait_for(asyncio.gather(*readers), 120)
+    assert streams == [["status", "token", "done"]] * STREAMS
+    assert 1 <= await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY
+
+
+@pytest.fixture
+async def relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
+    waker = connect(redis_server.url, max_connections=2)
+    streams = StreamRelay(redis_server.url, waker, connections=1, buffer=4, block_s=30)
+    await streams.start()
+    yield streams
+    await streams.close()
+    await waker.aclose()
+
+
+async def read_until(follower: Follower, count: int) -> list[Entry]:
+    entries: list[Entry] = []
+    while len(entries) < count:
+        batch = await follower.next(10)
+        assert batch, f"nothing within 10 s after {len(entries)} entries"
+        entries += batch
+    return entries
+
+
+async def test_a_slow_reader_holds_up_no_one_and_later_reads_every_entry_from_redis(
+    relay: StreamRelay, redis: Redis
+) -> None:
+    stream = keys.events("relay_slow")
+    await redis.delete(stream)
+    written = [await redis.xadd(stream, {"n": str(n)}) for n in range(40)]
+    async with relay.follow({stream: "0-0"}) as slow, relay.follow({stream: "0-0"}) as fast:
+        fast_entries = await read_until(fast, 40)  # the slow one reads nothing meanwhile (buffer: 4)
+        assert [entry_id for _key, entry_id, _fields in fast_entries] == written
+        slow_entries = await read_until(slow, 40)
+    assert [entry_id for _key, entry_id, _fields in slow_entries] == written  # no gap, no duplicate
+
+
+async def test_a_reader_joining_while_the_relay_waits_gets_its_backlog_at_once(
+    relay: StreamRelay, redis: Redis
+) -> None:
+    idle, busy = keys.events("relay_idle"), keys.events("relay_backlog")
+    await redis.delete(idle, busy)
+    await redis.xadd(busy, {"n": "0"})
+    async with relay.follow({idle: "0-0"}) as waiting:
+        assert await waiting.next(0.2) == []  # the relay is now blocked reading `idle` (for up to 30 s)
+        started = time.monotonic()
+        async with relay.follow({busy: "0-0"}) as joining:
+            entries = await joining.next(10)
+        assert [fields for _key, _id, fields in entries] == [{"n": "0"}]
+        assert time.monotonic() - started < 1.0
+
+
+async def test_readers_resuming_from_different_entries_each_get_only_what_follows_theirs(
+    relay: StreamRelay, redis: Redis
+) -> None:
+    stream = keys.events("relay_resume")
+    await redis.delete(stream)
+    written = [await redis.xadd(stream, {"n": str(n)}) for n in range(3)]
+    async with relay.follow({stream: written[1]}) as late, relay.follow({stream: "0-0"}) as early:
+        assert [entry_id for _k, entry_id, _f in await read_until(late, 1)] == written[2:]
+        assert [entry_id for _k, entry_id, _f in await read_until(early, 3)] == written
+        newer = await redis.xadd(stream, {"n": "3"})
+        assert [entry_id for _k, entry_id, _f in await read_until(late, 1)] == [newer]
+        assert [entry_id for _k, entry_id, _f in await read_until(early, 1)] == [newer]
+
+
+async def test_readers_joining_a_busy_stream_from_its_start_each_read_every_entry_in_order(
+    relay: StreamRelay, redis: Redis
+) -> None:
+    stream = keys.events("relay_busy")
+    await redis.delete(stream)
+    written: list[str] = []
+
+    async def write() -> None:
+        for n in range(300):
+            written.append(await redis.xadd(stream, {"n": str(n)}))
+
+    async def join_and_read() -> list[str]:
+        async with relay.follow({stream: "0-0"}) as follower:
+            return [entry_id for _k, entry_id, _f in await read_until(follower, 300)]
+
+    writer = asyncio.create_task(write())
+    readers = []
+    while not writer.done():  # readers join from the start while entries keep coming
+        readers.append(asyncio.create_task(join_and_read()))
+        await asyncio.sleep(0.002)
+    await writer
+    for reader in await asyncio.gather(*readers):
+        assert reader == written
+
+
+async def test_where_redis_refuses_client_unblock_a_joining_reader_still_gets_its_entries_promptly(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    await redis.acl_setuser(
+        "no-unblock",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-client|unblock"],
+    )
+    url = f"redis://no-unblock:pw@127.0.0.1:{redis_server.port}/0"
+    waker = connect(url, max_connections=2)
+    streams = StreamRelay(url, waker, connections=1, buffer=4, block_s=3)
+    await streams.start()
+    idle, busy = keys.events("relay_acl_idle"), keys.events("relay_acl_busy")
+    await redis.delete(idle, busy)
+    await redis.xadd(busy, {"n": "0"})
+    try:
+        async with streams.follow({idle: "0-0"}) as waiting:
+            assert await waiting.next(0.2) == []  # blocked for up to 3 s, and it cannot be woken
+            async with streams.follow({busy: "0-0"}) as joining:
+                entries = await joining.next(30)  # once the blocked read times out
+                assert [fields for _k, _id, fields in entries] == [{"n": "0"}]
+            started = time.monotonic()
+            await redis.xadd(busy, {"n": "1"})
+            async with streams.follow({busy: "0-0"}) as later:  # reads now poll: no 3 s wait
+                assert len(await read_until(later, 2)) == 2
+            assert time.monotonic() - started < 1.0
+    finally:
+        await streams.close()
+        await waker.aclose()
+        await redis.acl_deluser("no-unblock")

@@ -1,0 +1,142 @@
+"""OpenAI's Responses API (text only), driven by the official `openai` SDK: background responses are jobs
+that any gateway retrieves, cancels and streams again after any sequence number."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import secrets
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Fleet
+
+
+async def until_done(sdk: openai.OpenAI, response_id: str) -> openai.types.responses.Response:
+    deadline = time.monotonic() + 60
+    while True:
+        response = await asyncio.to_thread(sdk.responses.retrieve, response_id)
+        if response.status not in ("queued", "in_progress"):
+            return response
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+
+
+async def test_a_background_response_runs_as_a_job_and_is_retrieved_when_done(
+    sdk: openai.OpenAI, client: httpx.AsyncClient, served: str
+) -> None:
+    created = sdk.responses.create(
+        model=served, input="Say hello", instructions="Be brief.", max_output_tokens=12, background=True
+    )
+    assert created.status == "queued" and created.background
+    done = await until_done(sdk, created.id)
+    assert done.status in ("completed", "incomplete")
+    assert done.output_text and done.usage is not None and done.usage.output_tokens > 0
+    jobs = (await client.get("/v1/jobs")).json()["data"]
+    assert "job_" + created.id.removeprefix("resp_") in [job["id"] for job in jobs]
+
+
+async def test_a_streamed_response_resumes_after_a_sequence_number_with_the_same_events(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    stream = sdk.responses.create(
+        model=served, input="Count", max_output_tokens=20, stream=True, background=True
+    )
+    events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_text.delta" in kinds
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    response_id = events[0].response.id
+    cut = kinds.index("response.output_text.delta") + 1
+    resumed = list(sdk.responses.retrieve(response_id, stream=True, starting_after=cut))
+    assert [e.sequence_number for e in resumed] == list(range(cut + 1, len(events)))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[cut + 1 :]]
+    assert sdk.responses.retrieve(response_id).output_text == text
+
+
+async def test_cancelling_a_background_response_stops_its_job(sdk: openai.OpenAI, served: str) -> None:
+    created = sdk.responses.create(
+        model=served, input="Write at length", max_output_tokens=400, background=True
+    )
+    cancelled = sdk.responses.cancel(created.id)
+    assert cancelled.status == "cancelled"
+    assert (await until_done(sdk, created.id)).status == "cancelled"
+
+
+async def test_a_response_asking_for_tools_images_or_files_is_refused_naming_them(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        sdk.responses.create(model=served, input="hi", tools=[{"type": "web_search"}])
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]
+    with pytest.raises(openai.BadRequestError, match=r"input\.0\.content\.0: images"):
+        sdk.responses.create(model=served, input=image)  # type: ignore[arg-type]
+    document = [{"role": "user", "content": [{"type": "input_file", "file_id": "file-x"}]}]
+    with pytest.raises(openai.BadRequestError, match="files"):
+        sdk.responses.create(model=served, input=document)  # type: ignore[arg-type]
+
+
+async def test_a_foreground_response_answers_with_its_jobs_generated_text(
+    sdk: openai.OpenAI, client: httpx.AsyncClient, served: str
+) -> None:
+    response = sdk.responses.create(
+        model=served,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert response.status == "incomplete"  # max_output_tokens reached
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and response.usage.output_tokens == 8
+    job = (await client.get("/v1/jobs/job_" + response.id.removeprefix("resp_"))).json()
+    assert response.output_text == job["output"]
+
+
+async def test_another_keys_files_batches_and_responses_do_not_exist_for_it(
+    redis_server: object, tiny_model: object, model_name: str
+) -> None:
+    from tests.conftest import RedisServer
+
+    assert isinstance(redis_server, RedisServer)
+    suffix = secrets.token_hex(4)  # tenants are Redis-wide: each test gets its own
+    alice_key, bob_key = "alice-" + "a" * 24, "bob-" + "b" * 24
+    env = {"ORTFLEET_API_KEYS": f"alice-{suffix}:{alice_key},bob-{suffix}:{bob_key}"}
+    fleet = Fleet(redis_server.url, tiny_model, env=env)  # type: ignore[arg-type]
+    try:
+        fleet.start_gateway()
+        base = fleet.gateway_url + "/v1"
+        alice = openai.OpenAI(base_url=base, api_key=alice_key, max_retries=0)
+        bob = openai.OpenAI(base_url=base, api_key=bob_key, max_retries=0)
+        upload = alice.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        assert alice.files.retrieve(upload.id).bytes == 3
+        with pytest.raises(openai.NotFoundError):
+            bob.files.retrieve(upload.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.files.content(upload.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        batch = alice.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.cancel(batch.id)
+        assert batch.id not in [b.id for b in bob.batches.list()]
+        assert upload.id not in [f.id for f in bob.files.list()]
+        fleet.start_worker(model_name)
+        response = alice.responses.create(model=model_name, input="hi", max_output_tokens=4, background=True)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(response.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.cancel(response.id)
+    finally:
+        fleet.stop_all()

@@ -1,0 +1,85 @@
+"""A worker writes all of its running jobs' new entries of one engine step in one Redis call."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.events import token_entry
+from common.jobqueue import JobQueue, StepWrite
+from tests.fake_workers import Started
+from tests.redis_events import wait_final
+from tests.test_worker_fake_engine import fake_text, submit, token_entries
+from worker.fake_engine import FakeEngine
+from worker.publisher import StepWriter
+
+TOKENS = 24
+
+
+async def test_four_jobs_in_one_batch_cost_one_write_per_engine_step_not_one_per_job(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    engine = FakeEngine(0.01, 4)
+    service = start_worker(model_name, engine)
+    prompts = ["One", "Two", "Three", "Four"]
+    jobs = [await submit(redis, model_name, prompt, max_tokens=TOKENS) for prompt in prompts]
+    records = await asyncio.gather(*(wait_final(redis, job_id) for job_id in jobs))
+
+    for prompt, job_id, record in zip(prompts, jobs, records, strict=True):
+        assert record["status"] == "succeeded" and record["output"] == fake_text(prompt, TOKENS)
+        entries = await token_entries(redis, job_id)
+        assert "".join(entry["text"] for entry in entries) == fake_text(prompt, TOKENS)
+        assert entries[0]["index"] == "0" and "first_token_at" in record
+    # One write per job per step would be 4 x 24 = 96 writes; shared, about one per step (24), plus
+    # a few for the jobs' 'running' entries when they start apart.
+    assert service.writer.writes <= TOKENS + 8
+
+
+async def test_a_step_write_skips_a_job_whose_attempt_lost_it_and_writes_the_others(redis: Redis) -> None:
+    queue = JobQueue(redis, 3600)
+    kept, lost = "job_step_kept", "job_step_lost"
+    for job_id in (kept, lost):
+        await redis.delete(keys.job(job_id), keys.events(job_id))
+        await redis.hset(keys.job(job_id), mapping={"attempts": "2"})
+    writes = [
+        StepWrite(kept, 2, [token_entry("a", [97], 0), token_entry("b", [98], 1)], {"first_token_at": "1"}),
+        StepWrite(lost, 1, [token_entry("x", [120], 0)], {"first_token_at": "1"}),
+    ]
+
+    assert await queue.publish_step(writes) == [True, False]
+
+    assert [fields["text"] for _id, fields in await redis.xrange(keys.events(kept))] == ["a", "b"]
+    assert await redis.hget(keys.job(kept), "first_token_at") == "1"
+    assert await redis.xlen(keys.events(lost)) == 0
+    assert await redis.hget(keys.job(lost), "first_token_at") is None
+
+
+class SlowFor(JobQueue):
+    """Writes that carry `job_id`'s entries take `delay_s` longer."""
+
+    def __init__(self, redis: Redis, job_id: str, delay_s: float) -> None:
+        super().__init__(redis, 3600)
+        self.job_id, self.delay_s = job_id, delay_s
+
+    async def publish_step(self, writes: list[StepWrite]) -> list[bool]:
+        if any(write.job_id == self.job_id for write in writes):
+            await asyncio.sleep(self.delay_s)
+        return await super().publish_step(writes)
+
+
+async def test_a_jobs_first_token_never_waits_for_another_jobs_write_in_flight(redis: Redis) -> None:
+    slow, fresh = "job_step_slow", "job_step_fresh"
+    for job_id in (slow, fresh):
+        await redis.delete(keys.job(job_id), keys.events(job_id))
+        await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    writer = StepWriter(SlowFor(redis, slow, 2.0), 64)
+    busy, first = writer.publisher(slow, 1), writer.publisher(fresh, 1)
+    busy.add(token_entry("a", [97], 0))
+    await asyncio.sleep(0.05)  # the slow job's write is out
+    first.add(token_entry("b", [98], 0))
+    await asyncio.wait_for(first.drain(), 1.0)  # well before the slow write ends
+    assert await redis.xlen(keys.events(fresh)) == 1 and await redis.xlen(keys.events(slow)) == 0
+    await busy.drain()
+    await writer.close()
