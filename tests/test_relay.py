@@ -12,7 +12,10 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.jobqueue import stage_jobs
+from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
+from common.wire import JobStatus
 from gateway.relay import Entry, Follower, StreamRelay
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
@@ -22,16 +25,13 @@ POOL, RELAY = 4, 2  # the gateway's Redis connections: request pool, relay reade
 
 
 async def create_running_jobs(redis: Redis, prefix: str, count: int) -> list[str]:
-    """Job records and streams written straight to Redis, as a worker would have them: no model needed."""
+    """Running jobs as a worker would have them, each with its status event: no model needed."""
     job_ids = [f"{prefix}_{i:04d}" for i in range(count)]
-    async with redis.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            record = {"id": job_id, "model": "relay", "status": "running", "created_at": str(time.time())}
-            pipe.hset(keys.job(job_id), mapping=record)
-            pipe.expire(keys.job(job_id), 600)
-            pipe.xadd(keys.events(job_id), {"type": "status", "status": "running", "attempt": "1"})
-            pipe.expire(keys.events(job_id), 600)
-        await pipe.execute()
+    now = time.time()
+    running = [
+        JobRecord(id=i, model="relay", status=JobStatus.running, created_at=now, attempts=1) for i in job_ids
+    ]
+    await stage_jobs(redis, running)
     return job_ids
 
 

@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from common.jobqueue import stage_jobs
 from common.records import JobRecord
 from common.wire import JobStatus
 from ortfleet.fleet.processes import free_port, start_redis, stop
@@ -217,8 +218,7 @@ async def test_a_malformed_job_in_redis_fails_with_a_clear_error_and_the_worker_
         ("job_pickled", "\x80\x04\x95 not json"),
     ]:
         record = JobRecord(id=job_id, model=model_name, status=JobStatus.queued, created_at=time.time())
-        await redis.hset(keys.job(job_id), mapping=record.to_fields())
-        await redis.expire(keys.job(job_id), 600)
+        await stage_jobs(redis, [record])
         await redis.set(keys.arq_job(job_id), payload, ex=600)
         await redis.zadd(keys.queue(model_name), {job_id: 1})
         await redis.publish(keys.wake_channel(model_name), job_id)

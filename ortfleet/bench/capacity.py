@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common import aio, keys
+from common.jobqueue import stage_jobs
 from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.registry import WorkerInfo, heartbeat
@@ -88,12 +89,11 @@ def _job_ids(count: int) -> list[str]:
 async def _create_jobs(redis_url: str, count: int) -> None:
     redis = connect(redis_url)
     now = time.time()
-    async with redis.pipeline(transaction=False) as pipe:
-        for job_id in _job_ids(count):
-            record = JobRecord(id=job_id, model=MODEL, status=JobStatus.running, created_at=now, attempts=1)
-            pipe.hset(keys.job(job_id), mapping=record.to_fields())
-            pipe.xadd(keys.events(job_id), {"type": "status", "status": "running", "attempt": "1"})
-        await pipe.execute()
+    running = [
+        JobRecord(id=job_id, model=MODEL, status=JobStatus.running, created_at=now, attempts=1)
+        for job_id in _job_ids(count)
+    ]
+    await stage_jobs(redis, running, ttl_s=3600)
     await redis.aclose()
 
 
