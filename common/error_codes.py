@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     worker_timeout = "worker_timeout"  # no worker answered a tokenizer call in time
     stream_tokens_disabled = "stream_tokens_disabled"
     store_timeout = "store_timeout"
+    not_replicated = "not_replicated"  # fewer replicas than ORTFLEET_SUBMIT_REPLICAS confirmed a submission
     # refused by a protective limit
     invalid_json = "invalid_json"
     invalid_text = "invalid_text"

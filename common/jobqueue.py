@@ -132,6 +132,16 @@ class Submitted:
     created: bool
 
 
+class NotReplicated(Exception):
+    """Fewer replicas than asked confirmed a submission's writes: the job may exist (on the primary only)."""
+
+    def __init__(self, job_id: str, confirmed: int, wanted: int) -> None:
+        super().__init__(f"job {job_id}: {confirmed} of {wanted} replicas confirmed its submission")
+        self.job_id = job_id
+        self.confirmed = confirmed
+        self.wanted = wanted
+
+
 class QueueFull(Exception):
     def __init__(self, model: str, limit: str) -> None:
         super().__init__(f"the queue of model {model!r} is full ({limit})")
@@ -220,8 +230,12 @@ class JobQueue:
         owner_max_active: int = 0,
         weight: float = 1.0,
         request_digest: str | None = None,
+        replicas: int = 0,
+        replicas_timeout_ms: int = 1000,
     ) -> Submitted:
-        """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits."""
+        """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits. With
+        `replicas`, returns only once that many replicas confirm the writes (WAIT on the connection that
+        ran the script), else raises NotReplicated."""
         now_ms = int(spec.submitted_at * 1000)
         record = JobRecord(
             id=spec.id,
@@ -260,13 +274,22 @@ class JobQueue:
             keys.fair_tags(spec.model, spec.priority.value),
             *([idempotency_key] if idempotency_key else []),
         ]
-        outcome, detail = await self._submit(keys=script_keys, args=args)
+        if replicas <= 0:
+            outcome, detail = await self._submit(keys=script_keys, args=args)
+            confirmed = 0
+        else:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                await self._submit(keys=script_keys, args=args, client=pipe)
+                pipe.wait(replicas, replicas_timeout_ms)
+                (outcome, detail), confirmed = await pipe.execute()
         if outcome == "busy":
             raise OwnerBusy(owner, owner_max_active)
         if outcome == "full":
             limit = f"{limits.max_jobs} jobs" if detail == "jobs" else f"{limits.max_tokens} queued tokens"
             raise QueueFull(spec.model, limit)
         job_id = detail
+        if confirmed < replicas:
+            raise NotReplicated(job_id, int(confirmed), replicas)
         return Submitted(job_id=job_id, created=outcome == "created")
 
     async def cancel(self, job_id: str, model: str) -> str:

@@ -1,17 +1,60 @@
+"""Redis clients and connection pools, made from any URL ortfleet supports (see common.redis_url).
+
+A `redis+sentinel://` URL gives a pool whose connections ask the sentinels for the current primary
+each time they connect: after a failover they reconnect to the new primary, and a write that reaches
+a demoted primary (READONLY) drops its connection and is retried on the new one.
+"""
+
 from __future__ import annotations
 
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.redis_url import is_sentinel_url, parse_sentinel_url
+
+SENTINEL_TIMEOUT_S = 2.0  # a sentinel answers at once, or is down and the next one is asked
+
+
+class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
+    """A Sentinel-managed pool that holds at most `max_connections`: a command waits for a free one."""
 
 
 def gateway_client_name(pid: int) -> str:
     """The name a gateway process gives its Redis connections (CLIENT LIST shows it)."""
     return f"ortfleet-gateway-{pid}"
+
+
+def connection_pool(url: str, *, max_connections: int | None = None, **options: Any) -> ConnectionPool:
+    """A pool for `url` (redis://, rediss://, unix:// or redis+sentinel://) whose connections take
+    `options` (redis-py connection arguments). With `max_connections`, a command waits for a free
+    connection rather than opening more. A malformed Sentinel URL raises BadRedisUrl."""
+    if not is_sentinel_url(url):
+        if max_connections is None:
+            return ConnectionPool.from_url(url, **options)
+        return BlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
+    parsed = parse_sentinel_url(url)
+    connect_timeout = options.get("socket_connect_timeout") or SENTINEL_TIMEOUT_S
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": min(connect_timeout, SENTINEL_TIMEOUT_S),
+        "socket_keepalive": True,
+        "username": parsed.sentinel_username,
+        "password": parsed.sentinel_password,
+        "decode_responses": True,
+    }
+    sentinel = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
+    options = {**options, "db": parsed.db, "username": parsed.username, "password": parsed.password}
+    if max_connections is None:
+        return SentinelConnectionPool(parsed.service, sentinel, is_master=True, **options)  # type: ignore[no-untyped-call]
+    return BlockingSentinelConnectionPool(  # type: ignore[no-untyped-call]
+        parsed.service, sentinel, is_master=True, max_connections=max_connections, **options
+    )
 
 
 def connect(
@@ -23,7 +66,8 @@ def connect(
     client_name: str | None = None,
     retries: int = 8,
 ) -> Redis:
-    """A client that reconnects by itself, with backoff, when Redis goes away and comes back.
+    """A client that reconnects by itself, with backoff, when Redis goes away and comes back (or, with
+    a Sentinel URL, when another server becomes the primary).
 
     With `max_connections`, the client never holds more: a command waits for a free connection.
     With `socket_timeout_s`, a command Redis does
@@ -39,8 +83,4 @@ def connect(
         "socket_keepalive": True,
         "client_name": client_name,
     }
-    if max_connections is None:
-        pool: ConnectionPool = ConnectionPool.from_url(url, **options)
-    else:
-        pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
-    return Redis.from_pool(pool)
+    return Redis.from_pool(connection_pool(url, max_connections=max_connections, **options))

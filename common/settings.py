@@ -3,11 +3,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.model_folder import default_cache_root
-from common.redis_url import mask_url
+from common.redis_url import check_redis_url, mask_url
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -19,7 +19,9 @@ class FleetSettings(BaseSettings):
 
     redis_url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"),
-        description="Redis to use, as a URL: redis://[:password@]host:port/db, rediss:// for TLS.",
+        description="Redis to use, as a URL: redis://[:password@]host:port/db, rediss:// for TLS, or "
+        "redis+sentinel://[:password@]host:port,host:port/SERVICE[/db][?sentinel_password=...] to follow "
+        "the primary that Redis Sentinel names.",
     )
     job_ttl_s: int = Field(
         86_400, ge=60, description="Seconds a job's record and token stream are kept after submission."
@@ -35,6 +37,12 @@ class FleetSettings(BaseSettings):
         description="Seconds a worker's registration and job leases live without a heartbeat; a dead "
         "worker's jobs are resumed elsewhere after this.",
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _usable_redis_url(cls, url: SecretStr) -> SecretStr:
+        check_redis_url(url.get_secret_value())
+        return url
 
 
 class GatewaySettings(FleetSettings):
@@ -198,6 +206,15 @@ class GatewaySettings(FleetSettings):
         ge=1,
         description="Redis connections that read every open event stream of one gateway (each a blocking "
         "XREAD over its share of the streams), whatever the number of streams.",
+    )
+    submit_replicas: int = Field(
+        0,
+        ge=0,
+        description="Replicas that must confirm a submission's writes (Redis WAIT) before it gets its 202; "
+        "fewer within submit_replicas_timeout_ms gets 503 not_replicated. 0 does not wait.",
+    )
+    submit_replicas_timeout_ms: int = Field(
+        1000, ge=1, description="Longest wait, in milliseconds, for submit_replicas to confirm a submission."
     )
     relay_buffer_events: int = Field(
         256,

@@ -19,11 +19,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.redis_client import connection_pool
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +273,9 @@ class StreamRelay:
         self.waker = waker
         self._buffer = buffer
         # A read returns within block_s (empty): one that takes much longer is on a dead connection.
-        pool = ConnectionPool.from_url(
+        # The readers' connections come from the pool (kept: Sentinel-managed connections refer to it
+        # weakly), so with a Sentinel URL each reconnects to whichever server is the primary then.
+        self._pool = pool = connection_pool(
             url,
             decode_responses=True,
             client_name=client_name,

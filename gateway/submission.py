@@ -14,7 +14,7 @@ from common import keys
 from common.apikeys import ANONYMOUS, Principal
 from common.error_codes import ErrorCode
 from common.guidance import Guidance
-from common.jobqueue import OwnerBusy, QueueFull, QueueLimits, Submitted
+from common.jobqueue import NotReplicated, OwnerBusy, QueueFull, QueueLimits, Submitted
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
 from gateway.errors import ApiError, validation_error
 from gateway.state import AppState
@@ -194,7 +194,17 @@ async def submit_job(
             owner_max_active=principal.max_concurrent_jobs or 0,
             weight=principal.weight,
             request_digest=digest,
+            replicas=state.settings.submit_replicas,
+            replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,
         )
+    except NotReplicated as e:
+        raise ApiError(
+            503,
+            f"{e}, fewer than the {e.wanted} required: the job may exist but could be lost if the Redis "
+            "primary fails now; retry with the same Idempotency-Key, which returns this job if it exists",
+            code=ErrorCode.not_replicated,
+            headers={"Retry-After": "1"},
+        ) from e
     except OwnerBusy as e:
         raise ApiError(429, str(e), code=ErrorCode.too_many_active_jobs, headers={"Retry-After": "1"}) from e
     except QueueFull as e:
