@@ -338,26 +338,40 @@ return written
 # The writes of one engine step for all of a worker's running jobs, each fenced by its own attempt.
 PUBLISH_STEP = """
 -- KEYS: per job, in order: record, events
--- ARGV: per job: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...
--- Returns per job the entries written, or -1 where the attempt no longer owns the job.
+-- ARGV: per job: attempt, from, to, n record fields, fields..., n entries, then per entry: n fields,
+--       fields...
+--   from, to: the token index of the write's first token entry and the index past its last one ('' when
+--   it has none, or when from must not be checked). The record's `streamed` says where the stream's
+--   tokens end: a write that starts past it (the newest entries were lost, as in a failover to a replica
+--   that had not received them) is refused whole, so that the worker writes the missing ones first.
+-- Returns per job the entries written, -1 where the attempt no longer owns the job, -2 where the write
+-- would leave a gap.
 local out = {}
 local at = 1
 for j = 1, #KEYS / 2 do
   local record, events = KEYS[2 * j - 1], KEYS[2 * j]
-  local owned = redis.call('HGET', record, 'attempts') == ARGV[at]
-  local nrec = tonumber(ARGV[at + 1])
-  if owned and nrec > 0 then
+  local status = -1
+  local streamed = 0
+  if redis.call('HGET', record, 'attempts') == ARGV[at] then
+    status = 0
+    streamed = tonumber(redis.call('HGET', record, 'streamed') or '0')
+    if ARGV[at + 1] ~= '' and tonumber(ARGV[at + 1]) > streamed then status = -2 end
+  end
+  local writing = status == 0
+  local to = ARGV[at + 2]
+  local nrec = tonumber(ARGV[at + 3])
+  if writing and nrec > 0 then
     local rec = {}
-    for i = at + 2, at + 1 + 2 * nrec do rec[#rec + 1] = ARGV[i] end
+    for i = at + 4, at + 3 + 2 * nrec do rec[#rec + 1] = ARGV[i] end
     redis.call('HSET', record, unpack(rec))
   end
-  at = at + 2 + 2 * nrec
+  at = at + 4 + 2 * nrec
   local entries = tonumber(ARGV[at])
   at = at + 1
   local written = 0
   for _ = 1, entries do
     local n = tonumber(ARGV[at])
-    if owned then
+    if writing then
       local ev = {}
       for i = at + 1, at + 2 * n do ev[#ev + 1] = ARGV[i] end
       redis.call('XADD', events, '*', unpack(ev))
@@ -365,7 +379,8 @@ for j = 1, #KEYS / 2 do
     end
     at = at + 1 + 2 * n
   end
-  out[j] = owned and written or -1
+  if writing and to ~= '' and tonumber(to) > streamed then redis.call('HSET', record, 'streamed', to) end
+  out[j] = writing and written or status
 end
 return out
 """
@@ -377,11 +392,16 @@ FINISH = (
 -- KEYS: record, events, leases, arq job, owner's active jobs, fair-share tags of its class,
 --       model's served tokens
 -- ARGV: attempt, id, ttl_s, tokens served (prompt and generated; -1: unknown), its class,
---       n record fields, fields..., n event fields, fields...
--- Returns 1, or 0 once the attempt lost the job.
+--       tokens the attempt streamed ('': not checked), n record fields, fields..., n event fields,
+--       fields...
+-- Returns 1, 0 once the attempt lost the job, or 2 (nothing written) when the stream holds fewer
+-- tokens than the attempt streamed (a failover lost the newest: the worker writes them again first).
 -- The owner's finish tag is corrected by what the job really cost against its estimate (never
 -- below the class's virtual time), and the tokens count in the served totals of its class and key.
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return 0 end
+if ARGV[6] ~= '' and tonumber(redis.call('HGET', KEYS[1], 'streamed') or '0') < tonumber(ARGV[6]) then
+  return 2
+end
 local served = tonumber(ARGV[4])
 if served >= 0 then
   local owner = redis.call('HGET', KEYS[1], 'owner') or ''
@@ -397,7 +417,7 @@ if served >= 0 then
   redis.call('HINCRBY', KEYS[7], class .. ':' .. owner, served)
   redis.call('EXPIRE', KEYS[7], ARGV[3])
 end
-local rec, at = pairs_at(7)
+local rec, at = pairs_at(8)
 redis.call('HSET', KEYS[1], unpack(rec))
 redis.call('XADD', KEYS[2], '*', unpack((pairs_at(at + 1))))
 redis.call('ZREM', KEYS[3], ARGV[2])

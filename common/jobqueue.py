@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 from arq.jobs import deserialize_job_raw, serialize_job
@@ -25,10 +26,10 @@ from redis.asyncio import Redis
 
 from common import job_scripts, keys
 from common.error_codes import ErrorCode
-from common.events import done_entry, error_entry, status_entry
+from common.events import done_entry, entry_token_ids, error_entry, status_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.records import JobRecord, RecordUpdate, load_record
-from common.wire import PRIORITY_ORDER, FinishReason, JobSpec, JobStatus, PriorityClass
+from common.wire import PRIORITY_ORDER, EventType, FinishReason, JobSpec, JobStatus, PriorityClass
 
 GENERATE = "generate"
 
@@ -91,6 +92,28 @@ class StepWrite:
     attempt: int
     entries: list[dict[str, str]]
     record: dict[str, str]  # RecordUpdate.to_fields()
+    check_gap: bool = True  # refuse it when the stream's tokens end before its first token entry
+
+
+class StepResult(IntEnum):
+    """What became of one job's share of a step write (truthy while the attempt owns the job)."""
+
+    lost = 0  # another attempt owns the job: nothing written
+    written = 1
+    gap = 2  # nothing written: the stream lacks tokens the attempt wrote before (lost in a failover)
+
+
+class StreamGap(Exception):
+    """The job's stream holds fewer tokens than the attempt wrote: they must be written again first."""
+
+
+def token_span(entries: list[dict[str, str]]) -> tuple[int, int] | None:
+    """The token index of the first token entry among `entries`, and the index past the last one."""
+    tokens = [entry for entry in entries if entry.get("type") == EventType.token.value and "index" in entry]
+    if not tokens:
+        return None
+    last = tokens[-1]
+    return int(tokens[0]["index"]), int(last["index"]) + len(entry_token_ids(last))
 
 
 @dataclass(frozen=True)
@@ -444,22 +467,40 @@ class JobQueue:
         written: int = await self._publish(keys=[keys.job(job_id), keys.events(job_id)], args=args)
         return written >= 0
 
-    async def publish_step(self, writes: list[StepWrite]) -> list[bool]:
-        """Several jobs' entries (and record fields) in one script call, each fenced by its attempt;
-        per job, False once its attempt lost the job."""
+    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+        """Several jobs' entries (and record fields) in one script call, each fenced by its attempt; per
+        job, `lost` once its attempt lost the job, `gap` when the stream's tokens end before the write's
+        first token entry (see `streamed`)."""
         script_keys: list[str] = []
         args: list[str] = []
         for write in writes:
             script_keys += [keys.job(write.job_id), keys.events(write.job_id)]
-            args += [str(write.attempt), *_flat(write.record), str(len(write.entries))]
+            span = token_span(write.entries)
+            start, end = ("", "") if span is None else (str(span[0]), str(span[1]))
+            args += [str(write.attempt), start if write.check_gap else "", end]
+            args += [*_flat(write.record), str(len(write.entries))]
             for entry in write.entries:
                 args += _flat(entry)
         written: list[int] = await self._publish_step(keys=script_keys, args=args)
-        return [count >= 0 for count in written]
+        results = {-1: StepResult.lost, -2: StepResult.gap}
+        return [results.get(n, StepResult.written) for n in written]
 
-    async def finish(self, claim: Claim, update: RecordUpdate, final_entry: dict[str, str]) -> bool:
+    async def streamed(self, job_id: str) -> int:
+        """Where the tokens in the job's stream end: the index the next token entry should have."""
+        value = await self._redis.hget(keys.job(job_id), "streamed")  # type: ignore[misc]
+        return int(value or 0)
+
+    async def finish(
+        self,
+        claim: Claim,
+        update: RecordUpdate,
+        final_entry: dict[str, str],
+        *,
+        streamed: int | None = None,
+    ) -> bool:
         """End the job with its final record fields and stream entry; False once the claim lost it.
-        The tokens it served (its usage) settle its owner's fair share."""
+        The tokens it served (its usage) settle its owner's fair share. With `streamed` (where the
+        attempt's tokens end), raises StreamGap instead when the stream holds fewer."""
         priority = claim_priority(claim).value
         done: int = await self._finish(
             keys=[
@@ -477,10 +518,13 @@ class JobQueue:
                 str(self.ttl_s),
                 str(update.usage.total_tokens if update.usage else -1),
                 priority,
+                "" if streamed is None else str(streamed),
                 *_flat(update.to_fields()),
                 *_flat(final_entry),
             ],
         )
+        if done == 2:
+            raise StreamGap(claim.job_id)
         return bool(done)
 
     async def fail(self, claim: Claim, message: str, code: ErrorCode | None = None) -> bool:

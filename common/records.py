@@ -43,6 +43,7 @@ SCRIPT_FIELDS = frozenset(
         "worker_deaths",
         "quarantine_deaths",
         "quarantined_attempt",
+        "streamed",
     }
 )
 
@@ -115,6 +116,7 @@ class JobRecord:
     resumed_from: int | None = None  # tokens already streamed when the last attempt resumed the job
     resumes: int | None = None
     resume_exact: bool | None = None  # whether the resume's replay computed every streamed token again
+    streamed: int | None = None  # where its stream's tokens end (the next token index), set by the writes
 
     def to_fields(self) -> dict[str, str]:
         return _with_resume_exact(
@@ -159,6 +161,7 @@ class JobRecord:
             resumed_from=_int(raw.get("resumed_from")),
             resumes=_int(raw.get("resumes")),
             resume_exact=raw["resume_exact"] == "1" if raw.get("resume_exact") else None,
+            streamed=_int(raw.get("streamed")),
         )
 
     def view(

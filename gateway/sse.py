@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 
 from common import keys
 from common.events import event_payload, is_final
+from common.wire import EventType
 from gateway.relay import StreamRelay
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,24 @@ def frame(entry_id: str, fields: dict[str, str]) -> bytes:
 Entry = tuple[str, dict[str, str]]
 
 
+class SentTokens:
+    """The token entries one reader was sent, by token index: an entry a worker wrote again after a Redis
+    failover (the new primary lacked it, and this reader had it from the old one) is not sent twice."""
+
+    def __init__(self) -> None:
+        self.last_index = -1
+
+    def fresh(self, fields: dict[str, str]) -> bool:
+        """Whether to send the entry: anything but a token entry, or one past the last token sent."""
+        if fields.get("type") != EventType.token.value or "index" not in fields:
+            return True
+        index = int(fields["index"])
+        if index <= self.last_index:
+            return False
+        self.last_index = index
+        return True
+
+
 async def relay(
     streams: StreamRelay,
     redis: Redis,
@@ -93,6 +112,7 @@ async def entries(
     stream = keys.events(job_id)
     if await read_position(redis, job_id, after) == "ended":
         return
+    sent = SentTokens()
     async with streams.follow({stream: after}) as follower:
         while True:
             batch = await follower.next(keepalive_s)
@@ -107,6 +127,8 @@ async def entries(
                 yield None
                 continue
             for _key, entry_id, fields in batch:
+                if not sent.fresh(fields):
+                    continue
                 yield entry_id, fields
                 if is_final(fields):
                     return

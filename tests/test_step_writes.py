@@ -8,7 +8,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import token_entry
-from common.jobqueue import JobQueue, StepWrite
+from common.jobqueue import JobQueue, StepResult, StepWrite
 from tests.fake_workers import Started
 from tests.redis_events import wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries
@@ -63,7 +63,7 @@ class SlowFor(JobQueue):
         super().__init__(redis, 3600)
         self.job_id, self.delay_s = job_id, delay_s
 
-    async def publish_step(self, writes: list[StepWrite]) -> list[bool]:
+    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
         if any(write.job_id == self.job_id for write in writes):
             await asyncio.sleep(self.delay_s)
         return await super().publish_step(writes)

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from common.error_codes import ErrorCode
 from common.events import done_entry, entry_token_ids, error_entry, status_entry, token_entry
-from common.jobqueue import Claim, JobQueue
+from common.jobqueue import Claim, JobQueue, StreamGap
 from common.records import RecordUpdate
 from common.wire import EventType, FinishReason, JobSpec, JobStatus, Timings, Usage
 from worker.engine import Engine, EngineUpdate, Finish, GenerationRequest, GenerationStream, Tokenizer
@@ -128,9 +128,12 @@ class JobRun:
             return
         self.progress.first_token_at = record.first_token_at if record is not None else None
         for fields in await self._queue.entries(self.job_id):
-            if fields.get("type") == EventType.token.value:
-                self.progress.token_ids += entry_token_ids(fields)
-                self.progress.text += fields.get("text", "")
+            if fields.get("type") != EventType.token.value:
+                continue
+            if int(fields.get("index", len(self.progress.token_ids))) < len(self.progress.token_ids):
+                continue  # written twice (a write retried after a failover): counted once
+            self.progress.token_ids += entry_token_ids(fields)
+            self.progress.text += fields.get("text", "")
 
     def prompt_ids(self) -> list[int]:
         if self.spec.messages is not None:
@@ -182,7 +185,7 @@ class JobRun:
         self._stream = stream
 
     async def run(self) -> None:
-        publisher = self._writer.publisher(self.job_id, self.claim.attempt)
+        publisher = self._writer.publisher(self.job_id, self.claim.attempt, len(self.progress.token_ids))
         publisher.add(self._running_entry(), self._running_record())
         try:
             outcome = await self._generate(publisher)
@@ -198,7 +201,7 @@ class JobRun:
             self.preempted = True
             return
         if not self._abandoned:
-            await self._finish(outcome)
+            await self._finish(outcome, publisher)
 
     def _running_entry(self) -> dict[str, str]:
         """The attempt's first event: a resumed attempt says from which token, a quarantined one says so."""
@@ -248,6 +251,7 @@ class JobRun:
             self.batch_peak = max(self.batch_peak, update.batch_rows)
             pieces = []
             hit_stop = False
+            index = generated  # of this step's first token
             for token in update.token_ids:
                 generated += 1
                 if token in stop_ids:  # vLLM's stop_token_ids: ends the text like end of sequence
@@ -265,7 +269,6 @@ class JobRun:
                 self._token_times.append(now)
                 self.tokens_generated += len(update.token_ids)
                 chunk = "".join(pieces)
-                index = generated - len(update.token_ids)
                 record = None
                 if self.progress.first_token_at is None:
                     self.progress.first_token_at = now
@@ -304,7 +307,7 @@ class JobRun:
             return Outcome(JobStatus.succeeded, FinishReason.length, text, generated)
         return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated)
 
-    async def _finish(self, outcome: Outcome) -> None:
+    async def _finish(self, outcome: Outcome, publisher: StreamPublisher) -> None:
         now = time.time()
         submitted = self.spec.submitted_at
         usage = Usage(
@@ -339,16 +342,29 @@ class JobRun:
             final["message"] = outcome.error
         if outcome.error_code:  # a job refused before generating: an error event, as for a long prompt
             final = error_entry(outcome.status, outcome.error or "the job failed", outcome.error_code.value)
-        await self._write_final(record, final)
+        await self._write_final(record, final, publisher)
         self.outcome = outcome
 
-    async def _write_final(self, record: RecordUpdate, final: dict[str, str]) -> None:
-        """Retries through a Redis outage: a finished job is never lost (writes stay fenced)."""
+    async def _write_final(
+        self, record: RecordUpdate, final: dict[str, str], publisher: StreamPublisher
+    ) -> None:
+        """Retries through a Redis outage: a finished job is never lost (writes stay fenced). After a
+        failover that lost the newest token entries, writes them again before the final one."""
         delay = 0.1
         while True:
+            streamed = None if publisher.unfillable else publisher.streamed_to
             try:
-                await self._queue.finish(self.claim, record, final)
+                await self._queue.finish(self.claim, record, final, streamed=streamed)
                 return
+            except StreamGap:
+                logger.warning(
+                    "job %s: its stream lacks tokens written before (a failover?); writing them again",
+                    self.job_id,
+                )
+                try:
+                    await publisher.fill_gap()
+                except LeaseLost:
+                    return
             except RedisError as e:
                 logger.warning("job %s: writing the result failed (%s); retrying", self.job_id, e)
                 await asyncio.sleep(delay)

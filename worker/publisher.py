@@ -5,6 +5,11 @@ added since its last write in one call, as soon as no write is in flight: the en
 step (added in one event-loop wake-up) go together, a job's first token goes out at once, and
 what comes while a write is in flight goes with the next one, except a job's first token: that one
 never waits for other jobs' write.
+
+Replication to Redis replicas is asynchronous: after a failover, the new primary may lack the last
+token entries the worker wrote to the old one. The write script then refuses the job's next write (its
+first token would leave a gap), and the writer first writes again, from what it keeps, every token
+entry from where the stream's tokens end.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from common.jobqueue import JobQueue, StepWrite
+from common.jobqueue import JobQueue, StepResult, StepWrite, token_span
 from common.wire import EventType
 
 logger = logging.getLogger(__name__)
@@ -27,10 +32,16 @@ class LeaseLost(Exception):
 class StreamPublisher:
     """One job's entries on their way to its stream."""
 
-    def __init__(self, writer: StepWriter, job_id: str, attempt: int) -> None:
+    def __init__(self, writer: StepWriter, job_id: str, attempt: int, first_index: int = 0) -> None:
         self._writer = writer
         self.job_id = job_id
         self.attempt = attempt
+        self.first_index = first_index  # this attempt's first token's index (earlier attempts wrote the rest)
+        self.streamed_to = first_index  # where the tokens this attempt wrote end
+        # Its token entries in Redis, written again if a failover loses them.
+        self.written: list[dict[str, str]] = []
+        self.gap = False  # the stream lacks some of `written`: write them again before anything else
+        self.unfillable = False  # the stream lacks tokens of an earlier attempt: they cannot be written again
         self.pending: list[dict[str, str]] = []
         self.record: dict[str, str] = {}
         self.idle = asyncio.Event()
@@ -60,6 +71,15 @@ class StreamPublisher:
         await self.idle.wait()
         self._writer.forget(self)
 
+    async def fill_gap(self) -> bool:
+        """Writes again the token entries the stream lacks; False when some cannot be (an earlier
+        attempt's), and raises LeaseLost if the job was taken over."""
+        self.gap = True
+        self.idle.clear()
+        self._writer.wake(self)
+        await self.drain()
+        return not self.unfillable
+
 
 class StepWriter:
     """The worker's one writer of token entries, for all of its running jobs."""
@@ -74,10 +94,10 @@ class StepWriter:
         self._solo: set[asyncio.Task[None]] = set()
         self.writes = 0  # script calls made (for tests and benchmarks)
 
-    def publisher(self, job_id: str, attempt: int) -> StreamPublisher:
+    def publisher(self, job_id: str, attempt: int, first_index: int = 0) -> StreamPublisher:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="step-writer")
-        return StreamPublisher(self, job_id, attempt)
+        return StreamPublisher(self, job_id, attempt, first_index)
 
     def wake(self, publisher: StreamPublisher) -> None:
         self._waiting[publisher] = None
@@ -116,12 +136,23 @@ class StepWriter:
         writes = []
         for publisher in publishers:
             publisher.in_flight = True
+        try:
+            await asyncio.gather(*(self._take_back(p) for p in publishers if p.gap))
+        except RedisError as e:
+            logger.warning("reading where %d jobs' streams end failed (%s); retrying", len(publishers), e)
+            for publisher in publishers:
+                publisher.in_flight = False
+            self._wakeup.set()
+            await asyncio.sleep(0.25)
+            return
+        for publisher in publishers:
             # Fields added while this write is in flight go with the next one.
             record, publisher.record = publisher.record, {}
             entries = publisher.pending[: self._max_batch]
-            writes.append(StepWrite(publisher.job_id, publisher.attempt, entries, record))
+            check = not publisher.unfillable
+            writes.append(StepWrite(publisher.job_id, publisher.attempt, entries, record, check_gap=check))
         try:
-            owned = await self._queue.publish_step(writes)
+            results = await self._queue.publish_step(writes)
         except RedisError as e:
             logger.warning("writing tokens of %d jobs failed (%s); retrying", len(writes), e)
             for publisher, write in zip(publishers, writes, strict=True):
@@ -133,11 +164,24 @@ class StepWriter:
                 publisher.in_flight = False
             self._wakeup.set()  # entries that waited for this write go with the next
         self.writes += 1
-        for publisher, write, still_owned in zip(publishers, writes, owned, strict=True):
-            if any(entry.get("type") == EventType.token.value for entry in write.entries):
+        for publisher, write, result in zip(publishers, writes, results, strict=True):
+            if result is StepResult.gap:
+                logger.warning(
+                    "job %s: its stream lacks tokens written before (a failover?); writing them again",
+                    publisher.job_id,
+                )
+                publisher.gap = True
+                publisher.record = {**write.record, **publisher.record}
+                continue
+            tokens = [entry for entry in write.entries if entry.get("type") == EventType.token.value]
+            if tokens:
                 publisher.token_written = True
+                publisher.written += tokens
+                span = token_span(tokens)
+                if span is not None:
+                    publisher.streamed_to = max(publisher.streamed_to, span[1])
             del publisher.pending[: len(write.entries)]
-            if not still_owned:
+            if not result:
                 job, attempt = publisher.job_id, publisher.attempt
                 logger.warning("job %s: lease lost, attempt %s stops writing", job, attempt)
                 publisher.lost = True
@@ -145,3 +189,21 @@ class StepWriter:
             if not publisher.pending and not publisher.record:
                 self._waiting.pop(publisher, None)
                 publisher.idle.set()
+
+    async def _take_back(self, publisher: StreamPublisher) -> None:
+        """Puts back in front of the publisher's pending entries those of its written token entries the
+        stream lacks (it ends before them)."""
+        streamed = await self._queue.streamed(publisher.job_id)
+        if streamed < publisher.first_index:
+            logger.error(
+                "job %s: its stream lacks tokens %d to %d of an earlier attempt; its readers miss them",
+                publisher.job_id,
+                streamed,
+                publisher.first_index - 1,
+            )
+            publisher.unfillable = True
+        missing = [entry for entry in publisher.written if int(entry["index"]) >= streamed]
+        publisher.written = publisher.written[: len(publisher.written) - len(missing)]
+        publisher.pending[:0] = missing
+        publisher.streamed_to = min(publisher.streamed_to, max(streamed, publisher.first_index))
+        publisher.gap = False

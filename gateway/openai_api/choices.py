@@ -16,7 +16,7 @@ from common.events import is_final
 from common.wire import EventType, JobRequest, JobStatus, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
-from gateway.sse import PURGED
+from gateway.sse import PURGED, SentTokens
 from gateway.state import AppState
 from gateway.submission import submit_job
 
@@ -131,6 +131,7 @@ class Choices:
     async def events(self, tick_s: float) -> AsyncGenerator[ChoiceEvent | None, None]:
         """Every job's stream entries as they come, until each job's final one; None after `tick_s` idle."""
         index = {keys.events(job_id): i for i, job_id in enumerate(self.job_ids)}
+        sent = {stream: SentTokens() for stream in index}
         async with self.state.relay.follow(dict.fromkeys(index, "0-0")) as follower:
             following = set(index)
             while following:
@@ -143,7 +144,7 @@ class Choices:
                     yield None
                     continue
                 for stream, _entry_id, fields in entries:
-                    if stream not in following:
+                    if stream not in following or not sent[stream].fresh(fields):
                         continue
                     yield ChoiceEvent(index[stream], fields)
                     if is_final(fields):
