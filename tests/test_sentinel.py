@@ -1,0 +1,262 @@
+"""Redis high availability: Sentinel URLs, submissions confirmed by replicas, and a failover while jobs stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from httpx_sse import aconnect_sse
+from pydantic import ValidationError
+from redis import Redis as SyncRedis
+
+from common.redis_client import connection_pool
+from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
+from common.settings import GatewaySettings
+from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
+from tests.conftest import LOGS, Fleet, RedisServer
+from tests.jobs_client import Event, submit
+
+SERVICE = "ortfleet-main"
+
+
+def test_a_sentinel_url_names_its_sentinels_service_database_and_passwords() -> None:
+    url = "redis+sentinel://:s3cret@10.0.0.1:26379,sentinel-b,[::1]:26380/main/2?sentinel_password=other"
+    assert parse_sentinel_url(url) == SentinelUrl(
+        sentinels=(("10.0.0.1", 26379), ("sentinel-b", 26379), ("::1", 26380)),
+        service="main",
+        db=2,
+        password="s3cret",
+        sentinel_password="other",
+    )
+    assert parse_sentinel_url("redis+sentinel://h:1/main").db == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis+sentinel://h1:26379,h2:26379", "names no service"),
+        ("redis+sentinel:///main", "empty sentinel address"),
+        ("redis+sentinel://h1:26379,,h2/main", "empty sentinel address"),
+        ("redis+sentinel://h1:99999/main", "outside 1-65535"),
+        ("redis+sentinel://h1:port/main", "is not host:port"),
+        ("redis+sentinel://h1/main/zero", "'zero' is not a number"),
+        ("redis+sentinel://h1/main/0/extra", "too many parts"),
+        ("redis+sentinel://h1/main?sentinel_pasword=x", "unknown option(s) sentinel_pasword"),
+    ],
+)
+def test_a_malformed_sentinel_url_is_refused_at_startup_naming_the_problem(url: str, problem: str) -> None:
+    with pytest.raises(BadRedisUrl, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        parse_sentinel_url(url)
+    with pytest.raises(ValidationError, match="redis_url") as refused:
+        GatewaySettings(redis_url=url)
+    assert problem in str(refused.value)
+
+
+def test_an_unknown_redis_url_scheme_is_refused_at_startup() -> None:
+    with pytest.raises(ValidationError, match="scheme 'http' is not one of"):
+        GatewaySettings(redis_url="http://127.0.0.1:6379/0")
+
+
+def test_passwords_in_sentinel_urls_are_masked() -> None:
+    url = "redis+sentinel://app:s3cret@h1:26379,h2:26379/main/0?sentinel_password=other"
+    assert mask_url(url) == "redis+sentinel://app:****@h1:26379,h2:26379/main/0?sentinel_password=****"
+    assert mask_url("redis+sentinel://h1,h2/main") == "redis+sentinel://h1,h2/main"
+    assert "oops" not in mask_url("redis+sentinel://:oops@h1:bad,/")  # malformed: still masked
+    assert mask_url("redis://:pw@127.0.0.1:6379/0") == "redis://:****@127.0.0.1:6379/0"
+    assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+async def test_a_submission_no_replica_confirms_gets_503_not_replicated(
+    redis_server: RedisServer, tiny_model: Path, model_name: str
+) -> None:
+    env = {"ORTFLEET_SUBMIT_REPLICAS": "1", "ORTFLEET_SUBMIT_REPLICAS_TIMEOUT_MS": "50"}
+    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
+        fleet.start_gateway()
+        fleet.start_worker(model_name)
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=30) as client:
+            body = {"model": model_name, "prompt": "Hello", "max_tokens": 4}
+            reply = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "not_replicated"
+    assert "may exist" in error["message"] and "same Idempotency-Key" in error["message"]
+
+
+# A primary, one replica and three sentinels on loopback.
+
+
+@dataclass
+class SentinelGroup:
+    directory: Path
+    primary_port: int = 0
+    replica_port: int = 0
+    sentinel_ports: list[int] = field(default_factory=list)
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def start_redis(self, *extra: str) -> int:
+        port = free_port()
+        data = self.directory / f"redis-{port}"
+        data.mkdir()
+        command = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
+        command += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        command += ["--logfile", str(LOGS / f"redis-{port}.log"), *extra]
+        self._spawn(port, command, "redis-server")
+        return port
+
+    def start_sentinel(self) -> int:
+        port = free_port()
+        config = self.directory / f"sentinel-{port}.conf"
+        config.write_text(
+            f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\n"
+            f"logfile {LOGS / f'sentinel-{port}.log'}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary_port} 2\n"
+            f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+            f"sentinel failover-timeout {SERVICE} 5000\n"
+            f"sentinel parallel-syncs {SERVICE} 1\n"
+        )
+        sentinel = shutil.which("redis-sentinel") or "/usr/bin/redis-sentinel"
+        self._spawn(port, [sentinel, str(config)], "redis-sentinel")
+        self.sentinel_ports.append(port)
+        return port
+
+    def _spawn(self, port: int, command: list[str], what: str) -> None:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.processes[port] = process
+        wait_for_port(port, process, what)
+
+    def primary(self, sentinel_port: int) -> int | None:
+        with SyncRedis(port=sentinel_port, socket_timeout=2, decode_responses=True) as sentinel:
+            address = sentinel.execute_command("SENTINEL", "get-master-addr-by-name", SERVICE)
+        return int(address[1]) if address else None
+
+    def wait_until(self, ready: Any, what: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
+            time.sleep(0.1)
+
+    def watching(self) -> bool:
+        """Every sentinel sees the replica and the two other sentinels."""
+        for port in self.sentinel_ports:
+            with SyncRedis(port=port, socket_timeout=2, decode_responses=True) as sentinel:
+                master = sentinel.sentinel_master(SERVICE)
+                replicas = sentinel.sentinel_slaves(SERVICE)
+            if master["num-other-sentinels"] < 2 or not any(
+                r["port"] == self.replica_port and not r["is_sdown"] for r in replicas
+            ):
+                return False
+        return True
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            stop(process)
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path) -> Iterator[SentinelGroup]:
+    group = SentinelGroup(tmp_path)
+    try:
+        group.primary_port = group.start_redis()
+        group.replica_port = group.start_redis("--replicaof", "127.0.0.1", str(group.primary_port))
+        for _ in range(3):
+            group.start_sentinel()
+        group.wait_until(group.watching, "the sentinels watch the primary, its replica and each other")
+        yield group
+    finally:
+        group.stop_all()
+
+
+@dataclass
+class Reader:
+    """One SSE client of a job: the events it got, as they come."""
+
+    job_id: str
+    events: list[Event] = field(default_factory=list)
+
+    def tokens(self) -> int:
+        return sum(1 for event in self.events if event.event == "token")
+
+    async def read(self, client: httpx.AsyncClient) -> None:
+        async with aconnect_sse(client, "GET", f"/v1/jobs/{self.job_id}/events") as source:
+            async for sse in source.aiter_sse():
+                self.events.append(Event(sse.id, sse.event, json.loads(sse.data)))
+                if sse.event in ("done", "error"):
+                    return
+
+
+async def _until(condition: Any, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
+        await asyncio.sleep(0.05)
+
+
+async def _final_record(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while True:
+        reply = await client.get(f"/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
+        if reply.status_code == 200 and reply.json()["status"] in ("succeeded", "failed", "cancelled"):
+            job: dict[str, Any] = reply.json()
+            return job
+        assert time.monotonic() < deadline, reply.text
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.slow
+async def test_jobs_streaming_through_a_primary_failover_end_succeeded_with_no_gap_or_duplicate(
+    sentinels: SentinelGroup, tiny_model: Path, model_name: str
+) -> None:
+    env = {
+        "ORTFLEET_SUBMIT_REPLICAS": "1",
+        "ORTFLEET_STEP_DELAY_S": "0.02",
+        "ORTFLEET_HEARTBEAT_TTL_S": "15",  # the failover takes seconds: the worker keeps its jobs
+    }
+    with Fleet(sentinels.url, tiny_model, env=env) as fleet:
+        fleet.start_gateway()
+        fleet.wait_workers(model_name, 1, watched=fleet.start_worker(model_name, wait=False))
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=120) as client:
+            jobs = [
+                await submit(client, {"model": model_name, "prompt": f"Story {i}:", "max_tokens": 200})
+                for i in range(3)
+            ]
+            readers = [Reader(job["id"]) for job in jobs]
+            reading = [asyncio.create_task(reader.read(client)) for reader in readers]
+            await _until(lambda: all(r.tokens() >= 10 for r in readers), "every reader gets tokens", 60)
+
+            sentinels.processes[sentinels.primary_port].kill()
+            port = sentinels.sentinel_ports[0]
+            sentinels.wait_until(
+                lambda: sentinels.primary(port) == sentinels.replica_port, "the replica is promoted"
+            )
+
+            await asyncio.wait_for(asyncio.gather(*reading), 120)
+            finals = [await _final_record(client, job["id"]) for job in jobs]
+
+    for reader, final in zip(readers, finals, strict=True):
+        assert final["status"] == "succeeded", final
+        tokens = [event for event in reader.events if event.event == "token"]
+        indexes = [event.data["index"] for event in tokens]
+        assert len(indexes) == len(set(indexes)), f"a token event came twice: {indexes}"
+        ids: list[int] = []
+        for event in tokens:
+            assert event.data["index"] == len(ids), (event, len(ids))
+            ids += event.data["token_ids"]
+        assert len(ids) == final["usage"]["completion_tokens"]
+        assert reader.events[-1].event == "done"
+        assert "".join(event.data["text"] for event in tokens) == final["output"]
