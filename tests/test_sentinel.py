@@ -1,4 +1,4 @@
-"""Redis high availability: Sentinel URLs, submissions confirmed by replicas, and a failover while jobs stream."""
+"""Redis high availability: Sentinel URLs, replica-confirmed submissions, a failover while jobs stream."""
 
 from __future__ import annotations
 
@@ -17,13 +17,21 @@ import pytest
 from httpx_sse import aconnect_sse
 from pydantic import ValidationError
 from redis import Redis as SyncRedis
+from redis.asyncio import Redis
 
-from common.redis_client import connection_pool
+from common import keys
+from common.events import done_entry, token_entry
+from common.jobqueue import Claim, JobQueue, StreamGap
+from common.records import RecordUpdate
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
 from common.settings import GatewaySettings
+from common.wire import JobStatus
+from gateway.relay import StreamRelay
+from gateway.sse import entries
 from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import Event, submit
+from worker.publisher import StepWriter
 
 SERVICE = "ortfleet-main"
 
@@ -89,6 +97,71 @@ async def test_a_submission_no_replica_confirms_gets_503_not_replicated(
     error = reply.json()["error"]
     assert error["code"] == "not_replicated"
     assert "may exist" in error["message"] and "same Idempotency-Key" in error["message"]
+
+
+async def _lose_newest_tokens(redis: Redis, job_id: str, keep: int) -> None:
+    """What a failover to a replica that missed the newest writes does: tokens from `keep` on are gone."""
+    for entry_id, fields in await redis.xrange(keys.events(job_id)):
+        if fields.get("type") == "token" and int(fields["index"]) >= keep:
+            await redis.xdel(keys.events(job_id), entry_id)
+    await redis.hset(keys.job(job_id), "streamed", str(keep))
+
+
+async def test_a_worker_writes_again_the_token_entries_a_failover_lost_before_writing_more(
+    redis: Redis,
+) -> None:
+    job_id = "job_failover_gap"
+    await redis.delete(keys.job(job_id), keys.events(job_id))
+    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    queue = JobQueue(redis, 3600)
+    writer = StepWriter(queue, 64)
+    publisher = writer.publisher(job_id, 1)
+    for index in range(5):
+        publisher.add(token_entry(chr(97 + index), [index], index))
+        await publisher.drain()
+    await _lose_newest_tokens(redis, job_id, 3)
+
+    publisher.add(token_entry("f", [5], 5))
+    await publisher.drain()
+    stream = [fields for _id, fields in await redis.xrange(keys.events(job_id))]
+    assert [int(fields["index"]) for fields in stream] == [0, 1, 2, 3, 4, 5]
+    assert "".join(fields["text"] for fields in stream) == "abcdef"
+
+    # The final entry waits for the tokens too.
+    await publisher.close()
+    await _lose_newest_tokens(redis, job_id, 4)
+    claim = Claim(job_id, 1, "", "tiny", "")
+    final = done_entry(JobStatus.succeeded, "length", None)
+    with pytest.raises(StreamGap):
+        await queue.finish(claim, RecordUpdate(status=JobStatus.succeeded), final, streamed=6)
+    assert await publisher.fill_gap()
+    assert await queue.finish(claim, RecordUpdate(status=JobStatus.succeeded), final, streamed=6)
+    stream = [fields for _id, fields in await redis.xrange(keys.events(job_id))]
+    assert [fields.get("index") for fields in stream] == ["0", "1", "2", "3", "4", "5", None]
+    await writer.close()
+
+
+async def test_an_sse_reader_is_not_sent_a_token_entry_written_again_after_a_failover(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    job_id = "job_failover_reader"
+    stream = keys.events(job_id)
+    await redis.delete(stream)
+    for index in (0, 1, 2, 1, 2, 3):  # 1 and 2 written again: this reader had them already
+        await redis.xadd(stream, token_entry(str(index), [index], index))
+    await redis.xadd(stream, done_entry(JobStatus.succeeded, "length", None))
+    relay = StreamRelay(redis_server.url, redis, connections=1, buffer=64)
+    await relay.start()
+    try:
+        read = [
+            fields
+            async for entry in entries(relay, redis, job_id, "0-0", 5.0)
+            if entry
+            for _id, fields in [entry]
+        ]
+    finally:
+        await relay.close()
+    assert [fields.get("index") for fields in read] == ["0", "1", "2", "3", None]
 
 
 # A primary, one replica and three sentinels on loopback.
