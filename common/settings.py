@@ -23,6 +23,12 @@ class FleetSettings(BaseSettings):
         "redis+sentinel://[:password@]host:port,host:port/SERVICE[/db][?sentinel_password=...] to follow "
         "the primary that Redis Sentinel names.",
     )
+    redis_shards: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="Models whose queue, jobs and streams live on a Redis of their own, as JSON: "
+        '{"model": "redis://host:6379/0", ...}. Other models, API keys, files, batches and responses '
+        "use redis_url. Give every gateway and worker the same map.",
+    )
     job_ttl_s: int = Field(
         86_400, ge=60, description="Seconds a job's record and token stream are kept after submission."
     )
@@ -37,6 +43,20 @@ class FleetSettings(BaseSettings):
         description="Seconds a worker's registration and job leases live without a heartbeat; a dead "
         "worker's jobs are resumed elsewhere after this.",
     )
+
+    def redis_url_for(self, model: str) -> str:
+        """The URL of the Redis that holds `model`'s jobs."""
+        return (self.redis_shards.get(model) or self.redis_url).get_secret_value()
+
+    @field_validator("redis_shards")
+    @classmethod
+    def _shard_urls(cls, shards: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        for model, url in shards.items():
+            if not model:
+                raise ValueError("a model name in redis_shards is empty")
+            if "://" not in url.get_secret_value():
+                raise ValueError(f"the Redis of model {model!r} is not a URL (redis://host:port/db)")
+        return shards
 
     @field_validator("redis_url")
     @classmethod
@@ -315,10 +335,16 @@ def effective_settings(settings: BaseSettings) -> dict[str, Any]:
     shown: dict[str, Any] = {}
     for name, value in settings:
         if isinstance(value, SecretStr):
-            raw = value.get_secret_value()
-            shown[name] = mask_url(raw) if "://" in raw else ("**********" if raw else "")
+            shown[name] = _masked(value)
+        elif isinstance(value, dict):
+            shown[name] = {k: _masked(v) if isinstance(v, SecretStr) else v for k, v in value.items()}
         elif isinstance(value, Path):
             shown[name] = str(value)
         else:
             shown[name] = value
     return shown
+
+
+def _masked(value: SecretStr) -> str:
+    raw = value.get_secret_value()
+    return mask_url(raw) if "://" in raw else ("**********" if raw else "")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 
@@ -15,8 +14,6 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from common.apikeys import KeyRing, parse_env_keys
-from common.jobqueue import JobQueue
-from common.redis_client import connect, gateway_client_name
 from common.settings import GatewaySettings
 from gateway import health, jobs, metrics, metrics_route, openai_api, openapi, tokenizer
 from gateway.auth import ApiKeyAuth
@@ -36,8 +33,8 @@ from gateway.files import routes as files
 from gateway.fleet import FleetView
 from gateway.http_metrics import HttpMetrics
 from gateway.openai_api.choices import JOB_ID_HEADER
-from gateway.relay import StreamRelay
 from gateway.responses import routes as responses
+from gateway.shards import open_shards
 from gateway.state import AppState
 from gateway.stream_slots import StreamSlots
 from gateway.stream_tokens import StreamTokens
@@ -92,36 +89,16 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        url, name = settings.redis_url.get_secret_value(), gateway_client_name(os.getpid())
-        redis = connect(
-            url,
-            max_connections=settings.redis_max_connections,
-            client_name=name,
-            socket_timeout_s=settings.redis_socket_timeout_s,
-            connect_timeout_s=settings.redis_connect_timeout_s,
-            retries=1,
-        )
-        queue = JobQueue(redis, settings.job_ttl_s)
-        streams = StreamSlots(settings.key_max_open_streams, gateway_metrics)
-        relay = StreamRelay(
-            url,
-            redis,
-            connections=settings.relay_connections,
-            buffer=settings.relay_buffer_events,
-            client_name=name,
-        )
-        await relay.start()
-        app.state.ortfleet = AppState(
-            settings, redis, queue, FleetView(redis), gateway_metrics, streams, relay
-        )
-        driver = asyncio.create_task(BatchDriver(app.state.ortfleet).run(), name="batch-driver")
-        try:
-            yield
-        finally:
-            driver.cancel()
-            await asyncio.gather(driver, return_exceptions=True)
-            await relay.close()
-            await redis.aclose()
+        async with open_shards(settings) as shards:
+            fleet = FleetView([shard.redis for shard in shards.all])
+            streams = StreamSlots(settings.key_max_open_streams, gateway_metrics)
+            app.state.ortfleet = AppState(settings, shards, fleet, gateway_metrics, streams)
+            driver = asyncio.create_task(BatchDriver(app.state.ortfleet).run(), name="batch-driver")
+            try:
+                yield
+            finally:
+                driver.cancel()
+                await asyncio.gather(driver, return_exceptions=True)
 
     app = Starlette(
         routes=[

@@ -30,8 +30,8 @@ class FleetSnapshot:
 class FleetView:
     """A snapshot of the registry, refreshed at most every `max_age_s` so submissions stay cheap."""
 
-    def __init__(self, redis: Redis, max_age_s: float = 0.5) -> None:
-        self._redis = redis
+    def __init__(self, redises: list[Redis], max_age_s: float = 0.5) -> None:
+        self._redises = redises  # every shard's: a model's workers register on its shard
         self._max_age_s = max_age_s
         self._snapshot: FleetSnapshot | None = None
         self._taken_at = 0.0
@@ -43,10 +43,14 @@ class FleetView:
         return self._snapshot
 
     async def _read(self) -> FleetSnapshot:
-        known_raw: dict[str, str] = await self._redis.hgetall(keys.MODELS)  # type: ignore[misc]
-        known = {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
+        known: dict[str, int] = {}
+        workers: list[dict[str, str]] = []
+        for redis in self._redises:
+            known_raw: dict[str, str] = await redis.hgetall(keys.MODELS)  # type: ignore[misc]
+            known |= {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
+            workers += await live_workers(redis)
         live: dict[str, ModelState] = {}
-        for worker in await live_workers(self._redis):
+        for worker in workers:
             name = worker["model"]
             before = live.get(name, ModelState(name, int(worker["context_length"]), 0, 0, 0))
             live[name] = ModelState(

@@ -30,7 +30,8 @@ async def version(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     state = app_state(request)
     try:
-        await state.redis.ping()
+        for shard in state.shards.all:
+            await shard.redis.ping()
         fleet = await state.fleet.snapshot(fresh=True)
     except (RedisError, OSError) as e:
         return JSONResponse({"status": "unavailable", "reason": f"Redis is unreachable: {e}"}, 503)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from starlette.requests import Request
@@ -12,11 +13,13 @@ from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.fleet_stats import service_rate
+from common.records import JobRecord
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.serving import until_disconnect
 from gateway.request_body import parse_body
+from gateway.shards import Shard
 from gateway.sse import read_position, relay, valid_entry_id, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
@@ -31,15 +34,26 @@ def not_found(job_id: str) -> ApiError:
     return ApiError(404, message, param="id", code=ErrorCode.job_not_found)
 
 
-async def load_view(state: AppState, job_id: str, principal: Principal) -> JobView:
-    """The job as `principal` may see it: another owner's job does not exist for them (404, not 403)."""
-    record = await state.queue.owned_record(job_id, principal.name)
-    if record is None:
+async def find_job(state: AppState, job_id: str, principal: Principal) -> tuple[Shard, JobRecord]:
+    """The job's shard and record as `principal` may see it: another owner's job does not exist for
+    them (404, not 403)."""
+    found = await state.shards.owned_record(job_id, principal.name)
+    if found is None:
         raise not_found(job_id)
+    return found
+
+
+async def load_view(state: AppState, job_id: str, principal: Principal) -> JobView:
+    return await view_of(*await find_job(state, job_id, principal))
+
+
+async def view_of(shard: Shard, record: JobRecord) -> JobView:
+    """The job's view, with its place in the queue and an estimate of its wait while it is queued."""
+    job_id = record.id
     position = eta = None
     if record.status is JobStatus.queued:
-        position = await state.queue.queue_position(record.model, job_id, record.priority)
-        rate = await service_rate(state.redis, record.model)
+        position = await shard.queue.queue_position(record.model, job_id, record.priority)
+        rate = await service_rate(shard.redis, record.model)
         if position is not None and rate > 0:
             eta = round((position + 1) / rate, 1)
     return record.view(links(job_id), position, eta)
@@ -75,11 +89,12 @@ async def get_job(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
     principal = principal_of(request.scope)
-    view = await load_view(state, job_id, principal)
+    shard, record = await find_job(state, job_id, principal)
+    view = await view_of(shard, record)
     wait = _wait_seconds(request, state.settings.max_wait_s)
     if wait > 0 and view.status not in TERMINAL:
         with state.streams.slot(principal.name):  # a client that leaves frees its Redis connection at once
-            await until_disconnect(request, wait_final(state.relay, state.redis, job_id, wait))
+            await until_disconnect(request, wait_final(shard.relay, shard.redis, job_id, wait))
         view = await load_view(state, job_id, principal)
     return job_response(view)
 
@@ -100,15 +115,15 @@ def _wait_seconds(request: Request, limit: float) -> float:
 async def job_events(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
-    await load_view(state, job_id, principal_of(request.scope))
+    shard, _ = await find_job(state, job_id, principal_of(request.scope))
     after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
     if not valid_entry_id(after):
         raise ApiError(422, f"after: {after!r} is not an event id like 1700000000000-0", param="after")
-    if await read_position(state.redis, job_id, after) == "beyond":
+    if await read_position(shard.redis, job_id, after) == "beyond":
         raise ApiError(422, f"after: {after!r} is past the newest event of this job", param="after")
     owner = principal_of(request.scope).name
     state.streams.take(owner)
-    relayed = relay(state.relay, state.redis, job_id, after, state.settings.sse_keepalive_s)
+    relayed = relay(shard.relay, shard.redis, job_id, after, state.settings.sse_keepalive_s)
     stream = state.streams.holding(owner, relayed)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
@@ -118,12 +133,12 @@ async def cancel_job(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
     principal = principal_of(request.scope)
-    view = await load_view(state, job_id, principal)
+    shard, record = await find_job(state, job_id, principal)
     if request.query_params.get("purge", "false").lower() in ("1", "true", "yes"):
-        if not await state.queue.purge(job_id, view.model):
+        if not await shard.queue.purge(job_id, record.model):
             raise not_found(job_id)
         return Response(status_code=204)
-    outcome = await state.queue.cancel(job_id, view.model)
+    outcome = await shard.queue.cancel(job_id, record.model)
     if outcome == "missing":
         raise not_found(job_id)
     view = await load_view(state, job_id, principal)
@@ -136,30 +151,40 @@ async def list_jobs(request: Request) -> Response:
     principal = principal_of(request.scope)
     limit = _int_param(request, "limit", 20, 1, 100)
     index = keys.owner_jobs(principal.name)
-    upper, skip = "+inf", 0
+    upper, last_id = "+inf", None
     after = request.query_params.get("after")
     if after is not None:
         cursor = _CURSOR.fullmatch(after)
         if cursor is None:
             raise ApiError(422, f"after: {after!r} is not a cursor from next_cursor", param="after")
-        score, last_id = cursor.groups()
-        # Jobs submitted in the same millisecond share a score; Redis orders them by id, so the page
-        # goes on after the cursor's job among them.
-        upper = score
-        same: list[str] = await state.redis.zrangebyscore(index, score, score)
-        skip = sum(1 for job_id in same if job_id >= last_id)
-    entries = await state.redis.zrevrangebyscore(
-        index, upper, "-inf", start=skip, num=limit + 1, withscores=True
+        upper, last_id = cursor.groups()
+    pages = await asyncio.gather(
+        *(_page(shard, index, upper, last_id, limit + 1) for shard in state.shards.all)
     )
+    entries = sorted((entry for page in pages for entry in page), key=lambda e: (e[0], e[1]), reverse=True)
     page = entries[:limit]
     views = []
-    for job_id, _score in page:
-        record = await state.queue.record(job_id)
+    for _score, job_id, shard in page:
+        record = await shard.queue.record(job_id)
         if record is not None and record.owner == principal.name:
             views.append(record.view(links(job_id)).model_dump(mode="json"))
     has_more = len(entries) > limit
-    cursor_out = f"{int(page[-1][1])}.{page[-1][0]}" if has_more and page else None
+    cursor_out = f"{int(page[-1][0])}.{page[-1][1]}" if has_more and page else None
     return JSONResponse({"object": "list", "data": views, "has_more": has_more, "next_cursor": cursor_out})
+
+
+async def _page(
+    shard: Shard, index: str, upper: str, last_id: str | None, count: int
+) -> list[tuple[float, str, Shard]]:
+    """Up to `count` of one shard's entries of the owner's index, newest first, after the cursor."""
+    skip = 0
+    if last_id is not None:
+        # Jobs submitted in the same millisecond share a score; Redis orders them by id, so the page
+        # goes on after the cursor's job among them.
+        same: list[str] = await shard.redis.zrangebyscore(index, upper, upper)
+        skip = sum(1 for job_id in same if job_id >= last_id)
+    entries = await shard.redis.zrevrangebyscore(index, upper, "-inf", start=skip, num=count, withscores=True)
+    return [(score, job_id, shard) for job_id, score in entries]
 
 
 _CURSOR = re.compile(r"([0-9]{1,16})\.([A-Za-z0-9_-]{1,64})", re.ASCII)

@@ -18,12 +18,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.fleet_stats import QueueStats, queue_stats, served_tokens
 from gateway.batch_progress import BatchMetrics
 from gateway.fleet import FleetView
+from gateway.shards import Shards
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +80,18 @@ class GatewayMetrics:
         registry.register(self.fleet)
         self.batches = BatchMetrics(registry, NAMESPACE)
 
-    async def refresh(self, redis: Redis, fleet: FleetView) -> None:
+    async def refresh(self, shards: Shards, fleet: FleetView) -> None:
         """Read the figures that live in Redis; on a Redis error they are left out of this scrape."""
         try:
             snapshot = await fleet.snapshot(fresh=True)
             models = sorted(snapshot.known)
-            queues = await queue_stats(redis, models)
-            await self.batches.refresh(redis)
-            served = {name: await served_tokens(redis, name) for name in models}
+            queues: dict[str, QueueStats] = {}
+            served: dict[str, dict[str, int]] = {}
+            for shard in shards.all:
+                mine = [name for name in models if shards.of_model(name) is shard]
+                queues |= await queue_stats(shard.redis, mine)
+                served |= {name: await served_tokens(shard.redis, name) for name in mine}
+            await self.batches.refresh(shards.home.redis)
         except (RedisError, OSError) as e:
             logger.warning("metrics: Redis is unreachable, queue figures left out (%s)", e)
             self.fleet.models = {}

@@ -12,7 +12,7 @@ from gateway.state import app_state
 
 async def metrics_endpoint(request: Request) -> Response:
     state = app_state(request)
-    await state.metrics.refresh(state.redis, state.fleet)
+    await state.metrics.refresh(state.shards, state.fleet)
     body = generate_latest(state.metrics.registry)
     return Response(body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

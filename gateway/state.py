@@ -5,23 +5,25 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from starlette.requests import Request
 
-from common.jobqueue import JobQueue
 from common.settings import GatewaySettings
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
-from gateway.relay import StreamRelay
+from gateway.shards import Shards
 from gateway.stream_slots import StreamSlots
 
 
 @dataclass
 class AppState:
     settings: GatewaySettings
-    redis: Redis
-    queue: JobQueue
+    shards: Shards  # a job's Redis: its model's shard
     fleet: FleetView
     metrics: GatewayMetrics
     streams: StreamSlots
-    relay: StreamRelay
+
+    @property
+    def redis(self) -> Redis:
+        """The home shard's Redis: API keys, rate limits, files, batches, responses."""
+        return self.shards.home.redis
 
 
 def app_state(request: Request) -> AppState:

@@ -127,7 +127,8 @@ def request_digest(request: JobRequest, priority: PriorityClass) -> str:
 
 async def check_same_request(state: AppState, job_id: str, digest: str | None, idempotency_key: str) -> None:
     """422 when an Idempotency-Key comes back with another request than the one it was first used for."""
-    record = await state.queue.record(job_id)
+    found = await state.shards.record(job_id)
+    record = found[1] if found else None
     if record is None or record.request_digest is None or record.request_digest == digest:
         return
     raise ApiError(
@@ -185,7 +186,7 @@ async def submit_job(
     idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None
     try:
-        submitted = await state.queue.submit(
+        submitted = await state.shards.of_model(model).queue.submit(
             spec,
             limits=queue_limits(state),
             cost=estimated_cost(spec),

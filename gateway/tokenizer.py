@@ -78,11 +78,12 @@ async def _model(state: AppState, requested: str | None) -> tuple[str, int]:
 async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:
     call = TokenizerCall(id=secrets.token_urlsafe(12), deadline=time.time() + CALL_TIMEOUT_S, **fields)
     calls = keys.tokenizer_calls(model)
-    async with state.redis.pipeline(transaction=True) as pipe:
+    redis = state.shards.of_model(model).redis  # the model's workers answer on its shard
+    async with redis.pipeline(transaction=True) as pipe:
         pipe.lpush(calls, call.model_dump_json(exclude_none=True))
         pipe.expire(calls, int(CALL_TIMEOUT_S) + 1)  # calls nobody took go away with their callers
         await pipe.execute()
-    popped = await state.redis.blpop([keys.tokenizer_reply(call.id)], timeout=CALL_TIMEOUT_S)  # type: ignore[misc]
+    popped = await redis.blpop([keys.tokenizer_reply(call.id)], timeout=CALL_TIMEOUT_S)  # type: ignore[misc]
     if popped is None:
         raise ApiError(
             504,

@@ -106,7 +106,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
 
     started = time.monotonic()
     engine, tokenizer, device, name = load_engine(settings, fake_engine)
-    redis = connect(settings.redis_url.get_secret_value())
+    redis = connect(settings.redis_url_for(name))  # its model's shard, if the model has one
     info = WorkerInfo(
         id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
         model=name,

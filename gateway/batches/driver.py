@@ -18,7 +18,6 @@ import time
 
 from redis.exceptions import RedisError
 
-from common import keys
 from common.apikeys import Principal
 from common.wire import TERMINAL, JobStatus, PriorityClass
 from gateway.batches.lines import (
@@ -197,22 +196,21 @@ class BatchDriver:
         """Answers the lines whose jobs ended; returns how many lines are still in flight."""
         in_flight = await self.batches.in_flight(batch.id)
         running = {index: job for index, job in in_flight.items() if job != PENDING}
-        async with self.state.redis.pipeline(transaction=False) as pipe:
-            for job in running.values():
-                pipe.hget(keys.job(job), "status")
-            statuses = await pipe.execute()
+        statuses = await self.state.shards.statuses(list(running.values()))
         left = len(in_flight)
-        for (index, job), status in zip(running.items(), statuses, strict=True):
-            if status is not None and JobStatus(status) not in TERMINAL:
+        for index, job in running.items():
+            status = statuses.get(job)
+            if status is not None and status not in TERMINAL:
                 continue
-            record = await self.state.queue.record(job)
+            found = await self.state.shards.record(job)
+            shard, record = found if found else (None, None)
             raw = (await self.files.read_lines(batch.input_file_id, index, 1) or [""])[0]
             kind, line = finished_line(custom_id_of(raw), index + 1, batch.id, batch.endpoint, job, record)
             if await self.batches.answer(batch, index, job, kind, line):
                 self.state.metrics.batches.lines.labels("completed" if kind == "output" else "failed").inc()
                 left -= 1
-                if record is not None:
-                    await self.state.queue.purge(job, record.model)
+                if shard is not None and record is not None:
+                    await shard.queue.purge(job, record.model)
         return left
 
     async def wind_down(self, batch: Batch) -> None:
@@ -221,7 +219,7 @@ class BatchDriver:
         in_flight = await self.batches.in_flight(batch.id)
         for index, job in in_flight.items():
             if job == PENDING:
-                found = await self.state.redis.get(
+                found = await self.state.shards.first_value(
                     idempotency_redis_key(self.owner(batch), self.idempotency_key(batch, index))
                 )
                 if found:
@@ -239,12 +237,12 @@ class BatchDriver:
                     await self.batches.answer(batch, index, PENDING, "error", line)
                     continue
             if outcome is not BatchStatus.completed:
-                record = await self.state.queue.record(job)
-                stop = record is not None and (
-                    record.status is JobStatus.queued or outcome is BatchStatus.expired
-                )
-                if stop and record is not None:
-                    await self.state.queue.cancel(job, record.model)
+                located = await self.state.shards.record(job)
+                if located is None:
+                    continue
+                shard, record = located
+                if record.status is JobStatus.queued or outcome is BatchStatus.expired:
+                    await shard.queue.cancel(job, record.model)
         if await self.collect(batch):
             return
         if outcome is BatchStatus.expired:

@@ -16,6 +16,7 @@ from common.events import is_final
 from common.wire import EventType, JobRequest, JobStatus, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
+from gateway.shards import Shard
 from gateway.sse import PURGED, SentTokens
 from gateway.state import AppState
 from gateway.submission import submit_job
@@ -125,14 +126,18 @@ class Choices:
             self.state.streams.give_back(self._slot_owner)
             self._slot_owner = None
 
+    @property
+    def shard(self) -> Shard:
+        return self.state.shards.of_model(self.model)
+
     async def cancel(self) -> None:
-        await asyncio.gather(*(self.state.queue.cancel(job_id, self.model) for job_id in self.job_ids))
+        await asyncio.gather(*(self.shard.queue.cancel(job_id, self.model) for job_id in self.job_ids))
 
     async def events(self, tick_s: float) -> AsyncGenerator[ChoiceEvent | None, None]:
         """Every job's stream entries as they come, until each job's final one; None after `tick_s` idle."""
         index = {keys.events(job_id): i for i, job_id in enumerate(self.job_ids)}
         sent = {stream: SentTokens() for stream in index}
-        async with self.state.relay.follow(dict.fromkeys(index, "0-0")) as follower:
+        async with self.shard.relay.follow(dict.fromkeys(index, "0-0")) as follower:
             following = set(index)
             while following:
                 entries = await follower.next(tick_s)
@@ -154,7 +159,7 @@ class Choices:
     async def _exists(self, stream: str) -> bool:
         """Whether a job's stream is still there (purged: gone); True while Redis is away."""
         try:
-            return bool(await self.state.redis.exists(stream))
+            return bool(await self.shard.redis.exists(stream))
         except (RedisConnectionError, RedisTimeoutError):
             return True
 
@@ -190,7 +195,7 @@ class Choices:
                 raise self.failure(event)
         results = []
         for job_id in self.job_ids:
-            record = await self.state.queue.record(job_id)
+            record = await self.shard.queue.record(job_id)
             if record is None:
                 results.append(ChoiceResult("", finish_reason(None), Usage()))
                 continue

@@ -51,7 +51,7 @@ async def load_meta(state: AppState, resp_id: str, owner: str) -> dict[str, str]
 
 
 async def current_view(state: AppState, meta: dict[str, str]) -> dict[str, Any]:
-    return view_from_job(meta, await state.queue.record(meta["job_id"]))
+    return view_from_job(meta, await state.shards.of_model(meta["model"]).queue.record(meta["job_id"]))
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -65,7 +65,8 @@ async def events(state: AppState, meta: dict[str, str], starting_after: int) -> 
     for event in numbering.opening():
         if event["sequence_number"] > starting_after:
             yield sse(event)
-    read = entries(state.relay, state.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s)
+    shard = state.shards.of_model(meta["model"])
+    read = entries(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s)
     async with contextlib.aclosing(read):
         async for entry in read:
             if entry is None:
@@ -93,7 +94,8 @@ class EventStream(EventStreamResponse):
         finally:
             if self._owned and not self.ended:
                 with anyio.CancelScope(shield=True):
-                    await self._state.queue.cancel(self._meta["job_id"], self._meta["model"])
+                    shard = self._state.shards.of_model(self._meta["model"])
+                    await shard.queue.cancel(self._meta["job_id"], self._meta["model"])
 
 
 async def create_response(request: Request) -> Response:
@@ -130,17 +132,18 @@ async def create_response(request: Request) -> Response:
         queued = JobRecord(submitted.job_id, model, JobStatus.queued, submitted.created_at)
         return JSONResponse(view_from_job(meta, queued))
     try:
-        await until_disconnect(request, _until_final(state, submitted.job_id))
+        await until_disconnect(request, _until_final(state, model, submitted.job_id))
     except ClientGone:
-        await state.queue.cancel(submitted.job_id, model)
+        await state.shards.of_model(model).queue.cancel(submitted.job_id, model)
         return Response(status_code=499)
     return JSONResponse(await current_view(state, meta))
 
 
-async def _until_final(state: AppState, job_id: str) -> None:
+async def _until_final(state: AppState, model: str, job_id: str) -> None:
+    shard = state.shards.of_model(model)
     while True:
-        await wait_final(state.relay, state.redis, job_id, state.settings.max_wait_s)
-        record = await state.queue.record(job_id)
+        await wait_final(shard.relay, shard.redis, job_id, state.settings.max_wait_s)
+        record = await shard.queue.record(job_id)
         if record is None or record.status in TERMINAL:
             return
 
@@ -167,12 +170,13 @@ async def cancel_response(request: Request) -> Response:
     meta = await load_meta(state, resp_id, principal_of(request.scope).name)
     if meta.get("background") != "1":
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
-    outcome = await state.queue.cancel(meta["job_id"], meta["model"])
+    shard = state.shards.of_model(meta["model"])
+    outcome = await shard.queue.cancel(meta["job_id"], meta["model"])
     if outcome == "cancelling":
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
-            await wait_final(state.relay, state.redis, meta["job_id"], deadline - time.monotonic())
-            record = await state.queue.record(meta["job_id"])
+            await wait_final(shard.relay, shard.redis, meta["job_id"], deadline - time.monotonic())
+            record = await shard.queue.record(meta["job_id"])
             if record is None or record.status in TERMINAL:
                 break
     return JSONResponse(await current_view(state, meta))

@@ -1,0 +1,114 @@
+"""Where a model's jobs live: the fleet's Redis, or a Redis of the model's own (ORTFLEET_REDIS_SHARDS).
+
+A shard is one Redis as the gateway uses it: a pooled client, the job queue on it and the relay that
+reads its job streams. A job lives on its model's shard from submission to expiry; API keys, rate
+limits, files, batches and responses live on the home shard (ORTFLEET_REDIS_URL), as do the jobs of
+every model the map leaves out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.jobqueue import JobQueue
+from common.records import JobRecord
+from common.redis_client import connect, gateway_client_name
+from common.redis_url import mask_url
+from common.settings import GatewaySettings
+from common.wire import JobStatus
+from gateway.relay import StreamRelay
+
+
+@dataclass(frozen=True)
+class Shard:
+    label: str  # its URL, password masked
+    redis: Redis
+    queue: JobQueue
+    relay: StreamRelay
+
+
+class Shards:
+    """The gateway's shards: the home one, and the one of each model given a Redis of its own."""
+
+    def __init__(self, home: Shard, by_model: dict[str, Shard]) -> None:
+        self.home = home
+        self._by_model = by_model
+        self.all = [home, *{id(s): s for s in by_model.values() if s is not home}.values()]
+
+    def of_model(self, model: str) -> Shard:
+        return self._by_model.get(model, self.home)
+
+    async def owned_record(self, job_id: str, owner: str) -> tuple[Shard, JobRecord] | None:
+        """The shard holding the job and its record, if `owner` owns it (each shard is asked at once)."""
+        return await self._find(lambda shard: shard.queue.owned_record(job_id, owner))
+
+    async def record(self, job_id: str) -> tuple[Shard, JobRecord] | None:
+        return await self._find(lambda shard: shard.queue.record(job_id))
+
+    async def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        """The status of each of the jobs found on some shard (one pipeline a shard)."""
+        found: dict[str, JobStatus] = {}
+        for shard in self.all:
+            async with shard.redis.pipeline(transaction=False) as pipe:
+                for job_id in job_ids:
+                    pipe.hget(keys.job(job_id), "status")
+                replies = await pipe.execute()
+            found |= {job_id: JobStatus(raw) for job_id, raw in zip(job_ids, replies, strict=True) if raw}
+        return found
+
+    async def first_value(self, key: str) -> str | None:
+        """The string at `key` on the first shard holding one (an idempotency entry lives on the shard of
+        the job it names)."""
+        values = await asyncio.gather(*(shard.redis.get(key) for shard in self.all))
+        return next((value for value in values if value is not None), None)
+
+    async def _find(
+        self, lookup: Callable[[Shard], Awaitable[JobRecord | None]]
+    ) -> tuple[Shard, JobRecord] | None:
+        found = await asyncio.gather(*(lookup(shard) for shard in self.all))
+        return next(((s, r) for s, r in zip(self.all, found, strict=True) if r is not None), None)
+
+
+@contextlib.asynccontextmanager
+async def open_shards(settings: GatewaySettings) -> AsyncIterator[Shards]:
+    """Connects to each distinct Redis of the settings (redis_url and the shard map) and starts its
+    relay; closes them all on exit. Each Redis gets the gateway's connection bounds of its own."""
+    home_url = settings.redis_url.get_secret_value()
+    model_urls = {model: url.get_secret_value() for model, url in settings.redis_shards.items()}
+    shards: dict[str, Shard] = {}
+    try:
+        for url in dict.fromkeys([home_url, *model_urls.values()]):
+            shards[url] = await _open(settings, url)
+        yield Shards(shards[home_url], {model: shards[url] for model, url in model_urls.items()})
+    finally:
+        for shard in shards.values():
+            await shard.relay.close()
+            await shard.redis.aclose()
+
+
+async def _open(settings: GatewaySettings, url: str) -> Shard:
+    name = gateway_client_name(os.getpid())
+    redis = connect(
+        url,
+        max_connections=settings.redis_max_connections,
+        client_name=name,
+        socket_timeout_s=settings.redis_socket_timeout_s,
+        connect_timeout_s=settings.redis_connect_timeout_s,
+        retries=1,
+    )
+    relay = StreamRelay(
+        url,
+        redis,
+        connections=settings.relay_connections,
+        buffer=settings.relay_buffer_events,
+        client_name=name,
+    )
+    await relay.start()
+    return Shard(mask_url(url), redis, JobQueue(redis, settings.job_ttl_s), relay)
