@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis import Redis as SyncRedis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import Sentinel as SyncSentinel
 
 from common.redis_url import is_sentinel_url, parse_sentinel_url
 
@@ -84,3 +86,30 @@ def connect(
         "client_name": client_name,
     }
     return Redis.from_pool(connection_pool(url, max_connections=max_connections, **options))
+
+
+def connect_blocking(url: str, timeout_s: float = 5.0) -> SyncRedis:
+    """A synchronous client for `url` (Sentinel URLs included), for tools that are not async: the local
+    launcher's waits and `ortfleet up`'s check of a given Redis."""
+    if not is_sentinel_url(url):
+        return SyncRedis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+        )
+    parsed = parse_sentinel_url(url)
+    sentinel_options = {
+        "socket_timeout": timeout_s,
+        "username": parsed.sentinel_username,
+        "password": parsed.sentinel_password,
+    }
+    sentinel = SyncSentinel(  # type: ignore[no-untyped-call]
+        list(parsed.sentinels), sentinel_kwargs=sentinel_options, socket_timeout=timeout_s
+    )
+    client: SyncRedis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        parsed.service,
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
+        socket_connect_timeout=timeout_s,
+        decode_responses=True,
+    )
+    return client

@@ -54,8 +54,10 @@ class FleetSettings(BaseSettings):
         for model, url in shards.items():
             if not model:
                 raise ValueError("a model name in redis_shards is empty")
-            if "://" not in url.get_secret_value():
-                raise ValueError(f"the Redis of model {model!r} is not a URL (redis://host:port/db)")
+            try:
+                check_redis_url(url.get_secret_value())
+            except ValueError as e:
+                raise ValueError(f"the Redis of model {model!r}: {e}") from e
         return shards
 
     @field_validator("redis_url")

@@ -227,13 +227,13 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _check_redis(url: str) -> None:
-    from redis import Redis
     from redis.exceptions import RedisError
 
+    from common.redis_client import connect_blocking
     from common.redis_url import mask_url
 
     try:
-        with Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=5.0) as client:
+        with connect_blocking(url) as client:
             client.ping()
     except (RedisError, OSError, ValueError) as e:
         raise StartupError(f"cannot reach Redis at {mask_url(url)}: {e}") from e

@@ -5,6 +5,7 @@ fixtures all start their processes here."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,9 +19,8 @@ from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Literal
 
-from redis import Redis
-
 from common import keys
+from common.redis_client import connect_blocking
 from ortfleet.fleet.processes import (
     StartupError,
     child_env,
@@ -167,13 +167,22 @@ class LocalFleet:
         command = worker_command(model_dir, name=name, device=device, extra=extra)
         child = self._spawn(label or f"worker-{name}", "worker", command, env)
         if wait:
-            self.wait_registered(child, timeout_s=timeout_s)
+            self.wait_registered(child, timeout_s=timeout_s, url=self.redis_url_for(name, env))
         return child
 
-    def wait_registered(self, child: FleetProcess, *, timeout_s: float = 60.0) -> None:
-        """Until the worker process `child` has a live entry in the fleet's registry."""
+    def redis_url_for(self, model: str, env: Mapping[str, str] | None = None) -> str:
+        """The Redis a worker of `model` registers on: its shard's, if ORTFLEET_REDIS_SHARDS gives one."""
+        shards = {**os.environ, **self.env, **(env or {})}.get("ORTFLEET_REDIS_SHARDS")
+        shard: str | None = json.loads(shards).get(model) if shards else None
+        return shard or self.redis_url
+
+    def wait_registered(
+        self, child: FleetProcess, *, timeout_s: float = 60.0, url: str | None = None
+    ) -> None:
+        """Until the worker process `child` has a live entry in the registry of `url` (the fleet's Redis
+        by default)."""
         deadline = time.monotonic() + timeout_s
-        with Redis.from_url(self.redis_url, socket_timeout=5.0, decode_responses=True) as redis:
+        with connect_blocking(url or self.redis_url) as redis:
             while time.monotonic() < deadline:
                 if not child.alive():
                     raise StartupError(
