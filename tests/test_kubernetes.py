@@ -23,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from common.redis_url import parse_sentinel_url
 from common.settings import GatewaySettings, WorkerSettings
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
@@ -145,13 +146,16 @@ def test_every_command_and_setting_in_the_manifests_is_ortfleets(overlay: str) -
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_processes_reach_the_primary_of_the_referenced_redis_chart(overlay: str) -> None:
+def test_processes_follow_the_sentinels_of_the_referenced_redis_chart(overlay: str) -> None:
     values = yaml.safe_load((KUBERNETES / "redis" / "values.yaml").read_text())
     assert values["architecture"] == "replication" and values["auth"]["enabled"]
-    url = "redis://:$(REDIS_PASSWORD)@ortfleet-redis-master:6379/0"
+    assert values["sentinel"]["enabled"] and values["replica"]["replicaCount"] >= 3
     for deployment in objects(overlay, "Deployment"):
         main = deployment["spec"]["template"]["spec"]["containers"][0]
-        assert env(main)["ORTFLEET_REDIS_URL"] == url
+        url = parse_sentinel_url(env(main)["ORTFLEET_REDIS_URL"].replace("$(REDIS_PASSWORD)", "secret"))
+        assert url.sentinels == (("ortfleet-redis", 26379),)  # the chart's Service, its Sentinel port
+        assert url.service == values["sentinel"]["masterSet"]
+        assert url.password == url.sentinel_password == "secret"  # the chart's one password, auth.sentinel
         names = [item["name"] for item in main["env"]]
         assert names.index("REDIS_PASSWORD") < names.index("ORTFLEET_REDIS_URL"), "$(VAR) needs VAR first"
 
