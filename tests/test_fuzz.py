@@ -20,6 +20,8 @@ CHECKS = [
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # some 6,000 requests: minutes on a busy 2-core machine
 def test_the_api_answers_generated_requests_within_its_schema(
     fleet: Fleet, subtests: pytest.Subtests
 ) -> None:
