@@ -18,7 +18,8 @@ from common.redis_client import connect
 from ortfleet.fleet.launcher import FleetProcess, LocalFleet
 from ortfleet.fleet.processes import free_port, start_redis, stop
 
-pytest_plugins = ["tests.fake_workers"]  # the start_worker fixture of fake-engine worker services
+# start_worker: fake-engine worker services; model: a model name of the test's own for jobs put on the queue
+pytest_plugins = ["tests.fake_workers", "tests.queued_jobs"]
 
 LOGS = Path(os.environ.get("ORTFLEET_TEST_LOGS", tempfile.mkdtemp(prefix="ortfleet-test-logs-")))
 

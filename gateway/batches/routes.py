@@ -18,6 +18,7 @@ from gateway.batches.state import Batch, BatchState, BatchStatus, new_batch_id
 from gateway.errors import ApiError
 from gateway.files.routes import file_store
 from gateway.files.store import new_file_id
+from gateway.owned import OwnedKind, list_page, page_limit
 from gateway.request_body import parse_body
 from gateway.state import app_state
 
@@ -40,21 +41,12 @@ def batch_state(request: Request) -> BatchState:
     return BatchState(state.redis, state.settings.file_ttl_s)
 
 
-def not_found(batch_id: str) -> ApiError:
-    return ApiError(
-        404,
-        f"batch {batch_id!r} does not exist (or has expired)",
-        param="batch_id",
-        code=ErrorCode.batch_not_found,
-    )
+BATCH = OwnedKind("batch", "batch_id", ErrorCode.batch_not_found)
 
 
 async def owned_batch(request: Request) -> Batch:
-    batch_id = request.path_params["batch_id"]
-    batch = await batch_state(request).load(batch_id)
-    if batch is None or batch.owner != principal_of(request.scope).name:
-        raise not_found(batch_id)
-    return batch
+    states = batch_state(request)
+    return await BATCH.from_path(request, lambda batch_id, _owner: states.load(batch_id))
 
 
 async def create_batch(request: Request) -> Response:
@@ -106,22 +98,10 @@ async def get_batch(request: Request) -> Response:
 
 
 async def list_batches(request: Request) -> Response:
-    raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
-        raise ApiError(400, f"limit: must be a whole number from 1 to {MAX_LIST}", param="limit")
-    limit = int(raw)
+    limit = page_limit(request, default=20, most=MAX_LIST)
     owner = principal_of(request.scope).name
     found = await batch_state(request).list_batches(owner, limit + 1, request.query_params.get("after"))
-    page = found[:limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [batch.view() for batch in page],
-            "has_more": len(found) > limit,
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-        }
-    )
+    return list_page(found, limit)
 
 
 async def cancel_batch(request: Request) -> Response:

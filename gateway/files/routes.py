@@ -12,6 +12,7 @@ from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.files.store import PURPOSES, FileStore, StoredFile, new_file_id
 from gateway.files.upload import receive_upload
+from gateway.owned import OwnedKind, list_page, page_limit
 from gateway.state import app_state
 
 MAX_LIST = 10_000
@@ -22,21 +23,11 @@ def file_store(request: Request) -> FileStore:
     return FileStore(state.redis, state.settings.file_ttl_s)
 
 
-def not_found(file_id: str) -> ApiError:
-    return ApiError(
-        404,
-        f"file {file_id!r} does not exist (or has expired)",
-        param="file_id",
-        code=ErrorCode.file_not_found,
-    )
+FILE = OwnedKind("file", "file_id", ErrorCode.file_not_found)
 
 
 async def owned_file(request: Request) -> StoredFile:
-    file_id = request.path_params["file_id"]
-    stored = await file_store(request).get(file_id, principal_of(request.scope).name)
-    if stored is None:
-        raise not_found(file_id)
-    return stored
+    return await FILE.from_path(request, file_store(request).get)
 
 
 async def create_file(request: Request) -> Response:
@@ -70,24 +61,12 @@ async def create_file(request: Request) -> Response:
 
 
 async def list_files(request: Request) -> Response:
-    limit_raw = request.query_params.get("limit", "10000")
-    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= MAX_LIST:
-        raise ApiError(400, f"limit: must be a whole number from 1 to {MAX_LIST}", param="limit")
-    limit = int(limit_raw)
+    limit = page_limit(request, default=MAX_LIST, most=MAX_LIST)
     purpose = request.query_params.get("purpose")
     after = request.query_params.get("after")
     owner = principal_of(request.scope).name
     found = await file_store(request).list_files(owner, purpose, limit + 1, after)
-    page = found[:limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [stored.view() for stored in page],
-            "has_more": len(found) > limit,
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-        }
-    )
+    return list_page(found, limit)
 
 
 async def get_file(request: Request) -> Response:
@@ -97,7 +76,7 @@ async def get_file(request: Request) -> Response:
 async def delete_file(request: Request) -> Response:
     stored = await owned_file(request)
     if not await file_store(request).delete(stored.id, stored.owner):
-        raise not_found(stored.id)
+        raise FILE.not_found(stored.id)
     return JSONResponse({"id": stored.id, "object": "file", "deleted": True})
 
 

@@ -1,0 +1,155 @@
+"""Batch work yields to interactive work: workers on the fake engine preempt batch jobs for waiting
+interactive ones and resume them exactly, and a real worker process does the same on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from common import keys
+from common.jobqueue import JobQueue
+from common.wire import PriorityClass
+from tests.conftest import Fleet
+from tests.fake_workers import Started
+from tests.jobs_client import read_events, wait_done
+from tests.jobs_client import submit as submit_http
+from tests.queued_jobs import submit
+from tests.redis_events import wait_final, wait_for_tokens
+from worker.fake_engine import FakeEngine
+
+# Workers on the fake engine
+
+
+def fake_text(prompt: str, count: int) -> str:
+    return "".join(chr(ord("a") + (len(prompt.encode()) + i) % 26) for i in range(count))
+
+
+async def assert_exact_stream(redis: Redis, job_id: str, prompt: str, count: int) -> None:
+    entries = [f for _i, f in await redis.xrange(keys.events(job_id)) if f["type"] == "token"]
+    assert "".join(e["text"] for e in entries) == fake_text(prompt, count)
+    indexes = [int(e["index"]) for e in entries]
+    assert indexes == sorted(set(indexes))
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous-batching", "static-scheduler"])
+async def test_batch_work_yields_to_an_interactive_job_and_resumes_without_gap_or_duplicate(
+    redis: Redis, start_worker: Started, model: str, continuous: bool
+) -> None:
+    queue = JobQueue(redis, 3600)
+    engine = FakeEngine(0.01, 2, continuous_batching=continuous)
+    service = start_worker(model, engine)
+    batch = [
+        await submit(queue, model, priority=PriorityClass.batch, prompt=p, max_tokens=80)
+        for p in ("ab", "xyz")
+    ]
+    for job_id in batch:
+        await wait_for_tokens(redis, job_id, 3)
+
+    interactive = await submit(queue, model, prompt="Hi", max_tokens=3)
+    quick = await wait_final(redis, interactive)
+    finals = [await wait_final(redis, job_id) for job_id in batch]
+
+    assert quick["status"] == "succeeded" and quick["output"] == fake_text("Hi", 3)
+    assert all(float(quick["finished_at"]) < float(r["finished_at"]) for r in finals)
+    assert service.preemptions >= 1
+    for job_id, prompt, record in zip(batch, ("ab", "xyz"), finals, strict=True):
+        assert record["status"] == "succeeded" and record["output"] == fake_text(prompt, 80)
+        await assert_exact_stream(redis, job_id, prompt, 80)
+    preempted = [r for r in finals if int(r.get("preemptions", "0"))]
+    assert preempted and all(int(r["attempts"]) == 1 + int(r["preemptions"]) for r in preempted)
+    if not continuous:
+        assert len(preempted) == 2  # the static batch is cut as a whole
+
+
+async def test_workers_full_of_batch_work_free_only_as_many_slots_as_interactive_jobs_wait(
+    redis: Redis, start_worker: Started, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    workers = [start_worker(model, FakeEngine(0.01, 1)) for _ in range(3)]
+    batch = [await submit(queue, model, priority=PriorityClass.batch, max_tokens=60) for _ in range(3)]
+    for job_id in batch:
+        await wait_for_tokens(redis, job_id, 2)
+
+    quick = await wait_final(redis, await submit(queue, model, max_tokens=2))
+    finals = [await wait_final(redis, job_id) for job_id in batch]
+
+    assert quick["status"] == "succeeded"
+    assert sum(w.preemptions for w in workers) == 1
+    assert sum(int(r["preemptions"]) for r in finals) == 1
+    assert all(r["status"] == "succeeded" for r in finals)
+
+
+async def test_without_preemption_an_interactive_job_waits_for_the_batch_work(
+    redis: Redis, start_worker: Started, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    service = start_worker(model, FakeEngine(0.005, 1), preempt_batch=False)
+    batch = await submit(queue, model, priority=PriorityClass.batch, max_tokens=40)
+    await wait_for_tokens(redis, batch, 2)
+
+    interactive = await submit(queue, model, max_tokens=2)
+    quick = await wait_final(redis, interactive)
+    slow = await wait_final(redis, batch)
+
+    assert json.loads(quick["timings"])["queue_wait_s"] >= 0.1  # 38 tokens of 5 ms were still to come
+    assert service.preemptions == 0 and slow["preemptions"] == "0" and slow["attempts"] == "1"
+
+
+async def test_a_preempted_job_is_not_failed_by_the_attempt_limit(
+    redis: Redis, start_worker: Started, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    job_id = await submit(queue, model, priority=PriorityClass.batch, max_tokens=10)
+    for _ in range(3):  # three preemptions before any worker of the model starts it for real
+        [claim] = await queue.claim(model, "w", 1, lease_s=30)
+        assert await queue.release(claim, preempted=True)
+
+    start_worker(model, FakeEngine(0.002, 2), max_attempts=1)
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "succeeded" and record["attempts"] == "4"
+
+
+# A real worker process on the tiny model (the static scheduler on the CPU)
+
+
+async def first_token(client: httpx.AsyncClient, job_id: str) -> None:
+    async with client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        async for line in stream.aiter_lines():
+            if line == "event: token":
+                return
+
+
+async def test_a_real_static_worker_cuts_its_batch_for_an_interactive_job_and_resumes_it_exactly(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    slow = {"ORTFLEET_STEP_DELAY_S": "0.01", "ORTFLEET_PREEMPT_AFTER_S": "0"}
+    worker = fleet.start_worker(model_name, "--max-batch-size", "2", env=slow)
+    batch_body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 120, "min_tokens": 120}
+    reference = await wait_done(client, (await submit_http(client, batch_body))["id"])
+    worker.pause()  # both batch jobs wait, so that one static batch takes them together
+    try:
+        batch = [(await submit_http(client, {**batch_body, "priority": "batch"}))["id"] for _ in range(2)]
+    finally:
+        worker.resume()
+    for job_id in batch:
+        await first_token(client, job_id)
+
+    quick = await wait_done(
+        client, (await submit_http(client, {**batch_body, "max_tokens": 2, "min_tokens": 0}))["id"]
+    )
+    finals = [await wait_done(client, job_id) for job_id in batch]
+
+    assert quick["status"] == "succeeded"
+    for job_id, final in zip(batch, finals, strict=True):
+        assert final["status"] == "succeeded" and final["preemptions"] == 1, final
+        assert final["attempts"] == 2 and final["output"] == reference["output"]
+        assert final["created_at"] < quick["created_at"]
+        events = await read_events(client, job_id)
+        tokens = [e.data for e in events if e.event == "token"]
+        assert "".join(t["text"] for t in tokens) == final["output"]
+        indexes = [t["index"] for t in tokens]
+        assert indexes == sorted(set(indexes)) and indexes[0] == 0
