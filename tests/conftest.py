@@ -42,11 +42,22 @@ class RedisServer:
         self.process = start_redis(self.port, self.data_dir, log=LOGS / f"redis-{self.port}.log")
 
 
+def _start_redis_server(data: Path) -> RedisServer:
+    port = free_port()
+    return RedisServer(port, data, start_redis(port, data, log=LOGS / f"redis-{port}.log"))
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    port = free_port()
-    data = tmp_path_factory.mktemp("redis")
-    server = RedisServer(port, data, start_redis(port, data, log=LOGS / f"redis-{port}.log"))
+    server = _start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield server
+    stop(server.process)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own (AOF on): to restart, or to keep data apart from other tests."""
+    server = _start_redis_server(tmp_path / "redis")
     yield server
     stop(server.process)
 
@@ -54,6 +65,13 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
     client = connect(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def own_redis_client(own_redis: RedisServer) -> AsyncIterator[Redis]:
+    client = connect(own_redis.url)
     yield client
     await client.aclose()
 

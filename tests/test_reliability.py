@@ -6,19 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 from redis.asyncio import Redis
 
 from common import keys
 from common.jobqueue import stage_jobs
 from common.records import JobRecord
 from common.wire import JobStatus
-from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import LOGS, Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 
 # Workers here generate about 100 tokens/s (a pause after each engine step) so faults land mid-stream,
@@ -229,17 +226,6 @@ async def test_a_malformed_job_in_redis_fails_with_a_clear_error_and_the_worker_
         client, (await submit(client, {"model": model_name, "prompt": "Hi", "max_tokens": 4}))["id"]
     )
     assert healthy["status"] == "succeeded"
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server of the test's own (AOF on), to restart without disturbing other tests."""
-    port = free_port()
-    server = RedisServer(
-        port, tmp_path / "redis", start_redis(port, tmp_path / "redis", log=LOGS / f"redis-{port}.log")
-    )
-    yield server
-    stop(server.process)
 
 
 async def test_queued_jobs_and_open_streams_survive_a_redis_restart(

@@ -4,7 +4,6 @@ streams and workers there, and one gateway serves every model as before."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -13,28 +12,10 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from common import keys
-from common.redis_client import connect
 from common.settings import GatewaySettings
-from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import LOGS, Fleet, RedisServer
+from ortfleet.fleet.processes import free_port
+from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
-
-
-@pytest.fixture
-def shard_server(tmp_path: Path) -> Iterator[RedisServer]:
-    port = free_port()
-    server = RedisServer(
-        port, tmp_path / "shard", start_redis(port, tmp_path / "shard", log=LOGS / f"redis-{port}.log")
-    )
-    yield server
-    stop(server.process)
-
-
-@pytest.fixture
-async def shard_redis(shard_server: RedisServer) -> AsyncIterator[Redis]:
-    client = connect(shard_server.url)
-    yield client
-    await client.aclose()
 
 
 async def all_keys(redis: Redis) -> list[str]:
@@ -42,12 +23,12 @@ async def all_keys(redis: Redis) -> list[str]:
 
 
 async def test_a_sharded_model_lives_on_its_own_redis_behind_the_same_gateway(
-    redis_server: RedisServer, shard_server: RedisServer, redis: Redis, shard_redis: Redis, tiny_model: Path,
-    model_name: str,
+    redis_server: RedisServer, own_redis: RedisServer, redis: Redis, own_redis_client: Redis,
+    tiny_model: Path, model_name: str,
 ) -> None:  # fmt: skip
     home_model, own_model = f"{model_name}-home", f"{model_name}-own"
     fleet = Fleet(
-        redis_server.url, tiny_model, env={"ORTFLEET_REDIS_SHARDS": json.dumps({own_model: shard_server.url})}
+        redis_server.url, tiny_model, env={"ORTFLEET_REDIS_SHARDS": json.dumps({own_model: own_redis.url})}
     )
     try:
         _, url = fleet.start_gateway()
@@ -102,7 +83,7 @@ async def test_a_sharded_model_lives_on_its_own_redis_behind_the_same_gateway(
             assert f'ortfleet_workers_live{{model="{own_model}"}} 1.0' in metrics
 
         own_ids = [*jobs[own_model], slow["id"]]
-        home_keys, shard_keys = await all_keys(redis), await all_keys(shard_redis)
+        home_keys, shard_keys = await all_keys(redis), await all_keys(own_redis_client)
         assert all(keys.job(job_id) in shard_keys and keys.events(job_id) in shard_keys for job_id in own_ids)
         assert all(keys.job(job_id) in home_keys for job_id in jobs[home_model])
         assert not [key for key in home_keys if own_model in key or any(job_id in key for job_id in own_ids)]
