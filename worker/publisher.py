@@ -102,7 +102,9 @@ class StepWriter:
     def wake(self, publisher: StreamPublisher) -> None:
         self._waiting[publisher] = None
         if self._step_in_flight and not publisher.token_written and not publisher.in_flight:
-            # Until a job's first token is out, its entries never wait for other jobs' write.
+            # Until a job's first token is out, its entries never wait for other jobs' write. It is in
+            # flight from now on, so that no step write takes the same entries before this one starts.
+            publisher.in_flight = True
             task = asyncio.create_task(self._write([publisher]))
             self._solo.add(task)
             task.add_done_callback(self._solo.discard)
@@ -203,6 +205,16 @@ class StepWriter:
             )
             publisher.unfillable = True
         missing = [entry for entry in publisher.written if int(entry["index"]) >= streamed]
+        if not missing and not publisher.unfillable:
+            # What the stream lacks is not among what this attempt kept: writing again cannot fill it,
+            # so write on without the check rather than be refused forever.
+            logger.error(
+                "job %s: its stream ends at token %d, before this attempt's next write, and the tokens "
+                "in between are not among those it wrote; it writes on",
+                publisher.job_id,
+                streamed,
+            )
+            publisher.unfillable = True
         publisher.written = publisher.written[: len(publisher.written) - len(missing)]
         publisher.pending[:0] = missing
         publisher.streamed_to = min(publisher.streamed_to, max(streamed, publisher.first_index))
