@@ -339,6 +339,7 @@ class JobQueue:
                 str(int(now * 1000)),
                 str(RECENT_WINDOW_S * 1000),
                 *_flat(done),
+                keys.STREAM_NOTICES,
             ],
         )
         return result
@@ -394,7 +395,7 @@ class JobQueue:
             window_ms = RECENT_WINDOW_S * 1000
             args = [str(now_ms), str(int(lease_s * 1000)), str(wanted), worker_id, str(window_ms), _EXPIRED]
             args.append("1" if idle and not claims else "0")
-            args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER)]
+            args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER), keys.STREAM_NOTICES]
             for job_id in ids:
                 owner = owners.get(job_id)
                 script_keys += [*keys.job_keys(job_id), keys.active_jobs(owner or "")]
@@ -464,6 +465,7 @@ class JobQueue:
         args = [str(attempt), *_flat(record or {}), str(len(entries))]
         for entry in entries:
             args += _flat(entry)
+        args.append(keys.STREAM_NOTICES)
         written: int = await self._publish(keys=[keys.job(job_id), keys.events(job_id)], args=args)
         return written >= 0
 
@@ -481,6 +483,7 @@ class JobQueue:
             args += [*_flat(write.record), str(len(write.entries))]
             for entry in write.entries:
                 args += _flat(entry)
+        args.append(keys.STREAM_NOTICES)
         written: list[int] = await self._publish_step(keys=script_keys, args=args)
         results = {-1: StepResult.lost, -2: StepResult.gap}
         return [results.get(n, StepResult.written) for n in written]
@@ -521,6 +524,7 @@ class JobQueue:
                 "" if streamed is None else str(streamed),
                 *_flat(update.to_fields()),
                 *_flat(final_entry),
+                keys.STREAM_NOTICES,
             ],
         )
         if done == 2:
@@ -554,4 +558,5 @@ async def stage_jobs(redis: Redis, records: list[JobRecord], ttl_s: int = 600) -
             entry = status_entry(record.status, attempt=record.attempts or None)
             pipe.xadd(keys.events(record.id), entry)  # type: ignore[arg-type]
             pipe.expire(keys.events(record.id), ttl_s)
+        pipe.publish(keys.STREAM_NOTICES, " ".join(keys.events(record.id) for record in records))
         await pipe.execute()

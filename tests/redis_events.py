@@ -31,3 +31,12 @@ async def wait_for_tokens(redis: Redis, job_id: str, count: int) -> None:
         for entry_id, fields in reply[0][1] if reply else []:
             last = entry_id
             seen += fields["type"] == "token"
+
+
+async def add_entry(redis: Redis, stream: str, fields: dict[str, str]) -> str:
+    """Adds an entry to a job stream as the job scripts do: with a notice to the gateways' relays."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xadd(stream, fields)  # type: ignore[arg-type]
+        pipe.publish(keys.STREAM_NOTICES, stream)
+        entry_id, _ = await pipe.execute()
+    return str(entry_id)
