@@ -23,6 +23,7 @@ from typing import Any
 
 from arq.jobs import deserialize_job_raw, serialize_job
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from common import job_scripts, keys
 from common.error_codes import ErrorCode
@@ -558,5 +559,12 @@ async def stage_jobs(redis: Redis, records: list[JobRecord], ttl_s: int = 600) -
             entry = status_entry(record.status, attempt=record.attempts or None)
             pipe.xadd(keys.events(record.id), entry)  # type: ignore[arg-type]
             pipe.expire(keys.events(record.id), ttl_s)
-        pipe.publish(keys.STREAM_NOTICES, " ".join(keys.events(record.id) for record in records))
+        notice_streams(pipe, [keys.events(record.id) for record in records])
         await pipe.execute()
+
+
+def notice_streams(pipe: Pipeline, streams: list[str]) -> None:
+    """Tells the gateways' relays that these job streams have new entries, as the job scripts do, for
+    writers that add entries themselves (benchmarks' synthetic publishers, tests)."""
+    if streams:
+        pipe.publish(keys.STREAM_NOTICES, " ".join(dict.fromkeys(streams)))

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import stage_jobs
+from common.jobqueue import notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import gateway_client_name
 from common.wire import JobStatus
@@ -83,7 +83,7 @@ async def test_hundreds_of_open_streams_hold_no_more_redis_connections_than_the_
             for job_id in job_ids:
                 pipe.xadd(keys.events(job_id), {"type": "token", "text": "hi", "ids": "1", "index": "0"})
                 pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded"})
-            pipe.publish(keys.STREAM_NOTICES, " ".join(keys.events(job_id) for job_id in job_ids))
+            notice_streams(pipe, [keys.events(job_id) for job_id in job_ids])
             await pipe.execute()
         streams = await asyncio.wait_for(asyncio.gather(*readers), 120)
     assert streams == [["status", "token", "done"]] * STREAMS
