@@ -3,6 +3,10 @@
 Every key a script touches comes in KEYS (the caller derives them with common/keys.py); no script
 builds a key name. Record field names are those of common/records.py. A worker's writes carry its
 attempt number and change nothing once the job's record counts another attempt.
+
+A script that adds entries to job streams publishes their keys, space-separated, on the stream
+notices channel (its last ARGV; CLAIM's after the class names) in one message: each gateway's relay
+reads just the streams it is told of (gateway/relay.py).
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ CANCEL = (
     + """
 -- KEYS: record, queue of its class, events, arq job, queued tokens, owner's active jobs,
 --       model's recent outcomes
--- ARGV: id, now_s, cancel channel, now_ms, outcome window ms, n event fields, fields...
+-- ARGV: id, now_s, cancel channel, now_ms, outcome window ms, n event fields, fields..., stream notices
+--       channel
 -- Returns 'cancelled' (was queued), 'cancelling' (running: its worker is told), 'missing', or the
 -- job's terminal status.
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -121,6 +126,7 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[6], ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   redis.call('XADD', KEYS[3], '*', unpack((pairs_at(7))))
+  redis.call('PUBLISH', ARGV[#ARGV], KEYS[3])
   redis.call('DEL', KEYS[4])
   note_outcome(KEYS[7], 'cancelled', ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[5]))
   return 'cancelled'
@@ -147,7 +153,7 @@ CLAIM = (
 --       fair-share tags; then 4 keys per candidate job: record, events, arq job, its owner's active jobs
 -- ARGV: now_ms, lease_ms, max jobs, worker id, outcome window ms, error code of an expired job,
 --       idle ('1': the worker runs nothing, so it may take a suspect job, alone),
---       n classes, class names...,
+--       n classes, class names..., stream notices channel,
 --       then per candidate: id, owner, whether the owner is known ('1'; else its owner's key is a
 --       stand-in, not to be touched)
 -- Candidates are the jobs the caller saw at the head of each class's queue and in leases that ran
@@ -168,9 +174,10 @@ for c = 1, nclass do
   queues[c], tags[c] = KEYS[2 + 2 * c], KEYS[3 + 2 * c]
   class_at[ARGV[8 + c]] = c
 end
+local notices, noticed = ARGV[9 + nclass], {}
 local candidates = {}
 local n = 0
-for i = 9 + nclass, #ARGV - 2, 3 do
+for i = 10 + nclass, #ARGV - 2, 3 do
   local k = 3 + 2 * nclass + 4 * n
   candidates[ARGV[i]] = {owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
     events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4]}
@@ -189,6 +196,7 @@ local function worker_lost(job)
   redis.call('HSET', job.rec, 'suspect', '1')
   redis.call('XADD', job.events, '*', 'type', 'status', 'status', 'queued', 'reason', 'worker_lost',
     'attempt', attempt)
+  noticed[#noticed + 1] = job.events
 end
 
 -- Only candidates: the script holds the keys of no other job (a lease that runs out meanwhile waits
@@ -229,6 +237,7 @@ local function expire(id, job)
     'error_code', ARGV[6], 'finished_at', now / 1000)
   redis.call('XADD', job.events, '*', 'type', 'error', 'status', 'failed', 'message', message,
     'code', ARGV[6])
+  noticed[#noticed + 1] = job.events
   redis.call('DEL', job.arq)
   redis.call('ZREM', job.active, id)
   note_outcome(KEYS[3], 'failed', id, now, tonumber(ARGV[5]))
@@ -278,6 +287,7 @@ while taken < tonumber(ARGV[3]) do
     if suspect then break end
   end
 end
+if #noticed > 0 then redis.call('PUBLISH', notices, table.concat(noticed, ' ')) end
 return out
 """
 )
@@ -318,7 +328,8 @@ PUBLISH = (
     _PAIRS
     + """
 -- KEYS: record, events
--- ARGV: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...
+-- ARGV: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...,
+--       stream notices channel
 -- Returns the entries written, or -1 once the attempt lost the job.
 if redis.call('HGET', KEYS[1], 'attempts') ~= ARGV[1] then return -1 end
 local rec, at = pairs_at(3)
@@ -331,6 +342,7 @@ for _ = 1, tonumber(ARGV[at]) do
   redis.call('XADD', KEYS[2], '*', unpack(ev))
   written = written + 1
 end
+if written > 0 then redis.call('PUBLISH', ARGV[#ARGV], KEYS[2]) end
 return written
 """
 )
@@ -339,7 +351,7 @@ return written
 PUBLISH_STEP = """
 -- KEYS: per job, in order: record, events
 -- ARGV: per job: attempt, from, to, n record fields, fields..., n entries, then per entry: n fields,
---       fields...
+--       fields...; last, the stream notices channel
 --   from, to: the token index of the write's first token entry and the index past its last one ('' when
 --   it has none, or when from must not be checked). The record's `streamed` says where the stream's
 --   tokens end: a write that starts past it (the newest entries were lost, as in a failover to a replica
@@ -347,6 +359,7 @@ PUBLISH_STEP = """
 -- Returns per job the entries written, -1 where the attempt no longer owns the job, -2 where the write
 -- would leave a gap.
 local out = {}
+local noticed = {}
 local at = 1
 for j = 1, #KEYS / 2 do
   local record, events = KEYS[2 * j - 1], KEYS[2 * j]
@@ -381,7 +394,9 @@ for j = 1, #KEYS / 2 do
   end
   if writing and to ~= '' and tonumber(to) > streamed then redis.call('HSET', record, 'streamed', to) end
   out[j] = writing and written or status
+  if writing and written > 0 then noticed[#noticed + 1] = events end
 end
+if #noticed > 0 then redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ')) end
 return out
 """
 
@@ -393,7 +408,7 @@ FINISH = (
 --       model's served tokens
 -- ARGV: attempt, id, ttl_s, tokens served (prompt and generated; -1: unknown), its class,
 --       tokens the attempt streamed ('': not checked), n record fields, fields..., n event fields,
---       fields...
+--       fields..., stream notices channel
 -- Returns 1, 0 once the attempt lost the job, or 2 (nothing written) when the stream holds fewer
 -- tokens than the attempt streamed (a failover lost the newest: the worker writes them again first).
 -- The owner's finish tag is corrected by what the job really cost against its estimate (never
@@ -420,6 +435,7 @@ end
 local rec, at = pairs_at(8)
 redis.call('HSET', KEYS[1], unpack(rec))
 redis.call('XADD', KEYS[2], '*', unpack((pairs_at(at + 1))))
+redis.call('PUBLISH', ARGV[#ARGV], KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])
 redis.call('ZREM', KEYS[5], ARGV[2])

@@ -23,6 +23,7 @@ from typing import Any
 
 from arq.jobs import deserialize_job_raw, serialize_job
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from common import job_scripts, keys
 from common.error_codes import ErrorCode
@@ -339,6 +340,7 @@ class JobQueue:
                 str(int(now * 1000)),
                 str(RECENT_WINDOW_S * 1000),
                 *_flat(done),
+                keys.STREAM_NOTICES,
             ],
         )
         return result
@@ -394,7 +396,7 @@ class JobQueue:
             window_ms = RECENT_WINDOW_S * 1000
             args = [str(now_ms), str(int(lease_s * 1000)), str(wanted), worker_id, str(window_ms), _EXPIRED]
             args.append("1" if idle and not claims else "0")
-            args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER)]
+            args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER), keys.STREAM_NOTICES]
             for job_id in ids:
                 owner = owners.get(job_id)
                 script_keys += [*keys.job_keys(job_id), keys.active_jobs(owner or "")]
@@ -464,6 +466,7 @@ class JobQueue:
         args = [str(attempt), *_flat(record or {}), str(len(entries))]
         for entry in entries:
             args += _flat(entry)
+        args.append(keys.STREAM_NOTICES)
         written: int = await self._publish(keys=[keys.job(job_id), keys.events(job_id)], args=args)
         return written >= 0
 
@@ -481,6 +484,7 @@ class JobQueue:
             args += [*_flat(write.record), str(len(write.entries))]
             for entry in write.entries:
                 args += _flat(entry)
+        args.append(keys.STREAM_NOTICES)
         written: list[int] = await self._publish_step(keys=script_keys, args=args)
         results = {-1: StepResult.lost, -2: StepResult.gap}
         return [results.get(n, StepResult.written) for n in written]
@@ -521,6 +525,7 @@ class JobQueue:
                 "" if streamed is None else str(streamed),
                 *_flat(update.to_fields()),
                 *_flat(final_entry),
+                keys.STREAM_NOTICES,
             ],
         )
         if done == 2:
@@ -554,4 +559,12 @@ async def stage_jobs(redis: Redis, records: list[JobRecord], ttl_s: int = 600) -
             entry = status_entry(record.status, attempt=record.attempts or None)
             pipe.xadd(keys.events(record.id), entry)  # type: ignore[arg-type]
             pipe.expire(keys.events(record.id), ttl_s)
+        notice_streams(pipe, [keys.events(record.id) for record in records])
         await pipe.execute()
+
+
+def notice_streams(pipe: Pipeline, streams: list[str]) -> None:
+    """Tells the gateways' relays that these job streams have new entries, as the job scripts do, for
+    writers that add entries themselves (benchmarks' synthetic publishers, tests)."""
+    if streams:
+        pipe.publish(keys.STREAM_NOTICES, " ".join(dict.fromkeys(streams)))

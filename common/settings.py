@@ -224,10 +224,11 @@ class GatewaySettings(FleetSettings):
         "one. Open SSE streams hold none (see relay_connections).",
     )
     relay_connections: int = Field(
-        2,
+        1,
         ge=1,
-        description="Redis connections that read every open event stream of one gateway (each a blocking "
-        "XREAD over its share of the streams), whatever the number of streams.",
+        description="Redis connections that read the open event streams of one gateway, whatever their "
+        "number (each read covers just the streams that changed); one more holds the subscription "
+        "that says which changed.",
     )
     submit_replicas: int = Field(
         0,

@@ -1,8 +1,13 @@
 """The gateway's stream relay: every job stream its clients follow is read through a few Redis connections.
 
-Each reader connection runs one blocking `XREAD` over all the streams assigned to it and fans the
-entries out in-process to its followers. A follower that joins (or falls behind and comes back)
-re-arms the read at once: the blocked `XREAD` is ended with `CLIENT UNBLOCK` from another connection.
+The scripts that add entries to job streams publish the streams' keys on a notices channel
+(common/job_scripts.py). Each relay holds one subscription to it and, on each notice, reads just the
+streams named there that its clients follow: one non-blocking `XREAD` over all of them (up to
+`max_keys` a command), whose entries it fans out in-process. A follower that joins gets a read of its
+stream at once. A resubscription (Redis away and back, a failover) and a slow sweep read every
+followed stream again, so a lost notice delays entries but never loses them. Redis' work is per
+changed stream, not per followed one.
+
 Each follower has a bounded buffer; one that fills it (a slow client) stops receiving, and once it
 has drained its buffer it joins again from its last entry, so the read starts over from Redis, the
 source of truth. A slow client never holds up the others.
@@ -12,26 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
-from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common import keys
 from common.redis_client import connection_pool
 
 logger = logging.getLogger(__name__)
 
 Entry = tuple[str, str, dict[str, str]]  # stream key, entry id, fields
 EntryId = tuple[int, int]
-POLL_MS = 50  # how long a read blocks where Redis refuses CLIENT UNBLOCK
 
 
 def parse_id(entry_id: str) -> EntryId:
@@ -119,49 +123,35 @@ def _pairs(flat: list[str]) -> dict[str, str]:
 
 
 class _Reader:
-    """One Redis connection's blocking read over the streams assigned to it.
+    """One Redis connection's reads of the streams assigned to it: of those it was told have new
+    entries (or that a follower just joined), never blocking, at most `max_keys` a command.
 
-    The `XREAD` command is kept encoded, a stream's key and start id at a time, so a read over
+    The `XREAD` command is built encoded, a stream's key and start id at a time, so a read over
     thousands of streams costs no more Python work than joining two lists of bytes.
     """
 
-    def __init__(self, relay: StreamRelay, connection: AbstractConnection, count: int, block_ms: int) -> None:
+    def __init__(self, relay: StreamRelay, connection: AbstractConnection, count: int, max_keys: int) -> None:
         self._relay = relay
         self.connection = connection
         self._count = count
-        self._head = b""
-        self.block(block_ms)
+        self._max_keys = max_keys
+        self._head = b"".join(_bulk(part) for part in ("XREAD", "COUNT", str(count)))
         self.taps: dict[str, set[_Tap]] = {}
         self._read_from: dict[str, str] = {}  # per stream: the lowest cursor of its taps, or past it
-        self._key_args: dict[str, bytes] = {}  # the same streams in the same order, encoded
-        self._id_args: dict[str, bytes] = {}
+        self._due: dict[str, None] = {}  # streams to read, in the order they were told of
         self._changed = asyncio.Event()
-        self._client_id: int | None = None
-        self._reading = False  # a read is out (it may be blocked in Redis)
-        self._unblocking: asyncio.Task[None] | None = None
 
-    def block(self, block_ms: int) -> None:
-        """How long a read waits for new entries."""
-        parts = ("XREAD", "COUNT", str(self._count), "BLOCK", str(block_ms))
-        self._head = b"".join(_bulk(part) for part in parts)
-
-    def _start_at(self, key: str, entry_id: str) -> None:
-        if key not in self._read_from:
-            self._key_args[key] = _bulk(key)
-        self._read_from[key] = entry_id
-        self._id_args[key] = _bulk(entry_id)
-
-    def _command(self) -> bytes:
-        count = 6 + 2 * len(self._read_from)
+    def _command(self, streams: dict[str, str]) -> bytes:
+        count = 4 + 2 * len(streams)
         head = b"*%d\r\n%b%b" % (count, self._head, _bulk("STREAMS"))
-        return head + b"".join(self._key_args.values()) + b"".join(self._id_args.values())
+        return head + b"".join(map(_bulk, streams)) + b"".join(map(_bulk, streams.values()))
 
     def attach(self, tap: _Tap) -> None:
         self.taps.setdefault(tap.key, set()).add(tap)
         current = self._read_from.get(tap.key)
         if current is None or tap.cursor_id < parse_id(current):
-            self._start_at(tap.key, tap.cursor)
-            self._rearm()
+            self._read_from[tap.key] = tap.cursor
+        self.due(tap.key)  # what the stream holds already
 
     def detach(self, tap: _Tap) -> None:
         taps = self.taps.get(tap.key)
@@ -169,35 +159,19 @@ class _Reader:
             return
         taps.discard(tap)
         if not taps:
-            del self.taps[tap.key], self._read_from[tap.key], self._key_args[tap.key], self._id_args[tap.key]
+            del self.taps[tap.key], self._read_from[tap.key]
+            self._due.pop(tap.key, None)
 
-    def _rearm(self) -> None:
+    def due(self, key: str) -> None:
+        """The stream has new entries (or may have): read it."""
+        if key in self._read_from:
+            self._due[key] = None
+            self._changed.set()
+
+    def all_due(self) -> None:
+        """Read every stream again (notices may have been missed)."""
+        self._due.update(dict.fromkeys(self._read_from))
         self._changed.set()
-        if self._reading and self._unblocking is None:
-            self._unblocking = asyncio.create_task(self._unblock())
-
-    async def _unblock(self) -> None:
-        """Ends the blocked read while a change waits for the next one (the read may not be blocked
-        in Redis yet: then again a moment later)."""
-        try:
-            while self._changed.is_set() and self._reading and self._client_id is not None:
-                if not await self._relay.waker.client_unblock(self._client_id):
-                    await asyncio.sleep(0.001)
-        except ResponseError as e:  # CLIENT UNBLOCK refused (an ACL): poll instead
-            logger.warning("Redis refuses CLIENT UNBLOCK (%s): the relay reads every %d ms", e, POLL_MS)
-            self.block(POLL_MS)
-        except RedisError as e:
-            logger.debug("could not wake the relay's read (%s); it ends on its own", e)
-        finally:
-            self._unblocking = None
-
-    async def _read(self, command: bytes) -> Any:
-        if self._client_id is None:
-            await self.connection.send_command("CLIENT", "ID")
-            self._client_id = int(await self.connection.read_response())
-        self._reading = True
-        await self.connection.send_packed_command(command, check_health=False)
-        return await self.connection.read_response()
 
     def wake(self) -> None:
         self._changed.set()
@@ -205,32 +179,40 @@ class _Reader:
     async def run(self) -> None:
         delay = 0.05
         while not self._relay.closed:
-            if not self._read_from:
+            if not self._due:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            self._changed.clear()
-            streams = dict(self._read_from)
+            keys = list(itertools.islice(self._due, self._max_keys))
+            for key in keys:
+                del self._due[key]
+            streams = {key: self._read_from[key] for key in keys}
             try:
-                reply = await self._read(self._command())
+                await self.connection.send_packed_command(self._command(streams), check_health=False)
+                reply = await self.connection.read_response()
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-                self._client_id = None
                 await self.connection.disconnect()
                 self._relay.unreachable(e)
+                self._retry(keys)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             except RedisError as e:  # not the connection's fault: read again, never give up the streams
                 logger.warning("the stream relay's read failed (%s); reading again", e)
+                self._retry(keys)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
-            finally:
-                self._reading = False
             delay = 0.05
             self._relay.reachable()
             for key, entries in reply or []:
                 self._deliver(key, [(entry_id, _pairs(flat)) for entry_id, flat in entries], streams[key])
+                if len(entries) >= self._count:
+                    self.due(key)  # more than one read's worth: read on
+
+    def _retry(self, keys: list[str]) -> None:
+        for key in keys:
+            self.due(key)
 
     def _deliver(self, key: str, entries: list[tuple[str, dict[str, str]]], sent_from: str) -> None:
         taps = self.taps.get(key)
@@ -250,49 +232,52 @@ class _Reader:
             self.detach(tap)
         # A tap that joined behind this read while it was out moved the start back: keep that.
         if key in self._read_from and self._read_from[key] == sent_from:
-            self._start_at(key, entries[-1][0])
+            self._read_from[key] = entries[-1][0]
 
 
 class StreamRelay:
-    """Reads the job streams of every open follower through `connections` Redis connections.
-
-    `waker` (the gateway's pooled client) sends the `CLIENT UNBLOCK` that re-arms a blocked read.
-    """
+    """Reads the job streams of every open follower through `connections` Redis connections, and
+    holds one more: the subscription to the stream notices that say which streams to read."""
 
     def __init__(
         self,
         url: str,
-        waker: Redis,
         *,
         connections: int,
         buffer: int,
         client_name: str | None = None,
         count: int = 512,
-        block_s: float = 30.0,
+        max_keys: int = 1000,
+        sweep_s: float = 5.0,
+        socket_timeout_s: float = 30.0,
     ) -> None:
-        self.waker = waker
         self._buffer = buffer
-        # A read returns within block_s (empty): one that takes much longer is on a dead connection.
-        # The readers' connections come from the pool (kept: Sentinel-managed connections refer to it
-        # weakly), so with a Sentinel URL each reconnects to whichever server is the primary then.
+        self._sweep_s = sweep_s
+        # The connections come from the pool (kept: Sentinel-managed connections refer to it weakly),
+        # so with a Sentinel URL each reconnects to whichever server is the primary then. The
+        # subscription hears a PING reply every sweep: a read that waits much longer is on a dead
+        # connection.
         self._pool = pool = connection_pool(
             url,
             decode_responses=True,
             client_name=client_name,
             socket_keepalive=True,
-            socket_timeout=block_s + 10,
+            socket_timeout=max(socket_timeout_s, 4 * sweep_s),
             retry=None,
         )
         self._readers = [
-            _Reader(self, pool.connection_class(**pool.connection_kwargs), count, int(block_s * 1000))
+            _Reader(self, pool.connection_class(**pool.connection_kwargs), count, max_keys)
             for _ in range(connections)
         ]
+        self._subscription: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
         self._tasks: list[asyncio.Task[None]] = []
         self._unreachable_since: float | None = None
         self.closed = False
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(reader.run(), name="stream-relay") for reader in self._readers]
+        self._tasks.append(asyncio.create_task(self._listen(), name="stream-notices"))
+        self._tasks.append(asyncio.create_task(self._sweep(), name="stream-sweep"))
 
     async def close(self) -> None:
         self.closed = True
@@ -303,6 +288,44 @@ class StreamRelay:
         await asyncio.wait(self._tasks, timeout=5)
         for reader in self._readers:
             await reader.connection.disconnect()
+        await self._subscription.disconnect()
+
+    async def _listen(self) -> None:
+        """Holds the subscription to the stream notices. Each (re)subscription reads every stream
+        again, for the notices missed while it was down."""
+        delay = 0.05
+        while not self.closed:
+            try:
+                await self._subscription.send_command("SUBSCRIBE", keys.STREAM_NOTICES)
+                for reader in self._readers:
+                    reader.all_due()
+                while not self.closed:
+                    message = await self._subscription.read_response()
+                    delay = 0.05
+                    if isinstance(message, list) and message and message[0] == "message":
+                        for key in message[2].split():
+                            self._reader(key).due(key)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                await self._subscription.disconnect()
+                self.unreachable(e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except RedisError as e:
+                logger.warning("the stream relay's subscription failed (%s); subscribing again", e)
+                await self._subscription.disconnect()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _sweep(self) -> None:
+        """Every `sweep_s`, reads every stream again (a writer that sends no notices is still relayed,
+        late) and pings the subscription, whose reply shows it is alive."""
+        while not self.closed:
+            await asyncio.sleep(self._sweep_s)
+            for reader in self._readers:
+                reader.all_due()
+            if self._subscription.is_connected:
+                with contextlib.suppress(RedisError, OSError):
+                    await self._subscription.send_command("PING")
 
     @contextlib.asynccontextmanager
     async def follow(self, after: Mapping[str, str]) -> AsyncIterator[Follower]:

@@ -105,7 +105,6 @@ async def _open(settings: GatewaySettings, url: str) -> Shard:
     )
     relay = StreamRelay(
         url,
-        redis,
         connections=settings.relay_connections,
         buffer=settings.relay_buffer_events,
         client_name=name,

@@ -7,6 +7,7 @@ import time
 from redis.asyncio import Redis
 
 from common import keys
+from common.jobqueue import notice_streams
 
 
 async def wait_final(redis: Redis, job_id: str, timeout_s: float = 20.0) -> dict[str, str]:
@@ -31,3 +32,12 @@ async def wait_for_tokens(redis: Redis, job_id: str, count: int) -> None:
         for entry_id, fields in reply[0][1] if reply else []:
             last = entry_id
             seen += fields["type"] == "token"
+
+
+async def add_entry(redis: Redis, stream: str, fields: dict[str, str]) -> str:
+    """Adds an entry to a job stream as the job scripts do: with a notice to the gateways' relays."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xadd(stream, fields)  # type: ignore[arg-type]
+        notice_streams(pipe, [stream])
+        entry_id, _ = await pipe.execute()
+    return str(entry_id)

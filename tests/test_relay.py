@@ -12,16 +12,18 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import stage_jobs
+from common.jobqueue import notice_streams, stage_jobs
 from common.records import JobRecord
-from common.redis_client import connect, gateway_client_name
+from common.redis_client import gateway_client_name
 from common.wire import JobStatus
 from gateway.relay import Entry, Follower, StreamRelay
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
+from tests.redis_events import add_entry
 
 STREAMS = 300
 POOL, RELAY = 4, 2  # the gateway's Redis connections: request pool, relay readers
+SUBSCRIPTION = 1  # the relay's subscription to the stream notices
 
 
 async def create_running_jobs(redis: Redis, prefix: str, count: int) -> list[str]:
@@ -76,25 +78,24 @@ async def test_hundreds_of_open_streams_hold_no_more_redis_connections_than_the_
 
         readers = [asyncio.create_task(follow(job_id)) for job_id in job_ids]
         await asyncio.wait_for(all_open.wait(), 120)
-        assert await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY
+        assert await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY + SUBSCRIPTION
         async with redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.xadd(keys.events(job_id), {"type": "token", "text": "hi", "ids": "1", "index": "0"})
                 pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded"})
+            notice_streams(pipe, [keys.events(job_id) for job_id in job_ids])
             await pipe.execute()
         streams = await asyncio.wait_for(asyncio.gather(*readers), 120)
     assert streams == [["status", "token", "done"]] * STREAMS
-    assert 1 <= await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY
+    assert 1 <= await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY + SUBSCRIPTION
 
 
 @pytest.fixture
 async def relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
-    waker = connect(redis_server.url, max_connections=2)
-    streams = StreamRelay(redis_server.url, waker, connections=1, buffer=4, block_s=30)
+    streams = StreamRelay(redis_server.url, connections=1, buffer=4)
     await streams.start()
     yield streams
     await streams.close()
-    await waker.aclose()
 
 
 async def read_until(follower: Follower, count: int) -> list[Entry]:
@@ -111,7 +112,7 @@ async def test_a_slow_reader_holds_up_no_one_and_later_reads_every_entry_from_re
 ) -> None:
     stream = keys.events("relay_slow")
     await redis.delete(stream)
-    written = [await redis.xadd(stream, {"n": str(n)}) for n in range(40)]
+    written = [await add_entry(redis, stream, {"n": str(n)}) for n in range(40)]
     async with relay.follow({stream: "0-0"}) as slow, relay.follow({stream: "0-0"}) as fast:
         fast_entries = await read_until(fast, 40)  # the slow one reads nothing meanwhile (buffer: 4)
         assert [entry_id for _key, entry_id, _fields in fast_entries] == written
@@ -124,9 +125,9 @@ async def test_a_reader_joining_while_the_relay_waits_gets_its_backlog_at_once(
 ) -> None:
     idle, busy = keys.events("relay_idle"), keys.events("relay_backlog")
     await redis.delete(idle, busy)
-    await redis.xadd(busy, {"n": "0"})
+    await add_entry(redis, busy, {"n": "0"})
     async with relay.follow({idle: "0-0"}) as waiting:
-        assert await waiting.next(0.2) == []  # the relay is now blocked reading `idle` (for up to 30 s)
+        assert await waiting.next(0.2) == []  # the relay now waits for a notice
         started = time.monotonic()
         async with relay.follow({busy: "0-0"}) as joining:
             entries = await joining.next(10)
@@ -139,11 +140,11 @@ async def test_readers_resuming_from_different_entries_each_get_only_what_follow
 ) -> None:
     stream = keys.events("relay_resume")
     await redis.delete(stream)
-    written = [await redis.xadd(stream, {"n": str(n)}) for n in range(3)]
+    written = [await add_entry(redis, stream, {"n": str(n)}) for n in range(3)]
     async with relay.follow({stream: written[1]}) as late, relay.follow({stream: "0-0"}) as early:
         assert [entry_id for _k, entry_id, _f in await read_until(late, 1)] == written[2:]
         assert [entry_id for _k, entry_id, _f in await read_until(early, 3)] == written
-        newer = await redis.xadd(stream, {"n": "3"})
+        newer = await add_entry(redis, stream, {"n": "3"})
         assert [entry_id for _k, entry_id, _f in await read_until(late, 1)] == [newer]
         assert [entry_id for _k, entry_id, _f in await read_until(early, 1)] == [newer]
 
@@ -157,7 +158,7 @@ async def test_readers_joining_a_busy_stream_from_its_start_each_read_every_entr
 
     async def write() -> None:
         for n in range(300):
-            written.append(await redis.xadd(stream, {"n": str(n)}))
+            written.append(await add_entry(redis, stream, {"n": str(n)}))
 
     async def join_and_read() -> list[str]:
         async with relay.follow({stream: "0-0"}) as follower:
@@ -173,36 +174,18 @@ async def test_readers_joining_a_busy_stream_from_its_start_each_read_every_entr
         assert reader == written
 
 
-async def test_where_redis_refuses_client_unblock_a_joining_reader_still_gets_its_entries_promptly(
+async def test_entries_a_writer_adds_without_a_notice_still_arrive_with_the_next_sweep(
     redis_server: RedisServer, redis: Redis
 ) -> None:
-    await redis.acl_setuser(
-        "no-unblock",
-        enabled=True,
-        passwords=["+pw"],
-        keys=["*"],
-        channels=["*"],
-        commands=["+@all", "-client|unblock"],
-    )
-    url = f"redis://no-unblock:pw@127.0.0.1:{redis_server.port}/0"
-    waker = connect(url, max_connections=2)
-    streams = StreamRelay(url, waker, connections=1, buffer=4, block_s=3)
+    streams = StreamRelay(redis_server.url, connections=1, buffer=4, sweep_s=0.5)
     await streams.start()
-    idle, busy = keys.events("relay_acl_idle"), keys.events("relay_acl_busy")
-    await redis.delete(idle, busy)
-    await redis.xadd(busy, {"n": "0"})
+    stream = keys.events("relay_unnoticed")
+    await redis.delete(stream)
     try:
-        async with streams.follow({idle: "0-0"}) as waiting:
-            assert await waiting.next(0.2) == []  # blocked for up to 3 s, and it cannot be woken
-            async with streams.follow({busy: "0-0"}) as joining:
-                entries = await joining.next(30)  # once the blocked read times out
-                assert [fields for _k, _id, fields in entries] == [{"n": "0"}]
-            started = time.monotonic()
-            await redis.xadd(busy, {"n": "1"})
-            async with streams.follow({busy: "0-0"}) as later:  # reads now poll: no 3 s wait
-                assert len(await read_until(later, 2)) == 2
-            assert time.monotonic() - started < 1.0
+        async with streams.follow({stream: "0-0"}) as follower:
+            assert await follower.next(0.2) == []
+            written = await redis.xadd(stream, {"n": "0"})  # no notice: as a writer of another version
+            entries = await follower.next(5)
+            assert [entry_id for _k, entry_id, _f in entries] == [written]
     finally:
         await streams.close()
-        await waker.aclose()
-        await redis.acl_deluser("no-unblock")

@@ -150,7 +150,8 @@ async def test_an_sse_reader_is_not_sent_a_token_entry_written_again_after_a_fai
     for index in (0, 1, 2, 1, 2, 3):  # 1 and 2 written again: this reader had them already
         await redis.xadd(stream, token_entry(str(index), [index], index))
     await redis.xadd(stream, done_entry(JobStatus.succeeded, "length", None))
-    relay = StreamRelay(redis_server.url, redis, connections=1, buffer=64)
+    await redis.expire(stream, 600)  # as a job's stream does
+    relay = StreamRelay(redis_server.url, connections=1, buffer=64)
     await relay.start()
     try:
         read = [

@@ -22,7 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common import aio, keys
-from common.jobqueue import stage_jobs
+from common.jobqueue import notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.registry import WorkerInfo, heartbeat
@@ -200,9 +200,12 @@ async def _publish(redis_url: str, streams: int, rate: float, duration_s: float,
         if due > count:
             async with redis.pipeline(transaction=False) as pipe:
                 sent = f"{time.perf_counter():.6f}"
+                written = []
                 for m in range(count, due):
                     entry = {"type": "token", "text": sent, "ids": "1", "index": str(m // streams)}
-                    pipe.xadd(keys.events(ids[m % streams]), entry)  # type: ignore[arg-type]
+                    written.append(keys.events(ids[m % streams]))
+                    pipe.xadd(written[-1], entry)  # type: ignore[arg-type]
+                notice_streams(pipe, written)
                 await pipe.execute()
             count = due
         await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - now)))
@@ -210,6 +213,7 @@ async def _publish(redis_url: str, streams: int, rate: float, duration_s: float,
     async with redis.pipeline(transaction=False) as pipe:
         for job_id in ids:
             pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded", "finish_reason": "length"})
+        notice_streams(pipe, [keys.events(job_id) for job_id in ids])
         await pipe.execute()
     await redis.aclose()
 
