@@ -345,9 +345,6 @@ class StreamRelay:
     def detach(self, tap: _Tap) -> None:
         self._reader(tap.key).detach(tap)
 
-    def followed_streams(self) -> int:
-        return sum(len(reader.taps) for reader in self._readers)
-
     def unreachable_for(self) -> float | None:
         """Seconds since the relay's reads started failing (Redis away); None while they work."""
         if self._unreachable_since is None:
