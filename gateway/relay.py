@@ -71,26 +71,33 @@ class Follower:
         self._relay = relay
         self._buffer: deque[Entry] = deque()
         self._limit = buffer
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # set while `next` waits for entries
         self._taps = {key: _Tap(self, key, cursor) for key, cursor in after.items()}
         for tap in self._taps.values():
             relay.attach(tap)
 
     def push(self, entry: Entry) -> bool:
-        if len(self._buffer) >= self._limit:
-            self._ready.set()
-            return False
-        self._buffer.append(entry)
-        self._ready.set()
-        return True
+        full = len(self._buffer) >= self._limit
+        if not full:
+            self._buffer.append(entry)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return not full
 
     async def next(self, timeout_s: float) -> list[Entry]:
         """What arrived since the last call; an empty list after `timeout_s` with nothing new."""
         if not self._buffer:
             self._rejoin()
-            self._ready.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), timeout_s)
+            # One future and one timer a wait (a relay wakes thousands of these a second).
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _time_up, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         entries = list(self._buffer)
         self._buffer.clear()
         return entries
@@ -110,6 +117,11 @@ class Follower:
     def close(self) -> None:
         for key in list(self._taps):
             self.stop(key)
+
+
+def _time_up(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _bulk(text: str) -> bytes:

@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
+import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -55,8 +56,12 @@ async def read_position(redis: Redis, job_id: str, after: str) -> str:
 
 def frame(entry_id: str, fields: dict[str, str]) -> bytes:
     event = fields.get("type", "message")
-    data = json.dumps(event_payload(fields), ensure_ascii=False, separators=(",", ":"))
-    return f"id: {entry_id}\nevent: {event}\ndata: {data}\n\n".encode()
+    payload = event_payload(fields)
+    try:
+        data = orjson.dumps(payload)
+    except orjson.JSONEncodeError:  # text orjson refuses (a lone surrogate): escaped, as json does
+        data = json.dumps(payload, separators=(",", ":")).encode()
+    return b"id: %b\nevent: %b\ndata: %b\n\n" % (entry_id.encode(), event.encode(), data)
 
 
 Entry = tuple[str, dict[str, str]]
@@ -88,16 +93,17 @@ async def relay(
     keepalive_s: float,
     outage_limit_s: float = 60.0,
 ) -> AsyncIterator[bytes]:
-    """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one.
+    """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one:
+    the entries that arrived together as one chunk.
 
     While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
     goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
     """
     async with contextlib.aclosing(
-        entries(streams, redis, job_id, after, keepalive_s, outage_limit_s)
+        batches(streams, redis, job_id, after, keepalive_s, outage_limit_s)
     ) as read:
-        async for entry in read:
-            yield KEEPALIVE if entry is None else frame(*entry)
+        async for batch in read:
+            yield KEEPALIVE if batch is None else b"".join(frame(*entry) for entry in batch)
 
 
 async def entries(
@@ -109,29 +115,53 @@ async def entries(
     outage_limit_s: float = 60.0,
 ) -> AsyncGenerator[Entry | None, None]:
     """The job's stream entries after `after` as `relay` reads them; None where a keep-alive is due."""
+    async with contextlib.aclosing(
+        batches(streams, redis, job_id, after, keepalive_s, outage_limit_s)
+    ) as read:
+        async for batch in read:
+            if batch is None:
+                yield None
+                continue
+            for entry in batch:
+                yield entry
+
+
+async def batches(
+    streams: StreamRelay,
+    redis: Redis,
+    job_id: str,
+    after: str,
+    keepalive_s: float,
+    outage_limit_s: float = 60.0,
+) -> AsyncGenerator[list[Entry] | None, None]:
+    """The job's stream entries after `after`, as they arrive together; None where a keep-alive is due."""
     stream = keys.events(job_id)
     if await read_position(redis, job_id, after) == "ended":
         return
     sent = SentTokens()
     async with streams.follow({stream: after}) as follower:
         while True:
-            batch = await follower.next(keepalive_s)
-            if not batch:
+            arrived = await follower.next(keepalive_s)
+            if not arrived:
                 away = streams.unreachable_for()
                 if away is not None and away > outage_limit_s:
                     logger.warning("job %s: Redis away for %.0f s, ending the stream", job_id, away)
                     return
                 if away is None and not await _exists(redis, stream):
-                    yield f"{int(time.time() * 1000)}-0", PURGED
+                    yield [(f"{int(time.time() * 1000)}-0", PURGED)]
                     return
                 yield None
                 continue
-            for _key, entry_id, fields in batch:
+            batch: list[Entry] = []
+            for _key, entry_id, fields in arrived:
                 if not sent.fresh(fields):
                     continue
-                yield entry_id, fields
+                batch.append((entry_id, fields))
                 if is_final(fields):
+                    yield batch
                     return
+            if batch:
+                yield batch
 
 
 async def _exists(redis: Redis, stream: str) -> bool:

@@ -235,12 +235,14 @@ async def test_an_idempotency_key_reused_for_another_request_gets_422_naming_it(
 
 
 async def test_every_key_of_a_job_expires(
-    redis_server: object, tiny_model: object, redis: Redis, model_name: str
+    own_redis: object, tiny_model: object, own_redis_client: Redis, model_name: str
 ) -> None:
+    # A Redis of its own: every key in it is this job's or the fleet's, none another test's.
     from tests.conftest import Fleet, RedisServer
 
-    assert isinstance(redis_server, RedisServer)
-    fleet = Fleet(redis_server.url, tiny_model, env={"ORTFLEET_JOB_TTL_S": "120"})  # type: ignore[arg-type]
+    assert isinstance(own_redis, RedisServer)
+    redis = own_redis_client
+    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_JOB_TTL_S": "120"})  # type: ignore[arg-type]
     try:
         fleet.start_gateway()
         fleet.start_worker(model_name)

@@ -13,8 +13,10 @@ import asyncio
 import json
 import multiprocessing
 import os
+import resource
 import sys
 import time
+from array import array
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as EventType
 from typing import Any
@@ -27,6 +29,7 @@ from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.registry import WorkerInfo, heartbeat
 from common.wire import JobStatus
+from gateway.main import raise_open_file_limit
 from ortfleet.bench.http import Connection
 from ortfleet.bench.machine import cpu_seconds, describe, rss_bytes
 from ortfleet.bench.report import table
@@ -47,6 +50,7 @@ class CapacityOptions:
 
 
 def run(options: CapacityOptions) -> dict[str, Any]:
+    _open_file_limit_check(options.streams)
     env = {"ORTFLEET_MAX_QUEUED_JOBS": "100000000", "ORTFLEET_MAX_QUEUED_TOKENS": "1000000000000"}
     with throwaway_fleet(env) as fleet:
         _, url = fleet.start_gateway()
@@ -97,41 +101,51 @@ async def _create_jobs(redis_url: str, count: int) -> None:
     await redis.aclose()
 
 
+STREAMS_PER_CLIENT = 5000  # SSE streams one client process follows (its open files, its CPU)
+FILES_BESIDE_STREAMS = 64  # a process's other open files: Redis connections, listening socket, stdio
+
+
+def _open_file_limit_check(streams: int) -> None:
+    """The gateway holds a socket per stream: stop early, saying so, when this machine cannot."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < streams + FILES_BESIDE_STREAMS:
+        raise SystemExit(
+            f"ortfleet bench gateway: one process may hold at most {hard} open files here (ulimit -Hn), "
+            f"and {streams} streams need about {streams + FILES_BESIDE_STREAMS} in the gateway; "
+            f"raise the hard limit (root with CAP_SYS_RESOURCE: ulimit -Hn, or LimitNOFILE in a systemd "
+            f"unit) or ask for at most {hard - FILES_BESIDE_STREAMS} streams"
+        )
+
+
 async def stream_step(options: CapacityOptions, url: str, redis_url: str, gateway_pid: int) -> dict[str, Any]:
     await _create_jobs(redis_url, options.streams)
     rss_before = rss_bytes(gateway_pid)
-    latencies: list[float] = []
-    connected = asyncio.Event()
-    opened = 0
-    gate = asyncio.Semaphore(OPEN_AT_ONCE)
-    bar = tqdm(total=options.streams, desc="opening SSE streams", unit="stream", file=sys.stderr, leave=False)
-
-    async def follow(job_id: str) -> None:
-        nonlocal opened
-        connection = Connection(url)
-        try:
-            async with gate:
-                events = connection.events(f"/v1/jobs/{job_id}/events")
-                await anext(events)  # the status entry: the stream is open
-            opened += 1
-            bar.update()
-            if opened == options.streams:
-                connected.set()
-            async for event in events:
-                if event.event == "token":
-                    sent = float(json.loads(event.data)["text"])
-                    latencies.append(event.received - sent)
-        finally:
-            await connection.close()
-
-    followers = [asyncio.create_task(follow(job_id)) for job_id in _job_ids(options.streams)]
-    await asyncio.wait_for(connected.wait(), timeout=300)
-    bar.close()
+    context = multiprocessing.get_context("spawn")
+    opened, failed = context.Value("q", 0), context.Value("q", 0)
+    published_all = context.Event()
+    results: multiprocessing.Queue[tuple[bytes, bytes, int]] = context.Queue()
+    ids = _job_ids(options.streams)
+    shares = [ids[i : i + STREAMS_PER_CLIENT] for i in range(0, len(ids), STREAMS_PER_CLIENT)]
+    clients = [
+        context.Process(target=follow, args=(url, share, opened, failed, published_all, results), daemon=True)
+        for share in shares
+    ]
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + 300
+    with tqdm(
+        total=options.streams, desc="opening SSE streams", unit="stream", file=sys.stderr, leave=False
+    ) as bar:
+        while (done := opened.value + failed.value) < options.streams and time.monotonic() < deadline:
+            bar.update(done - bar.n)
+            await asyncio.sleep(0.5)
+    if opened.value + failed.value < options.streams:
+        raise RuntimeError(f"only {opened.value} of {options.streams} streams opened in 300 s")
+    open_streams, failed_opens = opened.value, failed.value
     await asyncio.sleep(1.0)
     rss_open = rss_bytes(gateway_pid)
     connections = [await gateway_connections(redis_url, gateway_pid)]
 
-    context = multiprocessing.get_context("spawn")
     start = context.Event()
     published = context.Value("q", 0)
     publisher = context.Process(
@@ -151,22 +165,92 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
     publisher.join(10)
     elapsed = time.perf_counter() - started
     gateway_cpu = (cpu_seconds(gateway_pid) - cpu_before) / elapsed
-    done, pending = await asyncio.wait(followers, timeout=60)
-    for task in pending:
-        task.cancel()
-    failed = sum(1 for task in done if task.exception() is not None)
+    published_all.set()
+    sent_at: list[float] = []
+    latencies: list[float] = []
+    unfinished = 0
+    for _ in clients:
+        sent, received, stalled = await asyncio.to_thread(results.get, True, FOLLOW_GRACE_S + 60)
+        sent_at.extend(array("d", sent))
+        latencies.extend(array("d", received))
+        unfinished += stalled
+    for client in clients:
+        client.join(10)
     return {
-        "open_streams": opened,
-        "streams_failed": failed + len(pending),
+        "open_streams": open_streams,
+        "client_processes": len(clients),
+        "streams_failed": unfinished,  # never opened, or never reached their end
+        "opens_failed": failed_opens,
         "events_published": published.value,
         "events_received": len(latencies),
         "events_per_s": round(len(latencies) / options.duration_s, 1),
         "relay_latency_ms": summary(latencies),
+        "relay_latency_p99_ms_by_second": _p99_by_second(sent_at, latencies, started),
         "gateway_cpu_cores": round(gateway_cpu, 3),
         "gateway_rss_mb": {"idle": round(rss_before / 2**20, 1), "open": round(rss_open / 2**20, 1)},
         "memory_per_stream_kb": round((rss_open - rss_before) / options.streams / 1024, 1),
         "redis_connections": {"streams_open": connections[0], "max_while_relaying": max(connections)},
     }
+
+
+FOLLOW_GRACE_S = 60.0  # after the last publish, how long a stream may take to reach its end
+
+
+def follow(
+    url: str, job_ids: list[str], opened: Any, failed: Any, published_all: EventType, results: Any
+) -> None:
+    """One client process (its own open files and core time): follows `job_ids`' SSE streams and puts
+    the publish time and publish -> receipt latency of every token event, and the streams that never
+    ended, on `results`."""
+    raise_open_file_limit()
+    sent_at, latencies, stalled = aio.run(_follow(url, job_ids, opened, failed, published_all))
+    results.put((array("d", sent_at).tobytes(), array("d", latencies).tobytes(), stalled))
+
+
+async def _follow(
+    url: str, job_ids: list[str], opened: Any, failed: Any, published_all: EventType
+) -> tuple[list[float], list[float], int]:
+    sent_at: list[float] = []
+    latencies: list[float] = []
+    gate = asyncio.Semaphore(OPEN_AT_ONCE)
+
+    async def one(job_id: str) -> None:
+        connection = Connection(url)
+        try:
+            async with gate:
+                events = connection.events(f"/v1/jobs/{job_id}/events")
+                try:
+                    await anext(events)  # the status entry: the stream is open
+                except Exception:
+                    with failed.get_lock():
+                        failed.value += 1
+                    raise
+            with opened.get_lock():
+                opened.value += 1
+            async for event in events:
+                if event.event == "token":
+                    sent = float(json.loads(event.data)["text"])
+                    sent_at.append(sent)
+                    latencies.append(event.received - sent)
+        finally:
+            await connection.close()
+
+    followers = [asyncio.create_task(one(job_id)) for job_id in job_ids]
+    await asyncio.to_thread(published_all.wait)
+    done, pending = await asyncio.wait(followers, timeout=FOLLOW_GRACE_S)
+    for task in pending:
+        task.cancel()
+    ended = sum(1 for task in done if task.exception() is None)
+    return sent_at, latencies, len(job_ids) - ended
+
+
+def _p99_by_second(sent_at: list[float], latencies: list[float], started: float) -> list[float | None]:
+    """The relay latency p99 (ms) of the events published in each second of the run: whether delays
+    came at the start, periodically or throughout."""
+    seconds: dict[int, list[float]] = {}
+    for sent, latency in zip(sent_at, latencies, strict=True):
+        seconds.setdefault(int(sent - started), []).append(latency)
+    return [summary(seconds[second])["p99"] for second in sorted(seconds)]
 
 
 async def gateway_connections(redis_url: str, gateway_pid: int) -> int:
