@@ -34,6 +34,8 @@ from common.redis_client import connection_pool
 
 logger = logging.getLogger(__name__)
 
+SWEEP_KEYS_PER_READ = 100  # streams re-read by a sweep added to each read of notified streams
+
 Entry = tuple[str, str, dict[str, str]]  # stream key, entry id, fields
 EntryId = tuple[int, int]
 
@@ -151,6 +153,7 @@ class _Reader:
         self.taps: dict[str, set[_Tap]] = {}
         self._read_from: dict[str, str] = {}  # per stream: the lowest cursor of its taps, or past it
         self._due: dict[str, None] = {}  # streams to read, in the order they were told of
+        self._swept: dict[str, None] = {}  # streams to read again (a sweep, a resubscription), less urgent
         self._changed = asyncio.Event()
 
     def _command(self, streams: dict[str, str]) -> bytes:
@@ -173,6 +176,7 @@ class _Reader:
         if not taps:
             del self.taps[tap.key], self._read_from[tap.key]
             self._due.pop(tap.key, None)
+            self._swept.pop(tap.key, None)
 
     def due(self, key: str) -> None:
         """The stream has new entries (or may have): read it."""
@@ -181,9 +185,23 @@ class _Reader:
             self._changed.set()
 
     def all_due(self) -> None:
-        """Read every stream again (notices may have been missed)."""
-        self._due.update(dict.fromkeys(self._read_from))
+        """Read every stream again (notices may have been missed): a few at a time beside the streams
+        notices name, so that re-reading thousands of streams does not hold up the ones with news."""
+        self._swept.update(dict.fromkeys(self._read_from))
         self._changed.set()
+
+    def _next_keys(self) -> list[str]:
+        """The streams of the next read: every due one (up to `max_keys`), then swept ones: up to
+        `SWEEP_KEYS_PER_READ` beside due ones, or a full read's worth when none is due."""
+        keys = list(itertools.islice(self._due, self._max_keys))
+        for key in keys:
+            del self._due[key]
+            self._swept.pop(key, None)  # read now: that is what the sweep asked for
+        room = min(SWEEP_KEYS_PER_READ, self._max_keys - len(keys)) if keys else self._max_keys
+        swept = list(itertools.islice(self._swept, room))
+        for key in swept:
+            del self._swept[key]
+        return keys + swept
 
     def wake(self) -> None:
         self._changed.set()
@@ -191,13 +209,11 @@ class _Reader:
     async def run(self) -> None:
         delay = 0.05
         while not self._relay.closed:
-            if not self._due:
+            if not self._due and not self._swept:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            keys = list(itertools.islice(self._due, self._max_keys))
-            for key in keys:
-                del self._due[key]
+            keys = self._next_keys()
             streams = {key: self._read_from[key] for key in keys}
             try:
                 await self.connection.send_packed_command(self._command(streams), check_health=False)
