@@ -313,7 +313,8 @@ class StreamRelay:
             reader.wake()
         for task in self._tasks:  # a read in flight ends now
             task.cancel()
-        await asyncio.wait(self._tasks, timeout=5)
+        if self._tasks:  # none when it never started
+            await asyncio.wait(self._tasks, timeout=5)
         for reader in self._readers:
             await reader.connection.disconnect()
         await self._subscription.disconnect()

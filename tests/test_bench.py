@@ -106,9 +106,26 @@ def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissio
     assert_summary(streams["relay_latency_ms"], streams["events_received"])
     assert streams["memory_per_stream_kb"] is not None
     assert 1 <= streams["redis_connections"]["max_while_relaying"] <= 8  # 200 streams, 8 connections at most
+    by_second = streams["relay_latency_p99_ms_by_second"]
+    assert 2 <= len(by_second) <= 3 and all(
+        p99 is not None and p99 <= streams["relay_latency_ms"]["max"] for p99 in by_second
+    )
     submissions = data["submissions"]
     assert submissions["submitted"] == 200 and submissions["per_s"] > 0
     assert_summary(submissions["latency_ms"], 200)
+
+
+def test_the_gateway_bench_refuses_more_streams_than_one_process_may_hold_open_files_for() -> None:
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    command = [sys.executable, "-m", "ortfleet", "bench", "gateway", "--streams", str(hard)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"one process may hold at most {hard} open files" in done.stderr
+    assert "ulimit -Hn" in done.stderr
 
 
 def test_the_simulation_reports_token_shares_queue_waits_and_idle_time(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from common.jobqueue import notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import gateway_client_name
 from common.wire import JobStatus
-from gateway.relay import Entry, Follower, StreamRelay
+from gateway.relay import SWEEP_KEYS_PER_READ, Entry, Follower, StreamRelay
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
 from tests.redis_events import add_entry
@@ -189,3 +190,28 @@ async def test_entries_a_writer_adds_without_a_notice_still_arrive_with_the_next
             assert [entry_id for _k, entry_id, _f in entries] == [written]
     finally:
         await streams.close()
+
+
+async def test_a_sweep_of_thousands_of_streams_is_read_beside_notified_ones_not_before_them(
+    redis_server: RedisServer,
+) -> None:
+    streams = StreamRelay(redis_server.url, connections=1, buffer=4, max_keys=1000)  # not started: no reads
+    followed = [keys.events(f"relay_sweep_{n}") for n in range(3000)]
+    async with contextlib.AsyncExitStack() as stack:
+        for stream in followed:
+            await stack.enter_async_context(streams.follow({stream: "0-0"}))
+        reader = streams._readers[0]
+        while reader._next_keys():  # the first reads of the streams just joined
+            pass
+        reader.all_due()  # a sweep: every stream again
+        reader.due(followed[-1])  # and a notice for the last one
+        first = reader._next_keys()
+        assert first[0] == followed[-1]
+        assert len(first) == 1 + SWEEP_KEYS_PER_READ  # the notified stream, and a share of the sweep
+        swept = set(first[1:])
+        while batch := reader._next_keys():  # nothing else due: the sweep goes on a full read at a time
+            assert len(batch) <= 1000
+            swept.update(batch)
+        # Every stream read again, the notified one once: its read counted for the sweep too.
+        assert followed[-1] not in swept and swept | {followed[-1]} == set(followed)
+    await streams.close()
