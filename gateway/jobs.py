@@ -20,7 +20,7 @@ from gateway.errors import ApiError
 from gateway.openai_api.serving import until_disconnect
 from gateway.request_body import parse_body
 from gateway.shards import Shard
-from gateway.sse import read_position, relay, valid_entry_id, wait_final
+from gateway.sse import batches, read_position, relay, valid_entry_id, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -123,7 +123,7 @@ async def job_events(request: Request) -> Response:
         raise ApiError(422, f"after: {after!r} is past the newest event of this job", param="after")
     owner = principal_of(request.scope).name
     state.streams.take(owner)
-    relayed = relay(shard.relay, shard.redis, job_id, after, state.settings.sse_keepalive_s)
+    relayed = relay(batches(shard.relay, shard.redis, job_id, after, state.settings.sse_keepalive_s))
     stream = state.streams.holding(owner, relayed)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(stream, media_type="text/event-stream", headers=headers)

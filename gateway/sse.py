@@ -85,39 +85,16 @@ class SentTokens:
         return True
 
 
-async def relay(
-    streams: StreamRelay,
-    redis: Redis,
-    job_id: str,
-    after: str,
-    keepalive_s: float,
-    outage_limit_s: float = 60.0,
-) -> AsyncIterator[bytes]:
-    """Every entry after `after` ("0-0" for all), then new ones as they come, until the final one:
-    the entries that arrived together as one chunk.
-
-    While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
-    goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
-    """
-    async with contextlib.aclosing(
-        batches(streams, redis, job_id, after, keepalive_s, outage_limit_s)
-    ) as read:
+async def relay(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncIterator[bytes]:
+    """The SSE bytes of `batches`: the entries that arrived together as one chunk, or a keep-alive."""
+    async with contextlib.aclosing(read):
         async for batch in read:
             yield KEEPALIVE if batch is None else b"".join(frame(*entry) for entry in batch)
 
 
-async def entries(
-    streams: StreamRelay,
-    redis: Redis,
-    job_id: str,
-    after: str,
-    keepalive_s: float,
-    outage_limit_s: float = 60.0,
-) -> AsyncGenerator[Entry | None, None]:
-    """The job's stream entries after `after` as `relay` reads them; None where a keep-alive is due."""
-    async with contextlib.aclosing(
-        batches(streams, redis, job_id, after, keepalive_s, outage_limit_s)
-    ) as read:
+async def entries(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncGenerator[Entry | None, None]:
+    """The entries of `batches` one at a time; None where a keep-alive is due."""
+    async with contextlib.aclosing(read):
         async for batch in read:
             if batch is None:
                 yield None
@@ -134,7 +111,12 @@ async def batches(
     keepalive_s: float,
     outage_limit_s: float = 60.0,
 ) -> AsyncGenerator[list[Entry] | None, None]:
-    """The job's stream entries after `after`, as they arrive together; None where a keep-alive is due."""
+    """The job's stream entries after `after` ("0-0" for all), then new ones as they come, until the
+    final one: those that arrived together in one list; None where a keep-alive is due.
+
+    While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
+    goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
+    """
     stream = keys.events(job_id)
     if await read_position(redis, job_id, after) == "ended":
         return

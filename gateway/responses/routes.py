@@ -26,7 +26,7 @@ from gateway.openai_api.serving import served_model, until_disconnect
 from gateway.request_body import parse_body
 from gateway.responses.events import EventNumbering, response_id, view_from_job
 from gateway.responses.protocol import ResponseRequest, check_supported, response_job
-from gateway.sse import EventStreamResponse, entries, wait_final
+from gateway.sse import EventStreamResponse, batches, entries, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -66,7 +66,7 @@ async def events(state: AppState, meta: dict[str, str], starting_after: int) -> 
         if event["sequence_number"] > starting_after:
             yield sse(event)
     shard = state.shards.of_model(meta["model"])
-    read = entries(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s)
+    read = entries(batches(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s))
     async with contextlib.aclosing(read):
         async for entry in read:
             if entry is None:
