@@ -6,10 +6,7 @@ attempt number and change nothing once the job's record counts another attempt.
 
 A script that adds entries to job streams publishes their keys, space-separated, on the stream
 notices channel (its last ARGV; CLAIM's after the class names) in one message: each gateway's relay
-reads just the streams it is told of (gateway/relay.py). PUBLISH_STEP, the writes of every engine
-step, also carries the entries themselves after a newline, as JSON: per stream
-`[key, id of the entry before them, [[entry id, [field, value, ...]], ...]]`, so that a relay whose
-read of the stream stands at that entry hands them out without reading the stream.
+reads just the streams it is told of (gateway/relay.py).
 """
 
 from __future__ import annotations
@@ -363,7 +360,6 @@ PUBLISH_STEP = """
 -- would leave a gap.
 local out = {}
 local noticed = {}
-local carried = {}
 local at = 1
 for j = 1, #KEYS / 2 do
   local record, events = KEYS[2 * j - 1], KEYS[2 * j]
@@ -386,32 +382,21 @@ for j = 1, #KEYS / 2 do
   local entries = tonumber(ARGV[at])
   at = at + 1
   local written = 0
-  local added = {}
-  local before = nil
   for _ = 1, entries do
     local n = tonumber(ARGV[at])
     if writing then
       local ev = {}
       for i = at + 1, at + 2 * n do ev[#ev + 1] = ARGV[i] end
-      if before == nil then
-        local newest = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)
-        before = newest[1] and newest[1][1] or '0-0'
-      end
-      added[#added + 1] = {redis.call('XADD', events, '*', unpack(ev)), ev}
+      redis.call('XADD', events, '*', unpack(ev))
       written = written + 1
     end
     at = at + 1 + 2 * n
   end
   if writing and to ~= '' and tonumber(to) > streamed then redis.call('HSET', record, 'streamed', to) end
   out[j] = writing and written or status
-  if writing and written > 0 then
-    noticed[#noticed + 1] = events
-    carried[#carried + 1] = {events, before, added}
-  end
+  if writing and written > 0 then noticed[#noticed + 1] = events end
 end
-if #noticed > 0 then
-  redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ') .. '\\n' .. cjson.encode(carried))
-end
+if #noticed > 0 then redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ')) end
 return out
 """
 

@@ -3,9 +3,7 @@
 The scripts that add entries to job streams publish the streams' keys on a notices channel
 (common/job_scripts.py). Each relay holds one subscription to it and, on each notice, reads just the
 streams named there that its clients follow: one non-blocking `XREAD` over all of them (up to
-`max_keys` a command), whose entries it fans out in-process. A worker's step writes carry their
-entries in the notice too, with the id of the entry before them: where the relay's read of the stream
-stands at that entry, it hands them out with no read at all. A follower that joins gets a read of its
+`max_keys` a command), whose entries it fans out in-process. A follower that joins gets a read of its
 stream at once. A resubscription (Redis away and back, a failover) and a slow sweep read every
 followed stream again, so a lost notice delays entries but never loses them. Redis' work is per
 changed stream, not per followed one.
@@ -25,9 +23,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
-import orjson
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -188,17 +184,6 @@ class _Reader:
             self._due[key] = None
             self._changed.set()
 
-    def carried(self, key: str, before: str, entries: list[list[Any]]) -> None:
-        """Entries a notice carries, added to the stream right after entry `before`: handed out at
-        once when this reader's read of the stream stands at `before` (nothing between is missing),
-        else the stream is read."""
-        if key not in self._read_from:
-            return
-        if self._read_from[key] != before:
-            self.due(key)
-            return
-        self._deliver(key, [(entry_id, _pairs(flat)) for entry_id, flat in entries], before)
-
     def all_due(self) -> None:
         """Read every stream again (notices may have been missed): a few at a time beside the streams
         notices name, so that re-reading thousands of streams does not hold up the ones with news."""
@@ -347,7 +332,8 @@ class StreamRelay:
                     message = await self._subscription.read_response()
                     delay = 0.05
                     if isinstance(message, list) and message and message[0] == "message":
-                        self._notice(message[2])
+                        for key in message[2].split():
+                            self._reader(key).due(key)
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 await self._subscription.disconnect()
                 self.unreachable(e)
@@ -378,22 +364,6 @@ class StreamRelay:
             yield follower
         finally:
             follower.close()
-
-    def _notice(self, data: str) -> None:
-        """A notice: the keys of streams with new entries, and after a newline, when the writer sent
-        them, the entries themselves (common/job_scripts.py)."""
-        names, _, carried = data.partition("\n")
-        if carried:
-            try:
-                streams = orjson.loads(carried)
-            except orjson.JSONDecodeError:
-                logger.warning("a stream notice with unreadable entries; reading its streams")
-            else:
-                for key, before, entries in streams:
-                    self._reader(key).carried(key, before, entries)
-                return
-        for key in names.split():
-            self._reader(key).due(key)
 
     def _reader(self, key: str) -> _Reader:
         return self._readers[zlib.crc32(key.encode()) % len(self._readers)]

@@ -13,8 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.events import token_entry
-from common.jobqueue import JobQueue, StepResult, StepWrite, notice_streams, stage_jobs
+from common.jobqueue import notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import gateway_client_name
 from common.wire import JobStatus
@@ -216,49 +215,3 @@ async def test_a_sweep_of_thousands_of_streams_is_read_beside_notified_ones_not_
         # Every stream read again, the notified one once: its read counted for the sweep too.
         assert followed[-1] not in swept and swept | {followed[-1]} == set(followed)
     await streams.close()
-
-
-async def xreads(redis: Redis) -> int:
-    stats = await redis.info("commandstats")
-    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
-
-
-async def test_a_step_write_carries_its_entries_to_a_relay_whose_read_stands_before_them_and_no_read_follows(
-    own_redis: RedisServer, own_redis_client: Redis
-) -> None:
-    # A Redis of its own: no other relay's reads in its command counts.
-    redis = own_redis_client
-    relay = StreamRelay(own_redis.url, connections=1, buffer=4)
-    await relay.start()
-    try:
-        await _carried_entries_arrive(relay, redis)
-    finally:
-        await relay.close()
-
-
-async def _carried_entries_arrive(relay: StreamRelay, redis: Redis) -> None:
-    queue = JobQueue(redis, 3600)
-    job_id = "relay_carried"
-    stream = keys.events(job_id)
-    await redis.delete(keys.job(job_id), stream)
-    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
-    first = await add_entry(redis, stream, {"type": "status", "status": "running"})
-    async with relay.follow({stream: "0-0"}) as follower:
-        assert [entry_id for _k, entry_id, _f in await read_until(follower, 1)] == [first]
-        before = await xreads(redis)
-        for index, text in enumerate("abc"):
-            write = StepWrite(job_id, 1, [token_entry(text, [97 + index], index)], {})
-            assert await queue.publish_step([write]) == [StepResult.written]
-            [(_key, _entry_id, fields)] = await read_until(follower, 1)
-            assert fields["text"] == text and fields["index"] == str(index)
-        assert await xreads(redis) == before  # handed out from the notices: no read of the stream
-
-        # An entry added without a notice: the next step's carried entries do not follow the relay's
-        # read, so the stream is read, and both arrive in order.
-        unnoticed = await redis.xadd(stream, {"type": "status", "status": "running"})
-        write = StepWrite(job_id, 1, [token_entry("d", [100], 3)], {})
-        assert await queue.publish_step([write]) == [StepResult.written]
-        entries = await read_until(follower, 2)
-        assert [fields.get("text") for _k, _id, fields in entries] == [None, "d"]
-        assert entries[0][1] == unnoticed
-        assert await xreads(redis) > before
