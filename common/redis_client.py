@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel as SyncSentinel
 
-from common.redis_url import is_sentinel_url, parse_sentinel_url
+from common.redis_url import SentinelUrl, is_sentinel_url, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 2.0  # a sentinel answers at once, or is down and the next one is asked
 
@@ -32,6 +32,15 @@ def gateway_client_name(pid: int) -> str:
     return f"ortfleet-gateway-{pid}"
 
 
+def _sentinel_options(parsed: SentinelUrl, timeout_s: float) -> dict[str, Any]:
+    """How to talk to the sentinels themselves (not to the primary they name)."""
+    return {
+        "socket_timeout": timeout_s,
+        "username": parsed.sentinel_username,
+        "password": parsed.sentinel_password,
+    }
+
+
 def connection_pool(url: str, *, max_connections: int | None = None, **options: Any) -> ConnectionPool:
     """A pool for `url` (redis://, rediss://, unix:// or redis+sentinel://) whose connections take
     `options` (redis-py connection arguments). With `max_connections`, a command waits for a free
@@ -42,14 +51,12 @@ def connection_pool(url: str, *, max_connections: int | None = None, **options: 
         return BlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
     parsed = parse_sentinel_url(url)
     connect_timeout = options.get("socket_connect_timeout") or SENTINEL_TIMEOUT_S
-    sentinel_options: dict[str, Any] = {
-        "socket_timeout": SENTINEL_TIMEOUT_S,
-        "socket_connect_timeout": min(connect_timeout, SENTINEL_TIMEOUT_S),
-        "socket_keepalive": True,
-        "username": parsed.sentinel_username,
-        "password": parsed.sentinel_password,
-        "decode_responses": True,
-    }
+    sentinel_options = _sentinel_options(parsed, SENTINEL_TIMEOUT_S)
+    sentinel_options.update(
+        socket_connect_timeout=min(connect_timeout, SENTINEL_TIMEOUT_S),
+        socket_keepalive=True,
+        decode_responses=True,
+    )
     sentinel = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
     options = {**options, "db": parsed.db, "username": parsed.username, "password": parsed.password}
     if max_connections is None:
@@ -96,13 +103,8 @@ def connect_blocking(url: str, timeout_s: float = 5.0) -> SyncRedis:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
         )
     parsed = parse_sentinel_url(url)
-    sentinel_options = {
-        "socket_timeout": timeout_s,
-        "username": parsed.sentinel_username,
-        "password": parsed.sentinel_password,
-    }
     sentinel = SyncSentinel(  # type: ignore[no-untyped-call]
-        list(parsed.sentinels), sentinel_kwargs=sentinel_options, socket_timeout=timeout_s
+        list(parsed.sentinels), sentinel_kwargs=_sentinel_options(parsed, timeout_s), socket_timeout=timeout_s
     )
     client: SyncRedis = sentinel.master_for(  # type: ignore[no-untyped-call]
         parsed.service,

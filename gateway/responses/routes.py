@@ -23,30 +23,24 @@ from gateway.auth import principal_of
 from gateway.errors import ApiError, ClientGone
 from gateway.openai_api.choices import as_openai_error
 from gateway.openai_api.serving import served_model, until_disconnect
+from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
 from gateway.responses.events import EventNumbering, response_id, view_from_job
 from gateway.responses.protocol import ResponseRequest, check_supported, response_job
-from gateway.sse import EventStreamResponse, batches, entries, wait_final
+from gateway.sse import KEEPALIVE, EventStreamResponse, batches, entries, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
-KEEPALIVE = b": keep-alive\n\n"
 CANCEL_WAIT_S = 5.0
 
 
-def not_found(resp_id: str) -> ApiError:
-    return ApiError(
-        404,
-        f"response {resp_id!r} does not exist (or has expired)",
-        param="response_id",
-        code=ErrorCode.response_not_found,
-    )
+RESPONSE = OwnedKind("response", "response_id", ErrorCode.response_not_found)
 
 
 async def load_meta(state: AppState, resp_id: str, owner: str) -> dict[str, str]:
     meta: dict[str, str] = await state.redis.hgetall(keys.response(resp_id))  # type: ignore[misc]
     if not meta or meta.get("owner", "") != owner or meta.get("store") != "1":
-        raise not_found(resp_id)
+        raise RESPONSE.not_found(resp_id)
     return meta
 
 
