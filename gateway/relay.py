@@ -82,9 +82,8 @@ class Follower:
         full = len(self._buffer) >= self._limit
         if not full:
             self._buffer.append(entry)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._waiter is not None:
+            _wake(self._waiter)
         return not full
 
     async def next(self, timeout_s: float) -> list[Entry]:
@@ -94,7 +93,7 @@ class Follower:
             # One future and one timer a wait (a relay wakes thousands of these a second).
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout_s, _time_up, waiter)
+            timer = loop.call_later(timeout_s, _wake, waiter)
             try:
                 await waiter
             finally:
@@ -121,7 +120,8 @@ class Follower:
             self.stop(key)
 
 
-def _time_up(waiter: asyncio.Future[None]) -> None:
+def _wake(waiter: asyncio.Future[None]) -> None:
+    """Ends a follower's wait: entries arrived, or its time is up (whichever comes first)."""
     if not waiter.done():
         waiter.set_result(None)
 

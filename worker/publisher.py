@@ -196,6 +196,7 @@ class StepWriter:
         """Puts back in front of the publisher's pending entries those of its written token entries the
         stream lacks (it ends before them)."""
         streamed = await self._queue.streamed(publisher.job_id)
+        missing = [entry for entry in publisher.written if int(entry["index"]) >= streamed]
         if streamed < publisher.first_index:
             logger.error(
                 "job %s: its stream lacks tokens %d to %d of an earlier attempt; its readers miss them",
@@ -204,8 +205,7 @@ class StepWriter:
                 publisher.first_index - 1,
             )
             publisher.unfillable = True
-        missing = [entry for entry in publisher.written if int(entry["index"]) >= streamed]
-        if not missing and not publisher.unfillable:
+        elif not missing and not publisher.unfillable:
             # What the stream lacks is not among what this attempt kept: writing again cannot fill it,
             # so write on without the check rather than be refused forever.
             logger.error(
