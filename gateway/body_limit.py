@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,10 +17,13 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
         self.path_limits = path_limits or {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        if scope["type"] != "http" or not _has_body(scope):
+            # Nothing to count; and an event stream that stays open for hours holds no frame of ours.
+            return self.app(scope, receive, send)
+        return self._limited(scope, receive, send)
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.path_limits.get(scope["path"], self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -54,6 +58,11 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request has a body: HTTP/1.1 sends none without Content-Length or Transfer-Encoding."""
+    return any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
 
 
 class BodyTooLarge(Exception):

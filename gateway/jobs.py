@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common import keys
@@ -16,11 +17,11 @@ from common.fleet_stats import service_rate
 from common.records import JobRecord
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
+from gateway.departure import until_disconnect
 from gateway.errors import ApiError
-from gateway.openai_api.serving import until_disconnect
 from gateway.request_body import parse_body
 from gateway.shards import Shard
-from gateway.sse import batches, read_position, relay, valid_entry_id, wait_final
+from gateway.sse import EventStreamResponse, batches, read_position, relay, valid_entry_id, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -124,9 +125,7 @@ async def job_events(request: Request) -> Response:
     owner = principal_of(request.scope).name
     state.streams.take(owner)
     relayed = relay(batches(shard.relay, shard.redis, job_id, after, state.settings.sse_keepalive_s))
-    stream = state.streams.holding(owner, relayed)
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    return EventStreamResponse(relayed, on_end=functools.partial(state.streams.give_back, owner))
 
 
 async def cancel_job(request: Request) -> Response:

@@ -8,6 +8,8 @@ import ipaddress
 import logging
 import resource
 import sys
+import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -36,6 +38,20 @@ def raise_open_file_limit() -> int:
 
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between collections of the youngest generation (Python: 700)
+
+
+def time_garbage_collections(observe: Callable[[int, float], None]) -> None:
+    """Calls `observe(generation, seconds)` after each garbage collection of this process."""
+    started = 0.0
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+        else:
+            observe(info["generation"], time.perf_counter() - started)
+
+    gc.callbacks.append(on_collection)
 
 
 def calm_garbage_collector() -> None:
@@ -94,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         lambda reason: gateway_metrics.rejected.labels(reason).inc(),
     )
     app = build_app(settings, gateway_metrics)
+    pauses = [gateway_metrics.gc_pauses.labels(str(generation)) for generation in range(3)]
+    time_garbage_collections(lambda generation, seconds: pauses[generation].observe(seconds))
     calm_garbage_collector()
     uvicorn.run(
         app,

@@ -32,6 +32,8 @@ HTTP_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 
+GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
 
 class GatewayMetrics:
     """The metrics of one gateway process, in a registry of its own."""
@@ -75,6 +77,15 @@ class GatewayMetrics:
             ["reason"],
             namespace=NAMESPACE,
             registry=registry,
+        )
+        self.gc_pauses = Histogram(
+            "gc_pause_seconds",
+            "Time the gateway's event loop stood still for a garbage collection, by generation "
+            "(2: a full collection, which walks every object of every open stream).",
+            ["generation"],
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=GC_BUCKETS,
         )
         self.fleet = FleetFigures(per_key)
         registry.register(self.fleet)

@@ -7,17 +7,19 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from common import keys
 from common.events import event_payload, is_final
 from common.wire import EventType
+from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.relay import StreamRelay
 
 logger = logging.getLogger(__name__)
@@ -170,17 +172,47 @@ async def wait_final(streams: StreamRelay, redis: Redis, job_id: str, timeout_s:
 
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that know whether they ran to their end: `ended` stays False when the client
-    left first, for subclasses that then cancel what the stream was for."""
+    left first, for subclasses that then cancel what the stream was for. `on_end` is called once
+    the stream is over, however it ended.
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    Behind the gateway's own protocol a client that leaves cancels the stream from a callback (see
+    gateway.departure); behind any other server Starlette watches receive() in a second task per stream."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
         self.ended = False
+        self._chunks = self._to_the_end(content, on_end)
         super().__init__(
-            self._to_the_end(content),
+            self._chunks,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
 
-    async def _to_the_end(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        async for chunk in content:
-            yield chunk
-        self.ended = True
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = disconnect_watch(scope)
+        try:
+            if watch is None:
+                await super().__call__(scope, receive, send)
+            else:
+                with CancelledOnDeparture(watch):
+                    await self.stream_response(send)
+        finally:
+            await self._chunks.aclose()  # its `on_end` has run, whichever way the stream ended
+
+    async def _to_the_end(
+        self, content: AsyncIterator[bytes], on_end: Callable[[], None] | None
+    ) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in content:
+                yield chunk
+            self.ended = True
+        finally:
+            if on_end is not None:
+                on_end()
+            close = getattr(content, "aclose", None)
+            if close is not None:
+                await close()

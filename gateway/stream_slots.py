@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 from common.apikeys import ANONYMOUS
 from common.error_codes import ErrorCode
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
-
-T = TypeVar("T")
 
 
 class StreamSlots:
@@ -54,14 +51,3 @@ class StreamSlots:
             yield
         finally:
             self.give_back(owner)
-
-    async def holding(self, owner: str, chunks: AsyncIterator[T]) -> AsyncGenerator[T, None]:
-        """`chunks`, with a slot already taken (`take`) for `owner` that is given back when they end."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self.give_back(owner)
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()

@@ -106,6 +106,9 @@ def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissio
     assert_summary(streams["relay_latency_ms"], streams["events_received"])
     assert streams["memory_per_stream_kb"] is not None
     assert 1 <= streams["redis_connections"]["max_while_relaying"] <= 8  # 200 streams, 8 connections at most
+    for pauses in streams["gc_pauses"].values():  # read from the gateway's ortfleet_gc_pause_seconds
+        assert 0 <= pauses["full"] <= pauses["collections"]
+        assert 0 <= pauses["over_50ms"] <= pauses["collections"] and pauses["seconds"] >= 0
     by_second = streams["relay_latency_p99_ms_by_second"]
     assert 2 <= len(by_second) <= 3 and all(
         p99 is not None and p99 <= streams["relay_latency_ms"]["max"] for p99 in by_second

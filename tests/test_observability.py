@@ -227,6 +227,10 @@ async def test_http_metrics_label_routes_by_template_and_count_jobs_and_streams(
     assert value(text, "ortfleet_sse_streams_active", route="/v1/jobs/{job_id}/events") == 0
     durations = value(text, "ortfleet_http_request_duration_seconds_count", route="/v1/jobs/{job_id}/events")
     assert durations == 1
+    # The gateway collects its startup heap once, in full, before it serves: that pause is on record.
+    full_collections = value(text, "ortfleet_gc_pause_seconds_count", generation="2")
+    assert full_collections is not None and full_collections >= 1
+    assert (value(text, "ortfleet_gc_pause_seconds_sum") or 0) > 0
 
 
 async def test_a_worker_exposes_its_latencies_tokens_and_load_labelled_by_model_and_device(

@@ -7,17 +7,25 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
 from common import keys
 from common.jobqueue import notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import gateway_client_name
+from common.settings import GatewaySettings
 from common.wire import JobStatus
+from gateway.app import build_app
+from gateway.http_protocol import guarded_protocol
 from gateway.relay import SWEEP_KEYS_PER_READ, Entry, Follower, StreamRelay
+from gateway.state import AppState
+from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
 from tests.redis_events import add_entry
@@ -89,6 +97,68 @@ async def test_hundreds_of_open_streams_hold_no_more_redis_connections_than_the_
         streams = await asyncio.wait_for(asyncio.gather(*readers), 120)
     assert streams == [["status", "token", "done"]] * STREAMS
     assert 1 <= await gateway_connections(redis, gateway.process.pid) <= POOL + RELAY + SUBSCRIPTION
+
+
+@contextlib.asynccontextmanager
+async def in_process_gateway(redis_url: str, protocol: str) -> AsyncIterator[tuple[str, AppState]]:
+    """The gateway on uvicorn in this event loop, so its tasks can be counted: behind its own HTTP
+    protocol ("gateway"), as `python -m gateway` serves it, or behind uvicorn's own ("uvicorn")."""
+    app = build_app(GatewaySettings(redis_url=redis_url))
+    http = guarded_protocol(16_384, 10, 30, lambda reason: None) if protocol == "gateway" else "httptools"
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:  # uvicorn has no event for it
+        assert not serving.done(), "the gateway did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app.state.ortfleet
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def tasks_started(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    current = asyncio.current_task()
+    return {task for task in asyncio.all_tasks() - before if task is not current}
+
+
+@pytest.mark.parametrize(("protocol", "tasks_per_stream"), [("gateway", 1), ("uvicorn", 2)])
+async def test_clients_that_leave_their_streams_and_long_polls_end_them_at_once(
+    protocol: str, tasks_per_stream: int, redis_server: RedisServer, redis: Redis
+) -> None:
+    """Behind the gateway's protocol an open stream is one task, told by a callback that its client left;
+    behind another server Starlette's second task per stream, waiting in receive(), does it."""
+    warm, *job_ids = await create_running_jobs(redis, f"leaving_{protocol}", 11)
+    gateway = in_process_gateway(redis_server.url, protocol)
+    async with gateway as (url, state), httpx.AsyncClient(base_url=url) as client:
+
+        async def open_streams(streams: contextlib.AsyncExitStack, ids: list[str]) -> set[asyncio.Task[Any]]:
+            """The gateway's tasks that started while the streams opened."""
+            before = asyncio.all_tasks()
+            for job_id in ids:
+                opened = aconnect_sse(client, "GET", f"/v1/jobs/{job_id}/events")
+                events = (await streams.enter_async_context(opened)).aiter_sse()
+                streams.push_async_callback(events.aclose)  # held open until the stack closes
+                assert (await anext(events)).event == "status"
+            return tasks_started(before)
+
+        async with contextlib.AsyncExitStack() as streams:  # the relay's own tasks start with a first stream
+            warming = await open_streams(streams, [warm])
+        await asyncio.wait(warming, timeout=10)
+        async with contextlib.AsyncExitStack() as streams:
+            serving = await open_streams(streams, job_ids)
+            assert sum(state.streams.open.values()) == len(job_ids)
+        # The clients left without a word: each stream ends, with nothing to write to it.
+        _, pending = await asyncio.wait(serving, timeout=10)
+        assert not pending and not state.streams.open
+
+        before = asyncio.all_tasks()
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves a 30 s long-poll after 0.5 s
+            await client.get(f"/v1/jobs/{job_ids[0]}", params={"wait": 30}, timeout=0.5)
+        _, pending = await asyncio.wait(tasks_started(before), timeout=10)
+        assert not pending and not state.streams.open
+    assert len(serving) == tasks_per_stream * len(job_ids)
 
 
 @pytest.fixture

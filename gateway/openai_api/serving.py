@@ -1,21 +1,17 @@
-"""What chat and text completions share: the served model, waiting on the jobs, client disconnects."""
+"""What chat and text completions share: the served model, waiting on the jobs (a client that leaves
+cancels them)."""
 
 from __future__ import annotations
-
-import asyncio
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.departure import until_disconnect
 from gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientGone
 from gateway.openai_api.choices import JOB_ID_HEADER, Choices, as_openai_error
 from gateway.openai_api.streaming import JobStreamResponse, ResponseFormat, chunks
 from gateway.state import AppState
 from gateway.submission import resolve_model
-
-T = TypeVar("T")
 
 
 async def served_model(state: AppState, requested: str | None) -> str:
@@ -63,31 +59,3 @@ async def respond(
     choices.release()
     usage = choices.total_usage([result.usage for result in results])
     return JSONResponse(form.complete(results, usage).model_dump(mode="json"), headers=headers)
-
-
-async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result; ClientGone, with `work` cancelled, if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task in done:
-        return task.result()
-    # Not awaited: a Redis read with a socket timeout may finish its round before it sees the cancel,
-    # and the client is gone now, not then.
-    task.add_done_callback(_retrieve)
-    raise ClientGone
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -20,9 +20,10 @@ from common.error_codes import ErrorCode
 from common.records import JobRecord
 from common.wire import TERMINAL, JobStatus
 from gateway.auth import principal_of
+from gateway.departure import until_disconnect
 from gateway.errors import ApiError, ClientGone
 from gateway.openai_api.choices import as_openai_error
-from gateway.openai_api.serving import served_model, until_disconnect
+from gateway.openai_api.serving import served_model
 from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
 from gateway.responses.events import EventNumbering, response_id, view_from_job

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from common import aio, keys
@@ -120,6 +122,7 @@ def _open_file_limit_check(streams: int) -> None:
 async def stream_step(options: CapacityOptions, url: str, redis_url: str, gateway_pid: int) -> dict[str, Any]:
     await _create_jobs(redis_url, options.streams)
     rss_before = rss_bytes(gateway_pid)
+    collections = [await gc_pauses(url)]
     context = multiprocessing.get_context("spawn")
     opened, failed = context.Value("q", 0), context.Value("q", 0)
     published_all = context.Event()
@@ -144,6 +147,7 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
     open_streams, failed_opens = opened.value, failed.value
     await asyncio.sleep(1.0)
     rss_open = rss_bytes(gateway_pid)
+    collections.append(await gc_pauses(url))
     connections = [await gateway_connections(redis_url, gateway_pid)]
 
     start = context.Event()
@@ -165,6 +169,7 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
     publisher.join(10)
     elapsed = time.perf_counter() - started
     gateway_cpu = (cpu_seconds(gateway_pid) - cpu_before) / elapsed
+    collections.append(await gc_pauses(url))
     published_all.set()
     sent_at: list[float] = []
     latencies: list[float] = []
@@ -190,7 +195,36 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
         "gateway_rss_mb": {"idle": round(rss_before / 2**20, 1), "open": round(rss_open / 2**20, 1)},
         "memory_per_stream_kb": round((rss_open - rss_before) / options.streams / 1024, 1),
         "redis_connections": {"streams_open": connections[0], "max_while_relaying": max(connections)},
+        "gc_pauses": {
+            "while_opening": _between(collections[0], collections[1]),
+            "while_relaying": _between(collections[1], collections[2]),
+        },
     }
+
+
+async def gc_pauses(url: str) -> dict[str, float]:
+    """The gateway's garbage collections so far (`ortfleet_gc_pause_seconds`): how many, how many of
+    them full, how many stood the event loop still for more than 50 ms, and their seconds in all."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        exposition = (await http.get("/metrics")).raise_for_status().text
+    pauses = {"collections": 0.0, "full": 0.0, "over_50ms": 0.0, "seconds": 0.0}
+    for family in text_string_to_metric_families(exposition):
+        if family.name != "ortfleet_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                pauses["collections"] += sample.value
+                pauses["full"] += sample.value if sample.labels["generation"] == "2" else 0
+                pauses["over_50ms"] += sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == 0.05:
+                pauses["over_50ms"] -= sample.value
+            elif sample.name.endswith("_sum"):
+                pauses["seconds"] += sample.value
+    return pauses
+
+
+def _between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before[name], 4) for name in before}
 
 
 FOLLOW_GRACE_S = 60.0  # after the last publish, how long a stream may take to reach its end
@@ -335,7 +369,7 @@ async def _submissions(options: CapacityOptions, url: str) -> dict[str, Any]:
 
 def text(figures: dict[str, Any]) -> str:
     s, sub = figures["streams"], figures["submissions"]
-    lat, rss = s["relay_latency_ms"], s["gateway_rss_mb"]
+    lat, rss, gc = s["relay_latency_ms"], s["gateway_rss_mb"], s["gc_pauses"]
     rows = [
         ["open SSE streams", s["open_streams"]],
         ["streams failed", s["streams_failed"]],
@@ -349,7 +383,22 @@ def text(figures: dict[str, Any]) -> str:
             "gateway Redis connections: streams open / max while relaying",
             f"{s['redis_connections']['streams_open']} / {s['redis_connections']['max_while_relaying']}",
         ],
+        [
+            "gateway GC while opening: collections (full), over 50 ms, total ms",
+            _collections(gc["while_opening"]),
+        ],
+        [
+            "gateway GC while relaying: collections (full), over 50 ms, total ms",
+            _collections(gc["while_relaying"]),
+        ],
         ["submissions per second", sub["per_s"]],
         ["submission latency p50 / p99 (ms)", f"{sub['latency_ms']['p50']} / {sub['latency_ms']['p99']}"],
     ]
     return table(["gateway", "value"], rows)
+
+
+def _collections(pauses: dict[str, float]) -> str:
+    return (
+        f"{pauses['collections']:.0f} ({pauses['full']:.0f}), {pauses['over_50ms']:.0f}, "
+        f"{pauses['seconds'] * 1000:.0f}"
+    )
