@@ -21,7 +21,15 @@ from gateway.departure import until_disconnect
 from gateway.errors import ApiError
 from gateway.request_body import parse_body
 from gateway.shards import Shard
-from gateway.sse import EventStreamResponse, batches, read_position, relay, valid_entry_id, wait_final
+from gateway.sse import (
+    EventStreamResponse,
+    StreamEndpoint,
+    batches,
+    read_position,
+    relay,
+    valid_entry_id,
+    wait_final,
+)
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -203,5 +211,5 @@ routes = [
     Route("/v1/jobs", list_jobs, methods=["GET"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
     Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
-    Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/events", StreamEndpoint(job_events), methods=["GET"]),
 ]

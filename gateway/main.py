@@ -121,4 +121,5 @@ def main(argv: list[str] | None = None) -> None:
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        proxy_headers=False,  # nothing reads the client address; one frame less per open request
     )

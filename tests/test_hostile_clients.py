@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import socket
 import time
@@ -374,6 +375,24 @@ async def test_slowloris_connections_are_closed_after_the_read_timeouts(
 
     got, took = await asyncio.to_thread(hold)
     assert got.startswith(answer) and took < 4, (got[:80], took)
+
+
+async def test_requests_pipelined_on_one_connection_are_answered_in_order(tenants: Tenants) -> None:
+    """HTTP/1.1 pipelining: a client sends its next requests before the first is answered; the gateway
+    queues them and answers each in turn."""
+    key = b"Authorization: " + tenants.alice["Authorization"].encode()
+    paths = [b"/healthz", b"/v1/models", b"/v1/jobs/no-such-job", b"/healthz"]
+    heads = [b"GET %b HTTP/1.1\r\nHost: x\r\n%b\r\n" % (path, key) for path in paths]
+    heads[-1] += b"Connection: close\r\n"
+
+    def pipeline() -> bytes:
+        with _connect(tenants.url) as sock:
+            sock.sendall(b"".join(head + b"\r\n" for head in heads))
+            return _read_all(sock)
+
+    answer = await asyncio.to_thread(pipeline)
+    assert re.findall(rb"HTTP/1.1 (\d{3}) ", answer) == [b"200", b"200", b"404", b"200"]
+    assert b"tiny-hostile-" in answer  # the models list, answered second
 
 
 async def test_a_stalled_redis_gets_503_store_timeout_and_the_fleet_serves_again_at_once(

@@ -25,6 +25,7 @@ from gateway.openai_api.protocol import (
 )
 from gateway.openai_api.serving import respond, served_model
 from gateway.request_body import parse_body
+from gateway.sse import StreamEndpoint
 from gateway.state import app_state
 
 
@@ -86,4 +87,4 @@ async def create_chat_completion(request: Request) -> Response:
     )
 
 
-routes = [Route("/v1/chat/completions", create_chat_completion, methods=["POST"])]
+routes = [Route("/v1/chat/completions", StreamEndpoint(create_chat_completion), methods=["POST"])]

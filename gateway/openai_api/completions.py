@@ -16,6 +16,7 @@ from gateway.openai_api.params import check_choice_count, job_request, prompt_te
 from gateway.openai_api.protocol import Completion, CompletionChoice, CompletionRequest, OpenAIFinishReason
 from gateway.openai_api.serving import respond, served_model
 from gateway.request_body import parse_body
+from gateway.sse import StreamEndpoint
 from gateway.state import app_state
 
 
@@ -71,4 +72,4 @@ async def create_completion(request: Request) -> Response:
     )
 
 
-routes = [Route("/v1/completions", create_completion, methods=["POST"])]
+routes = [Route("/v1/completions", StreamEndpoint(create_completion), methods=["POST"])]

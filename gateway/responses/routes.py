@@ -28,7 +28,7 @@ from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
 from gateway.responses.events import EventNumbering, response_id, view_from_job
 from gateway.responses.protocol import ResponseRequest, check_supported, response_job
-from gateway.sse import KEEPALIVE, EventStreamResponse, batches, entries, wait_final
+from gateway.sse import KEEPALIVE, EventStreamResponse, StreamEndpoint, batches, entries, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -179,6 +179,6 @@ async def cancel_response(request: Request) -> Response:
 
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),
-    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", StreamEndpoint(get_response), methods=["GET"]),
     Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
 ]
