@@ -10,10 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from gateway.departure import DISCONNECT_EXTENSION
+from gateway.sse import DIRECT_BODY_EXTENSION
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -33,6 +34,29 @@ class _Pipeline(list[Any]):
 
     def appendleft(self, item: Any) -> None:
         self.insert(0, item)
+
+
+class DirectBody:
+    """DIRECT_BODY_EXTENSION (see gateway.sse.DirectBody): a started response's body chunks written to
+    the connection as uvicorn's own `send` writes them, without the ASGI send chain."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+
+    def write(self, data: bytes) -> bool:
+        cycle = self._cycle
+        if cycle.disconnected:
+            return True  # the departure is on its way to the request's task
+        if cycle.response_complete or not cycle.chunked_encoding:
+            raise RuntimeError("a direct body needs a started response with a chunked body")
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return not cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        if not self._cycle.disconnected:
+            await self._cycle.flow.drain()
 
 
 def _plain_response(status: int, message: str) -> bytes:
@@ -125,12 +149,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._reject(431, "header_too_large", f"request head larger than {self.max_head_bytes} bytes")
             return
         self._arm(self.body_timeout_s, "the request body")
-        extensions = self.scope.setdefault("extensions", {})
+        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
         extensions[DISCONNECT_EXTENSION] = {"watch": self.watch_disconnect}  # see gateway.departure
         previous = self.cycle
         super().on_headers_complete()
         if self.cycle is not None and self.cycle is not previous:  # a new request: its task has not run yet
             self.cycle.message_event = _ListEvent()
+            extensions[DIRECT_BODY_EXTENSION] = DirectBody(self.cycle)
 
     def on_body(self, body: bytes) -> None:
         if not self._rejected:

@@ -21,15 +21,7 @@ from gateway.departure import until_disconnect
 from gateway.errors import ApiError
 from gateway.request_body import parse_body
 from gateway.shards import Shard
-from gateway.sse import (
-    EventStreamResponse,
-    StreamEndpoint,
-    batches,
-    read_position,
-    relay,
-    valid_entry_id,
-    wait_final,
-)
+from gateway.sse import JobEventsResponse, StreamEndpoint, read_position, valid_entry_id, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -132,8 +124,10 @@ async def job_events(request: Request) -> Response:
         raise ApiError(422, f"after: {after!r} is past the newest event of this job", param="after")
     owner = principal_of(request.scope).name
     state.streams.take(owner)
-    relayed = relay(batches(shard.relay, shard.redis, job_id, after, state.settings.sse_keepalive_s))
-    return EventStreamResponse(relayed, on_end=functools.partial(state.streams.give_back, owner))
+    keepalive_s = state.settings.sse_keepalive_s
+    on_end = functools.partial(state.streams.give_back, owner)
+    pauses = state.metrics.sse_client_pauses
+    return JobEventsResponse(shard.relay, shard.redis, job_id, after, keepalive_s, on_end, pauses.inc)
 
 
 async def cancel_job(request: Request) -> Response:

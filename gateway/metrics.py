@@ -63,6 +63,13 @@ class GatewayMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.sse_client_pauses = Counter(
+            "sse_client_pauses",
+            "Times a job's event stream stopped writing because its client read slower than the events "
+            "came; it reads on from Redis once the client has caught up.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.jobs_submitted = Counter(
             "jobs_submitted",
             "Jobs this gateway queued (idempotent replays not counted).",

@@ -8,9 +8,11 @@ stream at once. A resubscription (Redis away and back, a failover) and a slow sw
 followed stream again, so a lost notice delays entries but never loses them. Redis' work is per
 changed stream, not per followed one.
 
-Each follower has a bounded buffer; one that fills it (a slow client) stops receiving, and once it
-has drained its buffer it joins again from its last entry, so the read starts over from Redis, the
-source of truth. A slow client never holds up the others.
+A follower read by a task (`Follower.next`) has a bounded buffer; one that fills it (a slow client)
+stops receiving, and once it has drained its buffer it joins again from its last entry, so the read
+starts over from Redis, the source of truth. A follower with a callback (`on_arrival`) is handed each
+read's entries in the relay's own turn and says itself when to stop (`pause`) and read on (`rejoin`).
+A slow client never holds up the others.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import itertools
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -68,31 +70,68 @@ class _Tap:
 
 
 class Follower:
-    """Entries of one or more job streams, each after its own cursor, in order per stream."""
+    """Entries of one or more job streams, each after its own cursor, in order per stream.
 
-    __slots__ = ("_buffer", "_limit", "_relay", "_taps", "_waiter")  # one per open stream
+    Read them with `next` (a task waits), or give `on_arrival`: the relay calls it once a read has
+    handed this follower new entries, and the callback takes them with `take`, in the relay's own turn
+    of the event loop (no task wakes per entry)."""
 
-    def __init__(self, relay: StreamRelay, after: Mapping[str, str], buffer: int) -> None:
+    __slots__ = ("_buffer", "_limit", "_on_arrival", "_relay", "_taps", "_waiter")  # one per open stream
+
+    def __init__(
+        self,
+        relay: StreamRelay,
+        after: Mapping[str, str],
+        buffer: int,
+        on_arrival: Callable[[], None] | None = None,
+    ) -> None:
         self._relay = relay
         self._buffer: list[Entry] = []  # a list: an empty deque alone takes 0.6 KB
         self._limit = buffer
+        self._on_arrival = on_arrival
         self._waiter: asyncio.Future[None] | None = None  # set while `next` waits for entries
         self._taps = {key: _Tap(self, key, cursor) for key, cursor in after.items()}
         for tap in self._taps.values():
             relay.attach(tap)
 
     def push(self, entry: Entry) -> bool:
-        full = len(self._buffer) >= self._limit
-        if not full:
-            self._buffer.append(entry)
-        if self._waiter is not None:
+        """Buffers an entry; False when the buffer is full (its tap stops until `rejoin`). With
+        `on_arrival` the buffer is emptied after each read, so it holds one read's entries at most."""
+        if self._on_arrival is None and len(self._buffer) >= self._limit:
+            return False
+        self._buffer.append(entry)
+        return True
+
+    def arrived(self) -> None:
+        """The relay has handed over what one read brought for this follower."""
+        if not self._buffer:
+            return
+        if self._on_arrival is not None:
+            self._on_arrival()
+        elif self._waiter is not None:
             _wake(self._waiter)
-        return not full
+
+    def take(self) -> list[Entry]:
+        """The entries buffered so far, in order per stream; the buffer is empty after."""
+        entries, self._buffer = self._buffer, []
+        return entries
+
+    @property
+    def behind(self) -> bool:
+        """Whether any stream stopped feeding this follower (its buffer filled, or `pause`)."""
+        return any(tap.overflowed for tap in self._taps.values())
+
+    def pause(self) -> None:
+        """No more entries until `rejoin` (a slow client): each stream then reads on from its last entry."""
+        for tap in self._taps.values():
+            if not tap.overflowed:
+                tap.overflowed = True
+                self._relay.detach(tap)
 
     async def next(self, timeout_s: float) -> list[Entry]:
         """What arrived since the last call; an empty list after `timeout_s` with nothing new."""
         if not self._buffer:
-            self._rejoin()
+            self.rejoin()
             # One future and one timer a wait (a relay wakes thousands of these a second).
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
@@ -102,11 +141,10 @@ class Follower:
             finally:
                 timer.cancel()
                 self._waiter = None
-        entries, self._buffer = self._buffer, []
-        return entries
+        return self.take()
 
-    def _rejoin(self) -> None:
-        """Taps that fell behind read on from their last entry, now that the buffer has room."""
+    def rejoin(self) -> None:
+        """Streams that stopped feeding this follower read on from their last entry."""
         for tap in self._taps.values():
             if tap.overflowed:
                 tap.overflowed = False
@@ -263,6 +301,8 @@ class _Reader:
         # A tap that joined behind this read while it was out moved the start back: keep that.
         if key in self._read_from and self._read_from[key] == sent_from:
             self._read_from[key] = entries[-1][0]
+        for tap in receiving:  # last: a follower's callback may pause or rejoin its taps
+            tap.follower.arrived()
 
 
 class StreamRelay:
@@ -359,9 +399,11 @@ class StreamRelay:
                     await self._subscription.send_command("PING")
 
     @contextlib.asynccontextmanager
-    async def follow(self, after: Mapping[str, str]) -> AsyncIterator[Follower]:
+    async def follow(
+        self, after: Mapping[str, str], on_arrival: Callable[[], None] | None = None
+    ) -> AsyncIterator[Follower]:
         """Follows each stream key of `after` from its entry id ("0-0": from the start)."""
-        follower = Follower(self, after, self._buffer)
+        follower = Follower(self, after, self._buffer, on_arrival)
         try:
             yield follower
         finally:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import orjson
 from redis.asyncio import Redis
@@ -21,11 +23,15 @@ from common import keys
 from common.events import event_payload, is_final
 from common.wire import EventType
 from gateway.departure import CancelledOnDeparture, disconnect_watch
-from gateway.relay import StreamRelay
+from gateway.relay import Entry as RelayEntry
+from gateway.relay import Follower, StreamRelay
 
 logger = logging.getLogger(__name__)
 
+DIRECT_BODY_EXTENSION = "ortfleet.direct_body"
+
 KEEPALIVE = b": keep-alive\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})", re.ASCII)
 _MAX_PART = 2**64 - 1
 PURGED = {"type": "error", "status": "failed", "message": "the job was purged", "code": "job_purged"}
@@ -68,6 +74,7 @@ def frame(entry_id: str, fields: dict[str, str]) -> bytes:
 
 
 Entry = tuple[str, dict[str, str]]
+OUTAGE_LIMIT_S = 60.0  # how long a stream waits for Redis to come back before it ends
 
 
 class SentTokens:
@@ -106,13 +113,52 @@ async def entries(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncGenera
                 yield entry
 
 
+class JobStreamReading:
+    """One reader's way through a job's stream: which arrived entries to send (SentTokens), where the
+    stream ends (its final entry), and what a quiet spell means (a keep-alive, Redis away too long, or
+    the stream purged)."""
+
+    __slots__ = ("_outage_limit_s", "_redis", "_sent", "_stream", "_streams", "job_id")
+
+    def __init__(self, streams: StreamRelay, redis: Redis, job_id: str, outage_limit_s: float) -> None:
+        self._streams = streams
+        self._redis = redis
+        self.job_id = job_id
+        self._stream = keys.events(job_id)
+        self._outage_limit_s = outage_limit_s
+        self._sent = SentTokens()
+
+    def to_send(self, arrived: list[RelayEntry]) -> tuple[list[Entry], bool]:
+        """The entries of `arrived` to send, in order, and whether the final one is among them (what
+        follows it is dropped)."""
+        batch: list[Entry] = []
+        for _key, entry_id, fields in arrived:
+            if not self._sent.fresh(fields):
+                continue
+            batch.append((entry_id, fields))
+            if is_final(fields):
+                return batch, True
+        return batch, False
+
+    async def quiet(self) -> list[Entry] | None:
+        """After a keep-alive interval with nothing new: None when a keep-alive is due, else the last
+        entries to send before the stream ends (none: it ends now)."""
+        away = self._streams.unreachable_for()
+        if away is not None and away > self._outage_limit_s:
+            logger.warning("job %s: Redis away for %.0f s, ending the stream", self.job_id, away)
+            return []
+        if away is None and not await _exists(self._redis, self._stream):
+            return [(f"{int(time.time() * 1000)}-0", PURGED)]
+        return None
+
+
 async def batches(
     streams: StreamRelay,
     redis: Redis,
     job_id: str,
     after: str,
     keepalive_s: float,
-    outage_limit_s: float = 60.0,
+    outage_limit_s: float = OUTAGE_LIMIT_S,
 ) -> AsyncGenerator[list[Entry] | None, None]:
     """The job's stream entries after `after` ("0-0" for all), then new ones as they come, until the
     final one: those that arrived together in one list; None where a keep-alive is due.
@@ -120,33 +166,25 @@ async def batches(
     While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
     goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
     """
-    stream = keys.events(job_id)
     if await read_position(redis, job_id, after) == "ended":
         return
-    sent = SentTokens()
-    async with streams.follow({stream: after}) as follower:
+    reading = JobStreamReading(streams, redis, job_id, outage_limit_s)
+    async with streams.follow({keys.events(job_id): after}) as follower:
         while True:
             arrived = await follower.next(keepalive_s)
             if not arrived:
-                away = streams.unreachable_for()
-                if away is not None and away > outage_limit_s:
-                    logger.warning("job %s: Redis away for %.0f s, ending the stream", job_id, away)
-                    return
-                if away is None and not await _exists(redis, stream):
-                    yield [(f"{int(time.time() * 1000)}-0", PURGED)]
-                    return
-                yield None
-                continue
-            batch: list[Entry] = []
-            for _key, entry_id, fields in arrived:
-                if not sent.fresh(fields):
+                last = await reading.quiet()
+                if last is None:
+                    yield None
                     continue
-                batch.append((entry_id, fields))
-                if is_final(fields):
-                    yield batch
-                    return
+                if last:
+                    yield last
+                return
+            batch, final = reading.to_send(arrived)
             if batch:
                 yield batch
+            if final:
+                return
 
 
 async def _exists(redis: Redis, stream: str) -> bool:
@@ -190,7 +228,7 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(
             self._chunks,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+            headers={**SSE_HEADERS, **(headers or {})},
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -217,6 +255,167 @@ class EventStreamResponse(StreamingResponse):
             close = getattr(content, "aclose", None)
             if close is not None:
                 await close()
+
+
+class DirectBody(Protocol):
+    """A request's DIRECT_BODY_EXTENSION, offered by the gateway's own HTTP protocol: once the response
+    has started (its head sent through the app's `send`, so middlewares see it) with a chunked body,
+    `write` sends one chunk straight to the connection (dropped once the client is gone, as `send` drops
+    it). It returns False when the client reads slower than the stream writes (the connection holds
+    more than its high-water mark): write no more until `drain` returns."""
+
+    def write(self, data: bytes) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+
+def direct_body(scope: Any) -> DirectBody | None:
+    body: DirectBody | None = scope.get("extensions", {}).get(DIRECT_BODY_EXTENSION)
+    return body
+
+
+class _Waiting:
+    """One sleep of a stream's task that something else may end early (one future and one timer)."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def sleep(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(seconds, _end_wait, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def wake(self) -> None:
+        if self._waiter is not None:
+            _end_wait(self._waiter)
+
+
+def _end_wait(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _PushedStream:
+    """A job's events written to the connection from the relay's callback as each read hands them
+    over: the stream's task wakes only for a keep-alive, a client that reads too slowly, and the end."""
+
+    __slots__ = (
+        "_body",
+        "_ended",
+        "_follower",
+        "_keepalive_s",
+        "_last_write",
+        "_on_pause",
+        "_reading",
+        "_waiting",
+    )
+
+    def __init__(
+        self, body: DirectBody, reading: JobStreamReading, keepalive_s: float, on_pause: Callable[[], None]
+    ) -> None:
+        self._body = body
+        self._on_pause = on_pause
+        self._reading = reading
+        self._keepalive_s = keepalive_s
+        self._follower: Follower | None = None
+        self._last_write = 0.0
+        self._ended = False
+        self._waiting = _Waiting()
+
+    async def run(self, streams: StreamRelay, after: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._last_write = loop.time()
+        async with streams.follow({keys.events(self._reading.job_id): after}, self._arrived) as follower:
+            self._follower = follower
+            while not self._ended:
+                if follower.behind:  # a slow client: read on from Redis once it has caught up
+                    await self._body.drain()
+                    follower.rejoin()
+                    continue
+                quiet_for = loop.time() - self._last_write
+                if quiet_for < self._keepalive_s:
+                    await self._waiting.sleep(self._keepalive_s - quiet_for)
+                    continue
+                last = await self._reading.quiet()
+                if last is None:
+                    self._write(KEEPALIVE)
+                    continue
+                if last:
+                    self._write(b"".join(frame(*entry) for entry in last))
+                return
+
+    def _arrived(self) -> None:
+        assert self._follower is not None
+        entries = self._follower.take()
+        if self._ended:
+            return
+        batch, self._ended = self._reading.to_send(entries)
+        if batch:
+            self._write(b"".join(frame(*entry) for entry in batch))
+        if self._ended:
+            self._waiting.wake()
+
+    def _write(self, chunk: bytes) -> None:
+        self._last_write = asyncio.get_running_loop().time()
+        if not self._body.write(chunk) and self._follower is not None and not self._follower.behind:
+            self._follower.pause()
+            self._on_pause()
+            self._waiting.wake()
+
+
+class JobEventsResponse(StreamingResponse):
+    """A job's events after `after`, as Server-Sent Events; `on_end` is called once the stream is over,
+    however it ended, and `on_pause` each time it stops writing for a client that reads too slowly.
+
+    Behind the gateway's own protocol (DIRECT_BODY_EXTENSION, DISCONNECT_EXTENSION) the relay's
+    callback frames each read's entries and writes them straight to the connection, in the relay's own
+    turn of the event loop: no task wakes, no generator resumes and no ASGI send chain runs per event.
+    Behind any other server the same reading runs as generators (`batches`)."""
+
+    def __init__(
+        self,
+        streams: StreamRelay,
+        redis: Redis,
+        job_id: str,
+        after: str,
+        keepalive_s: float,
+        on_end: Callable[[], None],
+        on_pause: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._source = (streams, redis, job_id, after, keepalive_s)
+        self._on_end = on_end
+        self._on_pause = on_pause
+        super().__init__(_nothing(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body, watch = direct_body(scope), disconnect_watch(scope)
+        if body is None or watch is None or scope["method"] == "HEAD":
+            relayed = relay(batches(*self._source))
+            await EventStreamResponse(relayed, on_end=self._on_end)(scope, receive, send)
+            return
+        streams, redis, job_id, after, keepalive_s = self._source
+        try:
+            with CancelledOnDeparture(watch) as departure:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                if await read_position(redis, job_id, after) != "ended":
+                    reading = JobStreamReading(streams, redis, job_id, OUTAGE_LIMIT_S)
+                    await _PushedStream(body, reading, keepalive_s, self._on_pause).run(streams, after)
+            if not departure.left:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._on_end()
+
+
+async def _nothing() -> AsyncGenerator[bytes, None]:
+    return
+    yield b""
 
 
 class StreamEndpoint:

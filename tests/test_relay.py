@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
 from tests.redis_events import add_entry
+from tests.test_observability import value
 
 STREAMS = 300
 POOL, RELAY = 4, 2  # the gateway's Redis connections: request pool, relay readers
@@ -176,6 +178,45 @@ async def read_until(follower: Follower, count: int) -> list[Entry]:
         assert batch, f"nothing within 10 s after {len(entries)} entries"
         entries += batch
     return entries
+
+
+async def test_a_client_that_stops_reading_holds_up_no_one_and_then_reads_every_event_from_redis(
+    gateways: Fleet, redis: Redis
+) -> None:
+    """The gateway writes a job's events straight to each client's connection; once a connection backs
+    up (its client stopped reading) it stops writing to it, counts the pause, and reads on from Redis
+    when the client reads again. A client of the same job reading meanwhile gets every event at once."""
+    _, url = gateways.start_gateway()
+    (job_id,) = await create_running_jobs(redis, "stalled_reader", 1)
+    stream, count = keys.events(job_id), 3000  # 24 MB of text: more than the socket buffers hold
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as stalled_client,
+        httpx.AsyncClient(base_url=url, timeout=60) as reading_client,
+        aconnect_sse(stalled_client, "GET", f"/v1/jobs/{job_id}/events") as stalled,
+    ):
+        stalled_events = stalled.aiter_sse()
+        assert (await anext(stalled_events)).event == "status"
+        connected = asyncio.Event()
+        reading = asyncio.create_task(read_events(reading_client, job_id, connected=connected))
+        await asyncio.wait_for(connected.wait(), 30)
+        for first in range(0, count, 250):
+            async with redis.pipeline(transaction=False) as pipe:
+                for index in range(first, first + 250):
+                    pipe.xadd(stream, {"type": "token", "text": "x" * 8192, "ids": "1", "index": str(index)})
+                notice_streams(pipe, [stream])
+                await pipe.execute()
+        await add_entry(redis, stream, {"type": "done", "status": "succeeded"})
+        read = await asyncio.wait_for(reading, 60)  # while the other client reads nothing
+        assert [e.data["index"] for e in read if e.event == "token"] == list(range(count))
+        metrics = (await reading_client.get("/metrics")).text
+        assert (value(metrics, "ortfleet_sse_client_pauses_total") or 0) >= 1
+        rest = []
+        async for sse in stalled_events:
+            rest.append(sse)
+            if sse.event == "done":
+                break
+    assert [json.loads(e.data)["index"] for e in rest if e.event == "token"] == list(range(count))
+    assert rest[-1].event == "done"
 
 
 async def test_a_slow_reader_holds_up_no_one_and_later_reads_every_entry_from_redis(
