@@ -262,7 +262,8 @@ class DirectBody(Protocol):
     has started (its head sent through the app's `send`, so middlewares see it) with a chunked body,
     `write` sends one chunk straight to the connection (dropped once the client is gone, as `send` drops
     it). It returns False when the client reads slower than the stream writes (the connection holds
-    more than its high-water mark): write no more until `drain` returns."""
+    more than its high-water mark): write no more until `drain` returns. No middleware sees these
+    chunks, so it suits only responses whose body no middleware changes (none of the gateway's does)."""
 
     def write(self, data: bytes) -> bool: ...
 

@@ -219,6 +219,35 @@ async def test_a_client_that_stops_reading_holds_up_no_one_and_then_reads_every_
     assert rest[-1].event == "done"
 
 
+async def test_a_quiet_job_stream_gets_a_keep_alive_each_interval_and_then_its_events(
+    gateways: Fleet, redis: Redis
+) -> None:
+    _, url = gateways.start_gateway(env={"ORTFLEET_SSE_KEEPALIVE_S": "0.3"})
+    (job_id,) = await create_running_jobs(redis, "quiet", 1)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+        client.stream("GET", f"/v1/jobs/{job_id}/events") as reply,
+    ):
+        lines = reply.aiter_lines()
+
+        async def arrival(wanted: str, *passing: str) -> float:
+            """When the line `wanted` arrives; before it, only blank, id and data lines and `passing`."""
+            async for line in lines:
+                if line == wanted:
+                    return time.monotonic()
+                assert line in passing or line == "" or line.startswith(("id: ", "data: ")), line
+            raise AssertionError(f"the stream ended before {wanted!r}")
+
+        opened = await asyncio.wait_for(arrival("event: status"), 10)
+        alive = [await asyncio.wait_for(arrival(": keep-alive"), 10) for _ in range(3)]
+        gaps = [later - earlier for earlier, later in zip([opened, *alive], alive, strict=False)]
+        assert all(gap >= 0.25 for gap in gaps), gaps  # one each interval of silence, not more often
+        await add_entry(redis, keys.events(job_id), {"type": "token", "text": "hi", "ids": "1", "index": "0"})
+        await add_entry(redis, keys.events(job_id), {"type": "done", "status": "succeeded"})
+        await asyncio.wait_for(arrival("event: token", ": keep-alive"), 10)
+        await asyncio.wait_for(arrival("event: done", ": keep-alive"), 10)
+
+
 async def test_a_slow_reader_holds_up_no_one_and_later_reads_every_entry_from_redis(
     relay: StreamRelay, redis: Redis
 ) -> None:
