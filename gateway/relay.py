@@ -46,6 +46,35 @@ def parse_id(entry_id: str) -> EntryId:
     return int(ms), int(seq or 0)
 
 
+class WakeableSleep:
+    """A sleep that something else may end early (`wake`): one future and one timer, for waits a relay
+    ends thousands of times a second."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def __call__(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(seconds, _end, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def wake(self) -> None:
+        if self._waiter is not None:
+            _end(self._waiter)
+
+
+def _end(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class _Tap:
     """One followed stream of one follower: the id of the last entry handed to the follower."""
 
@@ -76,7 +105,7 @@ class Follower:
     handed this follower new entries, and the callback takes them with `take`, in the relay's own turn
     of the event loop (no task wakes per entry)."""
 
-    __slots__ = ("_buffer", "_limit", "_on_arrival", "_relay", "_taps", "_waiter")  # one per open stream
+    __slots__ = ("_buffer", "_limit", "_on_arrival", "_relay", "_sleep", "_taps")  # one per open stream
 
     def __init__(
         self,
@@ -89,7 +118,7 @@ class Follower:
         self._buffer: list[Entry] = []  # a list: an empty deque alone takes 0.6 KB
         self._limit = buffer
         self._on_arrival = on_arrival
-        self._waiter: asyncio.Future[None] | None = None  # set while `next` waits for entries
+        self._sleep = WakeableSleep()  # `next` waiting for entries
         self._taps = {key: _Tap(self, key, cursor) for key, cursor in after.items()}
         for tap in self._taps.values():
             relay.attach(tap)
@@ -108,8 +137,8 @@ class Follower:
             return
         if self._on_arrival is not None:
             self._on_arrival()
-        elif self._waiter is not None:
-            _wake(self._waiter)
+        else:
+            self._sleep.wake()
 
     def take(self) -> list[Entry]:
         """The entries buffered so far, in order per stream; the buffer is empty after."""
@@ -132,15 +161,7 @@ class Follower:
         """What arrived since the last call; an empty list after `timeout_s` with nothing new."""
         if not self._buffer:
             self.rejoin()
-            # One future and one timer a wait (a relay wakes thousands of these a second).
-            loop = asyncio.get_running_loop()
-            self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout_s, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self._waiter = None
+            await self._sleep(timeout_s)
         return self.take()
 
     def rejoin(self) -> None:
@@ -158,12 +179,6 @@ class Follower:
     def close(self) -> None:
         for key in list(self._taps):
             self.stop(key)
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    """Ends a follower's wait: entries arrived, or its time is up (whichever comes first)."""
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _bulk(text: str) -> bytes:

@@ -24,7 +24,7 @@ from common.events import event_payload, is_final
 from common.wire import EventType
 from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.relay import Entry as RelayEntry
-from gateway.relay import Follower, StreamRelay
+from gateway.relay import Follower, StreamRelay, WakeableSleep
 
 logger = logging.getLogger(__name__)
 
@@ -275,34 +275,6 @@ def direct_body(scope: Any) -> DirectBody | None:
     return body
 
 
-class _Waiting:
-    """One sleep of a stream's task that something else may end early (one future and one timer)."""
-
-    __slots__ = ("_waiter",)
-
-    def __init__(self) -> None:
-        self._waiter: asyncio.Future[None] | None = None
-
-    async def sleep(self, seconds: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(seconds, _end_wait, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-    def wake(self) -> None:
-        if self._waiter is not None:
-            _end_wait(self._waiter)
-
-
-def _end_wait(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 class _PushedStream:
     """A job's events written to the connection from the relay's callback as each read hands them
     over: the stream's task wakes only for a keep-alive, a client that reads too slowly, and the end."""
@@ -315,7 +287,7 @@ class _PushedStream:
         "_last_write",
         "_on_pause",
         "_reading",
-        "_waiting",
+        "_sleep",
     )
 
     def __init__(
@@ -328,7 +300,7 @@ class _PushedStream:
         self._follower: Follower | None = None
         self._last_write = 0.0
         self._ended = False
-        self._waiting = _Waiting()
+        self._sleep = WakeableSleep()
 
     async def run(self, streams: StreamRelay, after: str) -> None:
         loop = asyncio.get_running_loop()
@@ -342,7 +314,7 @@ class _PushedStream:
                     continue
                 quiet_for = loop.time() - self._last_write
                 if quiet_for < self._keepalive_s:
-                    await self._waiting.sleep(self._keepalive_s - quiet_for)
+                    await self._sleep(self._keepalive_s - quiet_for)
                     continue
                 last = await self._reading.quiet()
                 if last is None:
@@ -361,14 +333,14 @@ class _PushedStream:
         if batch:
             self._write(b"".join(frame(*entry) for entry in batch))
         if self._ended:
-            self._waiting.wake()
+            self._sleep.wake()
 
     def _write(self, chunk: bytes) -> None:
         self._last_write = asyncio.get_running_loop().time()
         if not self._body.write(chunk) and self._follower is not None and not self._follower.behind:
             self._follower.pause()
             self._on_pause()
-            self._waiting.wake()
+            self._sleep.wake()
 
 
 class JobEventsResponse(StreamingResponse):
