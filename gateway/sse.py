@@ -74,6 +74,13 @@ def frame(entry_id: str, fields: dict[str, str]) -> bytes:
 
 
 Entry = tuple[str, dict[str, str]]
+
+
+def frames(entries: list[Entry]) -> bytes:
+    """The SSE bytes of entries that arrived together, sent as one chunk."""
+    return b"".join(frame(*entry) for entry in entries)
+
+
 OUTAGE_LIMIT_S = 60.0  # how long a stream waits for Redis to come back before it ends
 
 
@@ -99,7 +106,7 @@ async def relay(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncIterator
     """The SSE bytes of `batches`: the entries that arrived together as one chunk, or a keep-alive."""
     async with contextlib.aclosing(read):
         async for batch in read:
-            yield KEEPALIVE if batch is None else b"".join(frame(*entry) for entry in batch)
+            yield KEEPALIVE if batch is None else frames(batch)
 
 
 async def entries(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncGenerator[Entry | None, None]:
@@ -321,7 +328,7 @@ class _PushedStream:
                     self._write(KEEPALIVE)
                     continue
                 if last:
-                    self._write(b"".join(frame(*entry) for entry in last))
+                    self._write(frames(last))
                 return
 
     def _arrived(self) -> None:
@@ -331,7 +338,7 @@ class _PushedStream:
             return
         batch, self._ended = self._reading.to_send(entries)
         if batch:
-            self._write(b"".join(frame(*entry) for entry in batch))
+            self._write(frames(batch))
         if self._ended:
             self._sleep.wake()
 
