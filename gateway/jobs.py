@@ -120,14 +120,18 @@ async def job_events(request: Request) -> Response:
     after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
     if not valid_entry_id(after):
         raise ApiError(422, f"after: {after!r} is not an event id like 1700000000000-0", param="after")
-    if await read_position(shard.redis, job_id, after) == "beyond":
+    position = await read_position(shard.redis, job_id, after)
+    if position == "beyond":
         raise ApiError(422, f"after: {after!r} is past the newest event of this job", param="after")
     owner = principal_of(request.scope).name
     state.streams.take(owner)
     keepalive_s = state.settings.sse_keepalive_s
     on_end = functools.partial(state.streams.give_back, owner)
     pauses = state.metrics.sse_client_pauses
-    return JobEventsResponse(shard.relay, shard.redis, job_id, after, keepalive_s, on_end, pauses.inc)
+    ended = position == "ended"
+    return JobEventsResponse(
+        shard.relay, shard.redis, job_id, after, keepalive_s, on_end, pauses.inc, ended=ended
+    )
 
 
 async def cancel_job(request: Request) -> Response:

@@ -168,13 +168,12 @@ async def batches(
     outage_limit_s: float = OUTAGE_LIMIT_S,
 ) -> AsyncGenerator[list[Entry] | None, None]:
     """The job's stream entries after `after` ("0-0" for all), then new ones as they come, until the
-    final one: those that arrived together in one list; None where a keep-alive is due.
+    final one: those that arrived together in one list; None where a keep-alive is due. `after` must
+    stand before the final entry (`read_position` says "ok"; "0-0" always does).
 
     While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
     goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
     """
-    if await read_position(redis, job_id, after) == "ended":
-        return
     reading = JobStreamReading(streams, redis, job_id, outage_limit_s)
     async with streams.follow({keys.events(job_id): after}) as follower:
         while True:
@@ -351,7 +350,8 @@ class _PushedStream:
 
 
 class JobEventsResponse(StreamingResponse):
-    """A job's events after `after`, as Server-Sent Events; `on_end` is called once the stream is over,
+    """A job's events after `after`, as Server-Sent Events; `ended` says that `after` is at or past
+    the final entry (`read_position`), so nothing follows. `on_end` is called once the stream is over,
     however it ended, and `on_pause` each time it stops writing for a client that reads too slowly.
 
     Behind the gateway's own protocol (DIRECT_BODY_EXTENSION, DISCONNECT_EXTENSION) the relay's
@@ -368,8 +368,11 @@ class JobEventsResponse(StreamingResponse):
         keepalive_s: float,
         on_end: Callable[[], None],
         on_pause: Callable[[], None] = lambda: None,
+        *,
+        ended: bool,
     ) -> None:
         self._source = (streams, redis, job_id, after, keepalive_s)
+        self._ended = ended
         self._on_end = on_end
         self._on_pause = on_pause
         super().__init__(_nothing(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -377,14 +380,14 @@ class JobEventsResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, watch = direct_body(scope), disconnect_watch(scope)
         if body is None or watch is None or scope["method"] == "HEAD":
-            relayed = relay(batches(*self._source))
+            relayed = _nothing() if self._ended else relay(batches(*self._source))
             await EventStreamResponse(relayed, on_end=self._on_end)(scope, receive, send)
             return
         streams, redis, job_id, after, keepalive_s = self._source
         try:
             with CancelledOnDeparture(watch) as departure:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                if await read_position(redis, job_id, after) != "ended":
+                if not self._ended:
                     reading = JobStreamReading(streams, redis, job_id, OUTAGE_LIMIT_S)
                     await _PushedStream(body, reading, keepalive_s, self._on_pause).run(streams, after)
             if not departure.left:
