@@ -19,6 +19,7 @@ import json
 import time
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 from typing import Any
 
 from arq.jobs import deserialize_job_raw, serialize_job
@@ -30,6 +31,7 @@ from common.error_codes import ErrorCode
 from common.events import done_entry, entry_token_ids, error_entry, status_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.records import JobRecord, RecordUpdate, load_record
+from common.redis_client import HeldConnection
 from common.wire import PRIORITY_ORDER, EventType, FinishReason, JobSpec, JobStatus, PriorityClass
 
 GENERATE = "generate"
@@ -94,6 +96,11 @@ class StepWrite:
     entries: list[dict[str, str]]
     record: dict[str, str]  # RecordUpdate.to_fields()
     check_gap: bool = True  # refuse it when the stream's tokens end before its first token entry
+
+    @cached_property
+    def span(self) -> tuple[int, int] | None:
+        """Its token entries' span (see token_span)."""
+        return token_span(self.entries)
 
 
 class StepResult(IntEnum):
@@ -188,6 +195,7 @@ class JobQueue:
         self._renew = redis.register_script(job_scripts.RENEW)
         self._publish = redis.register_script(job_scripts.PUBLISH)
         self._publish_step = redis.register_script(job_scripts.PUBLISH_STEP)
+        self._step_writes = HeldConnection(redis)  # one script call per engine step, one after another
         self._finish = redis.register_script(job_scripts.FINISH)
         self._release = redis.register_script(job_scripts.RELEASE)
         self._purge = redis.register_script(job_scripts.PURGE)
@@ -478,14 +486,14 @@ class JobQueue:
         args: list[str] = []
         for write in writes:
             script_keys += [keys.job(write.job_id), keys.events(write.job_id)]
-            span = token_span(write.entries)
+            span = write.span
             start, end = ("", "") if span is None else (str(span[0]), str(span[1]))
             args += [str(write.attempt), start if write.check_gap else "", end]
             args += [*_flat(write.record), str(len(write.entries))]
             for entry in write.entries:
                 args += _flat(entry)
         args.append(keys.STREAM_NOTICES)
-        written: list[int] = await self._publish_step(keys=script_keys, args=args)
+        written: list[int] = await self._step_writes.run_script(self._publish_step, script_keys, args)
         results = {-1: StepResult.lost, -2: StepResult.gap}
         return [results.get(n, StepResult.written) for n in written]
 

@@ -12,11 +12,13 @@ from typing import Any
 import hiredis
 from redis import Redis as SyncRedis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError
+from redis.exceptions import DataError, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel as SyncSentinel
 
@@ -124,6 +126,41 @@ def connect(
         "client_name": client_name,
     }
     return Redis.from_pool(connection_pool(url, max_connections=max_connections, **options))
+
+
+class HeldConnection:
+    """One connection taken from a client's pool and kept, for commands one caller sends one after
+    another (a worker's step writes, one per engine step): each costs a write and a read, without a
+    client command's pool checkout, health check and retry wrapper. A command that fails, or whose
+    caller is cancelled, drops the connection: the next one takes another from the pool (with Sentinel,
+    on the primary of the moment)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._pool = redis.connection_pool
+        self._connection: AbstractConnection | None = None
+
+    async def run_script(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
+        """Runs a registered script, loading it first if the server lacks it (restarted, or flushed)."""
+        connection = self._connection
+        if connection is None:
+            connection = self._connection = await self._pool.get_connection()
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            try:
+                return await self._send(connection, command)
+            except NoScriptError:
+                await self._send(connection, ("SCRIPT", "LOAD", script.script))
+                return await self._send(connection, command)
+        except BaseException:
+            self._connection = None
+            await connection.disconnect()
+            await self._pool.release(connection)
+            raise
+
+    @staticmethod
+    async def _send(connection: AbstractConnection, command: tuple[Any, ...]) -> Any:
+        await connection.send_packed_command(connection.pack_command(*command), check_health=False)
+        return await connection.read_response()
 
 
 def connect_blocking(url: str, timeout_s: float = 5.0) -> SyncRedis:

@@ -210,6 +210,7 @@ class _Reader:
         self._due: dict[str, None] = {}  # streams to read, in the order they were told of
         self._swept: dict[str, None] = {}  # streams to read again (a sweep, a resubscription), less urgent
         self._changed = asyncio.Event()
+        self.waiting_since: float | None = None  # when the read in flight was sent (event-loop time)
 
     def _command(self, streams: dict[str, str]) -> bytes:
         count = 4 + 2 * len(streams)
@@ -270,6 +271,7 @@ class _Reader:
                 continue
             keys = self._next_keys()
             streams = {key: self._read_from[key] for key in keys}
+            self.waiting_since = asyncio.get_running_loop().time()
             try:
                 await self.connection.send_packed_command(self._command(streams), check_health=False)
                 reply = await self.connection.read_response()
@@ -286,6 +288,8 @@ class _Reader:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
+            finally:
+                self.waiting_since = None
             delay = 0.05
             self._relay.reachable()
             for key, entries in reply or []:
@@ -339,15 +343,17 @@ class StreamRelay:
         self._buffer = buffer
         self._sweep_s = sweep_s
         # The connections come from the pool (kept: Sentinel-managed connections refer to it weakly),
-        # so with a Sentinel URL each reconnects to whichever server is the primary then. The
-        # subscription hears a PING reply every sweep: a read that waits much longer is on a dead
-        # connection.
+        # so with a Sentinel URL each reconnects to whichever server is the primary then. Their
+        # commands carry no timeout of their own (a timer, and a task for each write, on every read):
+        # the sweep drops a connection whose reply is overdue instead. The subscription hears a PING
+        # reply every sweep, so it is overdue when it has heard nothing for much longer.
+        self._timeout_s = max(socket_timeout_s, 4 * sweep_s)
         self._pool = pool = connection_pool(
             url,
             decode_responses=True,
             client_name=client_name,
             socket_keepalive=True,
-            socket_timeout=max(socket_timeout_s, 4 * sweep_s),
+            socket_connect_timeout=self._timeout_s,
             retry=None,
         )
         self._readers = [
@@ -355,6 +361,7 @@ class StreamRelay:
             for _ in range(connections)
         ]
         self._subscription: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
+        self._heard_at = 0.0  # when the subscription last heard from Redis (event-loop time)
         self._tasks: list[asyncio.Task[None]] = []
         self._unreachable_since: float | None = None
         self.closed = False
@@ -387,6 +394,7 @@ class StreamRelay:
                     reader.all_due()
                 while not self.closed:
                     message = await self._subscription.read_response()
+                    self._heard_at = asyncio.get_running_loop().time()
                     delay = 0.05
                     if isinstance(message, list) and message and message[0] == "message":
                         for key in message[2].split():
@@ -404,14 +412,29 @@ class StreamRelay:
 
     async def _sweep(self) -> None:
         """Every `sweep_s`, reads every stream again (a writer that sends no notices is still relayed,
-        late) and pings the subscription, whose reply shows it is alive."""
+        late), pings the subscription, whose reply shows it is alive, and drops the connections whose
+        reply is overdue (Redis stalled, or gone without a word): their reads fail and start over."""
+        loop = asyncio.get_running_loop()
+        self._heard_at = loop.time()
         while not self.closed:
             await asyncio.sleep(self._sweep_s)
+            now = loop.time()
             for reader in self._readers:
+                if reader.waiting_since is not None and now - reader.waiting_since > self._timeout_s:
+                    await self._drop(reader.connection, "a stream read")
                 reader.all_due()
             if self._subscription.is_connected:
+                if now - self._heard_at > self._timeout_s:
+                    await self._drop(self._subscription, "the stream notices subscription")
+                    continue
                 with contextlib.suppress(RedisError, OSError):
                     await self._subscription.send_command("PING")
+            else:
+                self._heard_at = now
+
+    async def _drop(self, connection: AbstractConnection, what: str) -> None:
+        logger.warning("Redis has not answered %s for over %.0f s; reconnecting", what, self._timeout_s)
+        await connection.disconnect(nowait=True)
 
     @contextlib.asynccontextmanager
     async def follow(

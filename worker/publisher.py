@@ -19,7 +19,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from common.jobqueue import JobQueue, StepResult, StepWrite, token_span
+from common.jobqueue import JobQueue, StepResult, StepWrite
 from common.wire import EventType
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,8 @@ class StepWriter:
         for publisher in publishers:
             publisher.in_flight = True
         try:
-            await asyncio.gather(*(self._take_back(p) for p in publishers if p.gap))
+            if any(p.gap for p in publishers):
+                await asyncio.gather(*(self._take_back(p) for p in publishers if p.gap))
         except RedisError as e:
             logger.warning("reading where %d jobs' streams end failed (%s); retrying", len(publishers), e)
             for publisher in publishers:
@@ -175,13 +176,11 @@ class StepWriter:
                 publisher.gap = True
                 publisher.record = {**write.record, **publisher.record}
                 continue
-            tokens = [entry for entry in write.entries if entry.get("type") == EventType.token.value]
-            if tokens:
+            if write.span is not None:
                 publisher.token_written = True
-                publisher.written += tokens
-                span = token_span(tokens)
-                if span is not None:
-                    publisher.streamed_to = max(publisher.streamed_to, span[1])
+                token = EventType.token.value
+                publisher.written += [entry for entry in write.entries if entry.get("type") == token]
+                publisher.streamed_to = max(publisher.streamed_to, write.span[1])
             del publisher.pending[: len(write.entries)]
             if not result:
                 job, attempt = publisher.job_id, publisher.attempt
