@@ -133,7 +133,8 @@ class HeldConnection:
     another (a worker's step writes, one per engine step): each costs a write and a read, without a
     client command's pool checkout, health check and retry wrapper. A command that fails, or whose
     caller is cancelled, drops the connection: the next one takes another from the pool (with Sentinel,
-    on the primary of the moment)."""
+    on the primary of the moment). As the client does, a command that finds its connection gone (Redis
+    restarted, or closed it) is sent once more, on a new one."""
 
     def __init__(self, redis: Redis) -> None:
         self._pool = redis.connection_pool
@@ -141,10 +142,19 @@ class HeldConnection:
 
     async def run_script(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
         """Runs a registered script, loading it first if the server lacks it (restarted, or flushed)."""
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        reused = self._connection is not None
+        try:
+            return await self._run_script(script, command)
+        except (RedisConnectionError, RedisTimeoutError):
+            if not reused:
+                raise
+            return await self._run_script(script, command)
+
+    async def _run_script(self, script: AsyncScript, command: tuple[Any, ...]) -> Any:
         connection = self._connection
         if connection is None:
             connection = self._connection = await self._pool.get_connection()
-        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             try:
                 return await self._send(connection, command)

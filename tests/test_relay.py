@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +355,38 @@ async def test_a_sweep_of_thousands_of_streams_is_read_beside_notified_ones_not_
         # Every stream read again, the notified one once: its read counted for the sweep too.
         assert followed[-1] not in swept and swept | {followed[-1]} == set(followed)
     await streams.close()
+
+
+async def soon(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether `condition` holds within `timeout_s` (a state kept by timers, with no event to await)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def test_a_relay_drops_reads_a_stalled_redis_leaves_unanswered_and_relays_again_once_it_answers(
+    own_redis: RedisServer,
+) -> None:
+    """The relay's commands carry no timeout of their own: its sweep finds the overdue reply."""
+    redis = Redis.from_url(own_redis.url, decode_responses=True)
+    streams = StreamRelay(own_redis.url, connections=1, buffer=16, sweep_s=0.2, socket_timeout_s=0.5)
+    stream = keys.events("relay_stalled")
+    await streams.start()
+    try:
+        async with streams.follow({stream: "0-0"}) as follower:
+            first = await add_entry(redis, stream, {"n": "0"})
+            assert [entry_id for _k, entry_id, _f in await follower.next(5)] == [first]
+            own_redis.process.send_signal(19)  # SIGSTOP: Redis keeps its sockets open and answers nothing
+            try:  # the overdue read is dropped: the relay says Redis is unreachable
+                assert await soon(lambda: streams.unreachable_for() is not None, 10)
+            finally:
+                own_redis.process.send_signal(18)  # SIGCONT
+            second = await add_entry(redis, stream, {"n": "1"})
+            assert [entry_id for _k, entry_id, _f in await follower.next(10)] == [second]
+            assert await soon(lambda: streams.unreachable_for() is None, 10)
+    finally:
+        await streams.close()
+        await redis.aclose()

@@ -83,3 +83,25 @@ async def test_a_jobs_first_token_never_waits_for_another_jobs_write_in_flight(r
     assert await redis.xlen(keys.events(fresh)) == 1 and await redis.xlen(keys.events(slow)) == 0
     await busy.drain()
     await writer.close()
+
+
+async def test_step_writes_go_on_when_redis_forgets_its_scripts_or_closes_the_writers_connection(
+    redis: Redis,
+) -> None:
+    queue = JobQueue(redis, 3600)
+    job_id = "job_step_held"
+    await redis.delete(keys.job(job_id), keys.events(job_id))
+    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+
+    def write(index: int) -> list[StepWrite]:
+        return [StepWrite(job_id, 1, [token_entry(str(index), [index], index)], {})]
+
+    assert await queue.publish_step(write(0)) == [StepResult.written]
+    await redis.script_flush()  # as after a restart without persistence
+    assert await queue.publish_step(write(1)) == [StepResult.written]
+    writers = [c for c in await redis.client_list() if c["cmd"] == "evalsha"]
+    assert len(writers) == 1  # the step writes' own connection
+    await redis.client_kill_filter(_id=writers[0]["id"])
+    assert await queue.publish_step(write(2)) == [StepResult.written]
+    texts = [fields["text"] for _id, fields in await redis.xrange(keys.events(job_id))]
+    assert texts == ["0", "1", "2"]
