@@ -60,6 +60,13 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
             cpu["gateway"] + cpu["worker_loop"] + cpu["redis"], abs=0.001
         )
         assert set(ratio["ttft_added_ms"]) == {"p50", "p99"} and set(ratio["itl_added_ms"]) == {"p50", "p99"}
+        parts = level["fleet"]["ttft_parts_ms"]  # from each job's record
+        assert set(parts) == {"submission_to_claim", "claim_to_first_token", "delivery_and_post"}
+        for part in parts.values():
+            assert_summary(part, 4)
+            assert part["p50"] > 0
+        # The parts add up to each request's TTFT, so their p50s come near the whole one.
+        assert sum(part["p50"] for part in parts.values()) == pytest.approx(side["ttft_ms"]["p50"], rel=0.5)
     assert set(data["goals"]) == {
         "tokens_per_s_ratio>=0.97",
         "ttft_added_p50<=5.0ms",
@@ -70,6 +77,7 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
     assert data["machine"]["cores"] >= 1
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "goals:" in done.stdout and "overhead" in done.stdout
+    assert "claim to 1st token" in done.stdout
     assert data["pinning"] is None
 
 

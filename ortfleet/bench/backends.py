@@ -33,6 +33,10 @@ class RequestResult:
     gaps: list[float] = field(default_factory=list)  # per token after the first, seconds
     batch_rows: int | None = None  # most requests the engine generated together during this one
     job_id: str | None = None
+    # A fleet job's own timings (its record, from the gateway's and the worker's clocks): submission to
+    # the worker taking it, and submission to the worker receiving its first token from the engine.
+    queue_wait: float | None = None
+    worker_ttft: float | None = None
 
 
 class Timeline:

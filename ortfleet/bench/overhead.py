@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from common import aio, keys
 from common.redis_client import connect
+from common.wire import Timings
 from ortfleet.bench.backends import PROMPTS, Backend, DirectBackend, FleetBackend, RequestResult
 from ortfleet.bench.http import Connection
 from ortfleet.bench.machine import cpu_seconds, describe
@@ -62,6 +63,26 @@ class LevelRun:
             "itl_ms": summary(gaps),
             "engine_batch_rows_mean": round(sum(rows) / len(rows), 2) if rows else None,
             "tokens_per_s_by_round": [round(rate, 2) for rate in self.round_rates],
+            **self._ttft_parts(),
+        }
+
+    def _ttft_parts(self) -> dict[str, Any]:
+        """Where a fleet request's TTFT went, from its job's record: submission to the worker taking
+        it; from there to the engine's first token in the worker; from there to the client, with the
+        POST before the submission (the gateway and the client on one host, so one clock)."""
+        timed = [
+            (r.ttft, r.queue_wait, r.worker_ttft)
+            for r in self.results
+            if r.queue_wait is not None and r.worker_ttft is not None
+        ]
+        if not timed:
+            return {}
+        return {
+            "ttft_parts_ms": {
+                "submission_to_claim": summary([queued for _, queued, _ in timed]),
+                "claim_to_first_token": summary([worker - queued for _, queued, worker in timed]),
+                "delivery_and_post": summary([client - worker for client, _, worker in timed]),
+            }
         }
 
 
@@ -192,18 +213,22 @@ def run(options: OverheadOptions) -> dict[str, Any]:
         return aio.run(_measure(options, url, name, CpuMeter(pids), redis_url))
 
 
-async def _read_batch_rows(redis_url: str, results: list[RequestResult]) -> None:
-    """The engine's batch width of each fleet job, from its record (read after the runs)."""
+async def _read_records(redis_url: str, results: list[RequestResult]) -> None:
+    """The engine's batch width and the job's own timings of each fleet job, from its record (read
+    after the runs)."""
     redis = connect(redis_url)
     try:
         async with redis.pipeline(transaction=False) as pipe:
             for result in results:
-                pipe.hget(keys.job(result.job_id or ""), "engine_batch_peak")
-            peaks = await pipe.execute()
+                pipe.hmget(keys.job(result.job_id or ""), ["engine_batch_peak", "timings"])
+            records = await pipe.execute()
     finally:
         await redis.aclose()
-    for result, peak in zip(results, peaks, strict=True):
+    for result, (peak, timings) in zip(results, records, strict=True):
         result.batch_rows = int(peak) if peak else None
+        if timings:
+            parsed = Timings.model_validate_json(timings)
+            result.queue_wait, result.worker_ttft = parsed.queue_wait_s, parsed.ttft_s
 
 
 class CpuMeter:
@@ -289,7 +314,7 @@ async def _measure(
         direct.close()
     if redis_url is not None:
         fleet_results = [r for c in options.concurrency for r in runs[("fleet", c)].results]
-        await _read_batch_rows(redis_url, fleet_results)
+        await _read_records(redis_url, fleet_results)
     levels = []
     for concurrency in options.concurrency:
         figures = {b.name: runs[(b.name, concurrency)].figures() for b in backends}

@@ -77,8 +77,28 @@ def fleet_table(figures: dict[str, Any]) -> str:
     return (
         f"{table(headers, rows)}\n(latencies in ms; ratio = fleet/direct)\n"
         f"tokens/s ratio of each round, by concurrency: {rounds}\ngoals: {goals}{pinned}\n\n"
-        f"{cpu_table(figures)}"
+        f"{cpu_table(figures)}\n\n{ttft_parts_table(figures)}"
     )
+
+
+TTFT_PARTS = ("submission_to_claim", "claim_to_first_token", "delivery_and_post")
+
+
+def ttft_parts_table(figures: dict[str, Any]) -> str:
+    """The fleet's TTFT p50 by part, beside the direct run's whole TTFT p50, by concurrency."""
+    rows = []
+    for level in figures["levels"]:
+        parts = level["fleet"].get("ttft_parts_ms", {})
+        p50s = [parts.get(part, {}).get("p50") for part in TTFT_PARTS]
+        rows.append(
+            [level["concurrency"], *p50s, level["fleet"]["ttft_ms"]["p50"], level["direct"]["ttft_ms"]["p50"]]
+        )
+    headers = ["conc", "to claim", "claim to 1st token", "delivery + POST", "fleet TTFT", "direct TTFT"]
+    note = (
+        "(TTFT p50 in ms; the fleet's by part, from each job's record: submission to the worker taking it,\n"
+        " from there to the engine's first token in the worker, and the rest: the POST and the relay)"
+    )
+    return f"{table(headers, rows)}\n{note}"
 
 
 CPU_COLUMNS = ("gateway", "worker_loop", "redis", "fleet_overhead", "client", "worker_engine")
