@@ -303,7 +303,8 @@ class WorkerSettings(FleetSettings):
         le=1,
         description="On the static scheduler (a batch runs to its end before it admits anyone): the "
         "longest a worker waits for the jobs it expects (as many as its last batch had) before it "
-        "starts a batch with fewer; a tenth of it for jobs submitted together; 0 starts at once.",
+        "starts a batch with fewer; otherwise, for jobs submitted together with the first, until a tenth "
+        "of it has passed since that one's submission; 0 starts at once.",
     )
     publish_max_batch: int = Field(
         64, ge=1, description="Most tokens written to a job's stream in one Redis round trip."

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import token_entry
-from common.jobqueue import JobQueue, QueueLimits
+from common.jobqueue import Claim, JobQueue, QueueLimits, job_payload
 from common.records import RecordUpdate
 from common.settings import WorkerSettings
 from common.wire import JobSpec, Sampling
@@ -19,7 +19,7 @@ from tests.conftest import RedisServer
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
 from worker.fake_engine import FakeEngine
-from worker.service import WorkerService
+from worker.service import WorkerService, together_window
 
 
 def fake_text(prompt: str, count: int) -> str:
@@ -196,3 +196,20 @@ async def test_a_stop_token_id_ends_the_text_before_it(
 
     assert record["finish_reason"] == "stop" and record["output"] == "cdef"
     assert '"completion_tokens":5' in record["usage"]  # the stop token is counted, not shown
+
+
+def claim_submitted_at(submitted_at: float) -> Claim:
+    spec = JobSpec(id="job_window", model="m", prompt="x", sampling=Sampling(), submitted_at=submitted_at)
+    return Claim("job_window", 1, job_payload(spec, 0).decode(), "m", "owner")
+
+
+def test_a_static_batch_waits_for_jobs_submitted_together_only_until_a_tenth_of_its_window_has_passed() -> (
+    None
+):
+    now = 1_000.0
+    assert together_window(0.02, [claim_submitted_at(now)], now) == pytest.approx(0.002)
+    assert together_window(0.02, [claim_submitted_at(now - 0.0015)], now) == pytest.approx(0.0005)
+    assert together_window(0.02, [claim_submitted_at(now - 5)], now) == 0  # queued long: the others too
+    # The earliest of the claimed jobs counts; a clock ahead of this one's never makes it longer.
+    assert together_window(0.02, [claim_submitted_at(now), claim_submitted_at(now - 1)], now) == 0
+    assert together_window(0.02, [claim_submitted_at(now + 3)], now) == pytest.approx(0.002)

@@ -156,16 +156,20 @@ class WorkerService:
 
     async def _fill_static_batch(self, claims: list[Claim], slots: int) -> list[Claim]:
         """More jobs for a static batch, claimed as they are submitted: those it expects, for up to
-        static_batch_window_s; otherwise a tenth of that, for jobs submitted together with the first."""
+        static_batch_window_s; otherwise the rest of a tenth of that after the first job's submission,
+        for jobs submitted together with it. A wait that ends with no job submitted claims nothing."""
         loop = asyncio.get_running_loop()
         room, target = slots - len(claims), self._static_target(claims, slots)
         window = self.settings.static_batch_window_s
-        deadline = loop.time() + (window if target > len(claims) else window / 10)
-        enough = target - len(claims) if target > len(claims) else room
+        expecting = target > len(claims)
+        deadline = loop.time() + (window if expecting else together_window(window, claims, time.time()))
+        enough = target - len(claims) if expecting else room
         more: list[Claim] = []
         while len(more) < enough and (left := deadline - loop.time()) > 0:
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                break  # no job was submitted meanwhile: none to claim
             self._wake.clear()  # before claiming: a job submitted meanwhile wakes the next round
             try:
                 more += await self.queue.claim(
@@ -409,6 +413,15 @@ def crash_on_marker(marker: str, runs: list[JobRun]) -> None:
         if marker in text:
             logger.error("job %s holds the crash marker: the worker dies (a testing aid)", run.job_id)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def together_window(window_s: float, claims: list[Claim], now: float) -> float:
+    """How much longer a static batch waits for jobs submitted together with the first of `claims`:
+    a tenth of the window after that job's submission (none once that has passed: such jobs would be
+    in the queue by now, and claimed with it). A submission time ahead of this clock (another host's)
+    counts as now."""
+    first = min(_submitted_at(claim) for claim in claims)
+    return max(0.0, window_s / 10 - max(0.0, now - first))
 
 
 def _submitted_at(claim: Claim) -> float:
