@@ -129,27 +129,34 @@ def connect(
 
 
 class HeldConnection:
-    """One connection taken from a client's pool and kept, for commands one caller sends one after
-    another (a worker's step writes, one per engine step): each costs a write and a read, without a
-    client command's pool checkout, health check and retry wrapper. A command that fails, or whose
-    caller is cancelled, drops the connection: the next one takes another from the pool (with Sentinel,
-    on the primary of the moment). As the client does, a command that finds its connection gone (Redis
-    restarted, or closed it) is sent once more, on a new one."""
+    """One connection taken from a client's pool and kept, for commands mostly sent one after another
+    (a worker's step writes, one per engine step): each costs a write and a read, without a client
+    command's pool checkout, health check and retry wrapper. A command sent while another is out on the
+    held connection goes through the client instead (a connection reads one reply at a time). A
+    command that fails, or whose caller is cancelled, drops the connection: the next one takes another
+    from the pool (with Sentinel, on the primary of the moment). As the client does, a command that
+    finds its connection gone (Redis restarted, or closed it) is sent once more, on a new one."""
 
     def __init__(self, redis: Redis) -> None:
         self._pool = redis.connection_pool
         self._connection: AbstractConnection | None = None
+        self._busy = False  # a command is out on the held connection
 
     async def run_script(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
         """Runs a registered script, loading it first if the server lacks it (restarted, or flushed)."""
+        if self._busy:
+            return await script(keys=keys, args=args)
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         reused = self._connection is not None
+        self._busy = True
         try:
             return await self._run_script(script, command)
         except (RedisConnectionError, RedisTimeoutError):
             if not reused:
                 raise
             return await self._run_script(script, command)
+        finally:
+            self._busy = False
 
     async def _run_script(self, script: AsyncScript, command: tuple[Any, ...]) -> Any:
         connection = self._connection

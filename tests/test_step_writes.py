@@ -105,3 +105,25 @@ async def test_step_writes_go_on_when_redis_forgets_its_scripts_or_closes_the_wr
     assert await queue.publish_step(write(2)) == [StepResult.written]
     texts = [fields["text"] for _id, fields in await redis.xrange(keys.events(job_id))]
     assert texts == ["0", "1", "2"]
+
+
+async def test_step_writes_sent_while_another_is_out_each_reach_their_own_stream(redis: Redis) -> None:
+    # A job's first token is written at once, beside the step write in flight (StepWriter's solo
+    # write): the calls overlap, and each must get its own reply.
+    queue = JobQueue(redis, 3600)
+    opener, *jobs = [f"job_step_overlap_{n}" for n in range(5)]
+    for job_id in (opener, *jobs):
+        await redis.delete(keys.job(job_id), keys.events(job_id))
+        await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+
+    def write(job_id: str, index: int) -> list[StepWrite]:
+        return [StepWrite(job_id, 1, [token_entry(f"{job_id}:{index}", [index], index)], {})]
+
+    assert await queue.publish_step(write(opener, 0)) == [StepResult.written]  # its connection is open
+    overlapping = await asyncio.gather(*(queue.publish_step(write(job_id, 0)) for job_id in jobs))
+    assert overlapping == [[StepResult.written]] * len(jobs)
+    for job_id in jobs:  # and one after another again
+        assert await queue.publish_step(write(job_id, 1)) == [StepResult.written]
+    for job_id in jobs:
+        texts = [fields["text"] for _id, fields in await redis.xrange(keys.events(job_id))]
+        assert texts == [f"{job_id}:0", f"{job_id}:1"]
