@@ -127,3 +127,47 @@ async def test_step_writes_sent_while_another_is_out_each_reach_their_own_stream
     for job_id in jobs:
         texts = [fields["text"] for _id, fields in await redis.xrange(keys.events(job_id))]
         assert texts == [f"{job_id}:0", f"{job_id}:1"]
+
+
+class FailsOnce(JobQueue):
+    """Its first step write fails with a fault of the worker's own (not Redis')."""
+
+    def __init__(self, redis: Redis) -> None:
+        super().__init__(redis, 3600)
+        self.failures = 0
+
+    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+        if not self.failures:
+            self.failures += 1
+            raise RuntimeError("a fault of the worker's own")
+        return await super().publish_step(writes)
+
+
+async def test_a_step_write_that_fails_for_a_fault_of_the_worker_is_tried_again(redis: Redis) -> None:
+    job_id = "job_step_fault"
+    await redis.delete(keys.job(job_id), keys.events(job_id))
+    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    queue = FailsOnce(redis)
+    writer = StepWriter(queue, 64)
+    publisher = writer.publisher(job_id, 1)
+    publisher.add(token_entry("a", [97], 0))
+    await asyncio.wait_for(publisher.drain(), 5)
+    assert queue.failures == 1
+    assert [fields["text"] for _id, fields in await redis.xrange(keys.events(job_id))] == ["a"]
+    await writer.close()
+
+
+class NeverAnswers(JobQueue):
+    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_once_the_writer_is_closed_no_job_waits_for_its_unwritten_entries(redis: Redis) -> None:
+    writer = StepWriter(NeverAnswers(redis, 3600), 64)
+    out, later = writer.publisher("job_step_out", 1), writer.publisher("job_step_later", 1)
+    out.add(token_entry("a", [97], 0))
+    await asyncio.sleep(0.05)  # its write is out, and never answered
+    await writer.close()
+    later.add(token_entry("b", [98], 0))
+    await asyncio.wait_for(asyncio.gather(out.close(), later.close()), 1.0)

@@ -92,14 +92,18 @@ class StepWriter:
         self._task: asyncio.Task[None] | None = None
         self._step_in_flight = False
         self._solo: set[asyncio.Task[None]] = set()
+        self._closed = False
         self.writes = 0  # script calls made (for tests and benchmarks)
 
     def publisher(self, job_id: str, attempt: int, first_index: int = 0) -> StreamPublisher:
-        if self._task is None or self._task.done():
+        if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._run(), name="step-writer")
         return StreamPublisher(self, job_id, attempt, first_index)
 
     def wake(self, publisher: StreamPublisher) -> None:
+        if self._closed:
+            publisher.idle.set()  # nothing is written any more: no one waits for it
+            return
         self._waiting[publisher] = None
         if self._step_in_flight and not publisher.token_written and not publisher.in_flight:
             # Until a job's first token is out, its entries never wait for other jobs' write. It is in
@@ -117,10 +121,16 @@ class StepWriter:
         publisher.idle.set()
 
     async def close(self) -> None:
+        """Stops writing. What is still pending stays unwritten (the jobs' next attempts go on from what
+        their streams hold), and no one waits for it: a job's task cancelled after this ends at once."""
+        self._closed = True
         tasks = [*self._solo, *([self._task] if self._task is not None else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for publisher in self._waiting:
+            publisher.idle.set()
+        self._waiting.clear()
 
     async def _run(self) -> None:
         while True:
@@ -141,8 +151,8 @@ class StepWriter:
         try:
             if any(p.gap for p in publishers):
                 await asyncio.gather(*(self._take_back(p) for p in publishers if p.gap))
-        except RedisError as e:
-            logger.warning("reading where %d jobs' streams end failed (%s); retrying", len(publishers), e)
+        except Exception as e:
+            _failed(e, "reading where %d jobs' streams end failed (%s); retrying", len(publishers))
             for publisher in publishers:
                 publisher.in_flight = False
             self._wakeup.set()
@@ -156,8 +166,8 @@ class StepWriter:
             writes.append(StepWrite(publisher.job_id, publisher.attempt, entries, record, check_gap=check))
         try:
             results = await self._queue.publish_step(writes)
-        except RedisError as e:
-            logger.warning("writing tokens of %d jobs failed (%s); retrying", len(writes), e)
+        except Exception as e:
+            _failed(e, "writing tokens of %d jobs failed (%s); retrying", len(writes))
             for publisher, write in zip(publishers, writes, strict=True):
                 publisher.record = {**write.record, **publisher.record}
             await asyncio.sleep(0.25)
@@ -218,3 +228,12 @@ class StepWriter:
         publisher.pending[:0] = missing
         publisher.streamed_to = min(publisher.streamed_to, max(streamed, publisher.first_index))
         publisher.gap = False
+
+
+def _failed(error: Exception, message: str, jobs: int) -> None:
+    """Logs a write that failed and is tried again: Redis away is expected, anything else is a fault of
+    this process (with its traceback), tried again rather than leave the jobs waiting forever."""
+    if isinstance(error, RedisError):
+        logger.warning(message, jobs, error)
+    else:
+        logger.error(message, jobs, error, exc_info=error)
