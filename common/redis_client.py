@@ -64,7 +64,12 @@ class _PackedInC:
 _PACKED_IN_C: dict[type, type] = {}  # a connection class -> the same, packing in C
 
 
-def _packing_in_c(pool: ConnectionPool) -> ConnectionPool:
+def connection_pool(url: str, *, max_connections: int | None = None, **options: Any) -> ConnectionPool:
+    """A pool for `url` (redis://, rediss://, unix:// or redis+sentinel://) whose connections take
+    `options` (redis-py connection arguments) and pack their commands in C. With `max_connections`, a
+    command waits for a free connection rather than opening more. A malformed Sentinel URL raises
+    BadRedisUrl."""
+    pool = _pool(url, max_connections, options)
     base = pool.connection_class
     if base not in _PACKED_IN_C:
         _PACKED_IN_C[base] = type(base.__name__, (_PackedInC, base), {})
@@ -72,14 +77,11 @@ def _packing_in_c(pool: ConnectionPool) -> ConnectionPool:
     return pool
 
 
-def connection_pool(url: str, *, max_connections: int | None = None, **options: Any) -> ConnectionPool:
-    """A pool for `url` (redis://, rediss://, unix:// or redis+sentinel://) whose connections take
-    `options` (redis-py connection arguments). With `max_connections`, a command waits for a free
-    connection rather than opening more. A malformed Sentinel URL raises BadRedisUrl."""
+def _pool(url: str, max_connections: int | None, options: dict[str, Any]) -> ConnectionPool:
     if not is_sentinel_url(url):
         if max_connections is None:
-            return _packing_in_c(ConnectionPool.from_url(url, **options))
-        return _packing_in_c(BlockingConnectionPool.from_url(url, max_connections=max_connections, **options))
+            return ConnectionPool.from_url(url, **options)
+        return BlockingConnectionPool.from_url(url, max_connections=max_connections, **options)
     parsed = parse_sentinel_url(url)
     connect_timeout = options.get("socket_connect_timeout") or SENTINEL_TIMEOUT_S
     sentinel_options = _sentinel_options(parsed, SENTINEL_TIMEOUT_S)
@@ -91,11 +93,9 @@ def connection_pool(url: str, *, max_connections: int | None = None, **options: 
     sentinel = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_options)  # type: ignore[no-untyped-call]
     options = {**options, "db": parsed.db, "username": parsed.username, "password": parsed.password}
     if max_connections is None:
-        return _packing_in_c(SentinelConnectionPool(parsed.service, sentinel, is_master=True, **options))  # type: ignore[no-untyped-call]
-    return _packing_in_c(
-        BlockingSentinelConnectionPool(  # type: ignore[no-untyped-call]
-            parsed.service, sentinel, is_master=True, max_connections=max_connections, **options
-        )
+        return SentinelConnectionPool(parsed.service, sentinel, is_master=True, **options)  # type: ignore[no-untyped-call]
+    return BlockingSentinelConnectionPool(  # type: ignore[no-untyped-call]
+        parsed.service, sentinel, is_master=True, max_connections=max_connections, **options
     )
 
 

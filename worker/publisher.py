@@ -149,8 +149,8 @@ class StepWriter:
         for publisher in publishers:
             publisher.in_flight = True
         try:
-            if any(p.gap for p in publishers):
-                await asyncio.gather(*(self._take_back(p) for p in publishers if p.gap))
+            if gaps := [publisher for publisher in publishers if publisher.gap]:
+                await asyncio.gather(*map(self._take_back, gaps))
         except Exception as e:
             _failed(e, "reading where %d jobs' streams end failed (%s); retrying", len(publishers))
             for publisher in publishers:
