@@ -30,6 +30,7 @@ from ortfleet.fleet.launcher import LocalFleet, throwaway_fleet
 
 MODEL = "bench-redis"
 FAKE_ENGINE = "1:16"  # 1 ms per token, 16 jobs together: the engine is never what limits
+JOB_LIMIT_S = 120.0  # a job of the cost runs that has not ended by then never will: the bench fails
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,15 @@ async def _jobs(client: httpx.AsyncClient, count: int, tokens: int, concurrency:
             body = {"model": MODEL, "prompt": "Hello", "max_tokens": tokens}
             reply = await client.post("/v1/jobs", json=body)
             reply.raise_for_status()
-            async with client.stream("GET", f"/v1/jobs/{reply.json()['id']}/events") as stream:
-                async for line in stream.aiter_lines():
-                    if line in ("event: done", "event: error"):
-                        break
+            job_id = reply.json()["id"]
+            try:
+                async with asyncio.timeout(JOB_LIMIT_S):
+                    async with client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+                        async for line in stream.aiter_lines():
+                            if line in ("event: done", "event: error"):
+                                break
+            except TimeoutError:
+                raise RuntimeError(f"job {job_id} did not end within {JOB_LIMIT_S:g} s") from None
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
 
