@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import signal
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import TypeAlias
 
 from common.settings import FleetSettings
@@ -26,9 +28,16 @@ def main(argv: list[str] | None = None) -> None:
     if handler is None:
         parser.print_help(sys.stderr)
         raise SystemExit(2)
+    # Terminated, a command unwinds as on Ctrl-C: a fleet it started (a bench's, a drill's) stops with
+    # it instead of running on without its parent. `ortfleet up` installs its own handlers.
+    signal.signal(signal.SIGTERM, _interrupted)
     code = handler(args)
     if code:
         raise SystemExit(code)
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def build_parser() -> argparse.ArgumentParser:

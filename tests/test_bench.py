@@ -6,15 +6,24 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 
 def bench(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "ortfleet", "bench", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate()  # the bench stops the fleet it started, and says where it was
+            stdout, stderr = process.communicate(timeout=60)
+            raise AssertionError(f"ortfleet bench ran past {timeout_s:g} s:\n{stderr[-3000:]}") from None
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -171,3 +180,18 @@ def test_bench_options_are_checked() -> None:
     bad_sim = [sys.executable, "-m", "ortfleet", "bench", "sim", "--workers", "fast"]
     done = subprocess.run(bad_sim, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "DELAY_MS:CAPACITY" in done.stderr
+
+
+def test_a_terminated_bench_stops_the_fleet_it_started() -> None:
+    command = [sys.executable, "-m", "ortfleet", "bench", "redis", "--jobs", "1000000", "--json", os.devnull]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as process:
+        bench_process = psutil.Process(process.pid)
+        deadline = time.monotonic() + 120
+        while len(children := bench_process.children()) < 3:  # Redis, the gateway and the worker
+            assert process.poll() is None and time.monotonic() < deadline, "the bench never ran its fleet"
+            time.sleep(0.1)
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0
+    _, running = psutil.wait_procs(children, timeout=10)
+    assert not running, f"left running: {[child.cmdline() for child in running]}\n{stderr[-2000:]}"
