@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
 from tests.redis_events import add_entry
 from tests.test_observability import value
+from tests.waiting import until
 
 STREAMS = 300
 POOL, RELAY = 4, 2  # the gateway's Redis connections: request pool, relay readers
@@ -357,16 +358,6 @@ async def test_a_sweep_of_thousands_of_streams_is_read_beside_notified_ones_not_
     await streams.close()
 
 
-async def soon(condition: Callable[[], bool], timeout_s: float) -> bool:
-    """Whether `condition` holds within `timeout_s` (a state kept by timers, with no event to await)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 async def test_a_relay_drops_reads_a_stalled_redis_leaves_unanswered_and_relays_again_once_it_answers(
     own_redis: RedisServer,
 ) -> None:
@@ -381,12 +372,12 @@ async def test_a_relay_drops_reads_a_stalled_redis_leaves_unanswered_and_relays_
             assert [entry_id for _k, entry_id, _f in await follower.next(5)] == [first]
             own_redis.process.send_signal(19)  # SIGSTOP: Redis keeps its sockets open and answers nothing
             try:  # the overdue read is dropped: the relay says Redis is unreachable
-                assert await soon(lambda: streams.unreachable_for() is not None, 10)
+                await until(lambda: streams.unreachable_for() is not None, "Redis reported unreachable", 10)
             finally:
                 own_redis.process.send_signal(18)  # SIGCONT
             second = await add_entry(redis, stream, {"n": "1"})
             assert [entry_id for _k, entry_id, _f in await follower.next(10)] == [second]
-            assert await soon(lambda: streams.unreachable_for() is None, 10)
+            await until(lambda: streams.unreachable_for() is None, "Redis reported reachable again", 10)
     finally:
         await streams.close()
         await redis.aclose()

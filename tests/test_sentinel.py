@@ -31,6 +31,7 @@ from gateway.sse import batches, entries
 from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import Event, submit
+from tests.waiting import until
 from worker.publisher import StepWriter
 
 SERVICE = "ortfleet-main"
@@ -274,13 +275,6 @@ class Reader:
                     return
 
 
-async def _until(condition: Any, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
-        await asyncio.sleep(0.05)
-
-
 async def _final_record(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
     deadline = time.monotonic() + 60
     while True:
@@ -311,7 +305,7 @@ async def test_jobs_streaming_through_a_primary_failover_end_succeeded_with_no_g
             ]
             readers = [Reader(job["id"]) for job in jobs]
             reading = [asyncio.create_task(reader.read(client)) for reader in readers]
-            await _until(lambda: all(r.tokens() >= 10 for r in readers), "every reader gets tokens", 60)
+            await until(lambda: all(r.tokens() >= 10 for r in readers), "every reader gets tokens", 60)
 
             sentinels.processes[sentinels.primary_port].kill()
             port = sentinels.sentinel_ports[0]
