@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
-from functools import cached_property
 from typing import Any
 
 from arq.jobs import deserialize_job_raw, serialize_job
@@ -28,11 +27,11 @@ from redis.asyncio.client import Pipeline
 
 from common import job_scripts, keys
 from common.error_codes import ErrorCode
-from common.events import done_entry, entry_token_ids, error_entry, status_entry
+from common.events import TOKEN, done_entry, entry_token_ids, error_entry, status_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.records import JobRecord, RecordUpdate, load_record
 from common.redis_client import HeldConnection
-from common.wire import PRIORITY_ORDER, EventType, FinishReason, JobSpec, JobStatus, PriorityClass
+from common.wire import PRIORITY_ORDER, FinishReason, JobSpec, JobStatus, PriorityClass
 
 GENERATE = "generate"
 
@@ -87,7 +86,7 @@ def parse_job_payload(payload: str) -> JobSpec:
         raise MalformedJob(f"malformed job payload: {e}") from e
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepWrite:
     """One job's share of a worker's write for an engine step."""
 
@@ -96,11 +95,10 @@ class StepWrite:
     entries: list[dict[str, str]]
     record: dict[str, str]  # RecordUpdate.to_fields()
     check_gap: bool = True  # refuse it when the stream's tokens end before its first token entry
+    span: tuple[int, int] | None = field(init=False)  # its token entries' span (see token_span)
 
-    @cached_property
-    def span(self) -> tuple[int, int] | None:
-        """Its token entries' span (see token_span)."""
-        return token_span(self.entries)
+    def __post_init__(self) -> None:
+        self.span = token_span(self.entries)
 
 
 class StepResult(IntEnum):
@@ -117,7 +115,7 @@ class StreamGap(Exception):
 
 def token_span(entries: list[dict[str, str]]) -> tuple[int, int] | None:
     """The token index of the first token entry among `entries`, and the index past the last one."""
-    tokens = [entry for entry in entries if entry.get("type") == EventType.token.value and "index" in entry]
+    tokens = [entry for entry in entries if entry.get("type") == TOKEN and "index" in entry]
     if not tokens:
         return None
     last = tokens[-1]

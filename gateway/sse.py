@@ -20,8 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common import keys
-from common.events import event_payload, is_final
-from common.wire import EventType
+from common.events import TOKEN, event_payload, is_final
 from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.relay import Entry as RelayEntry
 from gateway.relay import Follower, StreamRelay, WakeableSleep
@@ -93,7 +92,7 @@ class SentTokens:
 
     def fresh(self, fields: dict[str, str]) -> bool:
         """Whether to send the entry: anything but a token entry, or one past the last token sent."""
-        if fields.get("type") != EventType.token.value or "index" not in fields:
+        if fields.get("type") != TOKEN or "index" not in fields:
             return True
         index = int(fields["index"])
         if index <= self.last_index:

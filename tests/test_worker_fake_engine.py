@@ -90,6 +90,24 @@ async def test_the_worker_applies_stop_strings_for_a_static_engine(
     assert "".join(e["text"] for e in await token_entries(redis, job_id)) == "cdef"
 
 
+@pytest.mark.parametrize(
+    ("stop", "text"),
+    [({"stop": ["gh"]}, "cdef"), ({"stop_token_ids": [ord("h")]}, "cdefg")],
+    ids=["string", "token"],
+)
+async def test_a_stop_found_in_the_engine_s_last_update_ends_the_job_with_the_text_before_it(
+    redis: Redis, start_worker: Started, model_name: str, stop: dict[str, list[Any]], text: str
+) -> None:
+    start_worker(model_name, FakeEngine(0.002, 4, continuous_batching=False))
+    # "cdefgh": the stop ends with the 6th token, which comes with the engine's finish (max_tokens).
+    job_id = await submit(redis, model_name, "Hi", max_tokens=6, **stop)
+
+    record = await wait_final(redis, job_id)
+
+    assert record["status"] == "succeeded" and record["finish_reason"] == "stop"
+    assert record["output"] == text
+
+
 async def test_cancelling_a_running_job_stops_it_and_frees_its_slot(
     redis: Redis, start_worker: Started, model_name: str
 ) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -50,13 +52,51 @@ class EngineUpdate:
     replay_exact: bool | None = None
 
 
+class UpdateQueue:
+    """One request's engine updates, put in the event loop's thread. They are either taken one at a time
+    (`get`), or handed to a consumer as they come (`consume`): a running job handles each engine step's
+    tokens in the same event-loop wake-up, without a task switch per step."""
+
+    __slots__ = ("_consumer", "_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[EngineUpdate] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._consumer: Callable[[EngineUpdate], None] | None = None
+
+    def put_nowait(self, update: EngineUpdate) -> None:
+        if self._consumer is not None:
+            self._consumer(update)
+            return
+        self._items.append(update)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> EngineUpdate:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def consume(self, consumer: Callable[[EngineUpdate], None]) -> None:
+        """From now on, every update goes to `consumer` when it is put (those waiting first). The
+        consumer runs in the putter's call: it must not raise."""
+        self._consumer = consumer
+        while self._items:
+            consumer(self._items.popleft())
+
+
 @dataclass
 class GenerationStream:
     """One request's updates, delivered from the engine thread into the event loop."""
 
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue[EngineUpdate] = field(default_factory=asyncio.Queue)
+    updates: UpdateQueue = field(default_factory=UpdateQueue)
     cancel_requested: bool = False
 
     def deliver(self, update: EngineUpdate) -> None:

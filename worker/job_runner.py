@@ -16,7 +16,15 @@ from common.events import done_entry, entry_token_ids, error_entry, status_entry
 from common.jobqueue import Claim, JobQueue, StreamGap
 from common.records import RecordUpdate
 from common.wire import EventType, FinishReason, JobSpec, JobStatus, Timings, Usage
-from worker.engine import Engine, EngineUpdate, Finish, GenerationRequest, GenerationStream, Tokenizer
+from worker.engine import (
+    Engine,
+    EngineUpdate,
+    Finish,
+    GenerationRequest,
+    GenerationStream,
+    StreamDecoder,
+    Tokenizer,
+)
 from worker.publisher import LeaseLost, StepWriter, StreamPublisher
 from worker.stop_strings import StopMatcher
 
@@ -51,6 +59,18 @@ class Outcome:
     generated: int
     error: str | None = None
     error_code: ErrorCode | None = None
+
+
+@dataclass
+class _Decoding:
+    """Where a job's text stands while its tokens come in."""
+
+    decoder: StreamDecoder
+    matcher: StopMatcher | None
+    stop_ids: frozenset[int]
+    text: str
+    generated: int = 0  # tokens generated so far, earlier attempts' included
+    stopped: bool = False  # a stop token or string ended the text: the engine is being stopped
 
 
 class JobRun:
@@ -239,61 +259,80 @@ class JobRun:
         sampling = self.spec.sampling
         own_stops = not self._engine.continuous_batching or sampling.include_stop_str_in_output
         matcher = (
-            StopMatcher(sampling.stop or [], keep_stop=sampling.include_stop_str_in_output)
-            if own_stops
+            StopMatcher(sampling.stop, keep_stop=sampling.include_stop_str_in_output)
+            if own_stops and sampling.stop
             else None
         )
-        stop_ids = frozenset(sampling.stop_token_ids or ())
-        text = self.progress.text
-        generated = done_before
-        while True:
-            update: EngineUpdate = await self._stream.updates.get()
-            self.batch_peak = max(self.batch_peak, update.batch_rows)
-            pieces = []
-            hit_stop = False
-            index = generated  # of this step's first token
-            for token in update.token_ids:
-                generated += 1
-                if token in stop_ids:  # vLLM's stop_token_ids: ends the text like end of sequence
-                    pieces.append("")
-                    hit_stop = True
-                    break
-                piece = decoder.decode(token)
-                if matcher is not None:
-                    piece, hit_stop = matcher.feed(piece)
-                pieces.append(piece)
-                if hit_stop:
-                    break
-            if update.token_ids:
-                now = time.time()
-                self._token_times.append(now)
-                self.tokens_generated += len(update.token_ids)
-                chunk = "".join(pieces)
-                record = None
-                if self.progress.first_token_at is None:
-                    self.progress.first_token_at = now
-                    record = RecordUpdate(first_token_at=now).to_fields()
-                if update.replay_exact is not None:
-                    record = {**(record or {}), **RecordUpdate(resume_exact=update.replay_exact).to_fields()}
-                publisher.add(token_entry(chunk, update.token_ids[: len(pieces)], index), record)
-                text += chunk
-            if hit_stop:
-                self._engine.cancel(self._stream)
-                await self._drain_engine()
-                return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated)
-            if update.finish is None:
-                continue
-            if matcher is not None:
-                tail = matcher.flush()
-                if tail:
-                    publisher.add(token_entry(tail, [], generated))
-                    text += tail
-            return self._outcome(update, text, generated)
+        decoding = _Decoding(decoder, matcher, frozenset(sampling.stop_token_ids or ()), self.progress.text)
+        decoding.generated = done_before
+        outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
 
-    async def _drain_engine(self) -> None:
+        def take(update: EngineUpdate) -> None:
+            if outcome.done():
+                return
+            try:
+                ended = self._take(update, decoding, publisher)
+            except Exception as e:  # a fault of this process: the job fails, the other jobs go on
+                outcome.set_exception(e)
+                return
+            if ended is not None:
+                outcome.set_result(ended)
+
+        # Each engine step's tokens are handled in the wake-up that delivers them, for all jobs at once.
+        self._stream.updates.consume(take)
+        return await outcome
+
+    def _take(self, update: EngineUpdate, decoding: _Decoding, publisher: StreamPublisher) -> Outcome | None:
+        """Handles one engine update: its text goes to the publisher. Returns the outcome once the
+        engine is done with the job."""
         assert self._stream is not None
-        while (await self._stream.updates.get()).finish is None:
-            pass
+        if decoding.stopped:  # a stop was found: the rest is what the engine made before it stopped
+            if update.finish is None:
+                return None
+            return Outcome(JobStatus.succeeded, FinishReason.stop, decoding.text, decoding.generated)
+        self.batch_peak = max(self.batch_peak, update.batch_rows)
+        pieces = []
+        hit_stop = False
+        generated = index = decoding.generated  # index: of this step's first token
+        matcher = decoding.matcher
+        for token in update.token_ids:
+            generated += 1
+            if token in decoding.stop_ids:  # vLLM's stop_token_ids: ends the text like end of sequence
+                pieces.append("")
+                hit_stop = True
+                break
+            piece = decoding.decoder.decode(token)
+            if matcher is not None:
+                piece, hit_stop = matcher.feed(piece)
+            pieces.append(piece)
+            if hit_stop:
+                break
+        decoding.generated = generated
+        if update.token_ids:
+            now = time.time()
+            self._token_times.append(now)
+            self.tokens_generated += len(update.token_ids)
+            chunk = "".join(pieces)
+            record = None
+            if self.progress.first_token_at is None:
+                self.progress.first_token_at = now
+                record = RecordUpdate(first_token_at=now).to_fields()
+            if update.replay_exact is not None:
+                record = {**(record or {}), **RecordUpdate(resume_exact=update.replay_exact).to_fields()}
+            publisher.add(token_entry(chunk, update.token_ids[: len(pieces)], index), record)
+            decoding.text += chunk
+        if hit_stop:
+            decoding.stopped = True
+            self._engine.cancel(self._stream)
+            return self._take(update, decoding, publisher) if update.finish is not None else None
+        if update.finish is None:
+            return None
+        if matcher is not None:
+            tail = matcher.flush()
+            if tail:
+                publisher.add(token_entry(tail, [], generated))
+                decoding.text += tail
+        return self._outcome(update, decoding.text, generated)
 
     def _outcome(self, update: EngineUpdate, text: str, generated: int) -> Outcome:
         finish = update.finish

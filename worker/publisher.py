@@ -19,8 +19,8 @@ import logging
 
 from redis.exceptions import RedisError
 
+from common.events import TOKEN
 from common.jobqueue import JobQueue, StepResult, StepWrite
-from common.wire import EventType
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +188,7 @@ class StepWriter:
                 continue
             if write.span is not None:
                 publisher.token_written = True
-                token = EventType.token.value
-                publisher.written += [entry for entry in write.entries if entry.get("type") == token]
+                publisher.written += [entry for entry in write.entries if entry.get("type") == TOKEN]
                 publisher.streamed_to = max(publisher.streamed_to, write.span[1])
             del publisher.pending[: len(write.entries)]
             if not result:
