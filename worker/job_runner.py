@@ -286,10 +286,8 @@ class JobRun:
         """Handles one engine update: its text goes to the publisher. Returns the outcome once the
         engine is done with the job."""
         assert self._stream is not None
-        if decoding.stopped:  # a stop was found: the rest is what the engine made before it stopped
-            if update.finish is None:
-                return None
-            return Outcome(JobStatus.succeeded, FinishReason.stop, decoding.text, decoding.generated)
+        if decoding.stopped:  # what the engine made after the stop, until it stopped, is dropped
+            return self._stopped(decoding) if update.finish is not None else None
         self.batch_peak = max(self.batch_peak, update.batch_rows)
         pieces = []
         hit_stop = False
@@ -323,8 +321,10 @@ class JobRun:
             decoding.text += chunk
         if hit_stop:
             decoding.stopped = True
+            if update.finish is not None:  # the stop came with the engine's last update
+                return self._stopped(decoding)
             self._engine.cancel(self._stream)
-            return self._take(update, decoding, publisher) if update.finish is not None else None
+            return None
         if update.finish is None:
             return None
         if matcher is not None:
@@ -333,6 +333,10 @@ class JobRun:
                 publisher.add(token_entry(tail, [], generated))
                 decoding.text += tail
         return self._outcome(update, decoding.text, generated)
+
+    @staticmethod
+    def _stopped(decoding: _Decoding) -> Outcome:
+        return Outcome(JobStatus.succeeded, FinishReason.stop, decoding.text, decoding.generated)
 
     def _outcome(self, update: EngineUpdate, text: str, generated: int) -> Outcome:
         finish = update.finish
