@@ -18,7 +18,7 @@ from common.wire import JobSpec, Sampling
 from tests.conftest import RedisServer
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
-from worker.fake_engine import FakeEngine
+from worker.fake_engine import FakeDecoder, FakeEngine, FakeTokenizer
 from worker.service import WorkerService, together_window
 
 
@@ -106,6 +106,39 @@ async def test_a_stop_found_in_the_engine_s_last_update_ends_the_job_with_the_te
 
     assert record["status"] == "succeeded" and record["finish_reason"] == "stop"
     assert record["output"] == text
+
+
+class _BreaksOnItsFifthToken(FakeDecoder):
+    """Decodes like the fake tokenizer, except that the decoder of a text starting with "c" raises."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def decode(self, token_id: int) -> str:
+        self.seen.append(token_id)
+        if self.seen[0] == ord("c") and len(self.seen) == 5:
+            raise RuntimeError("a decoder fault")
+        return super().decode(token_id)
+
+
+class _FaultyTokenizer(FakeTokenizer):
+    def stream_decoder(self) -> FakeDecoder:
+        return _BreaksOnItsFifthToken()
+
+
+async def test_a_fault_in_one_job_s_token_handling_fails_that_job_and_the_batch_goes_on(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    engine = FakeEngine(0.002, 4)
+    engine.tokenizer = _FaultyTokenizer()
+    start_worker(model_name, engine)
+    broken = await submit(redis, model_name, "Hi", max_tokens=12)  # its text starts with "c"
+    sound = await submit(redis, model_name, "Hey", max_tokens=12)  # "d"
+
+    broken_record, sound_record = await wait_final(redis, broken), await wait_final(redis, sound)
+
+    assert broken_record["status"] == "failed"
+    assert sound_record["status"] == "succeeded" and sound_record["output"] == fake_text("Hey", 12)
 
 
 async def test_cancelling_a_running_job_stops_it_and_frees_its_slot(
