@@ -309,6 +309,15 @@ class WorkerSettings(FleetSettings):
     publish_max_batch: int = Field(
         64, ge=1, description="Most tokens written to a job's stream in one Redis round trip."
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="A job's tokens go to its stream this many at a time (its first token, and what is "
+        "left when it ends, at once). 1 streams every engine step's tokens as they come; more cuts the "
+        "fleet's CPU per token (Redis writes, relay reads and client writes per step) and makes streams "
+        "burstier: a client gets n tokens every n steps.",
+    )
     preempt_batch: bool = Field(
         True,
         description="Batch jobs yield to interactive ones: when interactive jobs wait and no slot is free, "

@@ -87,16 +87,18 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "goals:" in done.stdout and "overhead" in done.stdout
     assert "claim to 1st token" in done.stdout
-    assert data["pinning"] is None
+    assert data["pinning"] is None and data["stream_interval"] == 1
 
 
-def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own(tiny_model: Path, tmp_path: Path) -> None:
+def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own_and_sets_the_stream_interval(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("pinning needs at least two cores")
     out = tmp_path / "pinned.json"
     done = bench(
         "--pin", "--engine-cores", "1", "--model", str(tiny_model), "--concurrency", "2", "--requests", "4",
-        "--max-tokens", "8", "--json", str(out),
+        "--max-tokens", "8", "--stream-interval", "3", "--json", str(out),
     )  # fmt: skip
 
     data = figures(out)
@@ -106,6 +108,7 @@ def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own(tiny_model: 
     assert level["fleet"]["errors"] == 0 and level["fleet"]["output_tokens"] == 4 * 8
     assert level["direct"]["output_tokens"] == 4 * 8
     assert "pinned: engine on cores" in done.stdout
+    assert data["stream_interval"] == 3 and "stream interval: 3 tokens a write" in done.stdout
 
 
 def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissions(tmp_path: Path) -> None:

@@ -6,6 +6,10 @@ step (added in one event-loop wake-up) go together, a job's first token goes out
 what comes while a write is in flight goes with the next one, except a job's first token: that one
 never waits for other jobs' write.
 
+With a stream interval of n tokens, a job's tokens wait until it has n of them (its first token, any
+other entry, and what is left when the job ends go at once); a write takes every job's pending
+entries, so jobs that started apart fall into step and share their writes.
+
 Replication to Redis replicas is asynchronous: after a failover, the new primary may lack the last
 token entries the worker wrote to the old one. The write script then refuses the job's next write (its
 first token would leave a gap), and the writer first writes again, from what it keeps, every token
@@ -49,12 +53,18 @@ class StreamPublisher:
         self.lost = False
         self.token_written = False  # a token entry of the job reached Redis
         self.in_flight = False  # a write with entries of this job is out
+        self.held_tokens = 0  # token entries pending, held for the stream interval
+        self.urgent = False  # something pending must not wait for the stream interval
 
     def add(self, entry: dict[str, str], record: dict[str, str] | None = None) -> None:
         """Queue a stream entry, and fields to set on the job's record in the same write."""
         if self.lost:
             return
         self.pending.append(entry)
+        if entry.get("type") == TOKEN and not record:
+            self.held_tokens += 1
+        else:
+            self.urgent = True
         if record:
             self.record.update(record)
         self.idle.clear()
@@ -62,14 +72,22 @@ class StreamPublisher:
 
     async def drain(self) -> None:
         """Wait until everything added so far is in Redis; raises LeaseLost if the job was taken over."""
+        self._flush()
         await self.idle.wait()
         if self.lost:
             raise LeaseLost(self.job_id)
 
     async def close(self) -> None:
         """Writes what is still pending (unless the job was taken over), then leaves the writer."""
+        self._flush()
         await self.idle.wait()
         self._writer.forget(self)
+
+    def _flush(self) -> None:
+        """What is pending goes without waiting for the stream interval: someone waits for it."""
+        if not self.idle.is_set():
+            self.urgent = True
+            self._writer.wake(self)
 
     async def fill_gap(self) -> bool:
         """Writes again the token entries the stream lacks; False when some cannot be (an earlier
@@ -84,9 +102,10 @@ class StreamPublisher:
 class StepWriter:
     """The worker's one writer of token entries, for all of its running jobs."""
 
-    def __init__(self, queue: JobQueue, max_batch: int) -> None:
+    def __init__(self, queue: JobQueue, max_batch: int, interval: int = 1) -> None:
         self._queue = queue
         self._max_batch = max_batch  # most entries of one job in one write
+        self._interval = interval  # a job's tokens wait until it has this many (its first never waits)
         self._waiting: dict[StreamPublisher, None] = {}  # publishers with entries to write, in order
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -132,11 +151,22 @@ class StepWriter:
             publisher.idle.set()
         self._waiting.clear()
 
+    def _due(self, publisher: StreamPublisher) -> bool:
+        """Whether the publisher's pending entries must go now, taking every other job's along."""
+        return (
+            publisher.urgent
+            or publisher.gap
+            or not publisher.token_written
+            or publisher.held_tokens >= self._interval
+        )
+
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while publishers := [p for p in self._waiting if not p.in_flight]:
+            while (publishers := [p for p in self._waiting if not p.in_flight]) and any(
+                map(self._due, publishers)
+            ):
                 self._step_in_flight = True
                 try:
                     await self._write(publishers)
@@ -191,6 +221,8 @@ class StepWriter:
                 publisher.written += [entry for entry in write.entries if entry.get("type") == TOKEN]
                 publisher.streamed_to = max(publisher.streamed_to, write.span[1])
             del publisher.pending[: len(write.entries)]
+            publisher.held_tokens = sum(entry.get("type") == TOKEN for entry in publisher.pending)
+            publisher.urgent = publisher.urgent and bool(publisher.pending or publisher.record)
             if not result:
                 job, attempt = publisher.job_id, publisher.attempt
                 logger.warning("job %s: lease lost, attempt %s stops writing", job, attempt)

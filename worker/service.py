@@ -39,7 +39,7 @@ class WorkerService:
         self.settings = settings
         self.redis = redis
         self.queue = JobQueue(redis, settings.job_ttl_s)
-        self.writer = StepWriter(self.queue, settings.publish_max_batch)
+        self.writer = StepWriter(self.queue, settings.publish_max_batch, settings.stream_interval)
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from common import aio, keys
 from common.redis_client import connect
+from common.settings import WorkerSettings
 from common.wire import Timings
 from ortfleet.bench.backends import PROMPTS, Backend, DirectBackend, FleetBackend, RequestResult
 from ortfleet.bench.http import Connection
@@ -183,6 +184,7 @@ class OverheadOptions:
     url: str | None = None  # a running gateway; None starts a local fleet
     name: str | None = None  # its served model name
     pinning: Pinning | None = None  # engines on cores of their own, the rest of the fleet on the others
+    stream_interval: int | None = None  # the local worker's; None: the environment's
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
@@ -195,7 +197,9 @@ def run(options: OverheadOptions) -> dict[str, Any]:
         if url is None:
             fleet = stack.enter_context(throwaway_fleet())
             (_, url), name = fleet.start_gateway(), "bench"
-            worker = fleet.start_worker(name, model=options.model_dir, wait=False)
+            interval = options.stream_interval
+            env = {"ORTFLEET_STREAM_INTERVAL": str(interval)} if interval is not None else None
+            worker = fleet.start_worker(name, model=options.model_dir, env=env, wait=False)
             try:
                 fleet.wait_workers(name, 1)
             except StartupError as e:
@@ -211,6 +215,15 @@ def run(options: OverheadOptions) -> dict[str, Any]:
         if name is None:
             name = aio.run(_served_model(url))
         return aio.run(_measure(options, url, name, CpuMeter(pids), redis_url))
+
+
+def _stream_interval(options: OverheadOptions) -> int | None:
+    """The local worker's stream interval; None for a fleet at a URL (its workers' own)."""
+    if options.url is not None:
+        return None
+    if options.stream_interval is not None:
+        return options.stream_interval
+    return WorkerSettings().stream_interval
 
 
 async def _read_records(redis_url: str, results: list[RequestResult]) -> None:
@@ -338,6 +351,7 @@ async def _measure(
         "min_tokens": options.max_tokens,
         "rounds": options.rounds,
         "pinning": options.pinning.describe() if options.pinning is not None else None,
+        "stream_interval": _stream_interval(options),
         "prompts": list(PROMPTS),
         "levels": levels,
         "single_stream_tokens_per_s": single_stream_tokens_per_s(levels),

@@ -74,9 +74,11 @@ def fleet_table(figures: dict[str, Any]) -> str:
         if pinning
         else ""
     )
+    interval = figures.get("stream_interval")
+    grouped = f"\nstream interval: {interval} tokens a write" if interval and interval > 1 else ""
     return (
         f"{table(headers, rows)}\n(latencies in ms; ratio = fleet/direct)\n"
-        f"tokens/s ratio of each round, by concurrency: {rounds}\ngoals: {goals}{pinned}\n\n"
+        f"tokens/s ratio of each round, by concurrency: {rounds}\ngoals: {goals}{pinned}{grouped}\n\n"
         f"{cpu_table(figures)}\n\n{ttft_parts_table(figures)}"
     )
 

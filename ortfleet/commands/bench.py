@@ -175,6 +175,13 @@ def _fleet_options(parser: argparse.ArgumentParser) -> None:
         "the gateway, Redis, the worker's event loop and the client to the others (Linux)",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=_positive,
+        metavar="N",
+        help="the local fleet's worker streams a job's tokens N at a time (ORTFLEET_STREAM_INTERVAL; "
+        "default: the environment's, else 1)",
+    )
+    parser.add_argument(
         "--engine-cores",
         type=_positive,
         metavar="N",
@@ -270,6 +277,10 @@ def run_fleet(args: argparse.Namespace) -> int:
             raise SystemExit(f"ortfleet bench: {e}") from e
     elif args.engine_cores is not None:
         raise SystemExit("ortfleet bench: --engine-cores goes with --pin")
+    if args.url and args.stream_interval is not None:
+        raise SystemExit(
+            "ortfleet bench: --stream-interval sets a local fleet's worker; a fleet at --url has its own"
+        )
     options = overhead.OverheadOptions(
         model_dir=model_dir(args.model),
         concurrency=args.concurrency,
@@ -279,6 +290,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         url=args.url,
         name=args.name,
         pinning=pinning,
+        stream_interval=args.stream_interval,
     )
     figures = overhead.run(options)
     if args.plot is not None:
