@@ -108,17 +108,6 @@ async def relay(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncIterator
             yield KEEPALIVE if batch is None else frames(batch)
 
 
-async def entries(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncGenerator[Entry | None, None]:
-    """The entries of `batches` one at a time; None where a keep-alive is due."""
-    async with contextlib.aclosing(read):
-        async for batch in read:
-            if batch is None:
-                yield None
-                continue
-            for entry in batch:
-                yield entry
-
-
 class JobStreamReading:
     """One reader's way through a job's stream: which arrived entries to send (SentTokens), where the
     stream ends (its final entry), and what a quiet spell means (a keep-alive, Redis away too long, or

@@ -133,8 +133,9 @@ class Choices:
     async def cancel(self) -> None:
         await asyncio.gather(*(self.shard.queue.cancel(job_id, self.model) for job_id in self.job_ids))
 
-    async def events(self, tick_s: float) -> AsyncGenerator[ChoiceEvent | None, None]:
-        """Every job's stream entries as they come, until each job's final one; None after `tick_s` idle."""
+    async def events(self, tick_s: float) -> AsyncGenerator[list[ChoiceEvent], None]:
+        """Every job's stream entries as they come, each read's together, until each job's final one;
+        an empty list after `tick_s` idle."""
         index = {keys.events(job_id): i for i, job_id in enumerate(self.job_ids)}
         sent = {stream: SentTokens() for stream in index}
         async with self.shard.relay.follow(dict.fromkeys(index, "0-0")) as follower:
@@ -142,19 +143,22 @@ class Choices:
             while following:
                 entries = await follower.next(tick_s)
                 if not entries:
-                    for stream in [s for s in following if not await self._exists(s)]:
+                    purged = [s for s in following if not await self._exists(s)]
+                    for stream in purged:
                         following.discard(stream)  # purged: its job will never end by itself
                         follower.stop(stream)
-                        yield ChoiceEvent(index[stream], PURGED)
-                    yield None
+                    yield [ChoiceEvent(index[stream], PURGED) for stream in purged]
                     continue
+                read = []
                 for stream, _entry_id, fields in entries:
                     if stream not in following or not sent[stream].fresh(fields):
                         continue
-                    yield ChoiceEvent(index[stream], fields)
+                    read.append(ChoiceEvent(index[stream], fields))
                     if is_final(fields):
                         following.discard(stream)
                         follower.stop(stream)
+                if read:
+                    yield read
 
     async def _exists(self, stream: str) -> bool:
         """Whether a job's stream is still there (purged: gone); True while Redis is away."""
@@ -164,9 +168,10 @@ class Choices:
             return True
 
     async def wait_started(
-        self, events: AsyncIterator[ChoiceEvent | None], limit_s: float
+        self, events: AsyncIterator[list[ChoiceEvent]], limit_s: float
     ) -> list[ChoiceEvent]:
-        """The events until every job has started (or ended), for at most `limit_s`.
+        """The events until every job has started (or ended), for at most `limit_s`, and the rest of
+        the read that started the last one.
 
         A job fails before it starts when its prompt is longer than the model's context: waiting
         for the start turns that into an HTTP error rather than an error inside a 200 stream.
@@ -175,9 +180,11 @@ class Choices:
         deadline = loop.time() + limit_s
         waiting = set(range(len(self.job_ids)))
         seen: list[ChoiceEvent] = []
-        async for event in events:
-            if event is not None:
+        async for read in events:
+            for event in read:
                 seen.append(event)
+                if not waiting:
+                    continue  # started: what follows goes in the stream, errors too
                 if event.kind == EventType.error.value:
                     await self.cancel()
                     raise self.failure(event)
@@ -187,12 +194,13 @@ class Choices:
                 break
         return seen
 
-    async def results(self, events: AsyncIterator[ChoiceEvent | None]) -> list[ChoiceResult]:
+    async def results(self, events: AsyncIterator[list[ChoiceEvent]]) -> list[ChoiceResult]:
         """Waits for every job to end and returns what each one generated."""
-        async for event in events:
-            if event is not None and event.kind == EventType.error.value:
-                await self.cancel()
-                raise self.failure(event)
+        async for read in events:
+            for event in read:
+                if event.kind == EventType.error.value:
+                    await self.cancel()
+                    raise self.failure(event)
         results = []
         for job_id in self.job_ids:
             record = await self.shard.queue.record(job_id)

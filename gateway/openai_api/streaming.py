@@ -15,10 +15,9 @@ from common.wire import EventType, Usage
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceResult, Choices, finish_reason
 from gateway.openai_api.protocol import OpenAIFinishReason
-from gateway.sse import EventStreamResponse
+from gateway.sse import KEEPALIVE, EventStreamResponse
 
 DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keep-alive\n\n"
 
 
 class ResponseFormat(Protocol):
@@ -46,52 +45,60 @@ def frame(payload: BaseModel | dict[str, Any]) -> bytes:
 async def chunks(
     choices: Choices,
     seen: list[ChoiceEvent],
-    events: AsyncIterator[ChoiceEvent | None],
+    events: AsyncIterator[list[ChoiceEvent]],
     form: ResponseFormat,
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The opening chunks, then text as the jobs stream it, a finish chunk per choice, usage, [DONE].
+    """The opening chunks, then text as the jobs stream it, a finish chunk per choice, usage, [DONE]:
+    the chunks of one read of the jobs' streams go out together, in one write.
 
     A job that fails mid-stream ends the stream with OpenAI's in-stream error
     (`data: {"error": {...}}`, which the SDK raises) after its other jobs are cancelled.
     """
-    for chunk in form.opening():
-        yield frame(chunk)
     usages = [Usage() for _ in choices.job_ids]
-    async for event in _chain(seen, events):
-        if event is None:
+    opening = b"".join(frame(chunk) for chunk in form.opening())  # goes with the first read, if any
+    if not seen:
+        yield opening
+        opening = b""
+    async for read in _chain(seen, events):
+        if not read:
             yield KEEPALIVE
-        elif event.kind == EventType.status.value and "prompt_tokens" in event.fields:
-            usages[event.index].prompt_tokens = int(event.fields["prompt_tokens"])
-        elif event.kind == EventType.token.value:
-            text = event.fields.get("text", "")
-            usage = usages[event.index]
-            usage.completion_tokens += len(entry_token_ids(event.fields))
-            if text:
-                chunk = form.text(event.index, text)
-                if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, every chunk
-                    chunk = chunk.model_copy(update={"usage": choices.total_usage(usages)})
-                yield frame(chunk)
-        elif event.kind == EventType.done.value:
-            usages[event.index] = event.usage()
-            yield frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason"))))
-        elif event.kind == EventType.error.value:
-            await choices.cancel()
-            error = choices.failure(event)
-            yield frame(envelope(error.status, error.message, error.param, error.code))
-            yield DONE
-            return
-    if include_usage:
-        yield frame(form.usage(choices.total_usage(usages)))
-    yield DONE
+            continue
+        out = [opening]
+        opening = b""
+        for event in read:
+            if event.kind == EventType.status.value and "prompt_tokens" in event.fields:
+                usages[event.index].prompt_tokens = int(event.fields["prompt_tokens"])
+            elif event.kind == EventType.token.value:
+                text = event.fields.get("text", "")
+                usage = usages[event.index]
+                usage.completion_tokens += len(entry_token_ids(event.fields))
+                if text:
+                    chunk = form.text(event.index, text)
+                    if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, every chunk
+                        chunk = chunk.model_copy(update={"usage": choices.total_usage(usages)})
+                    out.append(frame(chunk))
+            elif event.kind == EventType.done.value:
+                usages[event.index] = event.usage()
+                out.append(frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason")))))
+            elif event.kind == EventType.error.value:
+                await choices.cancel()
+                error = choices.failure(event)
+                out += [frame(envelope(error.status, error.message, error.param, error.code)), DONE]
+                yield b"".join(out)
+                return
+        if body := b"".join(out):
+            yield body
+    end = frame(form.usage(choices.total_usage(usages))) if include_usage else b""
+    yield end + DONE
 
 
 async def _chain(
-    seen: list[ChoiceEvent], events: AsyncIterator[ChoiceEvent | None]
-) -> AsyncIterator[ChoiceEvent | None]:
-    for event in seen:
-        yield event
+    seen: list[ChoiceEvent], events: AsyncIterator[list[ChoiceEvent]]
+) -> AsyncIterator[list[ChoiceEvent]]:
+    if seen:
+        yield seen
     async for later in events:
         yield later
 
@@ -104,7 +111,7 @@ class JobStreamResponse(EventStreamResponse):
         self,
         content: AsyncIterator[bytes],
         choices: Choices,
-        events: AsyncGenerator[ChoiceEvent | None, None],
+        events: AsyncGenerator[list[ChoiceEvent], None],
         headers: dict[str, str],
     ) -> None:
         self._choices = choices

@@ -28,7 +28,7 @@ from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
 from gateway.responses.events import EventNumbering, response_id, view_from_job
 from gateway.responses.protocol import ResponseRequest, check_supported, response_job
-from gateway.sse import KEEPALIVE, EventStreamResponse, StreamEndpoint, batches, entries, wait_final
+from gateway.sse import KEEPALIVE, EventStreamResponse, StreamEndpoint, batches, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -57,19 +57,21 @@ def sse(event: dict[str, Any]) -> bytes:
 async def events(state: AppState, meta: dict[str, str], starting_after: int) -> AsyncIterator[bytes]:
     """The response's events after `starting_after` (-1: all), derived from its job's stream."""
     numbering = EventNumbering(meta)
-    for event in numbering.opening():
-        if event["sequence_number"] > starting_after:
-            yield sse(event)
+
+    def piece(events: list[dict[str, Any]]) -> bytes:
+        return b"".join(sse(event) for event in events if event["sequence_number"] > starting_after)
+
+    if opening := piece(list(numbering.opening())):
+        yield opening
     shard = state.shards.of_model(meta["model"])
-    read = entries(batches(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s))
+    read = batches(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s)
     async with contextlib.aclosing(read):
-        async for entry in read:
-            if entry is None:
+        async for batch in read:  # the entries of one read go out in one piece
+            if batch is None:
                 yield KEEPALIVE
                 continue
-            for event in numbering.entry(entry[1]):
-                if event["sequence_number"] > starting_after:
-                    yield sse(event)
+            if arrived := piece([event for entry in batch for event in numbering.entry(entry[1])]):
+                yield arrived
 
 
 class EventStream(EventStreamResponse):
