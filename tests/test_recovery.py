@@ -148,13 +148,19 @@ def default_model() -> Path:
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kill_at", [8, 40])
+@pytest.mark.parametrize(("kill_at", "stream_interval"), [(8, 1), (40, 1), (40, 4)])
 async def test_a_greedy_job_resumed_after_a_kill_on_the_default_model_writes_the_uninterrupted_text(
-    redis_server: RedisServer, default_model: Path, kill_at: int
+    redis_server: RedisServer, default_model: Path, kill_at: int, stream_interval: int
 ) -> None:
+    # With a stream interval, the killed worker takes the tokens it held back with it: the next
+    # attempt generates them again.
     fleet = Fleet(redis_server.url, default_model)
-    name = f"smollm2-resume-{kill_at}"
-    env = {"ORTFLEET_STEP_DELAY_S": "0.03", "ORTFLEET_HEARTBEAT_TTL_S": "2"}
+    name = f"smollm2-resume-{kill_at}-{stream_interval}"
+    env = {
+        "ORTFLEET_STEP_DELAY_S": "0.03",
+        "ORTFLEET_HEARTBEAT_TTL_S": "2",
+        "ORTFLEET_STREAM_INTERVAL": str(stream_interval),
+    }
     try:
         fleet.start_gateway()
         first = fleet.start_worker(name, env=env)

@@ -27,7 +27,7 @@ from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_
 from common.settings import GatewaySettings
 from common.wire import JobStatus
 from gateway.relay import StreamRelay
-from gateway.sse import batches, entries
+from gateway.sse import batches
 from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import Event, submit
@@ -156,10 +156,7 @@ async def test_an_sse_reader_is_not_sent_a_token_entry_written_again_after_a_fai
     await relay.start()
     try:
         read = [
-            fields
-            async for entry in entries(batches(relay, redis, job_id, "0-0", 5.0))
-            if entry
-            for _id, fields in [entry]
+            fields async for batch in batches(relay, redis, job_id, "0-0", 5.0) for _id, fields in batch or []
         ]
     finally:
         await relay.close()
