@@ -53,17 +53,16 @@ class StreamPublisher:
         self.lost = False
         self.token_written = False  # a token entry of the job reached Redis
         self.in_flight = False  # a write with entries of this job is out
-        self.held_tokens = 0  # token entries pending, held for the stream interval
-        self.urgent = False  # something pending must not wait for the stream interval
+        # Something pending must not wait for the stream interval; while it is False, `pending` holds
+        # only token entries.
+        self.urgent = False
 
     def add(self, entry: dict[str, str], record: dict[str, str] | None = None) -> None:
         """Queue a stream entry, and fields to set on the job's record in the same write."""
         if self.lost:
             return
         self.pending.append(entry)
-        if entry.get("type") == TOKEN and not record:
-            self.held_tokens += 1
-        else:
+        if record or entry.get("type") != TOKEN:
             self.urgent = True
         if record:
             self.record.update(record)
@@ -157,7 +156,7 @@ class StepWriter:
             publisher.urgent
             or publisher.gap
             or not publisher.token_written
-            or publisher.held_tokens >= self._interval
+            or len(publisher.pending) >= self._interval  # all tokens, since not urgent
         )
 
     async def _run(self) -> None:
@@ -221,7 +220,6 @@ class StepWriter:
                 publisher.written += [entry for entry in write.entries if entry.get("type") == TOKEN]
                 publisher.streamed_to = max(publisher.streamed_to, write.span[1])
             del publisher.pending[: len(write.entries)]
-            publisher.held_tokens = sum(entry.get("type") == TOKEN for entry in publisher.pending)
             publisher.urgent = publisher.urgent and bool(publisher.pending or publisher.record)
             if not result:
                 job, attempt = publisher.job_id, publisher.attempt

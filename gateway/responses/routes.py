@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import anyio
@@ -58,10 +58,10 @@ async def events(state: AppState, meta: dict[str, str], starting_after: int) -> 
     """The response's events after `starting_after` (-1: all), derived from its job's stream."""
     numbering = EventNumbering(meta)
 
-    def piece(events: list[dict[str, Any]]) -> bytes:
+    def piece(events: Iterable[dict[str, Any]]) -> bytes:
         return b"".join(sse(event) for event in events if event["sequence_number"] > starting_after)
 
-    if opening := piece(list(numbering.opening())):
+    if opening := piece(numbering.opening()):
         yield opening
     shard = state.shards.of_model(meta["model"])
     read = batches(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s)
@@ -70,7 +70,7 @@ async def events(state: AppState, meta: dict[str, str], starting_after: int) -> 
             if batch is None:
                 yield KEEPALIVE
                 continue
-            if arrived := piece([event for entry in batch for event in numbering.entry(entry[1])]):
+            if arrived := piece(event for entry in batch for event in numbering.entry(entry[1])):
                 yield arrived
 
 

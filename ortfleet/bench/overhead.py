@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from common import aio, keys
 from common.redis_client import connect
-from common.settings import WorkerSettings
 from common.wire import Timings
 from ortfleet.bench.backends import PROMPTS, Backend, DirectBackend, FleetBackend, RequestResult
 from ortfleet.bench.http import Connection
@@ -184,7 +183,7 @@ class OverheadOptions:
     url: str | None = None  # a running gateway; None starts a local fleet
     name: str | None = None  # its served model name
     pinning: Pinning | None = None  # engines on cores of their own, the rest of the fleet on the others
-    stream_interval: int | None = None  # the local worker's; None: the environment's
+    stream_interval: int | None = None  # the local worker's (None with a URL: its workers' own)
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
@@ -215,15 +214,6 @@ def run(options: OverheadOptions) -> dict[str, Any]:
         if name is None:
             name = aio.run(_served_model(url))
         return aio.run(_measure(options, url, name, CpuMeter(pids), redis_url))
-
-
-def _stream_interval(options: OverheadOptions) -> int | None:
-    """The local worker's stream interval; None for a fleet at a URL (its workers' own)."""
-    if options.url is not None:
-        return None
-    if options.stream_interval is not None:
-        return options.stream_interval
-    return WorkerSettings().stream_interval
 
 
 async def _read_records(redis_url: str, results: list[RequestResult]) -> None:
@@ -351,7 +341,7 @@ async def _measure(
         "min_tokens": options.max_tokens,
         "rounds": options.rounds,
         "pinning": options.pinning.describe() if options.pinning is not None else None,
-        "stream_interval": _stream_interval(options),
+        "stream_interval": options.stream_interval,
         "prompts": list(PROMPTS),
         "levels": levels,
         "single_stream_tokens_per_s": single_stream_tokens_per_s(levels),

@@ -264,6 +264,7 @@ def run_fairness(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
+    from common.settings import WorkerSettings
     from ortfleet.bench import overhead, report
     from ortfleet.bench.pinning import Pinning
 
@@ -277,10 +278,14 @@ def run_fleet(args: argparse.Namespace) -> int:
             raise SystemExit(f"ortfleet bench: {e}") from e
     elif args.engine_cores is not None:
         raise SystemExit("ortfleet bench: --engine-cores goes with --pin")
-    if args.url and args.stream_interval is not None:
-        raise SystemExit(
-            "ortfleet bench: --stream-interval sets a local fleet's worker; a fleet at --url has its own"
-        )
+    stream_interval = args.stream_interval
+    if args.url:
+        if stream_interval is not None:
+            raise SystemExit(
+                "ortfleet bench: --stream-interval sets a local fleet's worker; a fleet at --url has its own"
+            )
+    elif stream_interval is None:  # the local worker's own, from the environment
+        stream_interval = WorkerSettings().stream_interval
     options = overhead.OverheadOptions(
         model_dir=model_dir(args.model),
         concurrency=args.concurrency,
@@ -290,7 +295,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         url=args.url,
         name=args.name,
         pinning=pinning,
-        stream_interval=args.stream_interval,
+        stream_interval=stream_interval,
     )
     figures = overhead.run(options)
     if args.plot is not None:
