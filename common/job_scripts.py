@@ -6,7 +6,10 @@ attempt number and change nothing once the job's record counts another attempt.
 
 A script that adds entries to job streams publishes their keys, space-separated, on the stream
 notices channel (its last ARGV; CLAIM's after the class names) in one message: each gateway's relay
-reads just the streams it is told of (gateway/relay.py).
+reads just the streams it is told of (gateway/relay.py). The step write, which carries nearly all of a
+stream's entries, adds after a newline the entries themselves, as JSON: per stream `[key, the id of the
+entry before them, [[id, [field, value, ...]], ...]]`, which a relay hands out without reading them back.
+A reader of the keys alone (split on whitespace) still finds every stream it follows.
 """
 
 from __future__ import annotations
@@ -358,8 +361,9 @@ PUBLISH_STEP = """
 --   that had not received them) is refused whole, so that the worker writes the missing ones first.
 -- Returns per job the entries written, -1 where the attempt no longer owns the job, -2 where the write
 -- would leave a gap.
+-- The notice names the streams written, and after a newline carries their new entries (see above).
 local out = {}
-local noticed = {}
+local noticed, carried = {}, {}
 local at = 1
 for j = 1, #KEYS / 2 do
   local record, events = KEYS[2 * j - 1], KEYS[2 * j]
@@ -381,22 +385,31 @@ for j = 1, #KEYS / 2 do
   at = at + 4 + 2 * nrec
   local entries = tonumber(ARGV[at])
   at = at + 1
-  local written = 0
+  local written, added, after = 0, {}, '0-0'
+  if writing and entries > 0 then
+    local last = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1]
+    if last then after = last[1] end
+  end
   for _ = 1, entries do
     local n = tonumber(ARGV[at])
     if writing then
       local ev = {}
       for i = at + 1, at + 2 * n do ev[#ev + 1] = ARGV[i] end
-      redis.call('XADD', events, '*', unpack(ev))
+      added[#added + 1] = {redis.call('XADD', events, '*', unpack(ev)), ev}
       written = written + 1
     end
     at = at + 1 + 2 * n
   end
   if writing and to ~= '' and tonumber(to) > streamed then redis.call('HSET', record, 'streamed', to) end
   out[j] = writing and written or status
-  if writing and written > 0 then noticed[#noticed + 1] = events end
+  if writing and written > 0 then
+    noticed[#noticed + 1] = events
+    carried[#carried + 1] = {events, after, added}
+  end
 end
-if #noticed > 0 then redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ')) end
+if #noticed > 0 then
+  redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ') .. '\\n' .. cjson.encode(carried))
+end
 return out
 """
 

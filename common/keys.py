@@ -17,7 +17,7 @@ PREFIX = "ortfleet:"
 WORKERS = PREFIX + "workers"  # zset: worker id -> heartbeat expiry (ms)
 MODELS = PREFIX + "models"  # hash: model name -> JSON of what its workers last reported
 CANCEL_CHANNEL = PREFIX + "cancel"  # pub/sub: job ids whose running generation must stop
-STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to, space-separated
+STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to (common/job_scripts.py)
 
 
 def job(job_id: str) -> str:

@@ -3,10 +3,13 @@
 The scripts that add entries to job streams publish the streams' keys on a notices channel
 (common/job_scripts.py). Each relay holds one subscription to it and, on each notice, reads just the
 streams named there that its clients follow: one non-blocking `XREAD` over all of them (up to
-`max_keys` a command), whose entries it fans out in-process. A follower that joins gets a read of its
-stream at once. A resubscription (Redis away and back, a failover) and a slow sweep read every
-followed stream again, so a lost notice delays entries but never loses them. Redis' work is per
-changed stream, not per followed one.
+`max_keys` a command), whose entries it fans out in-process. A worker's step writes (nearly all
+entries: the tokens) carry their entries in the notice, each stream's with the id of the entry before
+them: a follower that has that entry takes them without a read, and one further back (it joined, or
+fell behind) gets a read from its own cursor. A follower that joins gets a read of its stream at once.
+A resubscription (Redis away and back, a failover) and a slow sweep read every followed stream again,
+so a lost notice delays entries but never loses them. Redis' work is per changed stream, not per
+followed one.
 
 A follower read by a task (`Follower.next`) has a bounded buffer; one that fills it (a slow client)
 stops receiving, and once it has drained its buffer it joins again from its last entry, so the read
@@ -24,7 +27,9 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
+import orjson
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -240,6 +245,17 @@ class _Reader:
             self._due[key] = None
             self._changed.set()
 
+    def carried(self, key: str, after: str, entries: list[Any]) -> None:
+        """Entries a notice brought (`[id, [field, value, ...]]`), the stream's next after `after`: each
+        tap that has every entry up to `after` takes them without a read; one further back reads them
+        from its own cursor, in order."""
+        taps = self.taps.get(key)
+        if taps is None or not entries:
+            return
+        if any(tap.cursor_id < parse_id(after) for tap in taps):
+            self.due(key)
+        self._deliver(key, [(entry_id, _pairs(flat)) for entry_id, flat in entries], after)
+
     def all_due(self) -> None:
         """Read every stream again (notices may have been missed): a few at a time beside the streams
         notices name, so that re-reading thousands of streams does not hold up the ones with news."""
@@ -397,8 +413,7 @@ class StreamRelay:
                     self._heard_at = asyncio.get_running_loop().time()
                     delay = 0.05
                     if isinstance(message, list) and message and message[0] == "message":
-                        for key in message[2].split():
-                            self._reader(key).due(key)
+                        self._noticed(message[2])
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 await self._subscription.disconnect()
                 self.unreachable(e)
@@ -409,6 +424,19 @@ class StreamRelay:
                 await self._subscription.disconnect()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _noticed(self, notice: str) -> None:
+        """The streams a notice names are due for a read, unless it carries their new entries."""
+        names, _, carried = notice.partition("\n")
+        if carried:
+            try:
+                for key, after, entries in orjson.loads(carried):
+                    self._reader(key).carried(key, after, entries)
+                return
+            except (TypeError, ValueError) as e:  # orjson's errors are ValueErrors
+                logger.warning("a stream notice's entries could not be read (%s); reading its streams", e)
+        for key in names.split():
+            self._reader(key).due(key)
 
     async def _sweep(self) -> None:
         """Every `sweep_s`, reads every stream again (a writer that sends no notices is still relayed,

@@ -17,7 +17,7 @@ from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import notice_streams, stage_jobs
+from common.jobqueue import JobQueue, StepResult, StepWrite, notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import gateway_client_name
 from common.settings import GatewaySettings
@@ -314,6 +314,83 @@ async def test_readers_joining_a_busy_stream_from_its_start_each_read_every_entr
     await writer
     for reader in await asyncio.gather(*readers):
         assert reader == written
+
+
+def tokens(*texts: str) -> list[dict[str, str]]:
+    return [{"type": "token", "text": text, "ids": "1", "index": str(n)} for n, text in enumerate(texts)]
+
+
+async def xread_calls(redis: Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+@pytest.fixture
+async def quiet_relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
+    """A relay whose sweep never comes within a test: every read it makes is one a notice or a join asked
+    for."""
+    streams = StreamRelay(redis_server.url, connections=1, buffer=16, sweep_s=600)
+    await streams.start()
+    yield streams
+    await streams.close()
+
+
+async def test_a_step_write_s_notice_brings_its_entries_to_followers_that_have_the_rest_without_a_read(
+    quiet_relay: StreamRelay, redis: Redis
+) -> None:
+    (job_id,) = await create_running_jobs(redis, "carried", 1)
+    stream = keys.events(job_id)
+    queue = JobQueue(redis, 3600)
+    notices = redis.pubsub()
+    await notices.subscribe(keys.STREAM_NOTICES)
+    try:
+        async with (
+            quiet_relay.follow({stream: "0-0"}) as first,
+            quiet_relay.follow({stream: "0-0"}) as second,
+        ):
+            for follower in (first, second):  # the job's status entry, read when they joined
+                assert [fields["type"] for _k, _id, fields in await read_until(follower, 1)] == ["status"]
+            reads = await xread_calls(redis)
+            written = tokens("Hello", ",", " world")
+            assert await queue.publish_step([StepWrite(job_id, 1, written, {})]) == [StepResult.written]
+            in_redis = (await redis.xrange(stream))[1:]
+            for follower in (first, second):
+                entries = await read_until(follower, 3)
+                assert [(entry_id, fields) for _k, entry_id, fields in entries] == in_redis
+                assert [fields for _k, _id, fields in entries] == written
+            assert await xread_calls(redis) == reads  # nothing read back from Redis
+
+        # The notice still names the stream on its first line, for a relay that reads the keys alone.
+        async def step_notice() -> str:
+            while True:  # past the subscription's confirmation and the job's staging
+                message = await notices.get_message(ignore_subscribe_messages=True, timeout=5)
+                if message is not None and "\n" in message["data"]:
+                    return str(message["data"])
+
+        notice = await asyncio.wait_for(step_notice(), 10)
+        assert notice.split("\n")[0].split() == [stream]
+    finally:
+        await notices.aclose()
+
+
+async def test_a_follower_that_lacks_entries_before_a_notice_s_reads_them_first_in_order(
+    quiet_relay: StreamRelay, redis: Redis
+) -> None:
+    (job_id,) = await create_running_jobs(redis, "carried_gap", 1)
+    stream = keys.events(job_id)
+    queue = JobQueue(redis, 3600)
+    async with quiet_relay.follow({stream: "0-0"}) as follower:
+        await read_until(follower, 1)
+        # An entry whose notice this relay missed (as while it resubscribes), then a step write.
+        missed = await redis.xadd(stream, {"type": "status", "status": "running"})
+        await queue.publish_step([StepWrite(job_id, 1, tokens("a", "b"), {})])
+        entries = await read_until(follower, 3)
+        assert [entry_id for _k, entry_id, _f in entries] == [
+            missed,
+            *(entry_id for entry_id, _f in (await redis.xrange(stream))[2:]),
+        ]
+        assert [fields["type"] for _k, _id, fields in entries] == ["status", "token", "token"]
+        assert await follower.next(0.2) == []  # each entry once
 
 
 async def test_entries_a_writer_adds_without_a_notice_still_arrive_with_the_next_sweep(
