@@ -13,6 +13,8 @@ from typing import Any
 import psutil
 import pytest
 
+from ortfleet.bench.capacity import WRITERS
+
 
 def bench(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "ortfleet", "bench", *args]
@@ -111,15 +113,23 @@ def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own_and_sets_the
     assert data["stream_interval"] == 3 and "stream interval: 3 tokens a write" in done.stdout
 
 
-def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["step", "plain"])
+def test_the_gateway_bench_holds_streams_relays_every_event_and_counts_submissions(
+    tmp_path: Path, writer: str
+) -> None:
     out = tmp_path / "gateway.json"
-    bench(
+    done = bench(
         "gateway", "--streams", "200", "--rate", "2", "--duration", "2", "--submissions", "200",
-        "--json", str(out),
+        "--writer", writer, "--json", str(out),
     )  # fmt: skip
 
     data = figures(out)
+    assert data["options"]["writer"] == writer and WRITERS[writer] in done.stdout
     streams = data["streams"]
+    if writer == "step":  # the notices carry the entries: no read but a sweep's (one every 5 s)
+        assert streams["relay_reads"] <= 2
+    else:  # a read for each notice, some of them taking several
+        assert streams["relay_reads"] >= 20
     assert streams["open_streams"] == 200 and streams["streams_failed"] == 0
     assert streams["events_published"] > 0
     assert streams["events_received"] == streams["events_published"]

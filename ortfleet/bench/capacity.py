@@ -3,7 +3,9 @@
 Streams: job records and event streams are created straight in Redis, the client opens one SSE
 stream per job, and a synthetic publisher (a separate process, standing in for the workers) adds
 token entries to every stream at a set rate, each carrying its publish time; the client measures
-publish -> receipt. Submissions: keep-alive connections POST /v1/jobs as fast as the gateway
+publish -> receipt. The publisher writes as workers do (the step-write script, whose notice carries
+the entries), or with plain `XADD`s and a notice of the stream keys alone, which the relay answers
+by reading the streams (`writer`). Submissions: keep-alive connections POST /v1/jobs as fast as the gateway
 answers (a registered stand-in worker makes the model live; the jobs just queue).
 """
 
@@ -26,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from common import aio, keys
-from common.jobqueue import notice_streams, stage_jobs
+from common.jobqueue import JobQueue, StepWrite, notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.registry import WorkerInfo, heartbeat
@@ -39,6 +41,10 @@ from ortfleet.bench.stats import summary
 from ortfleet.fleet.launcher import throwaway_fleet
 
 MODEL = "bench-gateway"
+WRITERS = {
+    "step": "as workers do: the step-write script, entries in the notice",
+    "plain": "XADD, and a notice of the stream keys alone (the relay reads them)",
+}
 OPEN_AT_ONCE = 128  # connections being opened at the same time
 
 
@@ -49,6 +55,7 @@ class CapacityOptions:
     duration_s: float
     submissions: int
     submit_concurrency: int
+    writer: str = "step"  # "step": as workers write (entries in the notice); "plain": XADD + key notice
 
 
 def run(options: CapacityOptions) -> dict[str, Any]:
@@ -154,10 +161,11 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
     published = context.Value("q", 0)
     publisher = context.Process(
         target=publish,
-        args=(redis_url, options.streams, options.rate, options.duration_s, start, published),
+        args=(redis_url, options, start, published),
         daemon=True,
     )
     publisher.start()
+    reads_before = await relay_reads(redis_url)
     cpu_before = cpu_seconds(gateway_pid)
     started = time.perf_counter()
     start.set()
@@ -169,6 +177,7 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
     publisher.join(10)
     elapsed = time.perf_counter() - started
     gateway_cpu = (cpu_seconds(gateway_pid) - cpu_before) / elapsed
+    reads = await relay_reads(redis_url) - reads_before
     collections.append(await gc_pauses(url))
     published_all.set()
     sent_at: list[float] = []
@@ -192,6 +201,7 @@ async def stream_step(options: CapacityOptions, url: str, redis_url: str, gatewa
         "relay_latency_ms": summary(latencies),
         "relay_latency_p99_ms_by_second": _p99_by_second(sent_at, latencies, started),
         "gateway_cpu_cores": round(gateway_cpu, 3),
+        "relay_reads": reads,  # XREADs while relaying: only sweeps' when notices carry entries
         "gateway_rss_mb": {"idle": round(rss_before / 2**20, 1), "open": round(rss_open / 2**20, 1)},
         "memory_per_stream_kb": round((rss_open - rss_before) / options.streams / 1024, 1),
         "redis_connections": {"streams_open": connections[0], "max_while_relaying": max(connections)},
@@ -287,6 +297,16 @@ def _p99_by_second(sent_at: list[float], latencies: list[float], started: float)
     return [summary(seconds[second])["p99"] for second in sorted(seconds)]
 
 
+async def relay_reads(redis_url: str) -> int:
+    """XREAD commands Redis has run so far (the relay's: nothing else in this fleet reads streams)."""
+    redis = connect(redis_url)
+    try:
+        stats = await redis.info("commandstats")
+    finally:
+        await redis.aclose()
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
 async def gateway_connections(redis_url: str, gateway_pid: int) -> int:
     """The Redis connections the gateway holds (by the client name it gives them)."""
     redis = connect(redis_url)
@@ -297,34 +317,41 @@ async def gateway_connections(redis_url: str, gateway_pid: int) -> int:
     return sum(1 for client in clients if client.get("name") == gateway_client_name(gateway_pid))
 
 
-def publish(
-    redis_url: str, streams: int, rate: float, duration_s: float, start: EventType, published: Any
-) -> None:
+def publish(redis_url: str, options: CapacityOptions, start: EventType, published: Any) -> None:
     """The stand-in for the workers (a process of its own): token entries at `rate` per stream."""
     start.wait()
-    aio.run(_publish(redis_url, streams, rate, duration_s, published))
+    aio.run(_publish(redis_url, options, published))
 
 
-async def _publish(redis_url: str, streams: int, rate: float, duration_s: float, published: Any) -> None:
+async def _publish(redis_url: str, options: CapacityOptions, published: Any) -> None:
     # Round robin: event m goes to stream m % streams at began + m / (rate * streams), so every
     # stream gets `rate` events a second with phases spread evenly.
     redis = connect(redis_url)
+    queue = JobQueue(redis, 3600)
+    streams = options.streams
     ids = _job_ids(streams)
-    per_s = rate * streams
+    per_s = options.rate * streams
     began = time.perf_counter()
     count = 0
-    while (now := time.perf_counter()) - began < duration_s:
+    while (now := time.perf_counter()) - began < options.duration_s:
         due = int((now - began) * per_s) + 1
         if due > count:
-            async with redis.pipeline(transaction=False) as pipe:
-                sent = f"{time.perf_counter():.6f}"
-                written = []
-                for m in range(count, due):
-                    entry = {"type": "token", "text": sent, "ids": "1", "index": str(m // streams)}
-                    written.append(keys.events(ids[m % streams]))
-                    pipe.xadd(written[-1], entry)  # type: ignore[arg-type]
-                notice_streams(pipe, written)
-                await pipe.execute()
+            sent = f"{time.perf_counter():.6f}"
+            entries: dict[str, list[dict[str, str]]] = {}
+            for m in range(count, due):
+                entry = {"type": "token", "text": sent, "ids": "1", "index": str(m // streams)}
+                entries.setdefault(ids[m % streams], []).append(entry)
+            if options.writer == "step":
+                await queue.publish_step(
+                    [StepWrite(job_id, 1, added, {}) for job_id, added in entries.items()]
+                )
+            else:
+                async with redis.pipeline(transaction=False) as pipe:
+                    for job_id, added in entries.items():
+                        for entry in added:
+                            pipe.xadd(keys.events(job_id), entry)  # type: ignore[arg-type]
+                    notice_streams(pipe, [keys.events(job_id) for job_id in entries])
+                    await pipe.execute()
             count = due
         await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - now)))
     published.value = count
@@ -371,12 +398,14 @@ def text(figures: dict[str, Any]) -> str:
     s, sub = figures["streams"], figures["submissions"]
     lat, rss, gc = s["relay_latency_ms"], s["gateway_rss_mb"], s["gc_pauses"]
     rows = [
+        ["publisher writes", WRITERS[figures["options"]["writer"]]],
         ["open SSE streams", s["open_streams"]],
         ["streams failed", s["streams_failed"]],
         ["token events relayed / published", f"{s['events_received']} / {s['events_published']}"],
         ["events per second (all streams)", s["events_per_s"]],
         ["relay latency p50 / p99 / max (ms)", f"{lat['p50']} / {lat['p99']} / {lat['max']}"],
         ["gateway CPU while relaying (cores)", s["gateway_cpu_cores"]],
+        ["relay reads (XREAD) while relaying", s["relay_reads"]],
         ["gateway RSS idle -> streams open (MB)", f"{rss['idle']} -> {rss['open']}"],
         ["memory per open stream (KB)", s["memory_per_stream_kb"]],
         [

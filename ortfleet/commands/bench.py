@@ -49,6 +49,14 @@ def register(subparsers: Subparsers) -> None:
     gateway.add_argument(
         "--submit-concurrency", type=_positive, default=32, help="connections submitting (default 32)"
     )
+    gateway.add_argument(
+        "--writer",
+        choices=["step", "plain"],
+        default="step",
+        help="how the synthetic publisher writes: step, as workers do (the step-write script, whose "
+        "notice carries the entries; default), or plain (XADD and a notice of the stream keys alone, "
+        "which the relay answers with reads)",
+    )
     gateway.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     gateway.set_defaults(func=run_gateway)
 
@@ -314,6 +322,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             duration_s=args.duration,
             submissions=args.submissions,
             submit_concurrency=args.submit_concurrency,
+            writer=args.writer,
         )
     )
     return _finish(figures, capacity.text(figures), args.json)
