@@ -325,6 +325,12 @@ async def xread_calls(redis: Redis) -> int:
     return int(stats.get("cmdstat_xread", {}).get("calls", 0))
 
 
+async def job_written_by_steps(redis: Redis, name: str) -> tuple[str, str, JobQueue]:
+    """A running job (its first attempt), its stream, and the queue whose step writes add to it."""
+    (job_id,) = await create_running_jobs(redis, name, 1)
+    return job_id, keys.events(job_id), JobQueue(redis, 3600)
+
+
 @pytest.fixture
 async def quiet_relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
     """A relay whose sweep never comes within a test: every read it makes is one a notice or a join asked
@@ -338,9 +344,7 @@ async def quiet_relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
 async def test_a_step_write_s_notice_brings_its_entries_to_followers_that_have_the_rest_without_a_read(
     quiet_relay: StreamRelay, redis: Redis
 ) -> None:
-    (job_id,) = await create_running_jobs(redis, "carried", 1)
-    stream = keys.events(job_id)
-    queue = JobQueue(redis, 3600)
+    job_id, stream, queue = await job_written_by_steps(redis, "carried")
     notices = redis.pubsub()
     await notices.subscribe(keys.STREAM_NOTICES)
     try:
@@ -376,9 +380,7 @@ async def test_a_step_write_s_notice_brings_its_entries_to_followers_that_have_t
 async def test_a_follower_that_lacks_entries_before_a_notice_s_reads_them_first_in_order(
     quiet_relay: StreamRelay, redis: Redis
 ) -> None:
-    (job_id,) = await create_running_jobs(redis, "carried_gap", 1)
-    stream = keys.events(job_id)
-    queue = JobQueue(redis, 3600)
+    job_id, stream, queue = await job_written_by_steps(redis, "carried_gap")
     async with quiet_relay.follow({stream: "0-0"}) as follower:
         await read_until(follower, 1)
         # An entry whose notice this relay missed (as while it resubscribes), then a step write.
