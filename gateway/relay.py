@@ -252,7 +252,8 @@ class _Reader:
         taps = self.taps.get(key)
         if taps is None or not entries:
             return
-        if any(tap.cursor_id < parse_id(after) for tap in taps):
+        start = parse_id(after)
+        if any(tap.cursor_id < start for tap in taps):
             self.due(key)
         self._deliver(key, [(entry_id, _pairs(flat)) for entry_id, flat in entries], after)
 
@@ -430,11 +431,13 @@ class StreamRelay:
         names, _, carried = notice.partition("\n")
         if carried:
             try:
-                for key, after, entries in orjson.loads(carried):
-                    self._reader(key).carried(key, after, entries)
-                return
+                writes = [(str(key), str(after), entries) for key, after, entries in orjson.loads(carried)]
             except (TypeError, ValueError) as e:  # orjson's errors are ValueErrors
                 logger.warning("a stream notice's entries could not be read (%s); reading its streams", e)
+            else:
+                for key, after, entries in writes:
+                    self._reader(key).carried(key, after, entries)
+                return
         for key in names.split():
             self._reader(key).due(key)
 

@@ -460,3 +460,16 @@ async def test_a_relay_drops_reads_a_stalled_redis_leaves_unanswered_and_relays_
     finally:
         await streams.close()
         await redis.aclose()
+
+
+async def test_a_notice_whose_entries_cannot_be_read_has_its_streams_read_and_later_notices_still_heard(
+    quiet_relay: StreamRelay, redis: Redis
+) -> None:
+    job_id, stream, queue = await job_written_by_steps(redis, "carried_garbled")
+    async with quiet_relay.follow({stream: "0-0"}) as follower:
+        await read_until(follower, 1)
+        added = await redis.xadd(stream, {"type": "status", "status": "running"})
+        await redis.publish(keys.STREAM_NOTICES, f"{stream}\n[[not json")
+        assert [entry_id for _k, entry_id, _f in await read_until(follower, 1)] == [added]
+        await queue.publish_step([StepWrite(job_id, 1, tokens("next"), {})])
+        assert [fields["text"] for _k, _id, fields in await read_until(follower, 1)] == ["next"]
