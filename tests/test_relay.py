@@ -331,6 +331,18 @@ async def job_written_by_steps(redis: Redis, name: str) -> tuple[str, str, JobQu
     return job_id, keys.events(job_id), JobQueue(redis, 3600)
 
 
+@contextlib.asynccontextmanager
+async def unheard_entry(
+    relay: StreamRelay, redis: Redis, name: str
+) -> AsyncIterator[tuple[Follower, JobQueue, str, str]]:
+    """A follower that has read a running job's stream, then an entry added to it of which the relay
+    heard nothing (as while it resubscribes): the follower, the job's queue, its id and the entry's."""
+    job_id, stream, queue = await job_written_by_steps(redis, name)
+    async with relay.follow({stream: "0-0"}) as follower:
+        await read_until(follower, 1)
+        yield follower, queue, job_id, await redis.xadd(stream, {"type": "status", "status": "running"})
+
+
 @pytest.fixture
 async def quiet_relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
     """A relay whose sweep never comes within a test: every read it makes is one a notice or a join asked
@@ -380,11 +392,8 @@ async def test_a_step_write_s_notice_brings_its_entries_to_followers_that_have_t
 async def test_a_follower_that_lacks_entries_before_a_notice_s_reads_them_first_in_order(
     quiet_relay: StreamRelay, redis: Redis
 ) -> None:
-    job_id, stream, queue = await job_written_by_steps(redis, "carried_gap")
-    async with quiet_relay.follow({stream: "0-0"}) as follower:
-        await read_until(follower, 1)
-        # An entry whose notice this relay missed (as while it resubscribes), then a step write.
-        missed = await redis.xadd(stream, {"type": "status", "status": "running"})
+    async with unheard_entry(quiet_relay, redis, "carried_gap") as (follower, queue, job_id, missed):
+        stream = keys.events(job_id)
         await queue.publish_step([StepWrite(job_id, 1, tokens("a", "b"), {})])
         entries = await read_until(follower, 3)
         assert [entry_id for _k, entry_id, _f in entries] == [
@@ -465,11 +474,8 @@ async def test_a_relay_drops_reads_a_stalled_redis_leaves_unanswered_and_relays_
 async def test_a_notice_whose_entries_cannot_be_read_has_its_streams_read_and_later_notices_still_heard(
     quiet_relay: StreamRelay, redis: Redis
 ) -> None:
-    job_id, stream, queue = await job_written_by_steps(redis, "carried_garbled")
-    async with quiet_relay.follow({stream: "0-0"}) as follower:
-        await read_until(follower, 1)
-        added = await redis.xadd(stream, {"type": "status", "status": "running"})
-        await redis.publish(keys.STREAM_NOTICES, f"{stream}\n[[not json")
+    async with unheard_entry(quiet_relay, redis, "carried_garbled") as (follower, queue, job_id, added):
+        await redis.publish(keys.STREAM_NOTICES, f"{keys.events(job_id)}\n[[not json")
         assert [entry_id for _k, entry_id, _f in await read_until(follower, 1)] == [added]
         await queue.publish_step([StepWrite(job_id, 1, tokens("next"), {})])
         assert [fields["text"] for _k, _id, fields in await read_until(follower, 1)] == ["next"]
