@@ -249,13 +249,8 @@ class _Reader:
         """Entries a notice brought (`[id, [field, value, ...]]`), the stream's next after `after`: each
         tap that has every entry up to `after` takes them without a read; one further back reads them
         from its own cursor, in order."""
-        taps = self.taps.get(key)
-        if taps is None or not entries:
-            return
-        start = parse_id(after)
-        if any(tap.cursor_id < start for tap in taps):
-            self.due(key)
-        self._deliver(key, [(entry_id, _pairs(flat)) for entry_id, flat in entries], after)
+        if key in self.taps and entries:
+            self._deliver(key, [(entry_id, _pairs(flat)) for entry_id, flat in entries], after)
 
     def all_due(self) -> None:
         """Read every stream again (notices may have been missed): a few at a time beside the streams
@@ -322,10 +317,13 @@ class _Reader:
         taps = self.taps.get(key)
         if taps is None:
             return
-        # A tap further back than this read started (it joined while the read was out) gets nothing
-        # from it: the next read starts from its cursor, so it sees its entries in order, without a gap.
+        # A tap further back than these entries start (it joined while the read was out, or missed a
+        # notice) gets nothing from them: the next read starts from its cursor, so it sees its entries
+        # in order, without a gap.
         start = parse_id(sent_from)
         receiving = [tap for tap in taps if tap.cursor_id >= start]
+        if len(receiving) < len(taps):
+            self.due(key)
         behind: list[_Tap] = []
         for entry_id, fields in entries:
             parsed = parse_id(entry_id)

@@ -26,6 +26,7 @@ from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
 from gateway.relay import SWEEP_KEYS_PER_READ, Entry, Follower, StreamRelay
 from gateway.state import AppState
+from ortfleet.bench.capacity import xread_calls
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events
@@ -318,11 +319,6 @@ async def test_readers_joining_a_busy_stream_from_its_start_each_read_every_entr
 
 def tokens(*texts: str) -> list[dict[str, str]]:
     return [{"type": "token", "text": text, "ids": "1", "index": str(n)} for n, text in enumerate(texts)]
-
-
-async def xread_calls(redis: Redis) -> int:
-    stats = await redis.info("commandstats")
-    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
 
 
 async def job_written_by_steps(redis: Redis, name: str) -> tuple[str, str, JobQueue]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
 from tqdm import tqdm
 
 from common import aio, keys
@@ -301,9 +302,14 @@ async def relay_reads(redis_url: str) -> int:
     """XREAD commands Redis has run so far (the relay's: nothing else in this fleet reads streams)."""
     redis = connect(redis_url)
     try:
-        stats = await redis.info("commandstats")
+        return await xread_calls(redis)
     finally:
         await redis.aclose()
+
+
+async def xread_calls(redis: Redis) -> int:
+    """XREAD commands the Redis behind `redis` has run so far (`INFO commandstats`)."""
+    stats = await redis.info("commandstats")
     return int(stats.get("cmdstat_xread", {}).get("calls", 0))
 
 
