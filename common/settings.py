@@ -195,7 +195,10 @@ class GatewaySettings(FleetSettings):
         "batch over this long after its driver died.",
     )
     batch_tick_s: float = Field(
-        0.5, gt=0, description="Seconds between two steps of a gateway's batch driver."
+        0.5,
+        gt=0,
+        description="Seconds between two steps of a gateway's batch driver; while no batch is active, "
+        "it looks for one every 10 of these (and at once for a batch created on its own gateway).",
     )
     queue_without_workers: bool = Field(
         False,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -10,8 +12,10 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from common.settings import GatewaySettings
 from gateway.app import build_app
@@ -69,6 +73,44 @@ def calm_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
+class CalmServer(uvicorn.Server):
+    """uvicorn's server, waking once a second while idle instead of ten times.
+
+    uvicorn's main loop sleeps 0.1 s between looks at its exit flag, refreshing the Date header every
+    tenth look: an idle gateway woke ten times a second for it, each wake costing CPU on a shared host.
+    This loop refreshes the header once a second, as before, and a signal wakes it at once, so a
+    SIGTERM or Ctrl-C stops the gateway as quickly as before."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._exit_requested = asyncio.Event()
+
+    async def main_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        counter = 0  # uvicorn refreshes the Date header on ticks that are multiples of 10
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864_000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._exit_requested.wait()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._exit_requested.set)
+
+
+def serve(app: Callable[..., object], **options: object) -> None:
+    """Serves the app as `uvicorn.run` does (one process, no reload), on the calm server."""
+    config = uvicorn.Config(app, **options)  # type: ignore[arg-type]
+    server = CalmServer(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortfleet-gateway", description=__doc__)
     parser.add_argument("--host", help="listen address (ORTFLEET_HOST, default 127.0.0.1)")
@@ -113,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     pauses = [gateway_metrics.gc_pauses.labels(str(generation)) for generation in range(3)]
     time_garbage_collections(lambda generation, seconds: pauses[generation].observe(seconds))
     calm_garbage_collector()
-    uvicorn.run(
+    serve(
         app,
         http=protocol,
         host=settings.host,

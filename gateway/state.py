@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from starlette.requests import Request
@@ -19,6 +20,9 @@ class AppState:
     fleet: FleetView
     metrics: GatewayMetrics
     streams: StreamSlots
+    # Set when a batch is created here: this gateway's batch driver, resting while no batch is active,
+    # takes it up at once.
+    batch_created: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def redis(self) -> Redis:

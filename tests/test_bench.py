@@ -70,6 +70,8 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
         assert cpu["fleet_overhead"] == pytest.approx(
             cpu["gateway"] + cpu["worker_loop"] + cpu["redis"], abs=0.001
         )
+        wakeups = level["fleet"]["wakeups_per_token"]  # each token wakes each of them, mostly
+        assert set(wakeups) == {"gateway", "worker_loop", "redis"} and min(wakeups.values()) > 0
         assert set(ratio["ttft_added_ms"]) == {"p50", "p99"} and set(ratio["itl_added_ms"]) == {"p50", "p99"}
         parts = level["fleet"]["ttft_parts_ms"]  # from each job's record
         assert set(parts) == {"submission_to_claim", "claim_to_first_token", "delivery_and_post"}

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 VALIDATE_CHUNK = 1000
 EXPIRE_PER_STEP = 2000
 TRANSIENT = frozenset({429, 503})  # the fleet is busy or away: the line waits for a later step
+IDLE_TICKS = 10  # while no batch is active, the driver looks again after this many ticks
 
 
 def _now() -> str:
@@ -56,21 +57,34 @@ class BatchDriver:
         self.token = "gw-" + secrets.token_hex(8)
 
     async def run(self) -> None:
-        """Steps every active batch it can lease, every `batch_tick_s`, until cancelled."""
+        """Steps every active batch it can lease, every `batch_tick_s`, until cancelled. While no batch
+        is active anywhere it looks every IDLE_TICKS ticks instead (an idle gateway need not wake twice
+        a second for it), and at once when a batch is created on this gateway."""
         try:
             while True:
+                ticks = 1
                 try:
-                    for batch_id in await self.batches.active():
+                    active = await self.batches.active()
+                    for batch_id in active:
                         await self.step(batch_id)
+                    ticks = 1 if active else IDLE_TICKS
                 except RedisError as e:
                     logger.warning("batch driver: Redis unavailable (%s)", e)
                 except Exception:
                     logger.exception("batch driver step failed")
-                await asyncio.sleep(self.settings.batch_tick_s)
+                await self._rest(ticks * self.settings.batch_tick_s)
         finally:
             with contextlib.suppress(Exception):
                 for batch_id in await self.batches.active():
                     await self.batches.drop_lease(batch_id, self.token)
+
+    async def _rest(self, seconds: float) -> None:
+        """Sleeps `seconds`, or less if a batch is created on this gateway meanwhile."""
+        created = self.state.batch_created
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await created.wait()
+        created.clear()
 
     async def step(self, batch_id: str) -> None:
         batch = await self.batches.load(batch_id)

@@ -90,6 +90,7 @@ async def create_batch(request: Request) -> Response:
         fields["metadata"] = json.dumps(body.metadata)
     await files.keep_until(source.id, expires_at + state.settings.file_ttl_s)
     batch = await batch_state(request).create(fields, expires_at)
+    state.batch_created.set()
     return JSONResponse(batch.view())
 
 

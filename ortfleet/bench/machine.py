@@ -59,6 +59,16 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def wakeups(pid: int, tid: int | None = None) -> int:
+    """How many times a process's main thread (or one of its threads) has gone to sleep and been woken
+    (Linux)."""
+    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
     """User + system CPU time of a process (or one of its threads), Linux."""
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"

@@ -26,7 +26,7 @@ from common.redis_client import connect
 from common.wire import Timings
 from ortfleet.bench.backends import PROMPTS, Backend, DirectBackend, FleetBackend, RequestResult
 from ortfleet.bench.http import Connection
-from ortfleet.bench.machine import cpu_seconds, describe
+from ortfleet.bench.machine import cpu_seconds, describe, wakeups
 from ortfleet.bench.pinning import Pinning
 from ortfleet.bench.stats import summary
 from ortfleet.fleet.launcher import throwaway_fleet
@@ -235,13 +235,22 @@ async def _read_records(redis_url: str, results: list[RequestResult]) -> None:
 
 
 class CpuMeter:
-    """CPU seconds of the bench process and of the local fleet's processes, per backend and level.
+    """CPU seconds of the bench process and of the local fleet's processes, per backend and level, and
+    the wake-ups of the gateway's, the worker loop's and Redis' main threads.
 
     The worker's event-loop thread (its main thread) is counted apart from its engine threads."""
+
+    WOKEN = {"gateway": "gateway", "worker": "worker_loop", "redis": "redis"}  # main threads counted
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.spent: dict[tuple[str, int], dict[str, float]] = {}
+        self.woken: dict[tuple[str, int], dict[str, int]] = {}
+
+    def _wakeups_now(self) -> dict[str, int]:
+        return {
+            name: wakeups(self.pids[process]) for process, name in self.WOKEN.items() if process in self.pids
+        }
 
     def _now(self) -> dict[str, float]:
         now = {"bench_process": time.process_time()}
@@ -254,12 +263,15 @@ class CpuMeter:
 
     @contextlib.contextmanager
     def measure(self, backend: str, concurrency: int) -> Iterator[None]:
-        before = self._now()
+        before, woken_before = self._now(), self._wakeups_now()
         yield
-        after = self._now()
+        after, woken_after = self._now(), self._wakeups_now()
         spent = self.spent.setdefault((backend, concurrency), {})
         for name, value in after.items():
             spent[name] = spent.get(name, 0.0) + value - before[name]
+        woken = self.woken.setdefault((backend, concurrency), {})
+        for name, count in woken_after.items():
+            woken[name] = woken.get(name, 0) + count - woken_before[name]
 
     def per_token(self, backend: str, concurrency: int, tokens: int) -> dict[str, float]:
         """Milliseconds of CPU per generated token, by process."""
@@ -273,6 +285,11 @@ class CpuMeter:
             if overhead:
                 spent["fleet_overhead"] = sum(overhead)  # gateway + worker event loop + Redis
         return {name: round(seconds * 1000 / tokens, 4) for name, seconds in spent.items()} if tokens else {}
+
+    def wakeups_per_token(self, concurrency: int, tokens: int) -> dict[str, float]:
+        """Wake-ups per generated token of the fleet's main threads (the local fleet's run only)."""
+        woken = self.woken.get(("fleet", concurrency), {})
+        return {name: round(count / tokens, 3) for name, count in woken.items()} if tokens else {}
 
 
 async def _served_model(url: str) -> str:
@@ -323,6 +340,8 @@ async def _measure(
         figures = {b.name: runs[(b.name, concurrency)].figures() for b in backends}
         for side, values in figures.items():
             values["cpu_ms_per_token"] = cpu.per_token(side, concurrency, values["output_tokens"])
+        if wakeups := cpu.wakeups_per_token(concurrency, figures["fleet"]["output_tokens"]):
+            figures["fleet"]["wakeups_per_token"] = wakeups
         levels.append(
             {
                 "concurrency": concurrency,

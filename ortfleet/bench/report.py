@@ -104,6 +104,7 @@ def ttft_parts_table(figures: dict[str, Any]) -> str:
 
 
 CPU_COLUMNS = ("gateway", "worker_loop", "redis", "fleet_overhead", "client", "worker_engine")
+WAKEUP_COLUMNS = ("gateway", "worker_loop", "redis")
 
 
 def cpu_table(figures: dict[str, Any]) -> str:
@@ -114,7 +115,18 @@ def cpu_table(figures: dict[str, Any]) -> str:
         rows.append([level["concurrency"], *(cpu.get(column) for column in CPU_COLUMNS)])
     headers = ["conc", "gateway", "worker loop", "redis", "overhead", "client", "engine"]
     note = "(fleet CPU ms per generated token; overhead = gateway + worker loop + redis)"
-    return f"{table(headers, rows)}\n{note}"
+    woken = [level for level in figures["levels"] if "wakeups_per_token" in level["fleet"]]
+    if not woken:
+        return f"{table(headers, rows)}\n{note}"
+    wakeup_rows = [
+        [level["concurrency"], *(level["fleet"]["wakeups_per_token"].get(c) for c in WAKEUP_COLUMNS)]
+        for level in woken
+    ]
+    wakeup_note = "(wake-ups per generated token: times each process's main thread slept and was woken)"
+    return (
+        f"{table(headers, rows)}\n{note}\n\n"
+        f"{table(['conc', 'gateway', 'worker loop', 'redis'], wakeup_rows)}\n{wakeup_note}"
+    )
 
 
 def _ratio(value: float | None) -> str:
