@@ -28,6 +28,8 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
     """The served model name and its context length; 404/422/503 when it cannot be served now."""
     fleet = await state.fleet.snapshot()
     if requested is None:
+        if len(fleet.live) != 1:  # the snapshot may predate a worker that just came or went
+            fleet = await state.fleet.snapshot(fresh=True)
         if len(fleet.live) == 1:
             name = next(iter(fleet.live))
             return name, fleet.live[name].context_length

@@ -103,6 +103,15 @@ def fleet(redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
 
 
 @pytest.fixture
+def own_fleet(own_redis: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
+    """A gateway on a Redis of the test's own: no other test's worker is ever live in its registry."""
+    fleet = Fleet(own_redis.url, tiny_model)
+    fleet.start_gateway()
+    yield fleet
+    fleet.stop_all()
+
+
+@pytest.fixture
 async def client(fleet: Fleet) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=30) as http:
         yield http

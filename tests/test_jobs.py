@@ -35,21 +35,35 @@ async def test_a_submitted_job_succeeds_with_output_usage_and_timings(
 
 
 async def test_chat_messages_run_through_the_models_chat_template(
-    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+    client: httpx.AsyncClient, served: str
 ) -> None:
-    fleet.start_worker(model_name)
-    job = await submit(
-        client,
-        {
-            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-            "max_tokens": 4,
-        },
-    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    job = await submit(client, {"model": served, "messages": messages, "max_tokens": 4})
     done = await wait_done(client, job["id"])
     assert done["status"] == "succeeded"
-    assert done["model"] == model_name  # the only live model is the default
-    plain = await wait_done(client, (await submit(client, {"prompt": "Hi", "max_tokens": 4}))["id"])
+    plain = await submit(client, {"model": served, "prompt": "Hi", "max_tokens": 4})
+    plain = await wait_done(client, plain["id"])
     assert done["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the template added tokens
+
+
+async def test_a_job_naming_no_model_runs_on_the_only_live_one_and_is_refused_when_several_are(
+    own_fleet: Fleet, model_name: str
+) -> None:
+    async with httpx.AsyncClient(base_url=own_fleet.gateway_url, timeout=30) as client:
+        refused = await client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 4})
+        assert refused.status_code == 503, "no worker serves any model yet"
+        own_fleet.start_worker(model_name)
+        done = await wait_done(client, (await submit(client, {"prompt": "Hi", "max_tokens": 4}))["id"])
+        assert (done["status"], done["model"]) == ("succeeded", model_name)
+        other = own_fleet.start_worker(model_name + "-other")
+        ambiguous = await client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 4})
+        assert ambiguous.status_code == 422
+        error = ambiguous.json()["error"]
+        assert error["param"] == "model"
+        assert error["message"] == f"model: required, this fleet serves {model_name}, {model_name}-other"
+        assert other.terminate() == 0
+        done = await wait_done(client, (await submit(client, {"prompt": "Hi", "max_tokens": 4}))["id"])
+        assert (done["status"], done["model"]) == ("succeeded", model_name)
 
 
 async def test_the_streamed_text_equals_the_final_output(

@@ -13,6 +13,7 @@ from common import keys
 from common.events import token_entry
 from common.jobqueue import Claim, JobQueue, QueueLimits, job_payload
 from common.records import RecordUpdate
+from common.registry import live_workers
 from common.settings import WorkerSettings
 from common.wire import JobSpec, Sampling
 from tests.conftest import RedisServer
@@ -264,3 +265,28 @@ def test_a_static_batch_waits_for_jobs_submitted_together_only_until_a_tenth_of_
     # The earliest of the claimed jobs counts; a clock ahead of this one's never makes it longer.
     assert together_window(0.02, [claim_submitted_at(now), claim_submitted_at(now - 1)], now) == 0
     assert together_window(0.02, [claim_submitted_at(now + 3)], now) == pytest.approx(0.002)
+
+
+async def test_a_stopping_worker_leaves_the_registry_after_a_heartbeat_still_in_flight(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    service = start_worker(model_name)
+    real_beat = service._beat
+    in_flight = asyncio.Event()
+    beats: list[asyncio.Task[None]] = []
+
+    async def slow_redis_beat(ttl: float) -> None:  # a beat whose write reaches Redis late
+        async def land() -> None:
+            await asyncio.sleep(0.3)
+            await real_beat(ttl)
+
+        beats.append(asyncio.create_task(land()))
+        in_flight.set()
+        await asyncio.shield(beats[-1])  # cancelling the heartbeat does not take back a sent write
+
+    service._beat = slow_redis_beat  # type: ignore[method-assign]
+    await asyncio.wait_for(in_flight.wait(), 5)
+    service.stop()
+    await asyncio.wait_for(start_worker.run_of(service), 5)
+    await asyncio.gather(*beats)
+    assert not [w for w in await live_workers(redis) if w["id"] == service.info.id]

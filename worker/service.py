@@ -51,6 +51,7 @@ class WorkerService:
         self._last_batch = 0  # jobs in the last static batch
         self._batch_ended_at = 0.0  # when the worker last ran out of jobs
         self._stopping = asyncio.Event()
+        self._leaving = asyncio.Event()  # drained: the heartbeat ends, then the entry is removed
         self._suspect_waiting = False  # a suspect job waits for this worker to run nothing else
         self.on_job_done: Callable[[JobRun], Awaitable[None] | None] | None = None
         # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
@@ -95,10 +96,8 @@ class WorkerService:
     async def run(self) -> None:
         lease = self.settings.heartbeat_ttl_s
         await heartbeat(self.redis, self.info, lease, self.settings.job_ttl_s)
-        background = [
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._listen(), name="listen"),
-        ]
+        beating = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        background = [asyncio.create_task(self._listen(), name="listen")]
         if self.settings.preempt_batch:
             background.append(asyncio.create_task(self._preempt_loop(), name="preempt"))
         try:
@@ -109,8 +108,24 @@ class WorkerService:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.writer.close()
-            with contextlib.suppress(RedisError):
-                await deregister(self.redis, self.info.id)
+            await self._leave(beating)
+
+    async def _leave(self, beating: asyncio.Task[None]) -> None:
+        """Out of the registry. The heartbeat ends first, a beat in flight included (it is bounded by its
+        own timeout), so that no beat lands after the entry is removed and makes it live again."""
+        self._leaving.set()
+        with contextlib.suppress(Exception):  # its errors were logged as they came
+            await asyncio.wait_for(asyncio.shield(beating), self.settings.heartbeat_ttl_s)
+        beating.cancel()
+        try:
+            await deregister(self.redis, self.info.id)
+        except RedisError as e:
+            logger.warning(
+                "leaving the registry failed (%s): the worker counts as live until its heartbeat runs out, "
+                "in %.0f s",
+                e,
+                self.settings.heartbeat_ttl_s,
+            )
 
     def stop(self) -> None:
         self._stopping.set()
@@ -295,7 +310,10 @@ class WorkerService:
         late = False
         while True:
             if not late:  # a beat that took long (Redis stalled) is followed by another at once
-                await asyncio.sleep(ttl / 4)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._leaving.wait(), ttl / 4)
+            if self._leaving.is_set():
+                return
             began = time.monotonic()
             self.info.in_flight = len(self.runs)
             self.info.generated_tokens = self.generated_tokens()
