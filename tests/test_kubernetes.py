@@ -221,6 +221,9 @@ async def test_with_workers_scaled_to_zero_the_gateway_queues_jobs_until_a_worke
     assert worker.terminate() == 0
     body = {"model": model_name, "prompt": "Hi", "max_tokens": 4}
     async with httpx.AsyncClient(timeout=30) as http:
+        # The gateway's own registry read, so that its view (which may be 0.5 s old) holds the departure.
+        models = (await http.get(f"{fleet.gateway_url}/v1/models")).json()["data"]
+        assert model_name not in [m["id"] for m in models]
         refused = await http.post(f"{fleet.gateway_url}/v1/jobs", json=body)
         assert refused.status_code == 503, "by default a model with no live worker is refused"
         queued = await http.post(f"{url}/v1/jobs", json=body)
