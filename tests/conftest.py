@@ -93,22 +93,23 @@ class Fleet(LocalFleet):
         super().__init__(redis_url, model_dir, env=env, log_dir=LOGS)
 
 
-@pytest.fixture
-def fleet(redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
-    """A gateway of its own; each test starts the workers it needs under model names of its own."""
-    fleet = Fleet(redis_server.url, tiny_model)
+def _gateway_on(server: RedisServer, model_dir: Path) -> Iterator[Fleet]:
+    fleet = Fleet(server.url, model_dir)
     fleet.start_gateway()
     yield fleet
     fleet.stop_all()
+
+
+@pytest.fixture
+def fleet(redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
+    """A gateway of its own; each test starts the workers it needs under model names of its own."""
+    yield from _gateway_on(redis_server, tiny_model)
 
 
 @pytest.fixture
 def own_fleet(own_redis: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
     """A gateway on a Redis of the test's own: no other test's worker is ever live in its registry."""
-    fleet = Fleet(own_redis.url, tiny_model)
-    fleet.start_gateway()
-    yield fleet
-    fleet.stop_all()
+    yield from _gateway_on(own_redis, tiny_model)
 
 
 @pytest.fixture
