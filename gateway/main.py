@@ -17,6 +17,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
+from common.aio import wait_set
 from common.settings import GatewaySettings
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
@@ -91,9 +92,7 @@ class CalmServer(uvicorn.Server):
         counter = 0  # uvicorn refreshes the Date header on ticks that are multiples of 10
         while not await self.on_tick(counter):
             counter = (counter + 10) % 864_000
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self._exit_requested.wait()
+            await wait_set(self._exit_requested, 1.0)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

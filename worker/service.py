@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common import keys
+from common.aio import wait_set
 from common.error_codes import ErrorCode
 from common.jobqueue import Claim, JobQueue, MalformedJob, parse_job_payload
 from common.registry import WorkerInfo, deregister, heartbeat
@@ -159,8 +160,7 @@ class WorkerService:
                     self._last_batch = len(claims)
                 await self._start(claims)
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.claim_poll_s)
+            await wait_set(self._wake, self.settings.claim_poll_s)
 
     def _static_target(self, claims: list[Claim], slots: int) -> int:
         """How many jobs to gather before a static batch starts (it admits no one until it ends): as
@@ -309,10 +309,8 @@ class WorkerService:
         ttl = self.settings.heartbeat_ttl_s
         late = False
         while True:
-            if not late:  # a beat that took long (Redis stalled) is followed by another at once
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._leaving.wait(), ttl / 4)
-            if self._leaving.is_set():
+            # A beat that took long (Redis stalled) is followed by another at once.
+            if await wait_set(self._leaving, 0 if late else ttl / 4):
                 return
             began = time.monotonic()
             self.info.in_flight = len(self.runs)
@@ -368,8 +366,7 @@ class WorkerService:
         """Batch yields to interactive: checked when jobs are submitted, and every claim poll."""
         wait = self.settings.preempt_after_s
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._interactive_wake.wait(), self.settings.claim_poll_s)
+            await wait_set(self._interactive_wake, self.settings.claim_poll_s)
             self._interactive_wake.clear()
             if not self._preemptable():
                 continue
@@ -404,8 +401,7 @@ class WorkerService:
         deadline = time.monotonic() + self.settings.shutdown_grace_s
         while self.runs and time.monotonic() < deadline:
             self._slot_freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), deadline - time.monotonic())
+            await wait_set(self._slot_freed, deadline - time.monotonic())
         for job_id, run in list(self.runs.items()):
             run.abandon()
             if await self.queue.release(run.claim):

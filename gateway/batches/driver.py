@@ -9,7 +9,6 @@ gets the same job; a line is answered only by the atomic script that takes it ou
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -18,6 +17,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from common.aio import wait_set
 from common.apikeys import Principal
 from common.wire import TERMINAL, JobStatus, PriorityClass
 from gateway.batches.lines import (
@@ -80,11 +80,8 @@ class BatchDriver:
 
     async def _rest(self, seconds: float) -> None:
         """Sleeps `seconds`, or less if a batch is created on this gateway meanwhile."""
-        created = self.state.batch_created
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await created.wait()
-        created.clear()
+        await wait_set(self.state.batch_created, seconds)
+        self.state.batch_created.clear()
 
     async def step(self, batch_id: str) -> None:
         batch = await self.batches.load(batch_id)
