@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -234,6 +234,15 @@ async def _read_records(redis_url: str, results: list[RequestResult]) -> None:
             result.queue_wait, result.worker_ttft = parsed.queue_wait_s, parsed.ttft_s
 
 
+Count = TypeVar("Count", int, float)
+
+
+def _add_change(totals: dict[str, Count], before: dict[str, Count], after: dict[str, Count]) -> None:
+    """Adds to each of `totals` how much its counter grew from `before` to `after`."""
+    for name, value in after.items():
+        totals[name] = totals.get(name, 0) + value - before[name]
+
+
 class CpuMeter:
     """CPU seconds of the bench process and of the local fleet's processes, per backend and level, and
     the wake-ups of the gateway's, the worker loop's and Redis' main threads.
@@ -266,12 +275,8 @@ class CpuMeter:
         before, woken_before = self._now(), self._wakeups_now()
         yield
         after, woken_after = self._now(), self._wakeups_now()
-        spent = self.spent.setdefault((backend, concurrency), {})
-        for name, value in after.items():
-            spent[name] = spent.get(name, 0.0) + value - before[name]
-        woken = self.woken.setdefault((backend, concurrency), {})
-        for name, count in woken_after.items():
-            woken[name] = woken.get(name, 0) + count - woken_before[name]
+        _add_change(self.spent.setdefault((backend, concurrency), {}), before, after)
+        _add_change(self.woken.setdefault((backend, concurrency), {}), woken_before, woken_after)
 
     def per_token(self, backend: str, concurrency: int, tokens: int) -> dict[str, float]:
         """Milliseconds of CPU per generated token, by process."""
