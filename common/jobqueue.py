@@ -15,6 +15,7 @@ format (``arq:job:<id>``, JSON-serialized).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -476,10 +477,13 @@ class JobQueue:
         written: int = await self._publish(keys=[keys.job(job_id), keys.events(job_id)], args=args)
         return written >= 0
 
-    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+    async def publish_step(
+        self, writes: list[StepWrite], reply_after: asyncio.Event | None = None
+    ) -> list[StepResult]:
         """Several jobs' entries (and record fields) in one script call, each fenced by its attempt; per
         job, `lost` once its attempt lost the job, `gap` when the stream's tokens end before the write's
-        first token entry (see `streamed`)."""
+        first token entry (see `streamed`). With `reply_after`, the entries are sent at once and the
+        outcome is read once that event is set (see HeldConnection)."""
         script_keys: list[str] = []
         args: list[str] = []
         for write in writes:
@@ -491,7 +495,9 @@ class JobQueue:
             for entry in write.entries:
                 args += _flat(entry)
         args.append(keys.STREAM_NOTICES)
-        written: list[int] = await self._step_writes.run_script(self._publish_step, script_keys, args)
+        written: list[int] = await self._step_writes.run_script(
+            self._publish_step, script_keys, args, reply_after
+        )
         results = {-1: StepResult.lost, -2: StepResult.gap}
         return [results.get(n, StepResult.written) for n in written]
 

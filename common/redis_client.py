@@ -7,10 +7,13 @@ a demoted primary (READONLY) drops its connection and is retried on the new one.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import os
+from typing import Any, cast
 
 import hiredis
 from redis import Redis as SyncRedis
+from redis._parsers import BaseParser
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
@@ -18,10 +21,11 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, NoScriptError
+from redis.exceptions import DataError, NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel as SyncSentinel
 
+from common.aio import wait_set
 from common.redis_url import SentinelUrl, is_sentinel_url, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 2.0  # a sentinel answers at once, or is down and the next one is asked
@@ -135,49 +139,136 @@ class HeldConnection:
     held connection goes through the client instead (a connection reads one reply at a time). A
     command that fails, or whose caller is cancelled, drops the connection: the next one takes another
     from the pool (with Sentinel, on the primary of the moment). As the client does, a command that
-    finds its connection gone (Redis restarted, or closed it) is sent once more, on a new one."""
+    finds its connection gone (Redis restarted, or closed it) is sent once more, on a new one.
+
+    The held connection's replies are read from its socket directly, with the event loop not watching
+    it (`DirectReplies`), so that a command's caller can leave its reply there until it wants it
+    (`reply_after`): a worker reads a step write's reply when it sends the next one, and is not woken
+    for it in between."""
 
     def __init__(self, redis: Redis) -> None:
         self._pool = redis.connection_pool
         self._connection: AbstractConnection | None = None
+        self._replies: DirectReplies | None = None  # None over TLS: read through the client's parser
         self._busy = False  # a command is out on the held connection
 
-    async def run_script(self, script: AsyncScript, keys: list[str], args: list[str]) -> Any:
-        """Runs a registered script, loading it first if the server lacks it (restarted, or flushed)."""
+    async def run_script(
+        self, script: AsyncScript, keys: list[str], args: list[str], reply_after: asyncio.Event | None = None
+    ) -> Any:
+        """Runs a registered script, loading it first if the server lacks it (restarted, or flushed).
+        With `reply_after`, its reply is read once that event is set, or after REPLY_WAIT_S at most."""
         if self._busy:
             return await script(keys=keys, args=args)
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         reused = self._connection is not None
         self._busy = True
         try:
-            return await self._run_script(script, command)
+            return await self._run_script(script, command, reply_after)
         except (RedisConnectionError, RedisTimeoutError):
             if not reused:
                 raise
-            return await self._run_script(script, command)
+            return await self._run_script(script, command, reply_after)
         finally:
             self._busy = False
 
-    async def _run_script(self, script: AsyncScript, command: tuple[Any, ...]) -> Any:
+    async def _run_script(
+        self, script: AsyncScript, command: tuple[Any, ...], reply_after: asyncio.Event | None
+    ) -> Any:
         connection = self._connection
         if connection is None:
             connection = self._connection = await self._pool.get_connection()
+            self._replies = DirectReplies.of(connection)
         try:
             try:
-                return await self._send(connection, command)
+                return await self._send(connection, command, reply_after)
             except NoScriptError:
                 await self._send(connection, ("SCRIPT", "LOAD", script.script))
                 return await self._send(connection, command)
         except BaseException:
-            self._connection = None
+            self._connection = self._replies = None
             await connection.disconnect()
             await self._pool.release(connection)
             raise
 
-    @staticmethod
-    async def _send(connection: AbstractConnection, command: tuple[Any, ...]) -> Any:
+    async def _send(
+        self,
+        connection: AbstractConnection,
+        command: tuple[Any, ...],
+        reply_after: asyncio.Event | None = None,
+    ) -> Any:
         await connection.send_packed_command(connection.pack_command(*command), check_health=False)
-        return await connection.read_response()
+        if self._replies is None:
+            return await connection.read_response()
+        if reply_after is not None:
+            await wait_set(reply_after, REPLY_WAIT_S)
+        return await self._replies.next()
+
+
+REPLY_WAIT_S = 0.25  # the longest a reply left in a held connection's socket waits to be read
+
+
+class DirectReplies:
+    """A held connection's replies, read from its socket directly. Its transport stops reading (once
+    the loop has seen the socket readable after that, it no longer watches it), so a reply can wait in
+    the socket without waking the process. A reply not there yet when it is wanted is awaited through
+    the transport, which stops reading again after it."""
+
+    READ_SIZE = 65536
+
+    def __init__(self, transport: asyncio.Transport, stream: asyncio.StreamReader) -> None:
+        self._transport = transport
+        self._stream = stream
+        self._fd: int = transport.get_extra_info("socket").fileno()
+        self._parser = hiredis.Reader(replyError=BaseParser.parse_error, encoding="utf-8", errors="replace")
+        transport.pause_reading()
+
+    @classmethod
+    def of(cls, connection: AbstractConnection) -> DirectReplies | None:
+        """Replies of a connection just taken from its pool (nothing unread on it); None over TLS, whose
+        bytes on the socket are not the replies."""
+        # redis-py keeps a connection's asyncio streams in private attributes.
+        stream, writer = connection._reader, connection._writer
+        if stream is None or writer is None:
+            raise RedisConnectionError("the connection taken from the pool is not connected")
+        transport = cast(asyncio.Transport, writer.transport)  # uvloop's are not registered as one
+        if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("socket") is None:
+            return None
+        return cls(transport, stream)
+
+    async def next(self) -> Any:
+        """The next reply; raises it if it is an error (as the client would: NoScriptError for NOSCRIPT),
+        and ConnectionError when the connection is gone or its server is no longer the primary."""
+        while (reply := self._parser.gets()) is False:
+            data = self._waiting()
+            if data is None:
+                data = await self._arriving()
+            if not data:
+                raise RedisConnectionError("Redis closed the connection")
+            self._parser.feed(data)
+        if isinstance(reply, ReadOnlyError):  # a demoted primary: the next connection finds the new one
+            raise RedisConnectionError(f"the server is no longer the primary: {reply}")
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    def _waiting(self) -> bytes | None:
+        """What the socket holds now (b'' at its end), or None when it holds nothing yet."""
+        if self._transport.is_closing():  # its descriptor may be closed, or another file's by now
+            return b""
+        try:
+            return os.read(self._fd, self.READ_SIZE)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            raise RedisConnectionError(f"reading from Redis failed: {e}") from e
+
+    async def _arriving(self) -> bytes:
+        self._transport.resume_reading()
+        try:
+            return await self._stream.read(self.READ_SIZE)
+        finally:
+            if not self._transport.is_closing():
+                self._transport.pause_reading()
 
 
 def connect_blocking(url: str, timeout_s: float = 5.0) -> SyncRedis:

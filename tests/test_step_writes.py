@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import time
 
+import pytest
 from redis.asyncio import Redis
 
-from common import keys
+from common import aio, keys
 from common.events import token_entry
 from common.jobqueue import JobQueue, StepResult, StepWrite
+from common.redis_client import REPLY_WAIT_S, HeldConnection, connect
+from ortfleet.bench.machine import wakeups
+from tests.conftest import RedisServer
 from tests.fake_workers import Started
 from tests.redis_events import wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries
 from worker.fake_engine import FakeEngine
-from worker.publisher import StepWriter
+from worker.publisher import LeaseLost, StepWriter
 
 TOKENS = 24
 
@@ -63,10 +70,12 @@ class SlowFor(JobQueue):
         super().__init__(redis, 3600)
         self.job_id, self.delay_s = job_id, delay_s
 
-    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+    async def publish_step(
+        self, writes: list[StepWrite], reply_after: asyncio.Event | None = None
+    ) -> list[StepResult]:
         if any(write.job_id == self.job_id for write in writes):
             await asyncio.sleep(self.delay_s)
-        return await super().publish_step(writes)
+        return await super().publish_step(writes, reply_after)
 
 
 async def test_a_jobs_first_token_never_waits_for_another_jobs_write_in_flight(redis: Redis) -> None:
@@ -136,11 +145,13 @@ class FailsOnce(JobQueue):
         super().__init__(redis, 3600)
         self.failures = 0
 
-    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+    async def publish_step(
+        self, writes: list[StepWrite], reply_after: asyncio.Event | None = None
+    ) -> list[StepResult]:
         if not self.failures:
             self.failures += 1
             raise RuntimeError("a fault of the worker's own")
-        return await super().publish_step(writes)
+        return await super().publish_step(writes, reply_after)
 
 
 async def test_a_step_write_that_fails_for_a_fault_of_the_worker_is_tried_again(redis: Redis) -> None:
@@ -158,7 +169,9 @@ async def test_a_step_write_that_fails_for_a_fault_of_the_worker_is_tried_again(
 
 
 class NeverAnswers(JobQueue):
-    async def publish_step(self, writes: list[StepWrite]) -> list[StepResult]:
+    async def publish_step(
+        self, writes: list[StepWrite], reply_after: asyncio.Event | None = None
+    ) -> list[StepResult]:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
@@ -171,3 +184,121 @@ async def test_once_the_writer_is_closed_no_job_waits_for_its_unwritten_entries(
     await writer.close()
     later.add(token_entry("b", [98], 0))
     await asyncio.wait_for(asyncio.gather(out.close(), later.close()), 1.0)
+
+
+async def fresh_jobs(redis: Redis, *job_ids: str) -> None:
+    for job_id in job_ids:
+        await redis.delete(keys.job(job_id), keys.events(job_id))
+        await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+
+
+STEPS = 40
+
+
+async def _steps_on_their_own_loop(url: str, job_ids: list[str]) -> int:
+    """Four jobs' tokens written by a StepWriter for STEPS engine steps of 20 ms each; how many times the
+    loop's thread was woken meanwhile. The steps come on the loop's timer, which wakes the loop once a
+    step as the engine's hand-over does (an engine thread of Python's own would add wake-ups of its
+    own, for the GIL)."""
+    queue = JobQueue(connect(url), 3600)
+    writer = StepWriter(queue, 64)
+    publishers = [writer.publisher(job_id, 1) for job_id in job_ids]
+    for publisher in publishers:  # each job's first token goes out at once, on its own
+        publisher.add(token_entry("0", [0], 0))
+    await asyncio.gather(*(publisher.drain() for publisher in publishers))
+    loop, done = asyncio.get_running_loop(), asyncio.Event()
+
+    def step(index: int) -> None:
+        for publisher in publishers:
+            publisher.add(token_entry(str(index), [index], index))
+        if index == STEPS:
+            done.set()
+        else:
+            loop.call_later(0.02, step, index + 1)
+
+    woken_before = wakeups(os.getpid(), threading.get_native_id())
+    loop.call_later(0.02, step, 1)
+    await done.wait()
+    woken = wakeups(os.getpid(), threading.get_native_id()) - woken_before
+    await asyncio.gather(*(publisher.close() for publisher in publishers))
+    await writer.close()
+    return woken
+
+
+async def test_a_workers_loop_is_woken_once_per_engine_step_not_again_for_each_writes_reply(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    job_ids = [f"job_step_woken_{n}" for n in range(4)]
+    await fresh_jobs(redis, *job_ids)
+    result: list[int] = []
+    thread = threading.Thread(
+        target=lambda: result.append(aio.run(_steps_on_their_own_loop(redis_server.url, job_ids)))
+    )
+    thread.start()
+    await asyncio.to_thread(thread.join)
+
+    # Once per step for its tokens; reading each write's reply as it came would double that.
+    assert result[0] <= STEPS + 8
+    for job_id in job_ids:
+        texts = [entry["text"] for entry in await token_entries(redis, job_id)]
+        assert texts == [str(index) for index in range(STEPS + 1)]
+
+
+async def test_a_job_taken_over_stops_its_writes_though_their_replies_are_read_a_step_later(
+    redis: Redis,
+) -> None:
+    job_id = "job_step_taken_over"
+    await fresh_jobs(redis, job_id)
+    writer = StepWriter(JobQueue(redis, 3600), 64)
+    publisher = writer.publisher(job_id, 1)
+    publisher.add(token_entry("0", [0], 0))
+    await publisher.drain()
+    publisher.add(token_entry("1", [1], 1))  # its reply is left for the next step's write
+    await asyncio.sleep(0.05)
+    await redis.hset(keys.job(job_id), "attempts", "2")  # another worker took the job over
+    publisher.add(token_entry("2", [2], 2))
+    with pytest.raises(LeaseLost):
+        await asyncio.wait_for(publisher.drain(), 5)
+    assert publisher.lost
+    publisher.add(token_entry("3", [3], 3))  # nothing more is written for it
+    await publisher.close()
+    await writer.close()
+    assert [entry["text"] for entry in await token_entries(redis, job_id)] == ["0", "1"]
+
+
+async def test_a_held_connection_reads_a_reply_once_asked_or_after_its_longest_wait(redis: Redis) -> None:
+    held = HeldConnection(redis)
+    script = redis.register_script("return redis.call('XADD', KEYS[1], '*', 'n', ARGV[1])")
+    await redis.delete("held_stream")
+    first = await held.run_script(script, ["held_stream"], ["1"])
+    asked = asyncio.Event()
+    call = asyncio.create_task(held.run_script(script, ["held_stream"], ["2"], reply_after=asked))
+    [[_key, [(written, fields)]]] = await redis.xread({"held_stream": first}, block=5000)
+    assert fields == {"n": "2"} and not call.done()  # it ran at once; its reply waits
+    asked.set()
+    assert await asyncio.wait_for(call, 1) == written
+    # Never asked: read after REPLY_WAIT_S.
+    started = time.monotonic()
+    assert await held.run_script(script, ["held_stream"], ["3"], reply_after=asyncio.Event())
+    assert time.monotonic() - started >= REPLY_WAIT_S * 0.9
+
+
+async def test_step_writes_go_on_when_redis_closes_the_connection_while_a_reply_waits(redis: Redis) -> None:
+    job_id = "job_step_closed_waiting"
+    await fresh_jobs(redis, job_id)
+    writer = StepWriter(JobQueue(redis, 3600), 64)
+    publisher = writer.publisher(job_id, 1)
+    publisher.add(token_entry("0", [0], 0))
+    await publisher.drain()
+    [(first, _fields)] = await redis.xrange(keys.events(job_id))
+    publisher.add(token_entry("1", [1], 1))  # its reply waits in the socket
+    assert await redis.xread({keys.events(job_id): first}, block=5000)
+    writers = [c for c in await redis.client_list() if c["cmd"] == "evalsha"]
+    await redis.client_kill_filter(_id=writers[0]["id"])
+    publisher.add(token_entry("2", [2], 2))
+    await asyncio.wait_for(publisher.drain(), 5)
+    await publisher.close()
+    await writer.close()
+    # The write whose reply was lost is sent again: a reader skips the entry it already has (by index).
+    indexes = [int(entry["index"]) for entry in await token_entries(redis, job_id)]
+    assert sorted(set(indexes)) == [0, 1, 2] and indexes == sorted(indexes)

@@ -193,8 +193,14 @@ class StepWriter:
             entries = publisher.pending[: self._max_batch]
             check = not publisher.unfillable
             writes.append(StepWrite(publisher.job_id, publisher.attempt, entries, record, check_gap=check))
+        # A write's outcome is read when the next write is due, unless someone waits for it: the
+        # worker is then woken once per engine step, not once more for each write's reply.
+        reply_after = None
+        if not any(map(_awaited, publishers, writes)):
+            reply_after = self._wakeup
+            reply_after.clear()  # set by whatever comes next (the run loop looks again after this write)
         try:
-            results = await self._queue.publish_step(writes)
+            results = await self._queue.publish_step(writes, reply_after)
         except Exception as e:
             _failed(e, "writing tokens of %d jobs failed (%s); retrying", len(writes))
             for publisher, write in zip(publishers, writes, strict=True):
@@ -257,6 +263,12 @@ class StepWriter:
         publisher.pending[:0] = missing
         publisher.streamed_to = min(publisher.streamed_to, max(streamed, publisher.first_index))
         publisher.gap = False
+
+
+def _awaited(publisher: StreamPublisher, write: StepWrite) -> bool:
+    """Whether someone may wait for the write's outcome: it carries the job's first token entries, record
+    fields, or something urgent (entries other than tokens, what a drain or a gap's refill waits for)."""
+    return not publisher.token_written or publisher.urgent or bool(write.record)
 
 
 def _failed(error: Exception, message: str, jobs: int) -> None:
