@@ -185,6 +185,7 @@ class SentinelGroup:
         data.mkdir()
         command = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
         command += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        command += ["--repl-diskless-sync-delay", "0"]  # a replica's first sync at once, not after 5 s
         command += ["--logfile", str(LOGS / f"redis-{port}.log"), *extra]
         self._spawn(port, command, "redis-server")
         return port
@@ -223,6 +224,11 @@ class SentinelGroup:
             assert time.monotonic() < deadline, f"{what} within {timeout_s:g} s"
             time.sleep(0.1)
 
+    def replica_synced(self) -> bool:
+        """The replica holds the primary's data and follows its writes (it can confirm a submission)."""
+        with SyncRedis(port=self.replica_port, socket_timeout=2, decode_responses=True) as replica:
+            return bool(replica.info("replication").get("master_link_status") == "up")
+
     def watching(self) -> bool:
         """Every sentinel sees the replica and the two other sentinels."""
         for port in self.sentinel_ports:
@@ -248,6 +254,7 @@ def sentinels(tmp_path: Path) -> Iterator[SentinelGroup]:
         group.replica_port = group.start_redis("--replicaof", "127.0.0.1", str(group.primary_port))
         for _ in range(3):
             group.start_sentinel()
+        group.wait_until(group.replica_synced, "the replica has synced with the primary")
         group.wait_until(group.watching, "the sentinels watch the primary, its replica and each other")
         yield group
     finally:
