@@ -72,7 +72,9 @@ def connection_pool(url: str, *, max_connections: int | None = None, **options: 
     """A pool for `url` (redis://, rediss://, unix:// or redis+sentinel://) whose connections take
     `options` (redis-py connection arguments) and pack their commands in C. With `max_connections`, a
     command waits for a free connection rather than opening more. A malformed Sentinel URL raises
-    BadRedisUrl."""
+    BadRedisUrl. TCP's options (keep-alive) are left out for a Unix socket, which has none."""
+    if url.startswith("unix:"):
+        options = {k: v for k, v in options.items() if not k.startswith("socket_keepalive")}
     pool = _pool(url, max_connections, options)
     base = pool.connection_class
     if base not in _PACKED_IN_C:

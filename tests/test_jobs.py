@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 from redis.asyncio import Redis
 
-from tests.conftest import Fleet
+from ortfleet.fleet.processes import free_port, start_redis, stop
+from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 
@@ -277,3 +279,21 @@ async def test_every_key_of_a_job_expires(
             assert 0 < await redis.ttl(key) <= 120
     finally:
         fleet.stop_all()
+
+
+async def test_a_fleet_on_a_unix_socket_url_serves_a_streamed_job(tmp_path: Path, tiny_model: Path) -> None:
+    socket = tmp_path / "redis.sock"
+    redis = start_redis(free_port(), tmp_path / "redis", unix_socket=socket, log=LOGS / "redis-unix.log")
+    fleet = Fleet(f"unix://{socket}?db=0", tiny_model)
+    try:
+        fleet.start_gateway()
+        fleet.start_worker("tiny-unix-socket")
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=30) as client:
+            job = await submit(client, {"model": "tiny-unix-socket", "prompt": "Hello", "max_tokens": 8})
+            events = await read_events(client, job["id"])
+            done = await wait_done(client, job["id"])
+    finally:
+        fleet.stop_all()
+        stop(redis)
+    assert done["status"] == "succeeded" and done["usage"]["completion_tokens"] == 8
+    assert streamed_text(events) == done["output"]

@@ -38,9 +38,15 @@ def redis_server_binary() -> str:
 
 
 def start_redis(
-    port: int, data_dir: Path, *, appendonly: bool = True, log: Path | None = None
+    port: int,
+    data_dir: Path,
+    *,
+    appendonly: bool = True,
+    log: Path | None = None,
+    unix_socket: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A redis-server on 127.0.0.1:port keeping its data (AOF, fsync every second) in data_dir."""
+    """A redis-server on 127.0.0.1:port (and on `unix_socket`, if given) keeping its data (AOF, fsync
+    every second) in data_dir."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         redis_server_binary(),
@@ -61,6 +67,8 @@ def start_redis(
         "--logfile",
         str(log) if log else "",
     ]
+    if unix_socket is not None:
+        command += ["--unixsocket", str(unix_socket), "--unixsocketperm", "700"]
     # A process group of its own: a terminal's Ctrl-C does not stop it before the workers hand back
     # their jobs.
     process = subprocess.Popen(
