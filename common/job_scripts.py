@@ -369,18 +369,22 @@ for j = 1, #KEYS / 2 do
   local record, events = KEYS[2 * j - 1], KEYS[2 * j]
   local status = -1
   local streamed = 0
-  if redis.call('HGET', record, 'attempts') == ARGV[at] then
+  local held = redis.call('HMGET', record, 'attempts', 'streamed')
+  if held[1] == ARGV[at] then
     status = 0
-    streamed = tonumber(redis.call('HGET', record, 'streamed') or '0')
+    streamed = tonumber(held[2] or '0')
     if ARGV[at + 1] ~= '' and tonumber(ARGV[at + 1]) > streamed then status = -2 end
   end
   local writing = status == 0
   local to = ARGV[at + 2]
   local nrec = tonumber(ARGV[at + 3])
-  if writing and nrec > 0 then
-    local rec = {}
+  local rec = {}
+  if writing then
     for i = at + 4, at + 3 + 2 * nrec do rec[#rec + 1] = ARGV[i] end
-    redis.call('HSET', record, unpack(rec))
+    if to ~= '' and tonumber(to) > streamed then
+      rec[#rec + 1] = 'streamed'
+      rec[#rec + 1] = to
+    end
   end
   at = at + 4 + 2 * nrec
   local entries = tonumber(ARGV[at])
@@ -400,7 +404,7 @@ for j = 1, #KEYS / 2 do
     end
     at = at + 1 + 2 * n
   end
-  if writing and to ~= '' and tonumber(to) > streamed then redis.call('HSET', record, 'streamed', to) end
+  if #rec > 0 then redis.call('HSET', record, unpack(rec)) end
   out[j] = writing and written or status
   if writing and written > 0 then
     noticed[#noticed + 1] = events
