@@ -20,7 +20,7 @@ from tests.fake_workers import Started
 from tests.redis_events import wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries
 from worker.fake_engine import FakeEngine
-from worker.publisher import LeaseLost, StepWriter
+from worker.publisher import LeaseLost, StepWriter, StreamPublisher
 
 TOKENS = 24
 
@@ -244,17 +244,25 @@ async def test_a_workers_loop_is_woken_once_per_engine_step_not_again_for_each_w
         assert texts == [str(index) for index in range(STEPS + 1)]
 
 
-async def test_a_job_taken_over_stops_its_writes_though_their_replies_are_read_a_step_later(
-    redis: Redis,
-) -> None:
-    job_id = "job_step_taken_over"
+async def second_token_written(redis: Redis, job_id: str) -> tuple[StepWriter, StreamPublisher]:
+    """A job's writer and publisher once its first token is in its stream, and its second token too,
+    by a plain step write whose reply is left in the socket for the next write."""
     await fresh_jobs(redis, job_id)
     writer = StepWriter(JobQueue(redis, 3600), 64)
     publisher = writer.publisher(job_id, 1)
     publisher.add(token_entry("0", [0], 0))
     await publisher.drain()
-    publisher.add(token_entry("1", [1], 1))  # its reply is left for the next step's write
-    await asyncio.sleep(0.05)
+    [(first, _fields)] = await redis.xrange(keys.events(job_id))
+    publisher.add(token_entry("1", [1], 1))
+    assert await redis.xread({keys.events(job_id): first}, block=5000)
+    return writer, publisher
+
+
+async def test_a_job_taken_over_stops_its_writes_though_their_replies_are_read_a_step_later(
+    redis: Redis,
+) -> None:
+    job_id = "job_step_taken_over"
+    writer, publisher = await second_token_written(redis, job_id)
     await redis.hset(keys.job(job_id), "attempts", "2")  # another worker took the job over
     publisher.add(token_entry("2", [2], 2))
     with pytest.raises(LeaseLost):
@@ -285,14 +293,7 @@ async def test_a_held_connection_reads_a_reply_once_asked_or_after_its_longest_w
 
 async def test_step_writes_go_on_when_redis_closes_the_connection_while_a_reply_waits(redis: Redis) -> None:
     job_id = "job_step_closed_waiting"
-    await fresh_jobs(redis, job_id)
-    writer = StepWriter(JobQueue(redis, 3600), 64)
-    publisher = writer.publisher(job_id, 1)
-    publisher.add(token_entry("0", [0], 0))
-    await publisher.drain()
-    [(first, _fields)] = await redis.xrange(keys.events(job_id))
-    publisher.add(token_entry("1", [1], 1))  # its reply waits in the socket
-    assert await redis.xread({keys.events(job_id): first}, block=5000)
+    writer, publisher = await second_token_written(redis, job_id)
     writers = [c for c in await redis.client_list() if c["cmd"] == "evalsha"]
     await redis.client_kill_filter(_id=writers[0]["id"])
     publisher.add(token_entry("2", [2], 2))
