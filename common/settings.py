@@ -19,7 +19,8 @@ class FleetSettings(BaseSettings):
 
     redis_url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"),
-        description="Redis to use, as a URL: redis://[:password@]host:port/db, rediss:// for TLS, or "
+        description="Redis to use, as a URL: redis://[:password@]host:port/db, rediss:// for TLS, "
+        "unix:///path/to/redis.sock?db=0 for a Unix socket, or "
         "redis+sentinel://[:password@]host:port,host:port/SERVICE[/db][?sentinel_password=...] to follow "
         "the primary that Redis Sentinel names.",
     )
