@@ -4,7 +4,9 @@ Every job's publisher hands its entries to the worker's `StepWriter`. The writer
 added since its last write in one call, as soon as no write is in flight: the entries of one engine
 step (added in one event-loop wake-up) go together, a job's first token goes out at once, and
 what comes while a write is in flight goes with the next one, except a job's first token: that one
-never waits for other jobs' write.
+never waits for other jobs' write. A plain write's reply (tokens of jobs already streaming) is read
+when the next write is due, in the wake-up that brings the next step's tokens, so that the worker is
+woken once per step rather than once more for each reply; a write someone waits for is read at once.
 
 With a stream interval of n tokens, a job's tokens wait until it has n of them (its first token, any
 other entry, and what is left when the job ends go at once); a write takes every job's pending
