@@ -1,4 +1,5 @@
-"""Waiting on a job's Redis stream directly, for tests that drive workers without a gateway."""
+"""Setting up and waiting on a job's Redis record and stream directly, for tests that drive workers or
+their writers without a gateway."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.jobqueue import notice_streams
+
+
+async def fresh_jobs(redis: Redis, *job_ids: str, attempt: int = 1) -> None:
+    """Jobs with no stream yet, each owned by its `attempt`."""
+    for job_id in job_ids:
+        await redis.delete(keys.job(job_id), keys.events(job_id))
+        await redis.hset(keys.job(job_id), mapping={"attempts": str(attempt)})
 
 
 async def wait_final(redis: Redis, job_id: str, timeout_s: float = 20.0) -> dict[str, str]:

@@ -31,6 +31,7 @@ from gateway.sse import batches
 from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import Event, submit
+from tests.redis_events import fresh_jobs
 from tests.waiting import until
 from worker.publisher import StepWriter
 
@@ -112,8 +113,7 @@ async def test_a_worker_writes_again_the_token_entries_a_failover_lost_before_wr
     redis: Redis,
 ) -> None:
     job_id = "job_failover_gap"
-    await redis.delete(keys.job(job_id), keys.events(job_id))
-    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    await fresh_jobs(redis, job_id)
     queue = JobQueue(redis, 3600)
     writer = StepWriter(queue, 64)
     publisher = writer.publisher(job_id, 1)

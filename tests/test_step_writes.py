@@ -17,7 +17,7 @@ from common.redis_client import REPLY_WAIT_S, HeldConnection, connect
 from ortfleet.bench.machine import wakeups
 from tests.conftest import RedisServer
 from tests.fake_workers import Started
-from tests.redis_events import wait_final
+from tests.redis_events import fresh_jobs, wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries
 from worker.fake_engine import FakeEngine
 from worker.publisher import LeaseLost, StepWriter, StreamPublisher
@@ -47,9 +47,7 @@ async def test_four_jobs_in_one_batch_cost_one_write_per_engine_step_not_one_per
 async def test_a_step_write_skips_a_job_whose_attempt_lost_it_and_writes_the_others(redis: Redis) -> None:
     queue = JobQueue(redis, 3600)
     kept, lost = "job_step_kept", "job_step_lost"
-    for job_id in (kept, lost):
-        await redis.delete(keys.job(job_id), keys.events(job_id))
-        await redis.hset(keys.job(job_id), mapping={"attempts": "2"})
+    await fresh_jobs(redis, kept, lost, attempt=2)
     writes = [
         StepWrite(kept, 2, [token_entry("a", [97], 0), token_entry("b", [98], 1)], {"first_token_at": "1"}),
         StepWrite(lost, 1, [token_entry("x", [120], 0)], {"first_token_at": "1"}),
@@ -80,9 +78,7 @@ class SlowFor(JobQueue):
 
 async def test_a_jobs_first_token_never_waits_for_another_jobs_write_in_flight(redis: Redis) -> None:
     slow, fresh = "job_step_slow", "job_step_fresh"
-    for job_id in (slow, fresh):
-        await redis.delete(keys.job(job_id), keys.events(job_id))
-        await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    await fresh_jobs(redis, slow, fresh)
     writer = StepWriter(SlowFor(redis, slow, 2.0), 64)
     busy, first = writer.publisher(slow, 1), writer.publisher(fresh, 1)
     busy.add(token_entry("a", [97], 0))
@@ -99,8 +95,7 @@ async def test_step_writes_go_on_when_redis_forgets_its_scripts_or_closes_the_wr
 ) -> None:
     queue = JobQueue(redis, 3600)
     job_id = "job_step_held"
-    await redis.delete(keys.job(job_id), keys.events(job_id))
-    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    await fresh_jobs(redis, job_id)
 
     def write(index: int) -> list[StepWrite]:
         return [StepWrite(job_id, 1, [token_entry(str(index), [index], index)], {})]
@@ -121,9 +116,7 @@ async def test_step_writes_sent_while_another_is_out_each_reach_their_own_stream
     # write): the calls overlap, and each must get its own reply.
     queue = JobQueue(redis, 3600)
     opener, *jobs = [f"job_step_overlap_{n}" for n in range(5)]
-    for job_id in (opener, *jobs):
-        await redis.delete(keys.job(job_id), keys.events(job_id))
-        await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    await fresh_jobs(redis, opener, *jobs)
 
     def write(job_id: str, index: int) -> list[StepWrite]:
         return [StepWrite(job_id, 1, [token_entry(f"{job_id}:{index}", [index], index)], {})]
@@ -156,8 +149,7 @@ class FailsOnce(JobQueue):
 
 async def test_a_step_write_that_fails_for_a_fault_of_the_worker_is_tried_again(redis: Redis) -> None:
     job_id = "job_step_fault"
-    await redis.delete(keys.job(job_id), keys.events(job_id))
-    await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
+    await fresh_jobs(redis, job_id)
     queue = FailsOnce(redis)
     writer = StepWriter(queue, 64)
     publisher = writer.publisher(job_id, 1)
@@ -184,12 +176,6 @@ async def test_once_the_writer_is_closed_no_job_waits_for_its_unwritten_entries(
     await writer.close()
     later.add(token_entry("b", [98], 0))
     await asyncio.wait_for(asyncio.gather(out.close(), later.close()), 1.0)
-
-
-async def fresh_jobs(redis: Redis, *job_ids: str) -> None:
-    for job_id in job_ids:
-        await redis.delete(keys.job(job_id), keys.events(job_id))
-        await redis.hset(keys.job(job_id), mapping={"attempts": "1"})
 
 
 STEPS = 40
