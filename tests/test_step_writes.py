@@ -186,8 +186,8 @@ async def _steps_on_their_own_loop(url: str, job_ids: list[str]) -> int:
     loop's thread was woken meanwhile. The steps come on the loop's timer, which wakes the loop once a
     step as the engine's hand-over does (an engine thread of Python's own would add wake-ups of its
     own, for the GIL)."""
-    queue = JobQueue(connect(url), 3600)
-    writer = StepWriter(queue, 64)
+    redis = connect(url)
+    writer = StepWriter(JobQueue(redis, 3600), 64)
     publishers = [writer.publisher(job_id, 1) for job_id in job_ids]
     for publisher in publishers:  # each job's first token goes out at once, on its own
         publisher.add(token_entry("0", [0], 0))
@@ -208,6 +208,7 @@ async def _steps_on_their_own_loop(url: str, job_ids: list[str]) -> int:
     woken = wakeups(os.getpid(), threading.get_native_id()) - woken_before
     await asyncio.gather(*(publisher.close() for publisher in publishers))
     await writer.close()
+    await redis.aclose()
     return woken
 
 
