@@ -91,7 +91,27 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "goals:" in done.stdout and "overhead" in done.stdout
     assert "claim to 1st token" in done.stdout
-    assert data["pinning"] is None and data["stream_interval"] == 1
+    assert data["pinning"] is None and data["stream_interval"] == 1 and data["api"] == "jobs"
+
+
+def test_the_fleet_bench_can_ask_for_streamed_openai_completions(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "completions.json"
+    bench(
+        "--api", "completions", "--model", str(tiny_model), "--concurrency", "2", "--requests", "4",
+        "--max-tokens", "8", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert data["api"] == "completions"
+    [level] = data["levels"]
+    fleet = level["fleet"]
+    assert fleet["errors"] == 0 and fleet["output_tokens"] == 4 * 8  # the usage chunks' count
+    assert_summary(fleet["ttft_ms"], 4)
+    assert 0 < fleet["itl_ms"]["n"] <= 4 * 7  # a chunk per token with text
+    assert {"gateway", "redis", "worker_loop", "fleet_overhead"} <= set(fleet["cpu_ms_per_token"])
+    assert min(fleet["wakeups_per_token"].values()) > 0
+    for part in fleet["ttft_parts_ms"].values():  # each completion's job record was found
+        assert_summary(part, 4)
 
 
 def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own_and_sets_the_stream_interval(
@@ -195,6 +215,9 @@ def test_bench_options_are_checked() -> None:
     bad_sim = [sys.executable, "-m", "ortfleet", "bench", "sim", "--workers", "fast"]
     done = subprocess.run(bad_sim, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "DELAY_MS:CAPACITY" in done.stderr
+    bad_api = [sys.executable, "-m", "ortfleet", "bench", "--api", "chat"]
+    done = subprocess.run(bad_api, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--api: invalid choice: 'chat'" in done.stderr
 
 
 def test_a_terminated_bench_stops_the_fleet_it_started() -> None:

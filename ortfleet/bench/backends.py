@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 from ortfleet.bench.http import Connection
 
+FLEET_APIS = ("jobs", "completions")
+
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a refrigerator works to a ten-year-old.",
@@ -132,14 +134,18 @@ class DirectBackend:
 
 
 class FleetBackend:
-    """The fleet over HTTP: POST /v1/jobs, then its SSE stream; one keep-alive connection per client."""
+    """The fleet over HTTP, one keep-alive connection per client, through one of FLEET_APIS: a job
+    (POST /v1/jobs, then its SSE stream) or a streamed text completion (OpenAI's chunks)."""
 
     name = "fleet"
 
-    def __init__(self, url: str, model: str, max_tokens: int) -> None:
+    def __init__(self, url: str, model: str, max_tokens: int, api: str = "jobs") -> None:
+        if api not in FLEET_APIS:
+            raise ValueError(f"api: one of {', '.join(FLEET_APIS)}, not {api!r}")
         self.url = url
         self.model = model
         self.max_tokens = max_tokens
+        self.api = api
         self._connections: list[Connection] = []
 
     async def client(self) -> Callable[[str], Awaitable[RequestResult]]:
@@ -157,9 +163,11 @@ class FleetBackend:
         self._connections.clear()
 
     async def generate(self, connection: Connection, prompt: str) -> RequestResult:
-        timeline = Timeline()
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
         body["min_tokens"] = self.max_tokens
+        if self.api == "completions":
+            return await self._completion(connection, body)
+        timeline = Timeline()
         job = await connection.json("POST", "/v1/jobs", body, expect=202)
         async for event in connection.events(job["links"]["events"]):
             if event.event == "token":
@@ -167,3 +175,23 @@ class FleetBackend:
             elif event.event == "error":
                 raise RuntimeError(f"job {job['id']} failed: {event.data}")
         return timeline.result(job_id=job["id"])
+
+    async def _completion(self, connection: Connection, body: dict[str, Any]) -> RequestResult:
+        """A streamed text completion: a chunk with text is a token's arrival (stream interval 1); the
+        usage chunk at the end gives the true count (a token whose text waits for the next one sends
+        no chunk)."""
+        timeline = Timeline()
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        completion_id = ""
+        async for event in connection.events("/v1/completions", body):
+            if event.data == "[DONE]":
+                continue  # the body's end follows: read it, so the connection can take the next request
+            chunk = json.loads(event.data)
+            if "error" in chunk:
+                raise RuntimeError(f"completion {completion_id} failed: {event.data}")
+            completion_id = chunk["id"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                timeline.arrived(1, event.received)
+            if chunk.get("usage"):
+                timeline.tokens = chunk["usage"]["completion_tokens"]
+        return timeline.result(job_id=completion_id.removeprefix("cmpl-"))

@@ -108,9 +108,11 @@ class Connection:
             raise HttpError(status, json.dumps(body).encode())
         return body
 
-    async def events(self, path: str) -> AsyncIterator[SseEvent]:
-        """The SSE events of a streaming GET, each stamped with its arrival time."""
-        await self._send("GET", path, None, {"Accept": "text/event-stream"})
+    async def events(self, path: str, payload: Any = None) -> AsyncIterator[SseEvent]:
+        """The SSE events of a streaming GET (or, with a payload, a POST of it as JSON), each stamped
+        with its arrival time."""
+        method, body = ("GET", None) if payload is None else ("POST", json.dumps(payload).encode())
+        await self._send(method, path, body, {"Accept": "text/event-stream"})
         status, headers = await self._head()
         if status != 200:
             raise HttpError(status, await self._body(headers))

@@ -184,6 +184,7 @@ class OverheadOptions:
     name: str | None = None  # its served model name
     pinning: Pinning | None = None  # engines on cores of their own, the rest of the fleet on the others
     stream_interval: int | None = None  # the local worker's (None with a URL: its workers' own)
+    api: str = "jobs"  # the fleet's clients: FLEET_APIS
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
@@ -314,7 +315,7 @@ async def _measure(
     options: OverheadOptions, url: str, name: str, cpu: CpuMeter, redis_url: str | None
 ) -> dict[str, Any]:
     direct = DirectBackend(options.model_dir, options.max_tokens)
-    fleet = FleetBackend(url, name, options.max_tokens)
+    fleet = FleetBackend(url, name, options.max_tokens, options.api)
     if options.pinning is not None:
         options.pinning.pin_this_process()
     backends: list[Backend] = [direct, fleet]
@@ -366,6 +367,7 @@ async def _measure(
         "rounds": options.rounds,
         "pinning": options.pinning.describe() if options.pinning is not None else None,
         "stream_interval": options.stream_interval,
+        "api": options.api,
         "prompts": list(PROMPTS),
         "levels": levels,
         "single_stream_tokens_per_s": single_stream_tokens_per_s(levels),

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ortfleet.bench.backends import FLEET_APIS
+
 if TYPE_CHECKING:
     from ortfleet.commands import Subparsers
 
@@ -190,6 +192,13 @@ def _fleet_options(parser: argparse.ArgumentParser) -> None:
         "default: the environment's, else 1)",
     )
     parser.add_argument(
+        "--api",
+        choices=list(FLEET_APIS),
+        default="jobs",
+        help="how the fleet's clients ask: jobs (POST /v1/jobs, then its SSE stream) or completions "
+        "(POST /v1/completions with stream=true, OpenAI's chunks; the same prompts); default jobs",
+    )
+    parser.add_argument(
         "--engine-cores",
         type=_positive,
         metavar="N",
@@ -304,6 +313,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         name=args.name,
         pinning=pinning,
         stream_interval=stream_interval,
+        api=args.api,
     )
     figures = overhead.run(options)
     if args.plot is not None:
