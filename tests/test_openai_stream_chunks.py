@@ -6,11 +6,15 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from common.events import done_entry, status_entry, token_entry
 from common.wire import JobStatus, Usage
 from gateway.openai_api.chat import ChatFormat
 from gateway.openai_api.choices import ChoiceEvent, Choices
-from gateway.openai_api.streaming import DONE, chunks
+from gateway.openai_api.completions import CompletionFormat
+from gateway.openai_api.streaming import DONE, TextFrames, chunks, frame
 from gateway.sse import KEEPALIVE
 
 
@@ -38,3 +42,14 @@ async def test_each_read_of_the_jobs_streams_goes_out_as_one_piece_and_a_quiet_o
     assert pieces[2] == KEEPALIVE
     assert [p["choices"][0]["finish_reason"] for p in payloads(pieces[3])] == ["stop"]
     assert payloads(pieces[4])[0]["usage"] == usage.model_dump() and pieces[4].endswith(DONE)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(min_size=0, max_size=12), index=st.integers(min_value=0, max_value=3))
+def test_a_text_chunk_is_byte_for_byte_what_its_chunk_model_serializes_to(text: str, index: int) -> None:
+    """Text chunks are made from a template per choice; they must equal the model's own JSON, for any
+    text: quotes, backslashes, control characters, non-ASCII."""
+    for form in (ChatFormat("chatcmpl-1", 7, "m", 4), CompletionFormat("cmpl-1", 7, "m")):
+        text_frame = TextFrames(form)
+        text_frame(index, "warm")  # the template is made on a choice's first chunk: use it after
+        assert text_frame(index, text) == frame(form.text(index, text))

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import anyio
+import orjson
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
@@ -42,6 +43,28 @@ def frame(payload: BaseModel | dict[str, Any]) -> bytes:
     return b"data: " + data.encode() + b"\n\n"
 
 
+class TextFrames:
+    """The frames of a format's text chunks, nearly all of a stream's: each choice's chunk is serialized
+    once, around a marker, and a token's text goes where the marker was. The bytes are those of
+    `frame(form.text(index, text))`, without building and serializing a chunk model per token."""
+
+    _MARK = "\x00ortfleet-text\x00"
+
+    def __init__(self, form: ResponseFormat) -> None:
+        self._form = form
+        self._halves: dict[int, tuple[bytes, bytes] | None] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        if index not in self._halves:
+            marked = frame(self._form.text(index, self._MARK))
+            before, mark, after = marked.partition(orjson.dumps(self._MARK))
+            self._halves[index] = (before, after) if mark else None
+        halves = self._halves[index]
+        if halves is None:
+            return frame(self._form.text(index, text))
+        return halves[0] + orjson.dumps(text) + halves[1]
+
+
 async def chunks(
     choices: Choices,
     seen: list[ChoiceEvent],
@@ -57,6 +80,7 @@ async def chunks(
     (`data: {"error": {...}}`, which the SDK raises) after its other jobs are cancelled.
     """
     usages = [Usage() for _ in choices.job_ids]
+    text_frame = TextFrames(form)
     opening = b"".join(frame(chunk) for chunk in form.opening())  # goes with the first read, if any
     if not seen:
         yield opening
@@ -74,11 +98,11 @@ async def chunks(
                 text = event.fields.get("text", "")
                 usage = usages[event.index]
                 usage.completion_tokens += len(entry_token_ids(event.fields))
-                if text:
+                if text and continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, every chunk
                     chunk = form.text(event.index, text)
-                    if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, every chunk
-                        chunk = chunk.model_copy(update={"usage": choices.total_usage(usages)})
-                    out.append(frame(chunk))
+                    out.append(frame(chunk.model_copy(update={"usage": choices.total_usage(usages)})))
+                elif text:
+                    out.append(text_frame(event.index, text))
             elif event.kind == EventType.done.value:
                 usages[event.index] = event.usage()
                 out.append(frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason")))))
