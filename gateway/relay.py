@@ -145,6 +145,14 @@ class Follower:
         else:
             self._sleep.wake()
 
+    def push_to(self, on_arrival: Callable[[], None]) -> None:
+        """From now on, hand each read to `on_arrival` (see the class), not to `next`: what is buffered
+        already goes first, now."""
+        self._on_arrival = on_arrival
+        self.rejoin()
+        if self._buffer:
+            on_arrival()
+
     def take(self) -> list[Entry]:
         """The entries buffered so far, in order per stream; the buffer is empty after."""
         entries, self._buffer = self._buffer, []
@@ -470,11 +478,15 @@ class StreamRelay:
         self, after: Mapping[str, str], on_arrival: Callable[[], None] | None = None
     ) -> AsyncIterator[Follower]:
         """Follows each stream key of `after` from its entry id ("0-0": from the start)."""
-        follower = Follower(self, after, self._buffer, on_arrival)
+        follower = self.follower(after, on_arrival)
         try:
             yield follower
         finally:
             follower.close()
+
+    def follower(self, after: Mapping[str, str], on_arrival: Callable[[], None] | None = None) -> Follower:
+        """As `follow`, for a follower whose life is not one block: `close` it."""
+        return Follower(self, after, self._buffer, on_arrival)
 
     def _reader(self, key: str) -> _Reader:
         return self._readers[zlib.crc32(key.encode()) % len(self._readers)]

@@ -142,7 +142,7 @@ class JobStreamReading:
         if away is not None and away > self._outage_limit_s:
             logger.warning("job %s: Redis away for %.0f s, ending the stream", self.job_id, away)
             return []
-        if away is None and not await _exists(self._redis, self._stream):
+        if away is None and not await stream_exists(self._redis, self._stream):
             return [(f"{int(time.time() * 1000)}-0", PURGED)]
         return None
 
@@ -181,7 +181,7 @@ async def batches(
                 return
 
 
-async def _exists(redis: Redis, stream: str) -> bool:
+async def stream_exists(redis: Redis, stream: str) -> bool:
     """Whether the stream is still there (expired or purged: it ends); True while Redis is away."""
     try:
         return bool(await redis.exists(stream))

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis.asyncio import Redis
 
+from common import keys
 from common.events import done_entry, status_entry, token_entry
+from common.jobqueue import notice_streams, stage_jobs
+from common.records import JobRecord
 from common.wire import JobStatus, Usage
+from gateway.metrics import GatewayMetrics
 from gateway.openai_api.chat import ChatFormat
 from gateway.openai_api.choices import ChoiceEvent, Choices
 from gateway.openai_api.completions import CompletionFormat
-from gateway.openai_api.streaming import DONE, TextFrames, chunks, frame
+from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFrames, chunks, frame
+from gateway.relay import StreamRelay
 from gateway.sse import KEEPALIVE
+from tests.conftest import RedisServer
+from tests.redis_events import add_entry
+from tests.waiting import until
 
 
 def payloads(piece: bytes) -> list[dict[str, Any]]:
@@ -34,7 +46,8 @@ async def test_each_read_of_the_jobs_streams_goes_out_as_one_piece_and_a_quiet_o
 
     started = [ChoiceEvent(0, status_entry(JobStatus.running, prompt_tokens=3))]
     form = ChatFormat("chatcmpl-1", 0, "m", 1)
-    pieces = [piece async for piece in chunks(choices, started, reads(), form, include_usage=True)]
+    stream = ChunkStream(choices, form, include_usage=True)
+    pieces = [piece async for piece in chunks(stream, started, reads())]
 
     assert len(pieces) == 5
     assert [p["choices"][0]["delta"] for p in payloads(pieces[0])] == [{"role": "assistant", "content": ""}]
@@ -53,3 +66,83 @@ def test_a_text_chunk_is_byte_for_byte_what_its_chunk_model_serializes_to(text: 
         text_frame = TextFrames(form)
         text_frame(index, "warm")  # the template is made on a choice's first chunk: use it after
         assert text_frame(index, text) == frame(form.text(index, text))
+
+
+class StallingBody:
+    """A connection whose client stops reading once `stalled` is set: a write then says the connection
+    is full, and `drain` waits until the client reads again."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.stalled = False
+        self.reading = asyncio.Event()
+
+    def write(self, data: bytes) -> bool:
+        self.written.append(data)
+        return not self.stalled
+
+    async def drain(self) -> None:
+        await self.reading.wait()
+
+
+def pushed_choices(relay: StreamRelay, redis: Redis, job_ids: list[str]) -> Choices:
+    """The jobs of one completion request, on the test's Redis and relay."""
+    metrics = GatewayMetrics()
+    shard = SimpleNamespace(relay=relay, redis=redis)
+    state = SimpleNamespace(shards=SimpleNamespace(of_model=lambda model: shard), metrics=metrics)
+    return Choices(state, "m", job_ids, [0] * len(job_ids), "prompt")  # type: ignore[arg-type]
+
+
+async def test_a_pushed_stream_stops_writing_to_a_stalled_client_then_sends_every_token_once(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Chunks go out from the relay's callback. Once the client's connection backs up, the stream stops
+    taking entries, and when the client reads again it reads on from Redis: no token lost or repeated."""
+    job_id = "pushed_" + secrets.token_hex(4)
+    running = JobRecord(id=job_id, model="m", status=JobStatus.running, created_at=0, attempts=1)
+    await stage_jobs(redis, [running])
+    stream_key = keys.events(job_id)
+    relay = StreamRelay(redis_server.url, connections=1, buffer=4)
+    await relay.start()
+    try:
+        choices = pushed_choices(relay, redis, [job_id])
+        events = choices.events(30)
+        seen = await choices.wait_started(events, 10)
+        body = StallingBody()
+        stream = ChunkStream(choices, CompletionFormat("cmpl-1", 0, "m"), include_usage=True)
+        writing = asyncio.create_task(PushedChunks(body, stream, events, 30).run(seen))
+
+        async def tokens(indexes: range) -> None:
+            async with redis.pipeline(transaction=False) as pipe:
+                for i in indexes:
+                    pipe.xadd(stream_key, token_entry(f"t{i} ", [i], i))
+                notice_streams(pipe, [stream_key])
+                await pipe.execute()
+
+        def texts() -> list[str]:  # of the text chunks written (not the finish or usage chunks)
+            chunks = [c["choices"][0] for piece in body.written for c in payloads(piece) if c["choices"]]
+            return [choice["text"] for choice in chunks if choice["finish_reason"] is None]
+
+        await tokens(range(10))
+        await until(lambda: len(texts()) == 10, "the first ten tokens written", 10)
+        body.stalled = True
+        await tokens(range(10, 20))
+        await until(lambda: len(texts()) > 10, "a write that finds the connection full", 10)
+        stalled_at = len(body.written)
+        await tokens(range(20, 40))
+        usage = Usage(prompt_tokens=1, completion_tokens=40, total_tokens=41)
+        await add_entry(redis, stream_key, done_entry(JobStatus.succeeded, "length", usage.model_dump_json()))
+        async with relay.follow({stream_key: "0-0"}) as witness:  # has the relay read them all?
+            entries = []
+            while not entries or entries[-1][2]["type"] != "done":
+                entries += await witness.next(10)
+        assert len(body.written) == stalled_at  # none of it went to the stalled client
+        assert choices.state.metrics.sse_client_pauses._value.get() == 1
+        body.stalled = False
+        body.reading.set()
+        await asyncio.wait_for(writing, 10)
+    finally:
+        await events.aclose()
+        await relay.close()
+    assert texts() == [f"t{i} " for i in range(40)]
+    assert body.written[-1].endswith(DONE) and payloads(body.written[-1])[-1]["usage"] == usage.model_dump()

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.apikeys import Principal
@@ -16,8 +13,9 @@ from common.events import is_final
 from common.wire import EventType, JobRequest, JobStatus, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
+from gateway.relay import Entry, Follower
 from gateway.shards import Shard
-from gateway.sse import PURGED, SentTokens
+from gateway.sse import PURGED, SentTokens, stream_exists
 from gateway.state import AppState
 from gateway.submission import submit_job
 
@@ -133,39 +131,9 @@ class Choices:
     async def cancel(self) -> None:
         await asyncio.gather(*(self.shard.queue.cancel(job_id, self.model) for job_id in self.job_ids))
 
-    async def events(self, tick_s: float) -> AsyncGenerator[list[ChoiceEvent], None]:
-        """Every job's stream entries as they come, each read's together, until each job's final one;
-        an empty list after `tick_s` idle."""
-        index = {keys.events(job_id): i for i, job_id in enumerate(self.job_ids)}
-        sent = {stream: SentTokens() for stream in index}
-        async with self.shard.relay.follow(dict.fromkeys(index, "0-0")) as follower:
-            following = set(index)
-            while following:
-                entries = await follower.next(tick_s)
-                if not entries:
-                    purged = [s for s in following if not await self._exists(s)]
-                    for stream in purged:
-                        following.discard(stream)  # purged: its job will never end by itself
-                        follower.stop(stream)
-                    yield [ChoiceEvent(index[stream], PURGED) for stream in purged]
-                    continue
-                read = []
-                for stream, _entry_id, fields in entries:
-                    if stream not in following or not sent[stream].fresh(fields):
-                        continue
-                    read.append(ChoiceEvent(index[stream], fields))
-                    if is_final(fields):
-                        following.discard(stream)
-                        follower.stop(stream)
-                if read:
-                    yield read
-
-    async def _exists(self, stream: str) -> bool:
-        """Whether a job's stream is still there (purged: gone); True while Redis is away."""
-        try:
-            return bool(await self.shard.redis.exists(stream))
-        except (RedisConnectionError, RedisTimeoutError):
-            return True
+    def events(self, tick_s: float) -> ChoiceEvents:
+        """Follows every job's stream from its start (see ChoiceEvents)."""
+        return ChoiceEvents(self, tick_s)
 
     async def wait_started(
         self, events: AsyncIterator[list[ChoiceEvent]], limit_s: float
@@ -241,3 +209,77 @@ class Choices:
         return Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
         )
+
+
+class ChoiceEvents:
+    """The entries of a request's job streams, from their start, until each job's final one: each read's
+    fresh entries together, as ChoiceEvents. Iterate them (a task waits; an empty list after `tick_s`
+    with nothing new, or the ends of jobs purged meanwhile), or `push_to` a callback, which `take`s
+    each read in the relay's own turn of the event loop. `aclose` stops following."""
+
+    def __init__(self, choices: Choices, tick_s: float) -> None:
+        self._choices = choices
+        self._tick_s = tick_s
+        self._index = {keys.events(job_id): i for i, job_id in enumerate(choices.job_ids)}
+        self._sent = {stream: SentTokens() for stream in self._index}
+        self._following = set(self._index)
+        self._follower: Follower = choices.shard.relay.follower(dict.fromkeys(self._index, "0-0"))
+
+    @property
+    def over(self) -> bool:
+        """Every job's final entry has been read (or following stopped)."""
+        return not self._following
+
+    def __aiter__(self) -> ChoiceEvents:
+        return self
+
+    async def __anext__(self) -> list[ChoiceEvent]:
+        while not self.over:
+            entries = await self._follower.next(self._tick_s)
+            if not entries:
+                return await self.purged()
+            if read := self._fresh(entries):
+                return read
+        raise StopAsyncIteration
+
+    def push_to(self, on_arrival: Callable[[], None]) -> None:
+        self._follower.push_to(on_arrival)
+
+    def take(self) -> list[ChoiceEvent]:
+        """With `push_to`: the read the relay handed over."""
+        return self._fresh(self._follower.take())
+
+    @property
+    def behind(self) -> bool:
+        return self._follower.behind
+
+    def pause(self) -> None:
+        self._follower.pause()
+
+    def rejoin(self) -> None:
+        self._follower.rejoin()
+
+    def _fresh(self, entries: list[Entry]) -> list[ChoiceEvent]:
+        read = []
+        for stream, _entry_id, fields in entries:
+            if stream not in self._following or not self._sent[stream].fresh(fields):
+                continue
+            read.append(ChoiceEvent(self._index[stream], fields))
+            if is_final(fields):
+                self._following.discard(stream)
+                self._follower.stop(stream)
+        return read
+
+    async def purged(self) -> list[ChoiceEvent]:
+        """After a quiet spell: the end of each job whose stream was purged (it would never end by
+        itself); none while Redis is away."""
+        redis = self._choices.shard.redis
+        purged = [stream for stream in self._following if not await stream_exists(redis, stream)]
+        for stream in purged:
+            self._following.discard(stream)
+            self._follower.stop(stream)
+        return [ChoiceEvent(self._index[stream], PURGED) for stream in purged]
+
+    async def aclose(self) -> None:
+        self._following.clear()
+        self._follower.close()

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.departure import until_disconnect
 from gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientGone
 from gateway.openai_api.choices import JOB_ID_HEADER, Choices, as_openai_error
-from gateway.openai_api.streaming import JobStreamResponse, ResponseFormat, chunks
+from gateway.openai_api.streaming import ChunkStream, JobStreamResponse, ResponseFormat
 from gateway.state import AppState
 from gateway.submission import resolve_model
 
@@ -47,6 +47,7 @@ async def respond(
             results = await until_disconnect(request, choices.results(events))
     except ClientGone:
         choices.release()
+        await events.aclose()
         await choices.cancel()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except BaseException:
@@ -54,8 +55,9 @@ async def respond(
         await events.aclose()
         raise
     if stream:
-        content = chunks(choices, seen, events, form, include_usage, continuous_usage)
-        return JobStreamResponse(content, choices, events, headers)  # releases the slot when it ends
+        chunks = ChunkStream(choices, form, include_usage, continuous_usage)
+        return JobStreamResponse(chunks, seen, events, hold_s, headers)  # releases the slot when it ends
     choices.release()
+    await events.aclose()
     usage = choices.total_usage([result.usage for result in results])
     return JSONResponse(form.complete(results, usage).model_dump(mode="json"), headers=headers)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -13,10 +14,12 @@ from starlette.types import Receive, Scope, Send
 
 from common.events import entry_token_ids
 from common.wire import EventType, Usage
+from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.errors import envelope
-from gateway.openai_api.choices import ChoiceEvent, ChoiceResult, Choices, finish_reason
+from gateway.openai_api.choices import ChoiceEvent, ChoiceEvents, ChoiceResult, Choices, finish_reason
 from gateway.openai_api.protocol import OpenAIFinishReason
-from gateway.sse import KEEPALIVE, EventStreamResponse
+from gateway.relay import WakeableSleep
+from gateway.sse import KEEPALIVE, DirectBody, EventStreamResponse, direct_body
 
 DONE = b"data: [DONE]\n\n"
 
@@ -65,57 +68,84 @@ class TextFrames:
         return halves[0] + orjson.dumps(text) + halves[1]
 
 
-async def chunks(
-    choices: Choices,
-    seen: list[ChoiceEvent],
-    events: AsyncIterator[list[ChoiceEvent]],
-    form: ResponseFormat,
-    include_usage: bool,
-    continuous_usage: bool = False,
-) -> AsyncIterator[bytes]:
-    """The opening chunks, then text as the jobs stream it, a finish chunk per choice, usage, [DONE]:
-    the chunks of one read of the jobs' streams go out together, in one write.
+class ChunkStream:
+    """What a request's streamed response says, read by read: the opening chunks (with the first read),
+    text as the jobs stream it, a finish chunk per choice, the usage, [DONE]. A job that fails
+    mid-stream ends it with OpenAI's in-stream error (`data: {"error": {...}}`, which the SDK raises)
+    once the other jobs are cancelled: a read stops at the error, which `failure` then holds."""
 
-    A job that fails mid-stream ends the stream with OpenAI's in-stream error
-    (`data: {"error": {...}}`, which the SDK raises) after its other jobs are cancelled.
-    """
-    usages = [Usage() for _ in choices.job_ids]
-    text_frame = TextFrames(form)
-    opening = b"".join(frame(chunk) for chunk in form.opening())  # goes with the first read, if any
-    if not seen:
-        yield opening
-        opening = b""
-    async for read in _chain(seen, events):
-        if not read:
-            yield KEEPALIVE
-            continue
-        out = [opening]
-        opening = b""
+    def __init__(
+        self, choices: Choices, form: ResponseFormat, include_usage: bool, continuous_usage: bool = False
+    ) -> None:
+        self.choices = choices
+        self._form = form
+        self._include_usage = include_usage
+        self._continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
+        self._usages = [Usage() for _ in choices.job_ids]
+        self._text_frame = TextFrames(form)
+        self._opening = b"".join(frame(chunk) for chunk in form.opening())
+        self.failure: ChoiceEvent | None = None
+
+    def opening(self) -> bytes:
+        """The opening chunks, unless they went out already."""
+        opening, self._opening = self._opening, b""
+        return opening
+
+    def read(self, read: list[ChoiceEvent]) -> bytes:
+        """The chunks of one read of the jobs' streams (after the opening, if it did not go out yet)."""
+        form, usages = self._form, self._usages
+        out = [self.opening()]
         for event in read:
             if event.kind == EventType.status.value and "prompt_tokens" in event.fields:
                 usages[event.index].prompt_tokens = int(event.fields["prompt_tokens"])
             elif event.kind == EventType.token.value:
                 text = event.fields.get("text", "")
-                usage = usages[event.index]
-                usage.completion_tokens += len(entry_token_ids(event.fields))
-                if text and continuous_usage:  # vLLM's continuous_usage_stats: the usage so far, every chunk
+                usages[event.index].completion_tokens += len(entry_token_ids(event.fields))
+                if text and self._continuous_usage:
                     chunk = form.text(event.index, text)
-                    out.append(frame(chunk.model_copy(update={"usage": choices.total_usage(usages)})))
+                    out.append(frame(chunk.model_copy(update={"usage": self.choices.total_usage(usages)})))
                 elif text:
-                    out.append(text_frame(event.index, text))
+                    out.append(self._text_frame(event.index, text))
             elif event.kind == EventType.done.value:
                 usages[event.index] = event.usage()
                 out.append(frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason")))))
             elif event.kind == EventType.error.value:
-                await choices.cancel()
-                error = choices.failure(event)
-                out += [frame(envelope(error.status, error.message, error.param, error.code)), DONE]
-                yield b"".join(out)
-                return
-        if body := b"".join(out):
+                self.failure = event
+                break
+        return b"".join(out)
+
+    def failed(self) -> bytes:
+        """The in-stream error for `failure`, and [DONE]."""
+        assert self.failure is not None
+        error = self.choices.failure(self.failure)
+        return frame(envelope(error.status, error.message, error.param, error.code)) + DONE
+
+    def end(self) -> bytes:
+        """The usage chunk (if asked for) and [DONE], once every job ended."""
+        if not self._include_usage:
+            return DONE
+        return frame(self._form.usage(self.choices.total_usage(self._usages))) + DONE
+
+
+async def chunks(
+    stream: ChunkStream, seen: list[ChoiceEvent], events: AsyncIterator[list[ChoiceEvent]]
+) -> AsyncIterator[bytes]:
+    """The stream's chunks as a generator (behind a server without DIRECT_BODY_EXTENSION): `seen`, then
+    each read of `events` in one write, a keep-alive for an empty read."""
+    if not seen:
+        yield stream.opening()
+    async for read in _chain(seen, events):
+        if not read:
+            yield KEEPALIVE
+            continue
+        body = stream.read(read)
+        if stream.failure is not None:
+            await stream.choices.cancel()
+            yield body + stream.failed()
+            return
+        if body:
             yield body
-    end = frame(form.usage(choices.total_usage(usages))) if include_usage else b""
-    yield end + DONE
+    yield stream.end()
 
 
 async def _chain(
@@ -127,27 +157,112 @@ async def _chain(
         yield later
 
 
+class PushedChunks:
+    """The stream's chunks written to the connection from the relay's callback as each read of the jobs'
+    streams is handed over: the response's task wakes only for a keep-alive (and the purge check that
+    goes with it), a client that reads too slowly, a failed job, and the end."""
+
+    def __init__(
+        self, body: DirectBody, stream: ChunkStream, events: ChoiceEvents, keepalive_s: float
+    ) -> None:
+        self._body = body
+        self._stream = stream
+        self._events = events
+        self._keepalive_s = keepalive_s
+        self._last_write = 0.0
+        self._held = b""  # a failed read's chunks: they go out with the error, once the jobs are cancelled
+        self._sleep = WakeableSleep()
+
+    async def run(self, seen: list[ChoiceEvent]) -> None:
+        """Writes the whole stream, up to its [DONE]."""
+        loop = asyncio.get_running_loop()
+        self._last_write = loop.time()
+        if seen:
+            self._handle(seen)
+        else:
+            self._write(self._stream.opening())
+        self._events.push_to(self._arrived)
+        while True:
+            if self._stream.failure is not None:
+                await self._stream.choices.cancel()
+                self._write(self._held + self._stream.failed())
+                return
+            if self._events.over:
+                self._write(self._stream.end())
+                return
+            if self._events.behind:  # a slow client: read on from Redis once it has caught up
+                await self._body.drain()
+                self._events.rejoin()
+                continue
+            quiet_for = loop.time() - self._last_write
+            if quiet_for < self._keepalive_s:
+                await self._sleep(self._keepalive_s - quiet_for)
+                continue
+            if purged := await self._events.purged():
+                self._handle(purged)
+            else:
+                self._write(KEEPALIVE)
+
+    def _arrived(self) -> None:
+        read = self._events.take()
+        if read and self._stream.failure is None:
+            self._handle(read)
+        if self._events.over:
+            self._sleep.wake()
+
+    def _handle(self, read: list[ChoiceEvent]) -> None:
+        body = self._stream.read(read)
+        if self._stream.failure is not None:
+            self._held = body
+            self._sleep.wake()
+        elif body:
+            self._write(body)
+
+    def _write(self, chunk: bytes) -> None:
+        self._last_write = asyncio.get_running_loop().time()
+        if chunk and not self._body.write(chunk) and not self._events.behind:
+            self._events.pause()
+            self._stream.choices.state.metrics.sse_client_pauses.inc()
+            self._sleep.wake()
+
+
 class JobStreamResponse(EventStreamResponse):
     """An SSE response fed by a request's jobs: if it ends before its last chunk (the client went
-    away), the jobs are cancelled, so the workers stop within one engine step and free their slots."""
+    away), the jobs are cancelled, so the workers stop within one engine step and free their slots.
+
+    Behind the gateway's own protocol (DIRECT_BODY_EXTENSION, DISCONNECT_EXTENSION) the chunks are
+    written from the relay's callback (PushedChunks); behind any other server, by a generator."""
 
     def __init__(
         self,
-        content: AsyncIterator[bytes],
-        choices: Choices,
-        events: AsyncGenerator[list[ChoiceEvent], None],
+        stream: ChunkStream,
+        seen: list[ChoiceEvent],
+        events: ChoiceEvents,
+        keepalive_s: float,
         headers: dict[str, str],
     ) -> None:
-        self._choices = choices
+        self._stream = stream
+        self._seen = seen
         self._events = events
-        super().__init__(content, headers)
+        self._keepalive_s = keepalive_s
+        super().__init__(chunks(stream, seen, events), headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body, watch = direct_body(scope), disconnect_watch(scope)
         try:
-            await super().__call__(scope, receive, send)
+            if body is None or watch is None:
+                await super().__call__(scope, receive, send)
+                return
+            with CancelledOnDeparture(watch) as departure:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                await PushedChunks(body, self._stream, self._events, self._keepalive_s).run(self._seen)
+                self.ended = True
+            if not departure.left:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self._choices.release()
+            choices = self._stream.choices
+            choices.release()
             with anyio.CancelScope(shield=True):
                 if not self.ended:
-                    await self._choices.cancel()
+                    await choices.cancel()
                 await self._events.aclose()
