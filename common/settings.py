@@ -153,6 +153,14 @@ class GatewaySettings(FleetSettings):
         description="Time a client has to send a request's whole body after its head; a slower one is "
         "disconnected with 408.",
     )
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description="Seconds an idle client connection stays open between requests (HTTP keep-alive). "
+        "Longer than the idle timeout of HTTP clients' connection pools (5 s for httpx and the OpenAI SDK) "
+        "and of the load balancers in front (60 s is common), so that they, not the gateway, close an "
+        "idle connection: a gateway that closes one just as a client reuses it fails that request.",
+    )
     max_json_depth: int = Field(
         32, ge=4, le=500, description="Deepest nesting of arrays and objects in a JSON body; deeper gets 400."
     )

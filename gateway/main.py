@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=5,
         proxy_headers=False,  # nothing reads the client address; one frame less per open request
     )

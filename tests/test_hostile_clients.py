@@ -18,6 +18,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common.jobqueue import JobQueue, QueueLimits
+from common.settings import GatewaySettings
 from common.wire import ChatMessage, JobSpec, Sampling
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet, Proc, RedisServer
@@ -375,6 +376,28 @@ async def test_slowloris_connections_are_closed_after_the_read_timeouts(
 
     got, took = await asyncio.to_thread(hold)
     assert got.startswith(answer) and took < 4, (got[:80], took)
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_time_not_before(
+    fleet: Fleet,
+) -> None:
+    """The gateway, not only the client, ends an idle connection, after ORTFLEET_KEEP_ALIVE_S; by
+    default later than HTTP clients' pools give up theirs, so a client never reuses a connection the
+    gateway is closing (a failed request)."""
+    assert GatewaySettings().keep_alive_s > httpx.Limits().keepalive_expiry  # httpx's, the OpenAI SDK's
+    _, url = fleet.start_gateway(env={"ORTFLEET_KEEP_ALIVE_S": "1.5"})
+
+    def idle_until_closed() -> tuple[bytes, float]:
+        with _connect(url) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = sock.recv(65536)
+            answered = time.monotonic()
+            rest = _read_all(sock)  # until the gateway closes the connection
+            return answer + rest, time.monotonic() - answered
+
+    answer, idle_for = await asyncio.to_thread(idle_until_closed)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+    assert 1.4 <= idle_for < 4, idle_for  # uvicorn's own default would be 5 s
 
 
 async def test_requests_pipelined_on_one_connection_are_answered_in_order(tenants: Tenants) -> None:
