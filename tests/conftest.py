@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -86,11 +88,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 Proc = FleetProcess
 
 
+_FLEETS = itertools.count(1)
+
+
+def fleet_log_dir() -> Path:
+    """A folder of the test logs for one fleet, named after the test that starts it (and numbered, as
+    one test may start several), so a later fleet's logs never overwrite an earlier one's."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "fleet").split(" ")[0]
+    return LOGS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', test)[-120:]}-{next(_FLEETS)}"
+
+
 class Fleet(LocalFleet):
-    """Gateways and workers against the test's Redis, logging to the test logs; stops what it started."""
+    """Gateways and workers against the test's Redis, logging to a folder of the test logs of their
+    own (fleet_log_dir); stops what it started."""
 
     def __init__(self, redis_url: str, model_dir: Path, env: dict[str, str] | None = None) -> None:
-        super().__init__(redis_url, model_dir, env=env, log_dir=LOGS)
+        super().__init__(redis_url, model_dir, env=env, log_dir=fleet_log_dir())
 
 
 def _gateway_on(server: RedisServer, model_dir: Path) -> Iterator[Fleet]:
