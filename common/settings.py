@@ -254,9 +254,9 @@ class GatewaySettings(FleetSettings):
     relay_buffer_events: int = Field(
         256,
         ge=1,
-        description="Events buffered for one OpenAI or Responses stream; a client further behind reads on "
-        "from Redis once it catches up, without holding up the others (a job's event stream is bounded by "
-        "its connection's write buffer instead).",
+        description="Events buffered for one stream behind an ASGI server other than the gateway's own; a "
+        "client further behind reads on from Redis once it catches up, without holding up the others "
+        "(behind the gateway's own server, streams are bounded by their connection's write buffer instead).",
     )
 
 

@@ -128,9 +128,9 @@ async def job_events(request: Request) -> Response:
     keepalive_s = state.settings.sse_keepalive_s
     on_end = functools.partial(state.streams.give_back, owner)
     pauses = state.metrics.sse_client_pauses
-    ended = position == "ended"
+    past_end = position == "ended"
     return JobEventsResponse(
-        shard.relay, shard.redis, job_id, after, keepalive_s, on_end, pauses.inc, ended=ended
+        shard.relay, shard.redis, job_id, after, keepalive_s, on_end, pauses.inc, past_end=past_end
     )
 
 

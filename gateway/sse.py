@@ -62,21 +62,28 @@ async def read_position(redis: Redis, job_id: str, after: str) -> str:
     return "beyond" if entry_key(after) > entry_key(newest_id) else "ok"
 
 
+def json_bytes(payload: Any) -> bytes:
+    """`payload` as compact JSON, non-ASCII text as it is."""
+    try:
+        return orjson.dumps(payload)
+    except orjson.JSONEncodeError:  # text orjson refuses (a lone surrogate): escaped, as json does
+        return json.dumps(payload, separators=(",", ":")).encode()
+
+
 def frame(entry_id: str, fields: dict[str, str]) -> bytes:
     event = fields.get("type", "message")
-    payload = event_payload(fields)
-    try:
-        data = orjson.dumps(payload)
-    except orjson.JSONEncodeError:  # text orjson refuses (a lone surrogate): escaped, as json does
-        data = json.dumps(payload, separators=(",", ":")).encode()
+    data = json_bytes(event_payload(fields))
     return b"id: %b\nevent: %b\ndata: %b\n\n" % (entry_id.encode(), event.encode(), data)
 
 
 Entry = tuple[str, dict[str, str]]
 
+Render = Callable[[list[Entry]], bytes]
+"""What a stream sends for entries that arrived together, as one chunk (b"": nothing)."""
+
 
 def frames(entries: list[Entry]) -> bytes:
-    """The SSE bytes of entries that arrived together, sent as one chunk."""
+    """The SSE bytes of a job's entries, each as an event of its own (a job's event stream)."""
     return b"".join(frame(*entry) for entry in entries)
 
 
@@ -101,11 +108,19 @@ class SentTokens:
         return True
 
 
-async def relay(read: AsyncGenerator[list[Entry] | None, None]) -> AsyncIterator[bytes]:
-    """The SSE bytes of `batches`: the entries that arrived together as one chunk, or a keep-alive."""
+async def relay(
+    read: AsyncGenerator[list[Entry] | None, None], render: Render = frames, opening: bytes = b""
+) -> AsyncIterator[bytes]:
+    """The SSE bytes of `batches`: `opening`, then the entries that arrived together as one chunk,
+    or a keep-alive."""
+    if opening:
+        yield opening
     async with contextlib.aclosing(read):
         async for batch in read:
-            yield KEEPALIVE if batch is None else frames(batch)
+            if batch is None:
+                yield KEEPALIVE
+            elif chunk := render(batch):
+                yield chunk
 
 
 class JobStreamReading:
@@ -269,9 +284,10 @@ def direct_body(scope: Any) -> DirectBody | None:
     return body
 
 
-class _PushedStream:
-    """A job's events written to the connection from the relay's callback as each read hands them
-    over: the stream's task wakes only for a keep-alive, a client that reads too slowly, and the end."""
+class PushedStream:
+    """A job's stream written to the connection from the relay's callback as each read hands its
+    entries over (as `render` makes them into bytes): the stream's task wakes only for a keep-alive, a
+    client that reads too slowly, and the end."""
 
     __slots__ = (
         "_body",
@@ -281,24 +297,34 @@ class _PushedStream:
         "_last_write",
         "_on_pause",
         "_reading",
+        "_render",
         "_sleep",
     )
 
     def __init__(
-        self, body: DirectBody, reading: JobStreamReading, keepalive_s: float, on_pause: Callable[[], None]
+        self,
+        body: DirectBody,
+        reading: JobStreamReading,
+        keepalive_s: float,
+        on_pause: Callable[[], None],
+        render: Render = frames,
     ) -> None:
         self._body = body
         self._on_pause = on_pause
         self._reading = reading
         self._keepalive_s = keepalive_s
+        self._render = render
         self._follower: Follower | None = None
         self._last_write = 0.0
         self._ended = False
         self._sleep = WakeableSleep()
 
-    async def run(self, streams: StreamRelay, after: str) -> None:
+    async def run(self, streams: StreamRelay, after: str, opening: bytes = b"") -> None:
+        """Writes `opening`, then the stream after `after`, up to its final entry."""
         loop = asyncio.get_running_loop()
         self._last_write = loop.time()
+        if opening:
+            self._write(opening)
         async with streams.follow({keys.events(self._reading.job_id): after}, self._arrived) as follower:
             self._follower = follower
             while not self._ended:
@@ -314,8 +340,8 @@ class _PushedStream:
                 if last is None:
                     self._write(KEEPALIVE)
                     continue
-                if last:
-                    self._write(frames(last))
+                if last and (chunk := self._render(last)):
+                    self._write(chunk)
                 return
 
     def _arrived(self) -> None:
@@ -324,8 +350,8 @@ class _PushedStream:
         if self._ended:
             return
         batch, self._ended = self._reading.to_send(entries)
-        if batch:
-            self._write(frames(batch))
+        if batch and (chunk := self._render(batch)):
+            self._write(chunk)
         if self._ended:
             self._sleep.wake()
 
@@ -338,12 +364,14 @@ class _PushedStream:
 
 
 class JobEventsResponse(StreamingResponse):
-    """A job's events after `after`, as Server-Sent Events; `ended` says that `after` is at or past
-    the final entry (`read_position`), so nothing follows. `on_end` is called once the stream is over,
-    however it ended, and `on_pause` each time it stops writing for a client that reads too slowly.
+    """A job's stream after `after`, as Server-Sent Events: `opening`, then what `render` makes of each
+    read's entries (by default each entry as an event of its own). `past_end` says that `after` is at or
+    past the final entry (`read_position`), so nothing follows. `on_end` is called once the stream is
+    over, however it ended, and `on_pause` each time it stops writing for a client that reads too
+    slowly; `ended` says afterwards whether it ran to its end (the client did not leave first).
 
     Behind the gateway's own protocol (DIRECT_BODY_EXTENSION, DISCONNECT_EXTENSION) the relay's
-    callback frames each read's entries and writes them straight to the connection, in the relay's own
+    callback renders each read's entries and writes them straight to the connection, in the relay's own
     turn of the event loop: no task wakes, no generator resumes and no ASGI send chain runs per event.
     Behind any other server the same reading runs as generators (`batches`)."""
 
@@ -357,28 +385,39 @@ class JobEventsResponse(StreamingResponse):
         on_end: Callable[[], None],
         on_pause: Callable[[], None] = lambda: None,
         *,
-        ended: bool,
+        past_end: bool = False,
+        render: Render = frames,
+        opening: bytes = b"",
     ) -> None:
         self._source = (streams, redis, job_id, after, keepalive_s)
-        self._ended = ended
+        self._past_end = past_end
+        self._render = render
+        self._opening = opening
         self._on_end = on_end
         self._on_pause = on_pause
+        self.ended = False
         super().__init__(_nothing(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, watch = direct_body(scope), disconnect_watch(scope)
         if body is None or watch is None or scope["method"] == "HEAD":
-            relayed = _nothing() if self._ended else relay(batches(*self._source))
-            await EventStreamResponse(relayed, on_end=self._on_end)(scope, receive, send)
+            relayed = (
+                _nothing() if self._past_end else relay(batches(*self._source), self._render, self._opening)
+            )
+            response = EventStreamResponse(relayed, on_end=self._on_end)
+            await response(scope, receive, send)
+            self.ended = response.ended
             return
         streams, redis, job_id, after, keepalive_s = self._source
         try:
             with CancelledOnDeparture(watch) as departure:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                if not self._ended:
+                if not self._past_end:
                     reading = JobStreamReading(streams, redis, job_id, OUTAGE_LIMIT_S)
-                    await _PushedStream(body, reading, keepalive_s, self._on_pause).run(streams, after)
-            if not departure.left:
+                    pushed = PushedStream(body, reading, keepalive_s, self._on_pause, self._render)
+                    await pushed.run(streams, after, self._opening)
+            self.ended = not departure.left
+            if self.ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._on_end()

@@ -8,7 +8,9 @@ import time
 from redis.asyncio import Redis
 
 from common import keys
+from common.events import token_entry
 from common.jobqueue import notice_streams
+from gateway.relay import StreamRelay
 
 
 async def fresh_jobs(redis: Redis, *job_ids: str, attempt: int = 1) -> None:
@@ -49,3 +51,21 @@ async def add_entry(redis: Redis, stream: str, fields: dict[str, str]) -> str:
         notice_streams(pipe, [stream])
         entry_id, _ = await pipe.execute()
     return str(entry_id)
+
+
+async def add_tokens(redis: Redis, stream: str, indexes: range) -> None:
+    """Token entries `t{i} ` for each index, added together with one notice, as one engine step's."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for i in indexes:
+            pipe.xadd(stream, token_entry(f"t{i} ", [i], i))  # type: ignore[arg-type]
+        notice_streams(pipe, [stream])
+        await pipe.execute()
+
+
+async def relay_reads_to_the_end(relay: StreamRelay, stream: str) -> None:
+    """Until a reader of `relay` has had every entry of `stream` up to its final one: the relay has
+    read them all from Redis."""
+    async with relay.follow({stream: "0-0"}) as witness:
+        entries = []
+        while not entries or entries[-1][2]["type"] not in ("done", "error"):
+            entries += await witness.next(10)

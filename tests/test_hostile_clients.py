@@ -17,6 +17,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from common import keys
 from common.jobqueue import JobQueue, QueueLimits
 from common.settings import GatewaySettings
 from common.wire import ChatMessage, JobSpec, Sampling
@@ -172,6 +173,40 @@ async def test_one_key_cannot_open_more_streams_than_its_cap_and_another_key_sti
         assert (await mallory.get(f"/v1/jobs/{job_id}", params={"wait": 0.5})).status_code == 200
         metrics = (await alice.get("/metrics")).text
     assert rejections(metrics, "too_many_streams") >= 1
+
+
+async def test_streamed_and_waiting_responses_hold_stream_slots_and_give_them_back(
+    tenants: Tenants, redis: Redis
+) -> None:
+    """The Responses API's streams and foreground calls count against the key's cap, as job streams do:
+    refused with 429 before anything is submitted, and their slots come back when they end."""
+    job_id = await never_running_job(redis, tenants)
+    ask = {"model": tenants.model, "input": "Hi", "max_output_tokens": 4, "temperature": 0}
+    async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.mallory, timeout=30) as mallory:
+        background = await mallory.post("/v1/responses", json={**ask, "background": True})
+        assert background.status_code == 200, background.text
+        stored = await redis.keys(keys.response("*"))
+        async with contextlib_streams(mallory, f"/v1/jobs/{job_id}/events", 4) as opened:
+            assert [r.status_code for r in opened] == [200] * 4
+            for refused in (
+                await mallory.post("/v1/responses", json={**ask, "stream": True}),
+                await mallory.post("/v1/responses", json=ask),
+                await mallory.get(f"/v1/responses/{background.json()['id']}", params={"stream": "true"}),
+            ):
+                assert refused.status_code == 429, refused.text
+                assert refused.json()["error"]["code"] == "too_many_streams"
+            assert sorted(await redis.keys(keys.response("*"))) == sorted(stored)  # nothing submitted
+        async with contextlib_streams(mallory, f"/v1/jobs/{job_id}/events", 3) as opened:
+            assert [r.status_code for r in opened] == [200] * 3
+            streamed = await mallory.post("/v1/responses", json={**ask, "stream": True})
+            assert streamed.status_code == 200, streamed.text
+            last_event = streamed.text.strip().split("\n\n")[-1].split("\n")[0]
+            assert last_event in ("event: response.completed", "event: response.incomplete")
+            waited = await mallory.post("/v1/responses", json=ask)
+            assert waited.status_code == 200 and waited.json()["status"] in ("completed", "incomplete")
+            # both gave their slot back: the key's fourth is free again
+            async with contextlib_streams(mallory, f"/v1/jobs/{job_id}/events", 1) as fourth:
+                assert fourth[0].status_code == 200
 
 
 class contextlib_streams:

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import done_entry, status_entry, token_entry
-from common.jobqueue import notice_streams, stage_jobs
+from common.jobqueue import stage_jobs
 from common.records import JobRecord
 from common.wire import JobStatus, Usage
 from gateway.metrics import GatewayMetrics
@@ -26,7 +26,8 @@ from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFr
 from gateway.relay import StreamRelay
 from gateway.sse import KEEPALIVE
 from tests.conftest import RedisServer
-from tests.redis_events import add_entry
+from tests.redis_events import add_entry, add_tokens, relay_reads_to_the_end
+from tests.stalled_client import StallingBody
 from tests.waiting import until
 
 
@@ -68,23 +69,6 @@ def test_a_text_chunk_is_byte_for_byte_what_its_chunk_model_serializes_to(text: 
         assert text_frame(index, text) == frame(form.text(index, text))
 
 
-class StallingBody:
-    """A connection whose client stops reading once `stalled` is set: a write then says the connection
-    is full, and `drain` waits until the client reads again."""
-
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-        self.stalled = False
-        self.reading = asyncio.Event()
-
-    def write(self, data: bytes) -> bool:
-        self.written.append(data)
-        return not self.stalled
-
-    async def drain(self) -> None:
-        await self.reading.wait()
-
-
 def pushed_choices(relay: StreamRelay, redis: Redis, job_ids: list[str]) -> Choices:
     """The jobs of one completion request, on the test's Redis and relay."""
     metrics = GatewayMetrics()
@@ -112,30 +96,20 @@ async def test_a_pushed_stream_stops_writing_to_a_stalled_client_then_sends_ever
         stream = ChunkStream(choices, CompletionFormat("cmpl-1", 0, "m"), include_usage=True)
         writing = asyncio.create_task(PushedChunks(body, stream, events, 30).run(seen))
 
-        async def tokens(indexes: range) -> None:
-            async with redis.pipeline(transaction=False) as pipe:
-                for i in indexes:
-                    pipe.xadd(stream_key, token_entry(f"t{i} ", [i], i))
-                notice_streams(pipe, [stream_key])
-                await pipe.execute()
-
         def texts() -> list[str]:  # of the text chunks written (not the finish or usage chunks)
             chunks = [c["choices"][0] for piece in body.written for c in payloads(piece) if c["choices"]]
             return [choice["text"] for choice in chunks if choice["finish_reason"] is None]
 
-        await tokens(range(10))
+        await add_tokens(redis, stream_key, range(10))
         await until(lambda: len(texts()) == 10, "the first ten tokens written", 10)
         body.stalled = True
-        await tokens(range(10, 20))
+        await add_tokens(redis, stream_key, range(10, 20))
         await until(lambda: len(texts()) > 10, "a write that finds the connection full", 10)
         stalled_at = len(body.written)
-        await tokens(range(20, 40))
+        await add_tokens(redis, stream_key, range(20, 40))
         usage = Usage(prompt_tokens=1, completion_tokens=40, total_tokens=41)
         await add_entry(redis, stream_key, done_entry(JobStatus.succeeded, "length", usage.model_dump_json()))
-        async with relay.follow({stream_key: "0-0"}) as witness:  # has the relay read them all?
-            entries = []
-            while not entries or entries[-1][2]["type"] != "done":
-                entries += await witness.next(10)
+        await relay_reads_to_the_end(relay, stream_key)
         assert len(body.written) == stalled_at  # none of it went to the stalled client
         assert choices.state.metrics.sse_client_pauses._value.get() == 1
         body.stalled = False

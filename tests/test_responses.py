@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import secrets
 import time
 
 import httpx
 import openai
 import pytest
+from redis.asyncio import Redis
 
-from tests.conftest import Fleet
+from common import keys
+from common.events import done_entry, status_entry
+from common.jobqueue import stage_jobs
+from common.records import JobRecord
+from common.wire import JobStatus, Usage
+from gateway.relay import StreamRelay
+from gateway.responses.events import EventFrames
+from gateway.sse import JobStreamReading, PushedStream
+from tests.conftest import Fleet, RedisServer
+from tests.redis_events import add_entry, add_tokens, relay_reads_to_the_end
+from tests.stalled_client import StallingBody
+from tests.waiting import until
 
 
 async def until_done(sdk: openai.OpenAI, response_id: str) -> openai.types.responses.Response:
@@ -145,3 +158,58 @@ async def test_another_keys_files_batches_and_responses_do_not_exist_for_it(
             bob.responses.cancel(response.id)
     finally:
         fleet.stop_all()
+
+
+def sse_events(written: list[bytes]) -> list[dict[str, object]]:
+    pieces = b"".join(written).split(b"\n\n")
+    return [json.loads(p.split(b"\ndata: ", 1)[1]) for p in pieces if p.startswith(b"event: ")]
+
+
+async def test_a_pushed_response_stream_stops_writing_to_a_stalled_client_then_sends_each_delta_once(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """A response's events go out from the relay's callback. Once the client's connection backs up, the
+    stream stops taking entries, and when the client reads again it reads on from Redis: every delta
+    once, in order, and the sequence numbers unbroken."""
+    job_id = "job_pushedresp" + secrets.token_hex(4)
+    running = JobRecord(id=job_id, model="m", status=JobStatus.running, created_at=0, attempts=1)
+    await stage_jobs(redis, [running])
+    stream_key = keys.events(job_id)
+    meta = {"id": "resp_" + job_id.removeprefix("job_"), "job_id": job_id, "model": "m", "created_at": "0"}
+    relay = StreamRelay(redis_server.url, connections=1, buffer=4)
+    await relay.start()
+    pauses: list[None] = []
+    body = StallingBody()
+    try:
+        render = EventFrames(meta)
+        pushed = PushedStream(
+            body, JobStreamReading(relay, redis, job_id, 60), 30, lambda: pauses.append(None), render
+        )
+        writing = asyncio.create_task(pushed.run(relay, "0-0", render.opening()))
+
+        def deltas() -> list[object]:
+            return [e["delta"] for e in sse_events(body.written) if e["type"] == "response.output_text.delta"]
+
+        await add_entry(redis, stream_key, status_entry(JobStatus.running, prompt_tokens=1))
+        await add_tokens(redis, stream_key, range(10))
+        await until(lambda: len(deltas()) == 10, "the first ten deltas written", 10)
+        body.stalled = True
+        await add_tokens(redis, stream_key, range(10, 20))
+        await until(lambda: len(deltas()) > 10, "a write that finds the connection full", 10)
+        stalled_at = len(body.written)
+        await add_tokens(redis, stream_key, range(20, 40))
+        usage = Usage(prompt_tokens=1, completion_tokens=40, total_tokens=41)
+        await add_entry(redis, stream_key, done_entry(JobStatus.succeeded, "length", usage.model_dump_json()))
+        await relay_reads_to_the_end(relay, stream_key)
+        assert len(body.written) == stalled_at  # none of it went to the stalled client
+        assert len(pauses) == 1
+        body.stalled = False
+        body.reading.set()
+        await asyncio.wait_for(writing, 10)
+    finally:
+        await relay.close()
+    events = sse_events(body.written)
+    assert deltas() == [f"t{i} " for i in range(40)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "".join(deltas())  # type: ignore[index]

@@ -7,12 +7,13 @@ reader resumes after any `sequence_number` by replaying the stream and skipping 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.records import JobRecord
 from common.wire import EventType, FinishReason, JobStatus
+from gateway.sse import Entry, json_bytes
 
 _STATUS = {
     JobStatus.queued.value: "queued",
@@ -210,3 +211,26 @@ class EventNumbering:
             final["status"], "response.incomplete"
         )
         yield self._event(name, response=final)
+
+
+class EventFrames:
+    """A response's events as Server-Sent Events, numbered from its job's stream as it is read: the
+    opening, then what each read's entries bring (a `Render` for `JobEventsResponse`). The events at or
+    before `starting_after` are left out: a reader that resumes has them."""
+
+    def __init__(self, meta: dict[str, str], starting_after: int = -1) -> None:
+        self._numbering = EventNumbering(meta)
+        self._after = starting_after
+
+    def opening(self) -> bytes:
+        return self._frames(self._numbering.opening())
+
+    def __call__(self, entries: list[Entry]) -> bytes:
+        return self._frames(event for _id, fields in entries for event in self._numbering.entry(fields))
+
+    def _frames(self, events: Iterable[dict[str, Any]]) -> bytes:
+        return b"".join(
+            b"event: %b\ndata: %b\n\n" % (event["type"].encode(), json_bytes(event))
+            for event in events
+            if event["sequence_number"] > self._after
+        )

@@ -3,10 +3,9 @@ its events after `starting_after`), cancel. A response is an ortfleet job undern
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import time
-from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import anyio
@@ -16,6 +15,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from common import keys
+from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.records import JobRecord
 from common.wire import TERMINAL, JobStatus
@@ -26,9 +26,9 @@ from gateway.openai_api.choices import as_openai_error
 from gateway.openai_api.serving import served_model
 from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
-from gateway.responses.events import EventNumbering, response_id, view_from_job
+from gateway.responses.events import EventFrames, response_id, view_from_job
 from gateway.responses.protocol import ResponseRequest, check_supported, response_job
-from gateway.sse import KEEPALIVE, EventStreamResponse, StreamEndpoint, batches, wait_final
+from gateway.sse import JobEventsResponse, StreamEndpoint, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
 
@@ -49,41 +49,29 @@ async def current_view(state: AppState, meta: dict[str, str]) -> dict[str, Any]:
     return view_from_job(meta, await state.shards.of_model(meta["model"]).queue.record(meta["job_id"]))
 
 
-def sse(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
-async def events(state: AppState, meta: dict[str, str], starting_after: int) -> AsyncIterator[bytes]:
-    """The response's events after `starting_after` (-1: all), derived from its job's stream."""
-    numbering = EventNumbering(meta)
-
-    def piece(events: Iterable[dict[str, Any]]) -> bytes:
-        return b"".join(sse(event) for event in events if event["sequence_number"] > starting_after)
-
-    if opening := piece(numbering.opening()):
-        yield opening
-    shard = state.shards.of_model(meta["model"])
-    read = batches(shard.relay, shard.redis, meta["job_id"], "0-0", state.settings.sse_keepalive_s)
-    async with contextlib.aclosing(read):
-        async for batch in read:  # the entries of one read go out in one piece
-            if batch is None:
-                yield KEEPALIVE
-                continue
-            if arrived := piece(event for entry in batch for event in numbering.entry(entry[1])):
-                yield arrived
-
-
-class EventStream(EventStreamResponse):
-    """Server-sent events of a response; a foreground response whose client leaves is cancelled."""
+class ResponseEventStream(JobEventsResponse):
+    """A response's events (EventFrames) after `starting_after`, relayed from its job's stream. The
+    stream holds one of its key's stream slots, taken by the caller, until it ends; a foreground
+    response (`owned`) whose client leaves first is cancelled."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], state: AppState, meta: dict[str, str], owned: bool
+        self, state: AppState, meta: dict[str, str], starting_after: int, owner: str, owned: bool
     ) -> None:
-        self._state = state
+        self._shard = state.shards.of_model(meta["model"])
         self._meta = meta
         self._owned = owned
-        super().__init__(content)
+        render = EventFrames(meta, starting_after)
+        super().__init__(
+            self._shard.relay,
+            self._shard.redis,
+            meta["job_id"],
+            "0-0",
+            state.settings.sse_keepalive_s,
+            functools.partial(state.streams.give_back, owner),
+            state.metrics.sse_client_pauses.inc,
+            render=render,
+            opening=render.opening(),
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -91,19 +79,13 @@ class EventStream(EventStreamResponse):
         finally:
             if self._owned and not self.ended:
                 with anyio.CancelScope(shield=True):
-                    shard = self._state.shards.of_model(self._meta["model"])
-                    await shard.queue.cancel(self._meta["job_id"], self._meta["model"])
+                    await self._shard.queue.cancel(self._meta["job_id"], self._meta["model"])
 
 
-async def create_response(request: Request) -> Response:
-    state = app_state(request)
-    body = await parse_body(request, ResponseRequest, invalid_status=400)
-    check_supported(body)
-    model = await served_model(state, body.model)
-    job = response_job(body, model)
-    principal = principal_of(request.scope)
+async def _submit(state: AppState, body: ResponseRequest, model: str, principal: Principal) -> dict[str, str]:
+    """Submits the response's job and stores the response's record, which it returns."""
     try:
-        submitted = await submit_job(state, job, None, principal)
+        submitted = await submit_job(state, response_job(body, model), None, principal)
     except ApiError as e:
         raise as_openai_error(e) from e
     resp_id = response_id(submitted.job_id)
@@ -123,16 +105,35 @@ async def create_response(request: Request) -> Response:
     }
     await state.redis.hset(keys.response(resp_id), mapping=meta)  # type: ignore[misc]
     await state.redis.expire(keys.response(resp_id), state.settings.job_ttl_s)
-    if body.stream:
-        return EventStream(events(state, meta, -1), state, meta, owned=not body.background)
-    if body.background:
-        queued = JobRecord(submitted.job_id, model, JobStatus.queued, submitted.created_at)
+    return meta
+
+
+async def create_response(request: Request) -> Response:
+    state = app_state(request)
+    body = await parse_body(request, ResponseRequest, invalid_status=400)
+    check_supported(body)
+    model = await served_model(state, body.model)
+    principal = principal_of(request.scope)
+    if body.background and not body.stream:
+        meta = await _submit(state, body, model, principal)
+        queued = JobRecord(meta["job_id"], model, JobStatus.queued, float(meta["created_at"]))
         return JSONResponse(view_from_job(meta, queued))
+    # a call that waits for its response holds one of its key's stream slots: 429 before it submits
+    state.streams.take(principal.name)
     try:
-        await until_disconnect(request, _until_final(state, model, submitted.job_id))
+        meta = await _submit(state, body, model, principal)
+    except BaseException:
+        state.streams.give_back(principal.name)
+        raise
+    if body.stream:  # the stream gives the slot back when it ends
+        return ResponseEventStream(state, meta, -1, principal.name, owned=not body.background)
+    try:
+        await until_disconnect(request, _until_final(state, model, meta["job_id"]))
     except ClientGone:
-        await state.shards.of_model(model).queue.cancel(submitted.job_id, model)
+        await state.shards.of_model(model).queue.cancel(meta["job_id"], model)
         return Response(status_code=499)
+    finally:
+        state.streams.give_back(principal.name)
     return JSONResponse(await current_view(state, meta))
 
 
@@ -158,7 +159,8 @@ async def get_response(request: Request) -> Response:
         raise ApiError(
             400, f"starting_after: {raw!r} is not a sequence number", param="starting_after"
         ) from e
-    return EventStream(events(state, meta, starting_after), state, meta, owned=False)
+    state.streams.take(meta["owner"])
+    return ResponseEventStream(state, meta, starting_after, meta["owner"], owned=False)
 
 
 async def cancel_response(request: Request) -> Response:
