@@ -26,9 +26,7 @@ from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFr
 from gateway.relay import StreamRelay
 from gateway.sse import KEEPALIVE
 from tests.conftest import RedisServer
-from tests.redis_events import add_entry, add_tokens, relay_reads_to_the_end
-from tests.stalled_client import StallingBody
-from tests.waiting import until
+from tests.stalled_client import TOKENS, USAGE, StallingBody, stall_mid_stream
 
 
 def payloads(piece: bytes) -> list[dict[str, Any]]:
@@ -100,23 +98,10 @@ async def test_a_pushed_stream_stops_writing_to_a_stalled_client_then_sends_ever
             chunks = [c["choices"][0] for piece in body.written for c in payloads(piece) if c["choices"]]
             return [choice["text"] for choice in chunks if choice["finish_reason"] is None]
 
-        await add_tokens(redis, stream_key, range(10))
-        await until(lambda: len(texts()) == 10, "the first ten tokens written", 10)
-        body.stalled = True
-        await add_tokens(redis, stream_key, range(10, 20))
-        await until(lambda: len(texts()) > 10, "a write that finds the connection full", 10)
-        stalled_at = len(body.written)
-        await add_tokens(redis, stream_key, range(20, 40))
-        usage = Usage(prompt_tokens=1, completion_tokens=40, total_tokens=41)
-        await add_entry(redis, stream_key, done_entry(JobStatus.succeeded, "length", usage.model_dump_json()))
-        await relay_reads_to_the_end(relay, stream_key)
-        assert len(body.written) == stalled_at  # none of it went to the stalled client
-        assert choices.state.metrics.sse_client_pauses._value.get() == 1
-        body.stalled = False
-        body.reading.set()
-        await asyncio.wait_for(writing, 10)
+        pauses = choices.state.metrics.sse_client_pauses._value.get
+        await stall_mid_stream(redis, relay, stream_key, body, texts, pauses, writing)
     finally:
         await events.aclose()
         await relay.close()
-    assert texts() == [f"t{i} " for i in range(40)]
-    assert body.written[-1].endswith(DONE) and payloads(body.written[-1])[-1]["usage"] == usage.model_dump()
+    assert texts() == TOKENS
+    assert body.written[-1].endswith(DONE) and payloads(body.written[-1])[-1]["usage"] == USAGE.model_dump()

@@ -15,17 +15,16 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.events import done_entry, status_entry
+from common.events import status_entry
 from common.jobqueue import stage_jobs
 from common.records import JobRecord
-from common.wire import JobStatus, Usage
+from common.wire import JobStatus
 from gateway.relay import StreamRelay
 from gateway.responses.events import EventFrames
 from gateway.sse import JobStreamReading, PushedStream
 from tests.conftest import Fleet, RedisServer
-from tests.redis_events import add_entry, add_tokens, relay_reads_to_the_end
-from tests.stalled_client import StallingBody
-from tests.waiting import until
+from tests.redis_events import add_entry
+from tests.stalled_client import TOKENS, StallingBody, stall_mid_stream
 
 
 async def until_done(sdk: openai.OpenAI, response_id: str) -> openai.types.responses.Response:
@@ -187,29 +186,15 @@ async def test_a_pushed_response_stream_stops_writing_to_a_stalled_client_then_s
         )
         writing = asyncio.create_task(pushed.run(relay, "0-0", render.opening()))
 
-        def deltas() -> list[object]:
+        def deltas() -> list[str]:
             return [e["delta"] for e in sse_events(body.written) if e["type"] == "response.output_text.delta"]
 
         await add_entry(redis, stream_key, status_entry(JobStatus.running, prompt_tokens=1))
-        await add_tokens(redis, stream_key, range(10))
-        await until(lambda: len(deltas()) == 10, "the first ten deltas written", 10)
-        body.stalled = True
-        await add_tokens(redis, stream_key, range(10, 20))
-        await until(lambda: len(deltas()) > 10, "a write that finds the connection full", 10)
-        stalled_at = len(body.written)
-        await add_tokens(redis, stream_key, range(20, 40))
-        usage = Usage(prompt_tokens=1, completion_tokens=40, total_tokens=41)
-        await add_entry(redis, stream_key, done_entry(JobStatus.succeeded, "length", usage.model_dump_json()))
-        await relay_reads_to_the_end(relay, stream_key)
-        assert len(body.written) == stalled_at  # none of it went to the stalled client
-        assert len(pauses) == 1
-        body.stalled = False
-        body.reading.set()
-        await asyncio.wait_for(writing, 10)
+        await stall_mid_stream(redis, relay, stream_key, body, deltas, lambda: len(pauses), writing)
     finally:
         await relay.close()
     events = sse_events(body.written)
-    assert deltas() == [f"t{i} " for i in range(40)]
+    assert deltas() == TOKENS
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "".join(deltas())  # type: ignore[index]
