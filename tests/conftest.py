@@ -85,6 +85,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The default model (SmolLM2-135M-Instruct int4, CPU), built into the model cache if need be."""
+    from common.settings import FleetSettings
+    from ortfleet.modelbuild.default import ensure_default_model
+
+    return ensure_default_model(FleetSettings().model_cache)
+
+
 Proc = FleetProcess
 
 

@@ -114,6 +114,26 @@ def test_the_fleet_bench_can_ask_for_streamed_openai_completions(tiny_model: Pat
         assert_summary(part, 4)
 
 
+@pytest.mark.default_model
+def test_the_fleet_bench_can_ask_for_streamed_responses(default_model: Path, tmp_path: Path) -> None:
+    """On the default model: greedy, the tiny model's random weights may end a response at once."""
+    out = tmp_path / "responses.json"
+    bench(
+        "--api", "responses", "--model", str(default_model), "--concurrency", "2", "--requests", "4",
+        "--max-tokens", "8", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert data["api"] == "responses"
+    [level] = data["levels"]
+    fleet = level["fleet"]
+    assert fleet["errors"] == 0 and 4 <= fleet["output_tokens"] <= 4 * 8  # the final usages' count
+    assert_summary(fleet["ttft_ms"], 4)
+    assert {"gateway", "redis", "worker_loop", "fleet_overhead"} <= set(fleet["cpu_ms_per_token"])
+    for part in fleet["ttft_parts_ms"].values():  # each response's job record was found
+        assert_summary(part, 4)
+
+
 def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own_and_sets_the_stream_interval(
     tiny_model: Path, tmp_path: Path
 ) -> None:

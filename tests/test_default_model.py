@@ -15,14 +15,6 @@ from tests.jobs_client import read_events, streamed_text, submit, wait_done
 pytestmark = pytest.mark.default_model
 
 
-@pytest.fixture(scope="session")
-def default_model() -> Path:
-    from common.settings import FleetSettings
-    from ortfleet.modelbuild.default import ensure_default_model
-
-    return ensure_default_model(FleetSettings().model_cache)
-
-
 @pytest.fixture(scope="module")
 def smollm2(redis_server: RedisServer, default_model: Path) -> Iterator[str]:
     """A gateway and a worker serving the default model as "smollm2"; yields the gateway's URL."""

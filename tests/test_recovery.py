@@ -139,14 +139,6 @@ async def test_a_job_handed_back_by_a_stopped_worker_is_not_suspect(
     assert running_events(events)[1]["resumed_from"] == str(done["resumed_from"])
 
 
-@pytest.fixture(scope="module")
-def default_model() -> Path:
-    from common.settings import FleetSettings
-    from ortfleet.modelbuild.default import ensure_default_model
-
-    return ensure_default_model(FleetSettings().model_cache)
-
-
 @pytest.mark.default_model
 @pytest.mark.parametrize(("kill_at", "stream_interval"), [(8, 1), (40, 1), (40, 4)])
 async def test_a_greedy_job_resumed_after_a_kill_on_the_default_model_writes_the_uninterrupted_text(

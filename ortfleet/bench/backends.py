@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from ortfleet.bench.http import Connection
 
-FLEET_APIS = ("jobs", "completions")
+FLEET_APIS = ("jobs", "completions", "responses")
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -135,7 +135,8 @@ class DirectBackend:
 
 class FleetBackend:
     """The fleet over HTTP, one keep-alive connection per client, through one of FLEET_APIS: a job
-    (POST /v1/jobs, then its SSE stream) or a streamed text completion (OpenAI's chunks)."""
+    (POST /v1/jobs, then its SSE stream), a streamed text completion (OpenAI's chunks) or a streamed
+    response (OpenAI's Responses events)."""
 
     name = "fleet"
 
@@ -167,6 +168,8 @@ class FleetBackend:
         body["min_tokens"] = self.max_tokens
         if self.api == "completions":
             return await self._completion(connection, body)
+        if self.api == "responses":
+            return await self._response(connection, prompt)
         timeline = Timeline()
         job = await connection.json("POST", "/v1/jobs", body, expect=202)
         async for event in connection.events(job["links"]["events"]):
@@ -195,3 +198,29 @@ class FleetBackend:
             if chunk.get("usage"):
                 timeline.tokens = chunk["usage"]["completion_tokens"]
         return timeline.result(job_id=completion_id.removeprefix("cmpl-"))
+
+    async def _response(self, connection: Connection, prompt: str) -> RequestResult:
+        """A streamed response, greedy: a text delta is a token's arrival, the final response's usage
+        gives the count. Its input is a chat message and the Responses API has no `min_tokens`, so the
+        work differs from the direct run's (the chat template's tokens; a response may end early)."""
+        timeline = Timeline()
+        body = {
+            "model": self.model,
+            "input": prompt,
+            "max_output_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        response_id = ""
+        async for event in connection.events("/v1/responses", body):
+            data = json.loads(event.data)
+            kind = data["type"]
+            if kind == "response.created":
+                response_id = data["response"]["id"]
+            elif kind == "response.output_text.delta":
+                timeline.arrived(1, event.received)
+            elif kind in ("response.completed", "response.incomplete"):
+                timeline.tokens = data["response"]["usage"]["output_tokens"]
+            elif kind == "response.failed":
+                raise RuntimeError(f"response {response_id} failed: {event.data}")
+        return timeline.result(job_id="job_" + response_id.removeprefix("resp_"))

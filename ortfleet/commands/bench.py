@@ -195,8 +195,10 @@ def _fleet_options(parser: argparse.ArgumentParser) -> None:
         "--api",
         choices=list(FLEET_APIS),
         default="jobs",
-        help="how the fleet's clients ask: jobs (POST /v1/jobs, then its SSE stream) or completions "
-        "(POST /v1/completions with stream=true, OpenAI's chunks; the same prompts); default jobs",
+        help="how the fleet's clients ask: jobs (POST /v1/jobs, then its SSE stream), completions "
+        "(POST /v1/completions with stream=true, OpenAI's chunks; the same prompts) or responses "
+        "(POST /v1/responses with stream=true, greedy; the prompt as a chat message, which may end before "
+        "--max-tokens, so not the direct run's work); default jobs",
     )
     parser.add_argument(
         "--engine-cores",
