@@ -7,13 +7,16 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from ortfleet.bench.backends import FleetBackend
 from ortfleet.bench.capacity import WRITERS
+from ortfleet.bench.http import SseEvent
 
 
 def bench(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
@@ -132,6 +135,46 @@ def test_the_fleet_bench_can_ask_for_streamed_responses(default_model: Path, tmp
     assert {"gateway", "redis", "worker_loop", "fleet_overhead"} <= set(fleet["cpu_ms_per_token"])
     for part in fleet["ttft_parts_ms"].values():  # each response's job record was found
         assert_summary(part, 4)
+
+
+class ScriptedStream:
+    """A bench client connection whose stream says what the test gives it."""
+
+    def __init__(self, *payloads: object) -> None:
+        self.frames = [json.dumps(p) if isinstance(p, dict) else str(p) for p in payloads]
+
+    async def events(self, path: str, payload: Any = None) -> AsyncIterator[SseEvent]:
+        for i, data in enumerate(self.frames):
+            yield SseEvent("", "message", data, 100.0 + i)
+
+
+async def test_a_streamed_completion_or_response_without_text_arrives_with_its_end() -> None:
+    """A sampled model may stream tokens whose text is all held back (no text chunk at all): the bench
+    counts the request, arriving with its finish, rather than failing the run."""
+    usage = {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    choice = {"index": 0, "text": "", "logprobs": None}
+    silent_completion = ScriptedStream(
+        {"id": "cmpl-job_a", "choices": [{**choice, "finish_reason": None}]},
+        {"id": "cmpl-job_a", "choices": [{**choice, "finish_reason": "length"}]},
+        {"id": "cmpl-job_a", "choices": [], "usage": usage},
+        "[DONE]",
+    )
+    created = {"type": "response.created", "response": {"id": "resp_b"}}
+    ended = {"type": "response.incomplete", "response": {"usage": {"output_tokens": 8}}}
+    backend = FleetBackend("http://unused", "m", 8, api="completions")
+    completion = await backend.generate(silent_completion, "Hi")  # type: ignore[arg-type]
+    response = await FleetBackend("http://unused", "m", 8, api="responses").generate(
+        ScriptedStream(created, ended),  # type: ignore[arg-type]
+        "Hi",
+    )
+    assert (completion.tokens, completion.job_id, completion.gaps) == (8, "job_a", [])
+    assert (response.tokens, response.job_id, response.gaps) == (8, "job_b", [])
+    spoken = ScriptedStream(
+        {"id": "cmpl-job_c", "choices": [{**choice, "text": "x", "finish_reason": None}]},
+        {"id": "cmpl-job_c", "choices": [{**choice, "finish_reason": "length"}]},
+        {"id": "cmpl-job_c", "choices": [], "usage": usage},
+    )
+    assert (await backend.generate(spoken, "Hi")).gaps == []  # type: ignore[arg-type]  # the finish is no token
 
 
 def test_the_pinned_fleet_bench_puts_the_engine_on_cores_of_its_own_and_sets_the_stream_interval(

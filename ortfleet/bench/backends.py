@@ -182,7 +182,7 @@ class FleetBackend:
     async def _completion(self, connection: Connection, body: dict[str, Any]) -> RequestResult:
         """A streamed text completion: a chunk with text is a token's arrival (stream interval 1); the
         usage chunk at the end gives the true count (a token whose text waits for the next one sends
-        no chunk)."""
+        no chunk). A completion whose tokens carried no text at all arrives with its finish chunk."""
         timeline = Timeline()
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         completion_id = ""
@@ -193,7 +193,8 @@ class FleetBackend:
             if "error" in chunk:
                 raise RuntimeError(f"completion {completion_id} failed: {event.data}")
             completion_id = chunk["id"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            choice = chunk["choices"][0] if chunk["choices"] else None
+            if choice and (choice["text"] or (choice["finish_reason"] and timeline.ttft is None)):
                 timeline.arrived(1, event.received)
             if chunk.get("usage"):
                 timeline.tokens = chunk["usage"]["completion_tokens"]
@@ -201,8 +202,9 @@ class FleetBackend:
 
     async def _response(self, connection: Connection, prompt: str) -> RequestResult:
         """A streamed response, greedy: a text delta is a token's arrival, the final response's usage
-        gives the count. Its input is a chat message and the Responses API has no `min_tokens`, so the
-        work differs from the direct run's (the chat template's tokens; a response may end early)."""
+        gives the count (a response with no text arrives with its final event). Its input is a chat
+        message and the Responses API has no `min_tokens`, so the work differs from the direct run's
+        (the chat template's tokens; a response may end early)."""
         timeline = Timeline()
         body = {
             "model": self.model,
@@ -220,6 +222,8 @@ class FleetBackend:
             elif kind == "response.output_text.delta":
                 timeline.arrived(1, event.received)
             elif kind in ("response.completed", "response.incomplete"):
+                if timeline.ttft is None:
+                    timeline.arrived(1, event.received)
                 timeline.tokens = data["response"]["usage"]["output_tokens"]
             elif kind == "response.failed":
                 raise RuntimeError(f"response {response_id} failed: {event.data}")
