@@ -97,44 +97,39 @@ def test_the_fleet_bench_compares_the_fleet_with_its_engine_and_writes_json_and_
     assert data["pinning"] is None and data["stream_interval"] == 1 and data["api"] == "jobs"
 
 
-def test_the_fleet_bench_can_ask_for_streamed_openai_completions(tiny_model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "completions.json"
+def bench_through(api: str, model: Path, tmp_path: Path) -> dict[str, Any]:
+    """The fleet figures of a small bench whose clients ask through `api`, checked for what every API
+    gives: no error, a TTFT per request, CPU per process, and each request's job record found."""
+    out = tmp_path / f"{api}.json"
     bench(
-        "--api", "completions", "--model", str(tiny_model), "--concurrency", "2", "--requests", "4",
+        "--api", api, "--model", str(model), "--concurrency", "2", "--requests", "4",
         "--max-tokens", "8", "--json", str(out),
     )  # fmt: skip
-
     data = figures(out)
-    assert data["api"] == "completions"
+    assert data["api"] == api
     [level] = data["levels"]
-    fleet = level["fleet"]
-    assert fleet["errors"] == 0 and fleet["output_tokens"] == 4 * 8  # the usage chunks' count
+    fleet: dict[str, Any] = level["fleet"]
+    assert fleet["errors"] == 0
     assert_summary(fleet["ttft_ms"], 4)
-    assert 0 < fleet["itl_ms"]["n"] <= 4 * 7  # a chunk per token with text
     assert {"gateway", "redis", "worker_loop", "fleet_overhead"} <= set(fleet["cpu_ms_per_token"])
     assert min(fleet["wakeups_per_token"].values()) > 0
-    for part in fleet["ttft_parts_ms"].values():  # each completion's job record was found
+    for part in fleet["ttft_parts_ms"].values():  # each request's job record was found
         assert_summary(part, 4)
+    return fleet
+
+
+def test_the_fleet_bench_can_ask_for_streamed_openai_completions(tiny_model: Path, tmp_path: Path) -> None:
+    fleet = bench_through("completions", tiny_model, tmp_path)
+    assert fleet["output_tokens"] == 4 * 8  # the usage chunks' count
+    assert 0 < fleet["itl_ms"]["n"] <= 4 * 7  # a chunk per token with text
 
 
 @pytest.mark.default_model
 def test_the_fleet_bench_can_ask_for_streamed_responses(default_model: Path, tmp_path: Path) -> None:
     """On the default model: greedy, the tiny model's random weights may end a response at once."""
-    out = tmp_path / "responses.json"
-    bench(
-        "--api", "responses", "--model", str(default_model), "--concurrency", "2", "--requests", "4",
-        "--max-tokens", "8", "--json", str(out),
-    )  # fmt: skip
-
-    data = figures(out)
-    assert data["api"] == "responses"
-    [level] = data["levels"]
-    fleet = level["fleet"]
-    assert fleet["errors"] == 0 and 4 <= fleet["output_tokens"] <= 4 * 8  # the final usages' count
-    assert_summary(fleet["ttft_ms"], 4)
-    assert {"gateway", "redis", "worker_loop", "fleet_overhead"} <= set(fleet["cpu_ms_per_token"])
-    for part in fleet["ttft_parts_ms"].values():  # each response's job record was found
-        assert_summary(part, 4)
+    fleet = bench_through("responses", default_model, tmp_path)
+    assert 4 <= fleet["output_tokens"] <= 4 * 8  # the final usages' count
+    assert 0 < fleet["itl_ms"]["n"] <= 4 * 7  # a delta per token with text
 
 
 class ScriptedStream:
