@@ -23,7 +23,7 @@ from common import keys
 from common.events import TOKEN, event_payload, is_final
 from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.relay import Entry as RelayEntry
-from gateway.relay import Follower, StreamRelay, WakeableSleep
+from gateway.relay import StreamRelay, WakeableSleep
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +284,62 @@ def direct_body(scope: Any) -> DirectBody | None:
     return body
 
 
+class Pausable(Protocol):
+    """What a pushed stream reads from (a Follower, or the ChoiceEvents of an OpenAI request)."""
+
+    @property
+    def behind(self) -> bool: ...
+
+    def pause(self) -> None: ...
+
+    def rejoin(self) -> None: ...
+
+
+class PushedWrites:
+    """The writes of a stream pushed from the relay's callback to a DirectBody, and the pace of the
+    stream's task. A write that finds the connection full pauses `source` (no more entries until the
+    client has caught up; it then reads on from Redis) and calls `on_pause`. The task waits in `idle`
+    for a keep-alive to be due, a slow client to catch up, or a `wake`."""
+
+    __slots__ = ("_body", "_keepalive_s", "_last_write", "_on_pause", "_sleep", "_source")
+
+    def __init__(
+        self, body: DirectBody, source: Pausable, keepalive_s: float, on_pause: Callable[[], None]
+    ) -> None:
+        self._body = body
+        self._source = source
+        self._keepalive_s = keepalive_s
+        self._on_pause = on_pause
+        self._last_write = asyncio.get_running_loop().time()
+        self._sleep = WakeableSleep()
+
+    def write(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self._last_write = asyncio.get_running_loop().time()
+        if not self._body.write(chunk) and not self._source.behind:
+            self._source.pause()
+            self._on_pause()
+            self._sleep.wake()
+
+    def wake(self) -> None:
+        """Ends the task's `idle` now: the stream's state changed (it ended, or failed)."""
+        self._sleep.wake()
+
+    async def idle(self) -> bool:
+        """Waits for the task's next turn: True once a keep-alive interval has passed with nothing
+        written; False when woken earlier, or once a slow client has caught up (`source` reads on)."""
+        if self._source.behind:
+            await self._body.drain()
+            self._source.rejoin()
+            return False
+        quiet_for = asyncio.get_running_loop().time() - self._last_write
+        if quiet_for < self._keepalive_s:
+            await self._sleep(self._keepalive_s - quiet_for)
+            return False
+        return True
+
+
 class PushedStream:
     """A job's stream written to the connection from the relay's callback as each read hands its
     entries over (as `render` makes them into bytes): the stream's task wakes only for a keep-alive, a
@@ -294,11 +350,10 @@ class PushedStream:
         "_ended",
         "_follower",
         "_keepalive_s",
-        "_last_write",
         "_on_pause",
         "_reading",
         "_render",
-        "_sleep",
+        "_writes",
     )
 
     def __init__(
@@ -314,53 +369,37 @@ class PushedStream:
         self._reading = reading
         self._keepalive_s = keepalive_s
         self._render = render
-        self._follower: Follower | None = None
-        self._last_write = 0.0
         self._ended = False
-        self._sleep = WakeableSleep()
 
     async def run(self, streams: StreamRelay, after: str, opening: bytes = b"") -> None:
         """Writes `opening`, then the stream after `after`, up to its final entry."""
-        loop = asyncio.get_running_loop()
-        self._last_write = loop.time()
-        if opening:
-            self._write(opening)
-        async with streams.follow({keys.events(self._reading.job_id): after}, self._arrived) as follower:
-            self._follower = follower
+        # the relay hands entries over from its next read, never within this call
+        self._follower = streams.follower({keys.events(self._reading.job_id): after}, self._arrived)
+        self._writes = writes = PushedWrites(self._body, self._follower, self._keepalive_s, self._on_pause)
+        try:
+            writes.write(opening)
             while not self._ended:
-                if follower.behind:  # a slow client: read on from Redis once it has caught up
-                    await self._body.drain()
-                    follower.rejoin()
-                    continue
-                quiet_for = loop.time() - self._last_write
-                if quiet_for < self._keepalive_s:
-                    await self._sleep(self._keepalive_s - quiet_for)
+                if not await writes.idle():
                     continue
                 last = await self._reading.quiet()
                 if last is None:
-                    self._write(KEEPALIVE)
+                    writes.write(KEEPALIVE)
                     continue
-                if last and (chunk := self._render(last)):
-                    self._write(chunk)
+                if last:
+                    writes.write(self._render(last))
                 return
+        finally:
+            self._follower.close()
 
     def _arrived(self) -> None:
-        assert self._follower is not None
         entries = self._follower.take()
         if self._ended:
             return
         batch, self._ended = self._reading.to_send(entries)
-        if batch and (chunk := self._render(batch)):
-            self._write(chunk)
+        if batch:
+            self._writes.write(self._render(batch))
         if self._ended:
-            self._sleep.wake()
-
-    def _write(self, chunk: bytes) -> None:
-        self._last_write = asyncio.get_running_loop().time()
-        if not self._body.write(chunk) and self._follower is not None and not self._follower.behind:
-            self._follower.pause()
-            self._on_pause()
-            self._sleep.wake()
+            self._writes.wake()
 
 
 class JobEventsResponse(StreamingResponse):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -18,8 +17,7 @@ from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceEvents, ChoiceResult, Choices, finish_reason
 from gateway.openai_api.protocol import OpenAIFinishReason
-from gateway.relay import WakeableSleep
-from gateway.sse import KEEPALIVE, DirectBody, EventStreamResponse, direct_body
+from gateway.sse import KEEPALIVE, DirectBody, EventStreamResponse, PushedWrites, direct_body
 
 DONE = b"data: [DONE]\n\n"
 
@@ -165,65 +163,49 @@ class PushedChunks:
     def __init__(
         self, body: DirectBody, stream: ChunkStream, events: ChoiceEvents, keepalive_s: float
     ) -> None:
-        self._body = body
         self._stream = stream
         self._events = events
-        self._keepalive_s = keepalive_s
-        self._last_write = 0.0
+        pauses = stream.choices.state.metrics.sse_client_pauses
+        self._writes = PushedWrites(body, events, keepalive_s, pauses.inc)
         self._held = b""  # a failed read's chunks: they go out with the error, once the jobs are cancelled
-        self._sleep = WakeableSleep()
 
     async def run(self, seen: list[ChoiceEvent]) -> None:
         """Writes the whole stream, up to its [DONE]."""
-        loop = asyncio.get_running_loop()
-        self._last_write = loop.time()
+        writes = self._writes
         if seen:
             self._handle(seen)
         else:
-            self._write(self._stream.opening())
+            writes.write(self._stream.opening())
         self._events.push_to(self._arrived)
         while True:
             if self._stream.failure is not None:
                 await self._stream.choices.cancel()
-                self._write(self._held + self._stream.failed())
+                writes.write(self._held + self._stream.failed())
                 return
             if self._events.over:
-                self._write(self._stream.end())
+                writes.write(self._stream.end())
                 return
-            if self._events.behind:  # a slow client: read on from Redis once it has caught up
-                await self._body.drain()
-                self._events.rejoin()
-                continue
-            quiet_for = loop.time() - self._last_write
-            if quiet_for < self._keepalive_s:
-                await self._sleep(self._keepalive_s - quiet_for)
+            if not await writes.idle():
                 continue
             if purged := await self._events.purged():
                 self._handle(purged)
             else:
-                self._write(KEEPALIVE)
+                writes.write(KEEPALIVE)
 
     def _arrived(self) -> None:
         read = self._events.take()
         if read and self._stream.failure is None:
             self._handle(read)
         if self._events.over:
-            self._sleep.wake()
+            self._writes.wake()
 
     def _handle(self, read: list[ChoiceEvent]) -> None:
         body = self._stream.read(read)
         if self._stream.failure is not None:
             self._held = body
-            self._sleep.wake()
-        elif body:
-            self._write(body)
-
-    def _write(self, chunk: bytes) -> None:
-        self._last_write = asyncio.get_running_loop().time()
-        if chunk and not self._body.write(chunk) and not self._events.behind:
-            self._events.pause()
-            self._stream.choices.state.metrics.sse_client_pauses.inc()
-            self._sleep.wake()
+            self._writes.wake()
+        else:
+            self._writes.write(body)
 
 
 class JobStreamResponse(EventStreamResponse):
