@@ -8,7 +8,7 @@ import time
 from redis.asyncio import Redis
 
 from common import keys
-from common.events import token_entry
+from common.events import is_final, token_entry
 from common.jobqueue import notice_streams
 from gateway.relay import StreamRelay
 
@@ -67,5 +67,5 @@ async def relay_reads_to_the_end(relay: StreamRelay, stream: str) -> None:
     read them all from Redis."""
     async with relay.follow({stream: "0-0"}) as witness:
         entries = []
-        while not entries or entries[-1][2]["type"] not in ("done", "error"):
+        while not entries or not is_final(entries[-1][2]):
             entries += await witness.next(10)

@@ -41,10 +41,12 @@ async def stock(redis_server: RedisServer, start_worker: Started, model: str) ->
         await until(lambda: server.started or serving.done(), "uvicorn listening", 20)
         assert server.started
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            for _ in range(100):  # until the worker's registration is seen
+            for _ in range(200):  # until the worker's registration is seen
                 if model in [m["id"] for m in (await http.get("/v1/models")).json()["data"]]:
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"no worker of {model} in /v1/models within 10 s")
         yield StockServer(f"http://127.0.0.1:{port}", model)
     finally:
         server.should_exit = True

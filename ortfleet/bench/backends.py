@@ -164,12 +164,12 @@ class FleetBackend:
         self._connections.clear()
 
     async def generate(self, connection: Connection, prompt: str) -> RequestResult:
+        if self.api == "responses":
+            return await self._response(connection, prompt)
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
         body["min_tokens"] = self.max_tokens
         if self.api == "completions":
             return await self._completion(connection, body)
-        if self.api == "responses":
-            return await self._response(connection, prompt)
         timeline = Timeline()
         job = await connection.json("POST", "/v1/jobs", body, expect=202)
         async for event in connection.events(job["links"]["events"]):
