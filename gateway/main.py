@@ -110,7 +110,8 @@ def serve(app: Callable[..., object], **options: object) -> None:
         sys.exit(STARTUP_FAILURE)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The gateway's command line; each flag overrides the setting of the same name."""
     parser = argparse.ArgumentParser(prog="ortfleet-gateway", description=__doc__)
     parser.add_argument("--host", help="listen address (ORTFLEET_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (ORTFLEET_PORT, default 8000)")
@@ -121,7 +122,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="listen on a non-loopback address without API keys (ORTFLEET_ALLOW_ANONYMOUS)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     overrides = {
         "host": args.host,
         "port": args.port,

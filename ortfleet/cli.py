@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve ONNX Runtime GenAI models through one HTTP endpoint backed by a pool of workers.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.set_defaults(command_line=parser)  # for `ortfleet config --reference`, which describes it
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     config.register(subparsers)
     up.register(subparsers)

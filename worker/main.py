@@ -24,7 +24,8 @@ from worker.engine import Engine, Tokenizer
 logger = logging.getLogger("worker")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's command line; each flag but --fake-engine overrides the setting of the same name."""
     parser = argparse.ArgumentParser(prog="ortfleet-worker", description=__doc__)
     parser.add_argument("--model", type=Path, help="ORT-GenAI model folder (ORTFLEET_MODEL)")
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (ORTFLEET_DEVICE, default auto)")
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "requests one token every DELAY_MS (continuous batching; with :static, batches run to their "
         "end as on the static scheduler); --model is ignored",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def build_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -159,7 +160,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     settings = build_settings(args)
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from common.settings import FleetSettings, GatewaySettings, WorkerSettings, effective_settings
+from ortfleet import configuration_page
 from ortfleet.commands import Subparsers
 
 
@@ -22,10 +23,18 @@ def register(subparsers: Subparsers) -> None:
         "variables, .env, then defaults. Passwords are masked.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="print the reference of every setting and flag as Markdown (docs/configuration.md) instead",
+    )
     parser.set_defaults(func=show_config)
 
 
 def show_config(args: argparse.Namespace) -> int:
+    if args.reference:
+        print(configuration_page.render(args.command_line), end="")
+        return 0
     try:
         gateway, worker = GatewaySettings(), WorkerSettings()
     except ValidationError as e:
