@@ -45,7 +45,7 @@ def job_keys(job_id: str) -> JobKeys:
 
 
 def queue(model: str, priority: str = "interactive") -> str:
-    """zset: the model's waiting jobs of one priority class -> their fair-share tag (common/fair_share.py)."""
+    """zset: the model's waiting jobs of one priority class -> their fair-share tag (_FAIR in common/job_scripts.py)."""
     if priority == "interactive":
         return f"{PREFIX}queue:{model}"
     return f"{PREFIX}queue:{model}:{priority}"
@@ -53,7 +53,7 @@ def queue(model: str, priority: str = "interactive") -> str:
 
 def fair_tags(model: str, priority: str) -> str:
     """hash: per key of a model's priority class, the finish tag of its last job; ":v" the class's
-    virtual time, ":seq" its submission counter (common/fair_share.py)."""
+    virtual time, ":seq" its submission counter (_FAIR in common/job_scripts.py)."""
     return f"{PREFIX}fair:{model}:{priority}"
 
 
