@@ -13,11 +13,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from pydantic import ValidationError
 
 from common.settings import GatewaySettings, WorkerSettings
+from tests.conftest import Fleet, RedisServer
 from worker.device import host_gpu_index
 
 ROOT = Path(__file__).parent.parent
@@ -218,3 +220,24 @@ def test_dockerfile_copies_only_what_exists() -> None:
     for script in re.findall(r'CMD \["([\w-]+)"', text):
         assert script in PYPROJECT_SCRIPTS, script
     assert os.path.exists(DEPLOY / "Dockerfile.dockerignore")
+
+
+def test_the_compose_gateway_starts_with_the_command_and_environment_compose_gives_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    service = SERVICES["gateway"]
+    command = service["command"]
+    environment = {name: str(value) for name, value in service["environment"].items()}
+    fleet = Fleet(redis_server.url, tmp_path)  # its Redis URL replaces compose's, which names a container
+    try:
+        _, url = fleet.start_gateway(environment, host=command[command.index("--host") + 1])
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    finally:
+        fleet.stop_all()
+
+
+def test_the_compose_gateway_is_published_on_loopback_only_while_it_has_no_api_keys() -> None:
+    service = SERVICES["gateway"]
+    keyed = {"ORTFLEET_API_KEYS", "ORTFLEET_API_KEYS_FILE"} & set(service["environment"])
+    if not keyed:
+        assert all(str(port).startswith("127.0.0.1:") for port in service["ports"]), service["ports"]
