@@ -45,6 +45,15 @@ def is_final(fields: dict[str, str]) -> bool:
     return fields.get("type") in (EventType.done.value, EventType.error.value)
 
 
+def is_failure(fields: dict[str, str]) -> bool:
+    """A final entry that ends the job failed: an error entry, or a done entry whose status says failed
+    (how older workers ended an engine failure), so that no reader takes a failure for a success."""
+    kind = fields.get("type")
+    return kind == EventType.error.value or (
+        kind == EventType.done.value and fields.get("status") == JobStatus.failed.value
+    )
+
+
 def entry_token_ids(fields: dict[str, str]) -> list[int]:
     ids = fields.get("ids", "")
     return [int(i) for i in ids.split(",")] if ids else []

@@ -67,7 +67,13 @@ class Sampling(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 picks the most likely token.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling bound.")
     top_k: int = Field(0, ge=0, le=1000, description="Sample among the k most likely tokens; 0 is off.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed for reproducible sampling.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description="Seed for reproducible sampling. ORT-GenAI takes 31-bit seeds: the engine samples with "
+        "seed modulo 2^31, so seeds 2^31 apart sample alike.",
+    )
     stop: StopList | None = Field(None, description="Strings that end generation (not included in output).")
     # vLLM's sampling extensions.
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens: end of sequence is masked.")

@@ -343,9 +343,8 @@ class JobRun:
         if finish is Finish.cancelled or (self._cancelled and finish is not Finish.error):
             return Outcome(JobStatus.cancelled, FinishReason.cancelled, text, generated)
         if finish is Finish.error:
-            return Outcome(
-                JobStatus.failed, FinishReason.error, text, generated, update.error, update.error_code
-            )
+            code = update.error_code or ErrorCode.job_failed  # the engine's failure, unless it named one
+            return Outcome(JobStatus.failed, FinishReason.error, text, generated, update.error, code)
         if finish is Finish.length:
             return Outcome(JobStatus.succeeded, FinishReason.length, text, generated)
         return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated)
@@ -381,10 +380,9 @@ class JobRun:
         )
         reason = outcome.finish_reason.value if outcome.finish_reason else None
         final = done_entry(outcome.status, reason, usage.model_dump_json())
-        if outcome.error:
-            final["message"] = outcome.error
-        if outcome.error_code:  # a job refused before generating: an error event, as for a long prompt
-            final = error_entry(outcome.status, outcome.error or "the job failed", outcome.error_code.value)
+        if outcome.status is JobStatus.failed:  # as every failed job: an error event with its code
+            code = outcome.error_code or ErrorCode.job_failed
+            final = error_entry(outcome.status, outcome.error or "the job failed", code.value)
         await self._write_final(record, final, publisher)
         self.outcome = outcome
 

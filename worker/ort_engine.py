@@ -27,6 +27,11 @@ _TOKEN = og.EngineEventFlags.TOKEN.value
 _FINISHED = og.EngineEventFlags.TURN_FINISHED.value
 _FAILED = og.EngineEventFlags.FAILED.value
 
+# The seeds both of og's ways to sample take: GeneratorParams' random_seed is an int32 (-1: unseeded),
+# TurnOptions.set_seed an unsigned one. A job's seed (0 to 2**63 - 1) samples with seed mod 2**31, the
+# same on either scheduler.
+ENGINE_SEEDS = 2**31
+
 _FINISH = {
     og.FinishReason.EOS: Finish.eos,
     og.FinishReason.STOP_STRING: Finish.stop_string,
@@ -231,7 +236,7 @@ class OrtEngine:
                 if request.top_k:
                     options.set_top_k(request.top_k)
                 if request.seed is not None:
-                    options.set_seed(request.seed)
+                    options.set_seed(request.seed % ENGINE_SEEDS)
             if request.stop and self.continuous_batching:
                 options.set_stop_strings(request.stop)
             if request.repetition_penalty != 1.0:
@@ -258,7 +263,7 @@ class OrtEngine:
         if sampling:
             options.update(temperature=request.temperature, top_p=request.top_p)
             if request.seed is not None:
-                options["random_seed"] = request.seed
+                options["random_seed"] = request.seed % ENGINE_SEEDS
             if request.top_k:
                 options["top_k"] = request.top_k
         if request.min_new_tokens:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.events import is_final
+from common.events import is_failure, is_final
 from common.wire import EventType, JobRequest, JobStatus, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
@@ -36,6 +36,29 @@ def _error_code(raw: str | None) -> ErrorCode | None:
         return None
 
 
+def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt_param: str) -> ApiError:
+    """The error for a failed job, as a call that waited for it is answered: 400 for what the request
+    asked that cannot be done (a prompt longer than the context, a grammar the engine cannot compile, a
+    prompt the tokenizer cannot take), 404 for a purged job, 503 for one that waited too long in the
+    queue, else 500 with its code (`job_failed` when the worker named none).
+
+    An engine or worker failure is the server's, and OpenAI answers its own with 500 `server_error`, as
+    vLLM does an engine error: the SDK raises InternalServerError (and retries it, as a new job). Not
+    502: the gateway did hear from its worker, whose answer is the job's failure."""
+    message = message or "the job failed"
+    headers = {JOB_ID_HEADER: job_id}
+    if code in (ErrorCode.context_length_exceeded, ErrorCode.invalid_prompt):
+        return ApiError(400, message, param=prompt_param, code=code, headers=headers)
+    if code is ErrorCode.invalid_response_format:
+        return ApiError(400, message, param="response_format", code=code, headers=headers)
+    if code is ErrorCode.job_purged:
+        return ApiError(404, f"job {job_id} {message}", code=code, headers=headers)
+    if code is ErrorCode.expired_in_queue:  # the fleet was too busy to start it in time: worth a retry
+        return ApiError(503, f"job {job_id} {message}", code=code, headers={**headers, "Retry-After": "5"})
+    code = code or ErrorCode.job_failed
+    return ApiError(500, f"job {job_id} failed: {message}", code=code, headers=headers)
+
+
 def as_openai_error(error: ApiError) -> ApiError:
     """The job API answers bad values with 422; OpenAI (and so its SDK) expects 400."""
     if error.status != 422:
@@ -51,6 +74,10 @@ class ChoiceEvent:
     @property
     def kind(self) -> str:
         return self.fields.get("type", "")
+
+    @property
+    def failed(self) -> bool:
+        return is_failure(self.fields)
 
     @property
     def started(self) -> bool:
@@ -153,7 +180,7 @@ class Choices:
                 seen.append(event)
                 if not waiting:
                     continue  # started: what follows goes in the stream, errors too
-                if event.kind == EventType.error.value:
+                if event.failed:
                     await self.cancel()
                     raise self.failure(event)
                 if event.started:
@@ -166,7 +193,7 @@ class Choices:
         """Waits for every job to end and returns what each one generated."""
         async for read in events:
             for event in read:
-                if event.kind == EventType.error.value:
+                if event.failed:
                     await self.cancel()
                     raise self.failure(event)
         results = []
@@ -180,24 +207,10 @@ class Choices:
         return results
 
     def failure(self, event: ChoiceEvent) -> ApiError:
-        """The error for a failed job: 400 for a prompt longer than the context, 503 for one that waited
-        too long in the queue, else 500."""
-        message = event.fields.get("message") or "the job failed"
-        code = _error_code(event.fields.get("code"))
-        job = self.job_ids[event.index]
-        headers = {JOB_ID_HEADER: job}
-        if code is ErrorCode.context_length_exceeded:
-            return ApiError(400, message, param=self.prompt_param, code=code, headers=headers)
-        if code is ErrorCode.invalid_response_format:
-            return ApiError(400, message, param="response_format", code=code, headers=headers)
-        if code is ErrorCode.invalid_prompt:
-            return ApiError(400, message, param=self.prompt_param, code=code, headers=headers)
-        if code is ErrorCode.job_purged:
-            return ApiError(404, f"job {job} {message}", code=code, headers=headers)
-        if code is ErrorCode.expired_in_queue:  # the fleet was too busy to start it in time: worth a retry
-            return ApiError(503, f"job {job} {message}", code=code, headers={**headers, "Retry-After": "5"})
-        code = code or ErrorCode.job_failed
-        return ApiError(500, f"job {job} failed: {message}", code=code, headers=headers)
+        """The error for the job whose failure `event` is (see job_failure)."""
+        fields = event.fields
+        job_id = self.job_ids[event.index]
+        return job_failure(job_id, fields.get("message"), _error_code(fields.get("code")), self.prompt_param)
 
     def total_usage(self, usages: list[Usage]) -> Usage:
         """Completion tokens of every choice; prompt tokens once per prompt (n choices share one)."""

@@ -12,7 +12,7 @@ from gateway.errors import ApiError, validation_error
 from gateway.openai_api.protocol import MAX_CHOICES, ChatMessageIn, GenerationParams
 from gateway.openai_api.structured import response_format
 
-_SEEDS = 2**63
+_SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
 
 
 def reject_unsupported(body: GenerationParams) -> None:

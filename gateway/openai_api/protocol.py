@@ -35,7 +35,14 @@ class GenerationParams(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling bound; default 1.")
     top_k: int | None = Field(None, ge=0, le=1000, description="vLLM's extension; 0 is off.")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings that end generation.")
-    seed: int | None = Field(None, description="Makes sampling reproducible.")
+    seed: int | None = Field(
+        None,
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="Makes sampling reproducible: any 64-bit integer, as OpenAI's. Choice k samples with "
+        "seed + k, and the engine with that modulo 2^31 (ORT-GenAI takes 31-bit seeds), so seeds 2^31 "
+        "apart sample alike.",
+    )
     n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices to generate (default 1).")
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="Read only when `stream` is true.")

@@ -104,12 +104,12 @@ class ChunkStream:
                     out.append(frame(chunk.model_copy(update={"usage": self.choices.total_usage(usages)})))
                 elif text:
                     out.append(self._text_frame(event.index, text))
+            elif event.failed:
+                self.failure = event
+                break
             elif event.kind == EventType.done.value:
                 usages[event.index] = event.usage()
                 out.append(frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason")))))
-            elif event.kind == EventType.error.value:
-                self.failure = event
-                break
         return b"".join(out)
 
     def failed(self) -> bytes:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.events import is_failure
 from common.records import JobRecord
 from common.wire import EventType, FinishReason, JobStatus
 from gateway.sse import Entry, json_bytes
@@ -181,7 +182,7 @@ class EventNumbering:
                 )
             return
         text = "".join(self.text)
-        if kind == EventType.error.value:
+        if is_failure(fields):
             error = {"code": fields.get("code") or "server_error", "message": fields.get("message", "failed")}
             yield self._event(
                 "response.failed", response=response_object(self.meta, "failed", text=text, error=error)

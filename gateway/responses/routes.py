@@ -22,7 +22,7 @@ from common.wire import TERMINAL, JobStatus
 from gateway.auth import principal_of
 from gateway.departure import until_disconnect
 from gateway.errors import ApiError, ClientGone
-from gateway.openai_api.choices import as_openai_error
+from gateway.openai_api.choices import as_openai_error, job_failure
 from gateway.openai_api.serving import served_model
 from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
@@ -134,7 +134,12 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=499)
     finally:
         state.streams.give_back(principal.name)
-    return JSONResponse(await current_view(state, meta))
+    record = await state.shards.of_model(model).queue.record(meta["job_id"])
+    if record is None:  # purged (or expired) meanwhile
+        raise job_failure(meta["job_id"], "was purged", ErrorCode.job_purged, "input")
+    if record.status is JobStatus.failed:  # a call that waited for its response is answered an error
+        raise job_failure(meta["job_id"], record.error, record.error_code, "input")
+    return JSONResponse(view_from_job(meta, record))
 
 
 async def _until_final(state: AppState, model: str, job_id: str) -> None:
