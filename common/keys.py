@@ -45,7 +45,8 @@ def job_keys(job_id: str) -> JobKeys:
 
 
 def queue(model: str, priority: str = "interactive") -> str:
-    """zset: the model's waiting jobs of one priority class -> their fair-share tag (_FAIR in common/job_scripts.py)."""
+    """zset: the model's waiting jobs of one priority class -> their fair-share tag (_FAIR in
+    common/job_scripts.py)."""
     if priority == "interactive":
         return f"{PREFIX}queue:{model}"
     return f"{PREFIX}queue:{model}:{priority}"
