@@ -89,7 +89,7 @@ async def test_litellms_openai_provider_completes_and_streams(fleet: Fleet, serv
 
 
 def guidellm_command(target: str, model: str, tokenizer: Path, out: Path, output_tokens: int) -> list[str]:
-    """`guidellm run` as the README gives it, on synthetic prompts, with its default backend validation."""
+    """`guidellm run` as docs/api.md gives it, on synthetic prompts, with its default backend validation."""
     guidellm = Path(sys.executable).with_name("guidellm")
     return [
         str(guidellm),
