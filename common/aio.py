@@ -1,5 +1,5 @@
-"""Running a process's event loop (uvloop where it is installed: cheaper socket I/O and wake-ups), and
-waiting in it."""
+"""Running a process's event loop (uvloop where it is installed: cheaper socket I/O and wake-ups), waiting
+in it, and ending its tasks."""
 
 from __future__ import annotations
 
@@ -26,3 +26,15 @@ async def wait_set(event: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         pass
     return event.is_set()
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], again_after_s: float = 1.0) -> None:
+    """Cancels the task and waits for its end, cancelling it again every `again_after_s` while it runs on.
+    Python 3.11's asyncio.wait_for (which redis-py calls for each command when it has a socket timeout)
+    drops a cancellation that arrives just as the call it waits for completes; a task that loops until
+    cancelled would then loop on, and whoever waits for it would wait forever."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=again_after_s)
+    if not task.cancelled():
+        task.exception()  # its outcome is of no interest, as with gather(..., return_exceptions=True)

@@ -73,6 +73,14 @@ def is_complete(model_dir: Path, *, verify_all_hashes: bool = False) -> bool:
     return marker is not None and files_match(model_dir, marker, verify_all_hashes=verify_all_hashes)
 
 
+def missing_files(model_dir: Path) -> list[str]:
+    """The files that the folder's build marker lists and the folder lacks (none without a marker)."""
+    marker = read_marker(model_dir)
+    if marker is None:
+        return []
+    return [name for name in marker["files"] if not (model_dir / name).is_file()]
+
+
 def files_match(model_dir: Path, marker: Marker, *, verify_all_hashes: bool) -> bool:
     for name, record in marker["files"].items():
         path = model_dir / name

@@ -20,13 +20,21 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    AuthenticationError,
+    DataError,
+    InvalidResponse,
+    NoScriptError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel as SyncSentinel
 
 from common.aio import wait_set
-from common.redis_url import SentinelUrl, is_sentinel_url, parse_sentinel_url
+from common.redis_url import SentinelUrl, is_sentinel_url, mask_url, parse_sentinel_url
 
 SENTINEL_TIMEOUT_S = 2.0  # a sentinel answers at once, or is down and the next one is asked
 
@@ -65,7 +73,20 @@ class _PackedInC:
             raise DataError(f"a Redis command argument must be str, int, float or bytes: {e}") from e
 
 
-_PACKED_IN_C: dict[type, type] = {}  # a connection class -> the same, packing in C
+class _NoPingInHandshake(AbstractConnection):
+    """A connection that sends its handshake (AUTH, CLIENT SETNAME, SELECT...) without a health check.
+    redis-py PINGs before a command once `health_check_interval` has passed since the last reply, and a
+    connection just opened has had none: it PINGs before the handshake's first command. A server that
+    wants a password the URL lacks answers NOAUTH, the failed PING reconnects, and the reconnection's
+    handshake PINGs again: unbounded recursion (RecursionError) instead of AuthenticationError."""
+
+    async def on_connect(self) -> None:
+        self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval
+        await super().on_connect()
+
+
+# A connection class -> the same, packing in C and sending its handshake without a health check.
+_TUNED: dict[type, type] = {}
 
 
 def connection_pool(url: str, *, max_connections: int | None = None, **options: Any) -> ConnectionPool:
@@ -77,9 +98,9 @@ def connection_pool(url: str, *, max_connections: int | None = None, **options: 
         options = {k: v for k, v in options.items() if not k.startswith("socket_keepalive")}
     pool = _pool(url, max_connections, options)
     base = pool.connection_class
-    if base not in _PACKED_IN_C:
-        _PACKED_IN_C[base] = type(base.__name__, (_PackedInC, base), {})
-    pool.connection_class = _PACKED_IN_C[base]
+    if base not in _TUNED:
+        _TUNED[base] = type(base.__name__, (_PackedInC, _NoPingInHandshake, base), {})
+    pool.connection_class = _TUNED[base]
     return pool
 
 
@@ -293,3 +314,34 @@ def connect_blocking(url: str, timeout_s: float = 5.0) -> SyncRedis:
         decode_responses=True,
     )
     return client
+
+
+class RedisUnreachable(Exception):
+    """No Redis answered at a URL (refused, timed out, a name that does not resolve, no primary known)."""
+
+
+class RedisRefused(Exception):
+    """A mistake in a Redis URL, not an outage: the server that answered will not serve it (a password it
+    wants or rejects, a database it lacks, no Redis at all), or no client can be made from it."""
+
+
+def check_redis(url: str, timeout_s: float) -> None:
+    """One PING of the Redis at `url` on a connection of its own, giving up after `timeout_s`. Raises
+    RedisRefused or RedisUnreachable with a message that names the Redis (its password masked) and
+    the problem."""
+    shown = f"Redis at {mask_url(url)}"
+    try:
+        with connect_blocking(url, timeout_s) as client:
+            client.ping()
+    except AuthenticationError as e:
+        if "authentication required" in str(e).lower():
+            raise RedisRefused(f"{shown} wants a password and the URL gives none") from e
+        if "without any password configured" in str(e):
+            raise RedisRefused(f"{shown} has no password set, yet the URL gives one") from e
+        raise RedisRefused(f"{shown} rejected the URL's password or user name ({e})") from e
+    except (ResponseError, InvalidResponse) as e:
+        raise RedisRefused(f"{shown} refused the connection: {e}") from e
+    except (RedisError, OSError) as e:
+        raise RedisUnreachable(f"{shown} is unreachable ({e})") from e
+    except ValueError as e:  # a URL no client can be made from
+        raise RedisRefused(f"{shown} cannot be used: {e}") from e

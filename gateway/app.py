@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
+from common.aio import cancel_and_wait
 from common.apikeys import KeyRing, parse_env_keys
 from common.settings import GatewaySettings
 from gateway import health, jobs, metrics, metrics_route, openai_api, openapi, tokenizer
@@ -97,8 +98,7 @@ def build_app(
             try:
                 yield
             finally:
-                driver.cancel()
-                await asyncio.gather(driver, return_exceptions=True)
+                await cancel_and_wait(driver)
 
     app = Starlette(
         routes=[

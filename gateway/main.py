@@ -9,19 +9,34 @@ import gc
 import ipaddress
 import logging
 import resource
+import socket
 import sys
 import time
 from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 from uvicorn.config import STARTUP_FAILURE
 
 from common.aio import wait_set
+from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 from common.settings import GatewaySettings
+from common.startup import CannotStart, debug_wanted, exit_with, settings_error_lines
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
 from gateway.metrics import GatewayMetrics
+
+PROG = "ortfleet-gateway"
+FLAGS = {
+    "host": "--host",
+    "port": "--port",
+    "redis_url": "--redis-url",
+    "allow_anonymous": "--allow-anonymous",
+}
+
+logger = logging.getLogger("gateway")
 
 
 def is_loopback(host: str) -> bool:
@@ -94,20 +109,73 @@ class CalmServer(uvicorn.Server):
             counter = (counter + 10) % 864_000
             await wait_set(self._exit_requested, 1.0)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for listener in sockets or []:  # uvicorn says where it listens only for the host and port it binds
+            host, port = listener.getsockname()[:2]
+            logger.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._exit_requested.set)
 
 
-def serve(app: Callable[..., object], **options: object) -> None:
-    """Serves the app as `uvicorn.run` does (one process, no reload), on the calm server."""
+def serve(app: Callable[..., object], listener: socket.socket, **options: object) -> None:
+    """Serves the app on the bound socket as `uvicorn.run` does (one process, no reload), on the calm
+    server."""
     config = uvicorn.Config(app, **options)  # type: ignore[arg-type]
     server = CalmServer(config)
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        server.run(sockets=[listener])
     if not server.started:
         sys.exit(STARTUP_FAILURE)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The gateway's socket, bound before anything else starts, so that a port in use ends the process at
+    once. It listens only once the app has started (uvicorn's listen): until then connections are refused,
+    as before, and a launcher waiting for the port waits for a gateway that serves."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host.strip("[]"), port))
+    except OSError as e:
+        listener.close()
+        where = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+        raise CannotStart(
+            f"cannot listen on {where}: {e.strerror or e}; stop what holds it or give another port "
+            "(--port, ORTFLEET_PORT)"
+        ) from e
+    return listener
+
+
+def check_redis_urls(settings: GatewaySettings) -> None:
+    """CannotStart for a Redis that refuses its URL (a password wanted or wrong: a mistake in the
+    configuration). An unreachable one is only logged: the gateway starts, and answers 503 on /readyz
+    until Redis is back, as a load balancer in front expects of it."""
+    urls = {settings.redis_url.get_secret_value(): "ORTFLEET_REDIS_URL (or --redis-url)"}
+    for model, shard in settings.redis_shards.items():
+        urls.setdefault(shard.get_secret_value(), f"ORTFLEET_REDIS_SHARDS[{model}]")
+    for url, setting in urls.items():
+        try:
+            check_redis(url, settings.redis_connect_timeout_s)
+        except RedisRefused as e:
+            raise CannotStart(
+                f"{e}; correct the URL in {setting}: redis://[user][:password@]host:port/db"
+            ) from e
+        except RedisUnreachable as e:
+            logger.warning("%s; starting anyway: /readyz answers 503 until it is reachable", e)
+
+
+def check_exposure(settings: GatewaySettings) -> None:
+    keys_configured = settings.api_keys is not None or settings.api_keys_file is not None
+    if not is_loopback(settings.host) and not keys_configured and not settings.allow_anonymous:
+        raise CannotStart(
+            f"refusing to listen on {settings.host} with no API keys: anyone who can reach it could read "
+            "every job. Configure keys (ORTFLEET_API_KEYS_FILE, see `ortfleet keys create`) or pass "
+            "--allow-anonymous to accept that."
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,29 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_settings(args: argparse.Namespace) -> GatewaySettings:
+    """The settings, the command line's flags over them; an invalid one ends the process, naming each."""
+    given = {field: getattr(args, field) for field in FLAGS if getattr(args, field) is not None}
+    try:
+        return GatewaySettings(**given)
+    except (ValidationError, SettingsError) as e:
+        lines = settings_error_lines(e, {field: FLAGS[field] for field in given})
+        exit_with(PROG, lines, e, debug=debug_wanted(None))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    overrides = {
-        "host": args.host,
-        "port": args.port,
-        "redis_url": args.redis_url,
-        "allow_anonymous": args.allow_anonymous,
-    }
-    settings = GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
-    keys_configured = settings.api_keys is not None or settings.api_keys_file is not None
-    if not is_loopback(settings.host) and not keys_configured and not settings.allow_anonymous:
-        sys.exit(
-            f"ortfleet-gateway: refusing to listen on {settings.host} with no API keys: anyone who can reach "
-            "it could read every job. Configure keys (ORTFLEET_API_KEYS_FILE, see `ortfleet keys create`) "
-            "or pass --allow-anonymous to accept that."
-        )
+    settings = load_settings(args)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        check_exposure(settings)
+        listener = bind_listener(settings.host, settings.port)
+        check_redis_urls(settings)
+    except CannotStart as e:
+        exit_with(PROG, [str(e)], e, debug=debug_wanted(settings))
     open_files = raise_open_file_limit()
-    logging.getLogger("gateway").info(
-        "open-file limit %s: at most about that many client connections at once", open_files
-    )
+    logger.info("open-file limit %s: at most about that many client connections at once", open_files)
     gateway_metrics = GatewayMetrics()
     protocol = guarded_protocol(
         settings.max_header_bytes,
@@ -161,9 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     calm_garbage_collector()
     serve(
         app,
+        listener,
         http=protocol,
-        host=settings.host,
-        port=settings.port,
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=settings.keep_alive_s,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -12,14 +13,34 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from common import aio
-from common.model_folder import default_model_dir, is_complete
-from common.redis_client import connect
+from common.model_folder import GENAI_CONFIG, default_model_dir, is_complete, missing_files
+from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
 from common.registry import WorkerInfo
 from common.settings import WorkerSettings
+from common.startup import CannotStart, debug_wanted, exit_with, settings_error_lines
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
+
+if TYPE_CHECKING:
+    from worker.metrics import MetricsServer
+
+PROG = "ortfleet-worker"
+FLAGS = {
+    "model": "--model",
+    "device": "--device",
+    "name": "--name",
+    "redis_url": "--redis-url",
+    "max_batch_size": "--max-batch-size",
+    "metrics_port": "--metrics-port",
+}
+REDIS_CHECK_TIMEOUT_S = 5.0
+REBUILD = "rebuild the folder (`ortfleet model`), or pass another --model"
 
 logger = logging.getLogger("worker")
 
@@ -46,15 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_settings(args: argparse.Namespace) -> WorkerSettings:
-    overrides = {
-        "model": args.model,
-        "device": args.device,
-        "name": args.name,
-        "redis_url": args.redis_url,
-        "max_batch_size": args.max_batch_size,
-        "metrics_port": args.metrics_port,
-    }
-    return WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    """The settings, the command line's flags over them; an invalid one ends the process, naming each."""
+    given = {field: getattr(args, field) for field in FLAGS if getattr(args, field) is not None}
+    try:
+        return WorkerSettings(**given)
+    except (ValidationError, SettingsError) as e:
+        lines = settings_error_lines(e, {field: FLAGS[field] for field in given})
+        exit_with(PROG, lines, e, debug=debug_wanted(None))
 
 
 def resolve_model(settings: WorkerSettings) -> Path:
@@ -63,50 +82,110 @@ def resolve_model(settings: WorkerSettings) -> Path:
     else:
         model = default_model_dir(settings.model_cache)
         if not is_complete(model):
-            raise SystemExit(
-                f"ortfleet-worker: the default model in {model} is missing or incomplete; "
+            raise CannotStart(
+                f"the default model in {model} is missing or incomplete; "
                 "build it with `ortfleet model default` or pass --model DIR"
             )
-    if not (model / "genai_config.json").is_file():
-        raise SystemExit(
-            f"ortfleet-worker: {model} is not an ORT-GenAI model folder (no genai_config.json); "
+    if not (model / GENAI_CONFIG).is_file():
+        raise CannotStart(
+            f"{model} is not an ORT-GenAI model folder (no {GENAI_CONFIG}); "
             "build the default model with `ortfleet model default` or pass --model DIR"
         )
+    check_model_folder(model)
     return model
 
 
-def load_engine(settings: WorkerSettings, fake_engine: str | None) -> tuple[Engine, Tokenizer, Device, str]:
+def check_model_folder(model: Path) -> None:
+    """CannotStart for the mistakes in a model folder that can be seen without loading it: a
+    genai_config.json that is not a JSON object, a file its build marker lists gone missing."""
+    config = model / GENAI_CONFIG
+    try:
+        genai = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CannotStart(f"{config} cannot be read as JSON ({e}); {REBUILD}") from e
+    if not isinstance(genai, dict) or not isinstance(genai.get("model"), dict):
+        raise CannotStart(f'{config} has no "model" section; {REBUILD}')
+    missing = missing_files(model)
+    if missing:
+        raise CannotStart(f"the model folder {model} lacks {', '.join(missing)}; {REBUILD}")
+
+
+def served_name(settings: WorkerSettings, model_dir: Path | None) -> str:
+    return settings.name or (model_dir.name if model_dir is not None else "fake")
+
+
+def load_engine(
+    settings: WorkerSettings, model_dir: Path | None, fake_engine: str | None
+) -> tuple[Engine, Tokenizer, Device]:
     if fake_engine is not None:
         from worker.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
 
         try:
             delay_s, capacity = parse_fake_engine(fake_engine)
         except ValueError as e:
-            raise SystemExit(f"ortfleet-worker: {e}") from e
+            raise CannotStart(str(e)) from e
         fake = FakeEngine(delay_s, capacity, continuous_batching=not fake_engine_is_static(fake_engine))
-        return fake, fake.tokenizer, Device("cpu"), settings.name or "fake"
+        return fake, fake.tokenizer, Device("cpu")
 
     import onnxruntime_genai as og
 
     from worker.ort_engine import OrtEngine
 
-    model_dir = resolve_model(settings)
+    assert model_dir is not None
     try:
         device = parse_device(settings.device, og.is_cuda_available)
     except DeviceError as e:
-        raise SystemExit(f"ortfleet-worker: {e}") from e
+        raise CannotStart(str(e)) from e
     logger.info("loading %s on %s", model_dir, device)
-    engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
-    return engine, engine.tokenizer, device, settings.name or model_dir.name
+    try:
+        engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
+    except (RuntimeError, ValueError, OSError) as e:  # what ORT-GenAI raises for a model it cannot load
+        reason = " ".join(str(e).split())
+        raise CannotStart(
+            f"ONNX Runtime GenAI cannot load the model in {model_dir}: {reason}; {REBUILD}"
+        ) from e
+    return engine, engine.tokenizer, device
+
+
+def check_redis_url(settings: WorkerSettings, name: str) -> None:
+    """CannotStart when the Redis of the model's jobs is unreachable or refuses its URL: a worker
+    without its Redis has nothing to do."""
+    setting = f"ORTFLEET_REDIS_SHARDS[{name}]" if name in settings.redis_shards else "ORTFLEET_REDIS_URL"
+    try:
+        check_redis(settings.redis_url_for(name), REDIS_CHECK_TIMEOUT_S)
+    except RedisRefused as e:
+        raise CannotStart(f"{e}; correct the URL in {setting}: redis://[user][:password@]host:port/db") from e
+    except RedisUnreachable as e:
+        raise CannotStart(f"{e}; start it, or set {setting} (or --redis-url) to one that runs") from e
+
+
+def open_metrics_port(settings: WorkerSettings) -> MetricsServer:
+    from worker.metrics import open_metrics
+
+    try:
+        return open_metrics(settings.metrics_host, settings.metrics_port)
+    except OSError as e:
+        where = f"{settings.metrics_host}:{settings.metrics_port}"
+        raise CannotStart(
+            f"cannot serve /metrics on {where}: {e.strerror or e}; stop what holds the port or give "
+            "another (--metrics-port, ORTFLEET_METRICS_PORT; 0 picks a free one)"
+        ) from e
 
 
 async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> None:
-    from worker.metrics import start_metrics
     from worker.service import WorkerService
     from worker.tokenizer_service import serve_tokenizer
 
     started = time.monotonic()
-    engine, tokenizer, device, name = load_engine(settings, fake_engine)
+    model_dir = resolve_model(settings) if fake_engine is None else None
+    name = served_name(settings, model_dir)
+    check_redis_url(settings, name)
+    metrics = open_metrics_port(settings)  # before the model loads: its port may be taken
+    try:
+        engine, tokenizer, device = load_engine(settings, model_dir, fake_engine)
+    except BaseException:
+        metrics.close()
+        raise
     redis = connect(settings.redis_url_for(name))  # its model's shard, if the model has one
     info = WorkerInfo(
         id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
@@ -130,11 +209,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
             width,
         )
         engine.capacity = info.capacity = width
-    try:
-        metrics = start_metrics(service, settings.metrics_host, settings.metrics_port)
-    except OSError as e:
-        where = f"{settings.metrics_host}:{settings.metrics_port}"
-        raise SystemExit(f"ortfleet-worker: cannot serve /metrics on {where}: {e}") from e
+    metrics.observe(service)
     logger.info("metrics on %s", metrics.url)
     logger.info(
         "worker %s serves %r on %s: %d slots, %s batching, ready in %.1f s",
@@ -167,4 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    aio.run(serve(settings, args.fake_engine))
+    try:
+        aio.run(serve(settings, args.fake_engine))
+    except CannotStart as e:
+        exit_with(PROG, [str(e)], e, debug=debug_wanted(settings))

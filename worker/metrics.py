@@ -14,8 +14,8 @@ import selectors
 import socket
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from socketserver import ThreadingMixIn
+from dataclasses import dataclass, field
+from socketserver import BaseRequestHandler, ThreadingMixIn
 from threading import Thread
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -203,6 +203,15 @@ class MetricsServer:
     server: _ThreadingServer
     thread: Thread
     url: str
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def observe(self, service: WorkerService) -> None:
+        """Hooks the worker's metrics into its service and serves them; their URL goes in its registry
+        entry."""
+        metrics = WorkerMetrics(self.registry, service)
+        service.on_job_done = metrics.job_done
+        service.on_job_failed = metrics.job_failed
+        service.info.metrics_url = self.url
 
     def close(self) -> None:
         self.server.stop()
@@ -217,9 +226,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
 
-    def server_activate(self) -> None:
-        super().server_activate()
+    def __init__(self, address: tuple[str, int], handler: type[BaseRequestHandler]) -> None:
+        # Made before the socket is bound: socketserver calls server_close when binding fails.
         self._stop_reader, self._stop_writer = socket.socketpair()
+        super().__init__(address, handler)
 
     def serve_until_stopped(self) -> None:
         with selectors.DefaultSelector() as selector:
@@ -256,15 +266,13 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> tuple[_Threading
     return server, thread
 
 
-def start_metrics(service: WorkerService, host: str, port: int) -> MetricsServer:
-    """Hook the worker's metrics into its service and serve them on host:port (0: a free port)."""
-    metrics = WorkerMetrics(CollectorRegistry(), service)
-    service.on_job_done = metrics.job_done
-    service.on_job_failed = metrics.job_failed
-    server, thread = serve(metrics.registry, host, port)
+def open_metrics(host: str, port: int) -> MetricsServer:
+    """Serves /metrics on host:port (0: a free port), empty until `observe`; OSError when it cannot have
+    the port. Opened before the model loads, so that a port in use ends the worker at once."""
+    registry = CollectorRegistry()
+    server, thread = serve(registry, host, port)
     bound = server.server_address[1]
     shown = socket.gethostname() if host in _WILDCARD_HOSTS else host
     if ":" in shown:
         shown = f"[{shown}]"
-    service.info.metrics_url = f"http://{shown}:{bound}/metrics"
-    return MetricsServer(server, thread, service.info.metrics_url)
+    return MetricsServer(server, thread, f"http://{shown}:{bound}/metrics", registry)

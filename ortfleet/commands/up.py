@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
-from common.settings import WorkerSettings
+from common.settings import GatewaySettings, WorkerSettings
+from common.startup import settings_error_lines
 from ortfleet.fleet.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers
 from ortfleet.fleet.launcher import LocalFleet
 from ortfleet.fleet.processes import (
@@ -117,13 +119,17 @@ class Served:
 def run(args: argparse.Namespace) -> int:
     """Run `ortfleet up` until a signal or a child's death; the exit code."""
     console = Console()
+    try:
+        settings = _load_settings(args)
+    except (ValidationError, SettingsError) as e:
+        console.say("\n".join(f"ortfleet up: {line}" for line in settings_error_lines(e)))
+        return 1
     fleet = LocalFleet(output=console.child_line)
     signals = StopSignals(fleet)
     data_dir: Path | None = None
     worker_stop_s = WORKER_STOP_MARGIN_S
     signals.install()
     try:
-        settings = _load_settings()
         worker_stop_s += settings.shutdown_grace_s
         if not args.redis_url and shutil.which("redis-server") is None:
             raise StartupError(REDIS_MISSING)
@@ -170,11 +176,10 @@ def run(args: argparse.Namespace) -> int:
             console.say("fleet stopped")
 
 
-def _load_settings() -> WorkerSettings:
-    try:
-        return WorkerSettings()
-    except ValidationError as e:
-        raise StartupError(f"invalid ORTFLEET_* settings: {e}") from e
+def _load_settings(args: argparse.Namespace) -> WorkerSettings:
+    """The workers' settings, once the gateway's are known to be valid too (ValidationError otherwise)."""
+    GatewaySettings(host=args.host, port=args.port)  # the flags the gateway is given
+    return WorkerSettings()
 
 
 def _plan_workers(args: argparse.Namespace) -> list[PlannedWorker]:
@@ -227,16 +232,14 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _check_redis(url: str) -> None:
-    from redis.exceptions import RedisError
-
-    from common.redis_client import connect_blocking
-    from common.redis_url import mask_url
+    from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 
     try:
-        with connect_blocking(url) as client:
-            client.ping()
-    except (RedisError, OSError, ValueError) as e:
-        raise StartupError(f"cannot reach Redis at {mask_url(url)}: {e}") from e
+        check_redis(url, timeout_s=5.0)
+    except RedisRefused as e:
+        raise StartupError(f"{e}; correct --redis-url: redis://[user][:password@]host:port/db") from e
+    except RedisUnreachable as e:
+        raise StartupError(f"{e}; start it, or leave out --redis-url to have a redis-server started") from e
 
 
 def _start_redis(fleet: LocalFleet, console: Console, signals: StopSignals, data_dir: Path) -> None:

@@ -1,0 +1,65 @@
+"""Mistakes found while a process starts (a setting, a file, a port, Redis), reported as its last words:
+one line each on stderr saying what is wrong and what to do, and exit status 1. At log level debug the
+traceback comes first."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import NoReturn
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from common.settings import FleetSettings
+
+ENV_PREFIX = FleetSettings.model_config.get("env_prefix", "")
+_UNPARSED_FIELD = re.compile(r'field "(\w+)"')
+
+
+class CannotStart(Exception):
+    """The process cannot start as configured; the message, one line, names what is wrong and what to do."""
+
+
+def settings_error_lines(
+    error: ValidationError | SettingsError, flags: Mapping[str, str] | None = None
+) -> list[str]:
+    """One line per invalid setting: its environment variable (or the command-line flag it was given
+    with, from `flags`: field -> flag) and pydantic's message. The values are left out: some are
+    secrets."""
+    flags = flags or {}
+
+    def named(field: str) -> str:
+        return flags.get(field) or f"{ENV_PREFIX}{field}".upper()
+
+    if isinstance(error, SettingsError):  # a complex value (a JSON map) that did not parse
+        match = _UNPARSED_FIELD.search(str(error))
+        cause = f" ({error.__cause__})" if error.__cause__ else ""
+        return [f"{named(match.group(1))}: cannot be parsed{cause}" if match else str(error)]
+    lines = []
+    for problem in error.errors():
+        field, *inner = (str(part) for part in problem["loc"])
+        where = named(field) + "".join(f"[{part}]" for part in inner)
+        lines.append(f"{where}: {problem['msg'].removeprefix('Value error, ')}")
+    return lines
+
+
+def debug_wanted(settings: FleetSettings | None) -> bool:
+    """Whether the process runs at log level debug; before its settings are read, as the environment says."""
+    if settings is not None:
+        return settings.log_level == "debug"
+    return os.environ.get(f"{ENV_PREFIX}LOG_LEVEL", "").strip().lower() == "debug"
+
+
+def exit_with(prog: str, lines: list[str], error: BaseException, *, debug: bool) -> NoReturn:
+    """Ends the process with `lines` on stderr, each prefixed with `prog`; with `debug`, the error's
+    traceback before them."""
+    if debug:
+        traceback.print_exception(error, file=sys.stderr)
+    sys.stderr.flush()
+    for line in lines:
+        print(f"{prog}: {line}", file=sys.stderr)
+    raise SystemExit(1)

@@ -1,0 +1,352 @@
+"""A mistake in how a process is started (a port taken, a Redis that wants a password, a broken model
+folder, an invalid setting) ends it at once with one line on stderr that names the problem, and a nonzero
+exit status; a gateway whose Redis is only unreachable starts and reports not ready instead."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.model_folder import MARKER_NAME
+from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
+from tests.conftest import RedisServer
+
+# The promise is 2 s; the rest is room for a busy test machine (the interpreter and its imports alone
+# take 0.5-1 s to start).
+QUICK_EXIT_S = 5.0
+PASSWORD = "hunter2-s3cret"
+
+Breakage = Callable[[Path], None]
+
+
+@dataclass
+class Exited:
+    returncode: int
+    stderr: str
+
+    @property
+    def last_line(self) -> str:
+        lines = self.stderr.strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def lines_of(self, prog: str) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith(f"{prog}: ")]
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """This process's environment without its ORTFLEET_* settings, plus `settings`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORTFLEET_")}
+    return {**env, **settings}
+
+
+def run_to_exit(args: list[str], env: dict[str, str], cwd: Path) -> Exited:
+    """Runs `python -m ARGS` and waits QUICK_EXIT_S at most for it to end."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", *args],
+        env=env,
+        cwd=cwd,  # where no .env file adds settings of its own
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=QUICK_EXIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate()
+        pytest.fail(f"{' '.join(args)} still ran after {QUICK_EXIT_S} s; its stderr:\n{stderr}")
+    return Exited(process.returncode, stderr)
+
+
+def assert_one_line(exited: Exited, prog: str, *named: str) -> str:
+    """The process failed, its last words are one line of its own naming each of `named`, and no
+    traceback came before it."""
+    assert exited.returncode != 0, exited.stderr
+    assert "Traceback" not in exited.stderr, exited.stderr
+    assert exited.lines_of(prog) == [exited.last_line], exited.stderr
+    for word in named:
+        assert word in exited.last_line, exited.stderr
+    return exited.last_line
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def redis_with_password(tmp_path: Path) -> Iterator[int]:
+    """A redis-server that wants PASSWORD (requirepass); its port."""
+    port = free_port()
+    command = [
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    process = subprocess.Popen(
+        [*command, "--dir", str(tmp_path), "--requirepass", PASSWORD],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_port(port, process, "redis-server")
+    yield port
+    stop(process)
+
+
+@pytest.fixture
+def unreachable_redis() -> str:
+    """A Redis URL (with a password) where nothing listens."""
+    return f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
+
+
+def first_answer(url: str, process: subprocess.Popen[str]) -> httpx.Response:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"exited with code {process.returncode}"
+        try:
+            return httpx.get(url, timeout=10)
+        except httpx.TransportError:
+            time.sleep(0.05)
+    pytest.fail(f"no answer from {url}")
+
+
+def gateway(cwd: Path, *args: str, **settings: str) -> Exited:
+    return run_to_exit(["gateway", "--port", str(free_port()), *args], clean_env(**settings), cwd)
+
+
+def worker(cwd: Path, *args: str, **settings: str) -> Exited:
+    return run_to_exit(["worker", "--fake-engine", "1:1", *args], clean_env(**settings), cwd)
+
+
+# The gateway
+
+
+def test_a_gateway_whose_port_is_taken_exits_at_once_naming_the_port(
+    redis_server: RedisServer, taken_port: int, tmp_path: Path
+) -> None:
+    exited = run_to_exit(
+        ["gateway", "--port", str(taken_port)], clean_env(ORTFLEET_REDIS_URL=redis_server.url), tmp_path
+    )
+
+    line = assert_one_line(exited, "ortfleet-gateway", f"127.0.0.1:{taken_port}", "in use", "--port")
+    assert "ORTFLEET_PORT" in line
+
+
+def test_a_gateway_given_no_password_for_a_redis_that_wants_one_exits_naming_the_setting(
+    redis_with_password: int, tmp_path: Path
+) -> None:
+    url = f"redis://127.0.0.1:{redis_with_password}/0"
+
+    exited = gateway(tmp_path, ORTFLEET_REDIS_URL=url)
+
+    assert_one_line(exited, "ortfleet-gateway", url, "password", "ORTFLEET_REDIS_URL")
+
+
+def test_a_gateway_given_a_wrong_redis_password_exits_without_showing_it(
+    redis_with_password: int, tmp_path: Path
+) -> None:
+    wrong = "not-" + PASSWORD
+
+    exited = gateway(tmp_path, ORTFLEET_REDIS_URL=f"redis://:{wrong}@127.0.0.1:{redis_with_password}/0")
+
+    masked = f"redis://:****@127.0.0.1:{redis_with_password}/0"
+    assert_one_line(exited, "ortfleet-gateway", masked, "password", "ORTFLEET_REDIS_URL")
+    assert wrong not in exited.stderr
+
+
+def test_a_gateway_whose_redis_is_unreachable_starts_says_so_and_reports_not_ready(
+    unreachable_redis: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--port", str(port)],
+        env=clean_env(ORTFLEET_REDIS_URL=unreachable_redis),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        reply = first_answer(f"http://127.0.0.1:{port}/readyz", process)
+        assert reply.status_code == 503
+        assert "Redis is unreachable" in reply.json()["reason"]
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=10)
+    masked = unreachable_redis.replace(PASSWORD, "****")
+    said = [line for line in stderr.splitlines() if masked in line]
+    assert len(said) == 1 and "unreachable" in said[0] and "/readyz" in said[0], stderr
+    assert PASSWORD not in stderr
+    assert "Traceback" not in stderr
+
+
+def test_invalid_gateway_settings_are_named_one_line_per_variable(tmp_path: Path) -> None:
+    exited = gateway(tmp_path, ORTFLEET_MAX_QUEUED_JOBS="-1", ORTFLEET_HEARTBEAT_TTL_S="abc")
+
+    assert exited.returncode != 0
+    assert "Traceback" not in exited.stderr, exited.stderr
+    assert sorted(exited.lines_of("ortfleet-gateway")) == [
+        "ortfleet-gateway: ORTFLEET_HEARTBEAT_TTL_S: Input should be a valid number, unable to parse string "
+        "as a number",
+        "ortfleet-gateway: ORTFLEET_MAX_QUEUED_JOBS: Input should be greater than or equal to 1",
+    ], exited.stderr
+
+
+# The worker
+
+
+def test_a_worker_given_no_password_for_a_redis_that_wants_one_exits_naming_the_setting(
+    redis_with_password: int, tmp_path: Path
+) -> None:
+    url = f"redis://127.0.0.1:{redis_with_password}/0"
+
+    exited = worker(tmp_path, "--redis-url", url)
+
+    assert_one_line(exited, "ortfleet-worker", url, "password", "ORTFLEET_REDIS_URL")
+
+
+def test_a_worker_given_a_wrong_redis_password_exits_without_showing_it(
+    redis_with_password: int, tmp_path: Path
+) -> None:
+    wrong = "not-" + PASSWORD
+
+    exited = worker(tmp_path, ORTFLEET_REDIS_URL=f"redis://:{wrong}@127.0.0.1:{redis_with_password}/0")
+
+    assert_one_line(exited, "ortfleet-worker", f"redis://:****@127.0.0.1:{redis_with_password}/0", "password")
+    assert wrong not in exited.stderr
+
+
+def test_a_worker_whose_redis_is_unreachable_exits_naming_it(unreachable_redis: str, tmp_path: Path) -> None:
+    exited = worker(tmp_path, ORTFLEET_REDIS_URL=unreachable_redis)
+
+    masked = unreachable_redis.replace(PASSWORD, "****")
+    assert_one_line(exited, "ortfleet-worker", masked, "ORTFLEET_REDIS_URL")
+    assert PASSWORD not in exited.stderr
+
+
+def test_a_worker_whose_metrics_port_is_taken_exits_naming_the_port(
+    redis_server: RedisServer, taken_port: int, tmp_path: Path
+) -> None:
+    exited = worker(tmp_path, "--metrics-port", str(taken_port), ORTFLEET_REDIS_URL=redis_server.url)
+
+    assert_one_line(exited, "ortfleet-worker", f"127.0.0.1:{taken_port}", "in use", "--metrics-port")
+
+
+def test_invalid_worker_settings_are_named_one_line_per_variable_or_flag(tmp_path: Path) -> None:
+    exited = worker(tmp_path, "--max-batch-size", "0", ORTFLEET_HEARTBEAT_TTL_S="abc")
+
+    assert exited.returncode != 0
+    assert "Traceback" not in exited.stderr, exited.stderr
+    assert sorted(exited.lines_of("ortfleet-worker")) == [
+        "ortfleet-worker: --max-batch-size: Input should be greater than or equal to 1",
+        "ortfleet-worker: ORTFLEET_HEARTBEAT_TTL_S: Input should be a valid number, unable to parse string "
+        "as a number",
+    ], exited.stderr
+
+
+def corrupt_genai_config(model: Path) -> None:
+    (model / "genai_config.json").write_text('{"model": {"type": ')
+
+
+def remove(name: str, *, marker_too: bool = False) -> Breakage:
+    """Removes the file; with `marker_too`, the build marker as well (a folder ortfleet did not build)."""
+
+    def broken(model: Path) -> None:
+        (model / name).unlink()
+        if marker_too:
+            (model / MARKER_NAME).unlink()
+
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("breakage", "named"),
+    [
+        (corrupt_genai_config, "genai_config.json"),
+        (remove("model.onnx.data"), "model.onnx.data"),
+        (remove("tokenizer.json"), "tokenizer.json"),
+        (remove("model.onnx.data", marker_too=True), "model.onnx.data"),
+        (remove("tokenizer.json", marker_too=True), "tokenizer.json"),
+    ],
+    ids=[
+        "corrupt genai_config.json",
+        "no model.onnx.data",
+        "no tokenizer.json",
+        "no model.onnx.data, no build marker",
+        "no tokenizer.json, no build marker",
+    ],
+)
+def test_a_worker_with_a_broken_model_folder_exits_naming_the_file(
+    breakage: Breakage, named: str, tiny_model: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    breakage(model)
+
+    exited = run_to_exit(
+        ["worker", "--model", str(model), "--device", "cpu"],
+        clean_env(ORTFLEET_REDIS_URL=redis_server.url),
+        tmp_path,
+    )
+
+    assert_one_line(exited, "ortfleet-worker", str(model), named)
+
+
+def test_with_log_level_debug_a_startup_mistake_shows_its_traceback_too(
+    redis_server: RedisServer, taken_port: int, tmp_path: Path
+) -> None:
+    exited = worker(
+        tmp_path,
+        "--metrics-port",
+        str(taken_port),
+        ORTFLEET_REDIS_URL=redis_server.url,
+        ORTFLEET_LOG_LEVEL="debug",
+    )
+
+    assert exited.returncode != 0
+    assert "Traceback" in exited.stderr
+    assert exited.lines_of("ortfleet-worker") == [exited.last_line]
+    assert f"127.0.0.1:{taken_port}" in exited.last_line
+
+
+# ortfleet up
+
+
+def test_ortfleet_up_names_each_invalid_setting_before_starting_anything(
+    redis_server: RedisServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    exited = run_to_exit(
+        ["ortfleet", "up", "--redis-url", redis_server.url, "--model", str(tiny_model), "--port", "0"],
+        clean_env(ORTFLEET_MAX_QUEUED_JOBS="-1", ORTFLEET_HEARTBEAT_TTL_S="abc"),
+        tmp_path,
+    )
+
+    assert exited.returncode != 0
+    assert "Traceback" not in exited.stderr, exited.stderr
+    assert "starting" not in exited.stderr, exited.stderr
+    assert sorted(exited.lines_of("ortfleet up")) == [
+        "ortfleet up: ORTFLEET_HEARTBEAT_TTL_S: Input should be a valid number, unable to parse string "
+        "as a number",
+        "ortfleet up: ORTFLEET_MAX_QUEUED_JOBS: Input should be greater than or equal to 1",
+    ], exited.stderr
