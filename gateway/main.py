@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_with(PROG, [str(e)], e, debug=debug_wanted(settings))
     open_files = raise_open_file_limit()
     logger.info("open-file limit %s: at most about that many client connections at once", open_files)
-    gateway_metrics = GatewayMetrics()
+    gateway_metrics = GatewayMetrics(per_key=settings.metrics_per_key)
     protocol = guarded_protocol(
         settings.max_header_bytes,
         settings.header_timeout_s,

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ortfleet.fleet.processes import free_port, stop
-from tests.conftest import LOGS, Fleet
+from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_cli import ortfleet_up
 
@@ -281,3 +281,18 @@ def test_up_gives_each_worker_its_own_metrics_port_listed_for_prometheus(
             text = httpx.get(f"http://{target}/metrics", timeout=10).text
             assert value(text, "ortfleet_engine_capacity", model=tiny_model.name) == 4
         assert "ortfleet status --redis-url redis://127.0.0.1:" in printed
+
+
+@pytest.mark.parametrize("per_key", [True, False])
+def test_a_gateway_labels_queue_and_served_tokens_by_key_only_when_told_to(
+    redis_server: RedisServer, tiny_model: Path, per_key: bool
+) -> None:
+    fleet = Fleet(redis_server.url, tiny_model)
+    try:
+        _, url = fleet.start_gateway({"ORTFLEET_METRICS_PER_KEY": str(per_key).lower()})
+        names = {family.name for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+        assert ("ortfleet_queued_jobs_by_key" in names) is per_key
+        assert ("ortfleet_served_tokens_by_key" in names) is per_key
+        assert "ortfleet_served_tokens" in names
+    finally:
+        fleet.stop_all()
