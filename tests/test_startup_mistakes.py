@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from common.model_folder import MARKER_NAME
-from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
+from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import RedisServer
 
 # The promise is 2 s; the rest is room for a busy test machine (the interpreter and its imports alone
@@ -93,23 +93,7 @@ def taken_port() -> Iterator[int]:
 def redis_with_password(tmp_path: Path) -> Iterator[int]:
     """A redis-server that wants PASSWORD (requirepass); its port."""
     port = free_port()
-    command = [
-        redis_server_binary(),
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ]
-    process = subprocess.Popen(
-        [*command, "--dir", str(tmp_path), "--requirepass", PASSWORD],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for_port(port, process, "redis-server")
+    process = start_redis(port, tmp_path, appendonly=False, options=("--requirepass", PASSWORD))
     yield port
     stop(process)
 
@@ -139,6 +123,9 @@ def worker(cwd: Path, *args: str, **settings: str) -> Exited:
     return run_to_exit(["worker", "--fake-engine", "1:1", *args], clean_env(**settings), cwd)
 
 
+STARTS = {"gateway": gateway, "worker": worker}
+
+
 # The gateway
 
 
@@ -151,28 +138,6 @@ def test_a_gateway_whose_port_is_taken_exits_at_once_naming_the_port(
 
     line = assert_one_line(exited, "ortfleet-gateway", f"127.0.0.1:{taken_port}", "in use", "--port")
     assert "ORTFLEET_PORT" in line
-
-
-def test_a_gateway_given_no_password_for_a_redis_that_wants_one_exits_naming_the_setting(
-    redis_with_password: int, tmp_path: Path
-) -> None:
-    url = f"redis://127.0.0.1:{redis_with_password}/0"
-
-    exited = gateway(tmp_path, ORTFLEET_REDIS_URL=url)
-
-    assert_one_line(exited, "ortfleet-gateway", url, "password", "ORTFLEET_REDIS_URL")
-
-
-def test_a_gateway_given_a_wrong_redis_password_exits_without_showing_it(
-    redis_with_password: int, tmp_path: Path
-) -> None:
-    wrong = "not-" + PASSWORD
-
-    exited = gateway(tmp_path, ORTFLEET_REDIS_URL=f"redis://:{wrong}@127.0.0.1:{redis_with_password}/0")
-
-    masked = f"redis://:****@127.0.0.1:{redis_with_password}/0"
-    assert_one_line(exited, "ortfleet-gateway", masked, "password", "ORTFLEET_REDIS_URL")
-    assert wrong not in exited.stderr
 
 
 def test_a_gateway_whose_redis_is_unreachable_starts_says_so_and_reports_not_ready(
@@ -214,27 +179,6 @@ def test_invalid_gateway_settings_are_named_one_line_per_variable(tmp_path: Path
 
 
 # The worker
-
-
-def test_a_worker_given_no_password_for_a_redis_that_wants_one_exits_naming_the_setting(
-    redis_with_password: int, tmp_path: Path
-) -> None:
-    url = f"redis://127.0.0.1:{redis_with_password}/0"
-
-    exited = worker(tmp_path, "--redis-url", url)
-
-    assert_one_line(exited, "ortfleet-worker", url, "password", "ORTFLEET_REDIS_URL")
-
-
-def test_a_worker_given_a_wrong_redis_password_exits_without_showing_it(
-    redis_with_password: int, tmp_path: Path
-) -> None:
-    wrong = "not-" + PASSWORD
-
-    exited = worker(tmp_path, ORTFLEET_REDIS_URL=f"redis://:{wrong}@127.0.0.1:{redis_with_password}/0")
-
-    assert_one_line(exited, "ortfleet-worker", f"redis://:****@127.0.0.1:{redis_with_password}/0", "password")
-    assert wrong not in exited.stderr
 
 
 def test_a_worker_whose_redis_is_unreachable_exits_naming_it(unreachable_redis: str, tmp_path: Path) -> None:
@@ -350,3 +294,32 @@ def test_ortfleet_up_names_each_invalid_setting_before_starting_anything(
         "as a number",
         "ortfleet up: ORTFLEET_MAX_QUEUED_JOBS: Input should be greater than or equal to 1",
     ], exited.stderr
+
+
+# Both processes
+
+
+@pytest.mark.parametrize("process", ["gateway", "worker"])
+def test_a_process_given_no_password_for_a_redis_that_wants_one_exits_naming_the_setting(
+    process: str, redis_with_password: int, tmp_path: Path
+) -> None:
+    url = f"redis://127.0.0.1:{redis_with_password}/0"
+
+    exited = STARTS[process](tmp_path, ORTFLEET_REDIS_URL=url)
+
+    assert_one_line(exited, f"ortfleet-{process}", url, "password", "ORTFLEET_REDIS_URL")
+
+
+@pytest.mark.parametrize("process", ["gateway", "worker"])
+def test_a_process_given_a_wrong_redis_password_exits_without_showing_it(
+    process: str, redis_with_password: int, tmp_path: Path
+) -> None:
+    wrong = "not-" + PASSWORD
+
+    exited = STARTS[process](
+        tmp_path, ORTFLEET_REDIS_URL=f"redis://:{wrong}@127.0.0.1:{redis_with_password}/0"
+    )
+
+    masked = f"redis://:****@127.0.0.1:{redis_with_password}/0"
+    assert_one_line(exited, f"ortfleet-{process}", masked, "password", "ORTFLEET_REDIS_URL")
+    assert wrong not in exited.stderr

@@ -44,9 +44,10 @@ def start_redis(
     appendonly: bool = True,
     log: Path | None = None,
     unix_socket: Path | None = None,
+    options: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """A redis-server on 127.0.0.1:port (and on `unix_socket`, if given) keeping its data (AOF, fsync
-    every second) in data_dir."""
+    every second) in data_dir; `options` are more of its command-line options (`--requirepass`, …)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [
         redis_server_binary(),
@@ -69,6 +70,7 @@ def start_redis(
     ]
     if unix_socket is not None:
         command += ["--unixsocket", str(unix_socket), "--unixsocketperm", "700"]
+    command += options
     # A process group of its own: a terminal's Ctrl-C does not stop it before the workers hand back
     # their jobs.
     process = subprocess.Popen(
