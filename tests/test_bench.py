@@ -266,6 +266,33 @@ def test_the_pickup_bench_times_sequential_jobs_on_an_idle_worker(tmp_path: Path
     assert_summary(data["client_submit_to_running_ms"], 10)
 
 
+def test_the_batching_bench_checks_each_candidates_greedy_tokens_and_times_its_decode_steps(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "batching.json"
+    done = bench(
+        "batching", "--model", str(tiny_model), "--batch-sizes", "1,2", "--past-lengths", "8,16",
+        "--steps", "2", "--tokens", "6", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    candidates = ["session-run", "session-bound", "session-shared", "generators", "og-batch"]
+    assert data["bench"] == "batching" and data["candidates"] == candidates
+    for name in candidates:  # every prompt's tokens were compared with its lone og.Generator's
+        check = data["correctness"][name]
+        assert check["rows"] == len(check["rows_detail"]) >= 4 and check["tokens"] > 0
+        assert 0 <= check["rows_equal"] <= check["rows"] and 0 <= check["tokens_equal"] <= check["tokens"]
+        assert f"{check['rows_equal']}/{check['rows']}" in done.stdout
+    shared = data["correctness"]["session-shared"]  # the shared KV buffer: rows join and leave exactly
+    assert shared["rows_equal"] == shared["rows"]
+    assert [(t["past_length"], t["batch"]) for t in data["timing"]] == [(8, 1), (8, 2), (16, 1), (16, 2)]
+    for entry in data["timing"]:
+        assert set(entry["candidates"]) == set(candidates)
+        for side in entry["candidates"].values():
+            assert side["ms_per_step"] > 0 and side["tokens_per_s"] > 0
+            assert side["tokens_per_s_vs_lone_generator"] > 0 and side["ms_per_step_vs_og_batch"] > 0
+
+
 def test_bench_options_are_checked() -> None:
     command = [sys.executable, "-m", "ortfleet", "bench", "--concurrency", "0,2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)

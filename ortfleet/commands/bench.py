@@ -23,7 +23,7 @@ def register(subparsers: Subparsers) -> None:
         "bench",
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {FLEET_HELP}. "
-        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness.",
+        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness, batching.",
     )
     _fleet_options(parser)
     parser.set_defaults(func=run_fleet)
@@ -153,6 +153,36 @@ def register(subparsers: Subparsers) -> None:
     fairness.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     fairness.set_defaults(func=run_fairness)
 
+    batching = modes.add_parser(
+        "batching",
+        help="ways for a CPU worker to step different requests' rows together: greedy tokens checked, "
+        "ms per decode step",
+        description="On one model folder, in one run: onnxruntime's InferenceSession with KV buffers "
+        "owned by ortfleet (past in and present out; the same through IOBinding; one buffer bound as both, "
+        "ORT-GenAI's share-buffer mode), one og.Generator per request stepped in turn, and one og.Generator "
+        "holding every row (og.Engine's static batch). Each candidate's greedy tokens for a few prompts "
+        "(rows joining two steps apart) against each prompt's lone og.Generator, then ms per decode step "
+        "at each batch size and past length, the candidates measured back to back.",
+    )
+    batching.add_argument(
+        "--model", type=Path, metavar="DIR", help="model folder (default: the default model)"
+    )
+    batching.add_argument(
+        "--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="rows per step (default 1,2,4,8)"
+    )
+    batching.add_argument(
+        "--past-lengths",
+        type=_int_list,
+        default=[100, 1000],
+        help="tokens already in the longest row's KV (the other rows up to a third fewer; default 100,1000)",
+    )
+    batching.add_argument("--steps", type=_positive, default=32, help="timed decode steps per figure (32)")
+    batching.add_argument(
+        "--tokens", type=_positive, default=24, help="greedy tokens per prompt in the correctness check (24)"
+    )
+    batching.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    batching.set_defaults(func=run_batching)
+
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -280,6 +310,20 @@ def run_fairness(args: argparse.Namespace) -> int:
     )
     figures = fairness.run(options)
     return _finish(figures, fairness.text(figures), args.json)
+
+
+def run_batching(args: argparse.Namespace) -> int:
+    from ortfleet.bench import batching
+
+    options = batching.BatchingOptions(
+        model_dir=model_dir(args.model),
+        batch_sizes=args.batch_sizes,
+        past_lengths=args.past_lengths,
+        steps=args.steps,
+        tokens=args.tokens,
+    )
+    figures = batching.run(options)
+    return _finish(figures, batching.text(figures), args.json)
 
 
 def run_fleet(args: argparse.Namespace) -> int:
