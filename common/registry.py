@@ -24,7 +24,7 @@ class WorkerInfo:
     pid: int
     started_at: float
     in_flight: int = 0
-    state: str = "ready"  # ready | draining
+    state: str = "ready"  # ready | draining | recovering (its engine failed: it serves nothing until rebuilt)
     generated_tokens: int = 0  # since the worker started, running jobs included
     tokens_per_s: float = 0.0  # over the last few seconds
     metrics_url: str = ""  # its Prometheus /metrics
@@ -44,6 +44,11 @@ async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: in
         pipe.hset(keys.MODELS, info.model, json.dumps(model_info))
         pipe.expire(keys.MODELS, remember_s)
         await pipe.execute()
+
+
+def serving(entry: dict[str, str]) -> bool:
+    """Whether a registry entry's worker can run jobs now (a recovering one cannot, for a while)."""
+    return entry.get("state", "ready") != "recovering"
 
 
 async def deregister(redis: Redis, worker_id: str) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from common import keys
-from common.registry import live_workers
+from common.registry import live_workers, serving
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class ModelState:
     workers: int
     capacity: int
     in_flight: int
+    ready: int = 0  # workers that can run jobs now: not those rebuilding a failed engine
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class FleetView:
                 before.workers + 1,
                 before.capacity + int(worker["capacity"]),
                 before.in_flight + int(worker.get("in_flight", "0")),
+                before.ready + int(serving(worker)),
             )
             known.setdefault(name, before.context_length)
         return FleetSnapshot(known, live)

@@ -37,8 +37,12 @@ async def readyz(request: Request) -> Response:
         return JSONResponse({"status": "unavailable", "reason": f"Redis is unreachable: {e}"}, 503)
     if not fleet.live:
         return JSONResponse({"status": "unavailable", "reason": "no live worker"}, 503)
-    # Public: live workers per model, what a load balancer or a deployment waits for; no load figures.
-    models = {name: {"workers": m.workers} for name, m in fleet.live.items()}
+    # Public: ready workers per model, what a load balancer or a deployment waits for; no load figures.
+    models = {name: {"workers": m.ready} for name, m in fleet.live.items() if m.ready}
+    if not models:
+        recovering = sum(m.workers for m in fleet.live.values())
+        reason = f"no ready worker: {recovering} live worker(s) are rebuilding a failed engine"
+        return JSONResponse({"status": "unavailable", "reason": reason}, 503)
     return JSONResponse({"status": "ready", "models": models})
 
 

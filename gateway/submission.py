@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import secrets
@@ -16,6 +17,7 @@ from common.error_codes import ErrorCode
 from common.guidance import Guidance
 from common.jobqueue import NotReplicated, OwnerBusy, QueueFull, QueueLimits, Submitted
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
+from gateway import guidance_check
 from gateway.errors import ApiError, validation_error
 from gateway.state import AppState
 
@@ -85,14 +87,25 @@ def resolved_sampling(request: JobRequest, default_max_tokens: int) -> Sampling:
         raise validation_error(e) from e
 
 
-def guidance_of(request: JobRequest) -> Guidance | None:
-    """The grammar for the request's response_format; ignore_eos cannot go with one (the grammar ends)."""
+async def guidance_of(request: JobRequest) -> Guidance | None:
+    """The grammar for the request's response_format, checked as the engine would compile and run it
+    (400 naming the limit it exceeds); ignore_eos cannot go with one (the grammar ends)."""
     guidance = request.response_format.guidance() if request.response_format is not None else None
-    if guidance is not None and request.ignore_eos:
+    if guidance is None:
+        return None
+    if request.ignore_eos:
         raise ApiError(
             422,
             "ignore_eos: cannot be combined with structured output, whose grammar decides where it ends",
             param="ignore_eos",
+        )
+    problem = await asyncio.to_thread(guidance_check.check, guidance)
+    if problem is not None:
+        raise ApiError(
+            400,
+            f"response_format: {problem.message}",
+            param="response_format",
+            code=ErrorCode.invalid_response_format,
         )
     return guidance
 
@@ -172,6 +185,7 @@ async def submit_job(
     line's) overrides the request's class."""
     effective = priority or request.priority
     check_priority(effective, principal)
+    guidance = await guidance_of(request)
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
@@ -183,7 +197,7 @@ async def submit_job(
         sampling=resolved_sampling(request, state.settings.default_max_tokens),
         submitted_at=now,
         priority=effective,
-        guidance=guidance_of(request),
+        guidance=guidance,
     )
     idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None

@@ -93,7 +93,8 @@ def test_every_metric_is_on_the_operations_page() -> None:
         generated_tokens=0,
     )
     worker = WorkerMetrics(
-        CollectorRegistry(), SimpleNamespace(info=info, runs={}, engine=SimpleNamespace(capacity=1))
+        CollectorRegistry(),
+        SimpleNamespace(info=info, runs={}, engine=SimpleNamespace(capacity=1), engine_restarts=0),
     )
     names = {
         metric.name

@@ -160,12 +160,12 @@ async def test_a_grammar_the_engine_cannot_compile_fails_its_request_not_the_wor
             sdk.chat.completions.create(model=served, messages=chat("Hi"), max_tokens=5, extra_body=extra)
         assert raised.value.param == "response_format" and raised.value.code == "invalid_response_format"
         assert "cannot use this" in raised.value.message
-    job = await submit(
-        client, {"model": served, "prompt": "Hi", "response_format": {"type": "regex", "regex": "(x"}}
-    )
-    failed = await wait_done(client, job["id"])
-    assert failed["status"] == "failed" and failed["error_code"] == "invalid_response_format"
-    assert "regex" in failed["error"]
+    job = {"model": served, "prompt": "Hi", "response_format": {"type": "regex", "regex": "(x"}}
+    refused = await client.post("/v1/jobs", json=job)  # checked before it is queued, as on every route
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == "invalid_response_format"
+    assert "cannot use this regex" in error["message"]
     after = sdk.chat.completions.create(model=served, messages=chat("Hi"), max_tokens=3, temperature=0)
     assert after.usage is not None and after.usage.completion_tokens == 3  # the worker still serves
 

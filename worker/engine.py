@@ -18,6 +18,7 @@ class Finish(str, Enum):
     length = "length"
     cancelled = "cancelled"
     error = "error"
+    lost = "lost"  # the engine failed under the request, through no fault of its own: the job goes back
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class Engine(Protocol):
     context_length: int
     continuous_batching: bool
     eos_token_ids: frozenset[int]
+    # Called in the event loop, with the cause, once the engine has failed and can run nothing more: it
+    # has ended every request it held (see Finish.lost) and waits for `restart`.
+    on_failure: Callable[[str], None] | None
 
     def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
         """Hands requests to the engine together, so a static batch starts with all of them."""
@@ -127,6 +131,10 @@ class Engine(Protocol):
     def cancel(self, stream: GenerationStream) -> None: ...
 
     def close(self) -> None: ...
+
+    async def restart(self) -> None:
+        """A working engine again after a failure; raises when none can be made."""
+        ...
 
 
 class Tokenizer(Protocol):

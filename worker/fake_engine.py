@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
@@ -84,6 +85,9 @@ class FakeEngine:
         self.eos_token_ids = frozenset({EOS})
         self.tokenizer = FakeTokenizer()
         self._eos_after = eos_after
+        self.on_failure: Callable[[str], None] | None = None
+        self.failed: str | None = None  # see fail
+        self.restart_error: Exception | None = None  # what restart raises, if anything
         self._active: list[_Active] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -92,7 +96,9 @@ class FakeEngine:
         loop = asyncio.get_running_loop()
         streams = [GenerationStream(request=request, loop=loop) for request in requests]
         for stream in streams:
-            if len(stream.request.prompt_ids) >= self.context_length:
+            if self.failed is not None:
+                stream.deliver(EngineUpdate([], Finish.lost, self.failed))
+            elif len(stream.request.prompt_ids) >= self.context_length:
                 stream.deliver(EngineUpdate([], Finish.error, "the prompt does not fit the context"))
             else:
                 self._active.append(_Active(stream))
@@ -109,6 +115,22 @@ class FakeEngine:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+    def fail(self, cause: str) -> None:
+        """Fails as og.Engine does for good: the oldest request ends with the error, the others `lost`,
+        and every request is lost until `restart`."""
+        ended, self._active = self._active, []
+        for i, active in enumerate(ended):
+            update = EngineUpdate([], Finish.error if i == 0 else Finish.lost, cause)
+            active.stream.updates.put_nowait(update)
+        self.failed = cause
+        if self.on_failure is not None:
+            self.on_failure(cause)
+
+    async def restart(self) -> None:
+        if self.restart_error is not None:
+            raise self.restart_error
+        self.failed = None
 
     async def aclose(self) -> None:
         self.close()

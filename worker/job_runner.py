@@ -99,6 +99,7 @@ class JobRun:
         self._abandoned = False
         self._preempting = False  # asked to stop for interactive work (see preempted)
         self.preempted = False  # stopped for interactive work: its worker gives it back to the queue
+        self.lost = False  # the engine failed under it: its worker gives it back to the queue
         self.progress = Progress()
         self.started_at = time.time()
         self.batch_peak = 0
@@ -220,7 +221,7 @@ class JobRun:
         if self._preempting and not self._cancelled and outcome.status is JobStatus.cancelled:
             self.preempted = True
             return
-        if not self._abandoned:
+        if not self._abandoned and not self.lost:
             await self._finish(outcome, publisher)
 
     def _running_entry(self) -> dict[str, str]:
@@ -342,6 +343,9 @@ class JobRun:
         finish = update.finish
         if finish is Finish.cancelled or (self._cancelled and finish is not Finish.error):
             return Outcome(JobStatus.cancelled, FinishReason.cancelled, text, generated)
+        if finish is Finish.lost:
+            self.lost = True  # its streamed tokens are written; the next attempt resumes from them
+            return Outcome(JobStatus.queued, None, text, generated)
         if finish is Finish.error:
             code = update.error_code or ErrorCode.job_failed  # the engine's failure, unless it named one
             return Outcome(JobStatus.failed, FinishReason.error, text, generated, update.error, code)

@@ -169,7 +169,13 @@ class EngineLoad:
             f"{NAMESPACE}_generation_tokens", "Tokens generated (running jobs included).", labels=LABELS
         )
         generated.add_metric(self.values, service.info.generated_tokens)
-        return [running, capacity, generated]
+        restarts = CounterMetricFamily(
+            f"{NAMESPACE}_engine_restarts",
+            "Failed engines this worker replaced with a new one, without restarting the process.",
+            labels=LABELS,
+        )
+        restarts.add_metric(self.values, service.engine_restarts)
+        return [running, capacity, generated, restarts]
 
 
 def worker_labels(service: WorkerService) -> dict[str, str]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 _TOKEN = og.EngineEventFlags.TOKEN.value
 _FINISHED = og.EngineEventFlags.TURN_FINISHED.value
 _FAILED = og.EngineEventFlags.FAILED.value
+_ENGINE_FAILURE = og.EngineErrorCode.ENGINE_EXECUTION_FAILURE
+# How the engine's llguidance says a request's grammar broke a step (the failure's cause).
+_GRAMMAR_FAILURES = ("Error committing tokens", "parser error", "lexer error", "grammar")
 
 # The seeds both of og's ways to sample take: GeneratorParams' random_seed is an int32 (-1: unseeded),
 # TurnOptions.set_seed an unsigned one. A job's seed (0 to 2**63 - 1) samples with seed mod 2**31, the
@@ -62,6 +66,12 @@ def grammar_errors(guidance: tuple[str, str] | None) -> Iterator[None]:
             raise
         detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
         raise GuidanceRejected(f"response_format: the engine cannot use this {guidance[0]}: {detail}") from e
+
+
+def failure_cause(error: str) -> str:
+    """The engine's failure in one line: its cause, without llguidance's parser state."""
+    cause = error.split("<state>")[0].split("Cause:", 1)[-1]
+    return " ".join(line.strip() for line in cause.splitlines() if line.strip())[:500]
 
 
 def load_config(model_dir: Path, device: Device, max_batch_size: int | None) -> og.Config:
@@ -145,6 +155,11 @@ class OrtEngine:
         self.capacity = 0
         self.eos_token_ids: frozenset[int] = frozenset()
         self.tokenizer: OrtTokenizer
+        # Called in the event loop when og.Engine fails and can run nothing more (see restart).
+        self.on_failure: Callable[[str], None] | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._failed: str | None = None  # the engine thread's: why og.Engine is unusable
+        self._restarted: concurrent.futures.Future[None] | None = None
         self._thread = threading.Thread(target=self._main, name="ort-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -152,7 +167,7 @@ class OrtEngine:
             raise self._startup_error
 
     def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
-        loop = asyncio.get_running_loop()
+        loop = self._event_loop = asyncio.get_running_loop()
         streams = [GenerationStream(request=request, loop=loop) for request in requests]
         self._commands.put(("submit", streams))
         return streams
@@ -165,15 +180,22 @@ class OrtEngine:
         self._commands.put(("stop", []))
         self._thread.join(timeout=10)
 
+    async def restart(self) -> None:
+        """A fresh og.Engine on the same og.Model, after a failure (on_failure); raises when none can be
+        made."""
+        restarted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._restarted = restarted
+        self._commands.put(("restart", []))
+        await asyncio.wrap_future(restarted)
+
     def _main(self) -> None:
         try:
             config = load_config(self._model_dir, self._device, self._max_batch_size)
             self._model = og.Model(config)
             self.tokenizer = OrtTokenizer(self._model)
             self.eos_token_ids = self.tokenizer.eos_token_ids
-            self._engine = og.Engine(self._model)
+            self._new_engine()
             self.capacity = int(self._engine.get_capabilities().configured_max_batch_size) or 1
-            self._buffer = self._engine.create_event_buffer(max(64, 4 * self.capacity))
         except BaseException as e:  # handed to the constructor's caller
             self._startup_error = e
             self._ready.set()
@@ -185,13 +207,19 @@ class OrtEngine:
             logger.exception("the engine thread died")
             raise
 
+    def _new_engine(self) -> None:
+        self._engine = og.Engine(self._model)
+        self._buffer = self._engine.create_event_buffer(max(64, 4 * self.capacity))
+
     def _loop(self) -> None:
         self._active: dict[Any, tuple[GenerationStream, int]] = {}
         self._solo: list[_SoloRun] = []
         while True:
-            busy = self._engine.has_pending_requests() or bool(self._solo)
+            busy = not self._failed and (self._engine.has_pending_requests() or bool(self._solo))
             if not self._drain_commands(block=not busy):
                 return
+            if self._failed:
+                continue
             if self._engine.has_pending_requests():
                 self._step()
             if self._solo:
@@ -207,8 +235,12 @@ class OrtEngine:
         while True:
             if command == "stop":
                 return False
+            if command == "restart":
+                self._restart()
             for stream in streams:
-                if command == "submit":
+                if command == "submit" and self._failed:
+                    stream.deliver(EngineUpdate([], Finish.lost, self._failed))
+                elif command == "submit":
                     self._start(stream)
                 else:
                     self._stop(stream)
@@ -291,7 +323,17 @@ class OrtEngine:
                 return
 
     def _step(self) -> None:
-        events = list(self._engine.run(self._buffer))
+        try:
+            events = list(self._engine.run(self._buffer))
+        except Exception as e:
+            self._fail(str(e), [stream for stream, _turn in self._active.values()])
+            return
+        if any(int(e.flags.value) & _FAILED and e.error_code == _ENGINE_FAILURE for e in events):
+            error = self._health_error()
+            if error is not None:  # og.Engine is done for: no request of it can go on
+                failed = [self._active[e.request][0] for e in events if e.request in self._active]
+                self._fail(error, failed)
+                return
         rows = len({e.request for e in events}) + len(self._solo)
         tokens: dict[Any, list[int]] = {}
         updates: list[tuple[GenerationStream, EngineUpdate]] = []
@@ -313,6 +355,68 @@ class OrtEngine:
             if entry is not None:
                 updates.append((entry[0], EngineUpdate(ids, batch_rows=rows)))
         deliver_all(updates)  # one wake-up of the event loop per step
+
+    def _health_error(self) -> str | None:
+        """og.Engine's error when it can take no more requests (it rethrows its failure), else None."""
+        try:
+            self._engine.create_request().close()
+        except Exception as e:
+            return str(e)
+        return None
+
+    def _fail(self, error: str, failed: list[GenerationStream]) -> None:
+        """og.Engine failed for good. The request that broke it ends with the error: the guided requests
+        among those it failed when the cause is a grammar (invalid_response_format), else those it failed.
+        Every other request it held, and every solo run, ends `lost`: its job goes back to the queue."""
+        cause = failure_cause(error)
+        logger.error("the engine failed and can run nothing more: %s", cause)
+        guided = [stream for stream in failed if stream.request.guidance is not None]
+        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        if guided and any(marker in error for marker in _GRAMMAR_FAILURES):
+            for stream in guided:
+                assert stream.request.guidance is not None
+                kind = stream.request.guidance[0]
+                message = f"response_format: the engine failed on this {kind} while generating ({cause})"
+                code = ErrorCode.invalid_response_format
+                updates.append((stream, EngineUpdate([], Finish.error, message, error_code=code)))
+            culprits = guided
+        else:
+            culprits = failed
+            message = f"the engine failed while generating ({cause})"
+            updates += [(stream, EngineUpdate([], Finish.error, message)) for stream in failed]
+        held = [stream for stream, _turn in self._active.values()] + [run.stream for run in self._solo]
+        lost = [stream for stream in held if not any(stream is culprit for culprit in culprits)]
+        updates += [(stream, EngineUpdate([], Finish.lost, cause)) for stream in lost]
+        for og_request in self._active:
+            with contextlib.suppress(Exception):
+                og_request.close()
+        self._active.clear()
+        self._solo.clear()
+        self._failed = cause
+        deliver_all(updates)
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._report_failure, cause)
+
+    def _report_failure(self, cause: str) -> None:
+        if self.on_failure is not None:
+            self.on_failure(cause)
+
+    def _restart(self) -> None:
+        restarted = self._restarted
+        assert restarted is not None
+        if self._failed is None:  # nothing to replace
+            restarted.set_result(None)
+            return
+        try:
+            self._engine = self._buffer = None  # the failed engine goes first, on its own thread
+            self._new_engine()
+        except Exception as e:
+            logger.exception("a new og.Engine could not be made")
+            restarted.set_exception(e)
+            return
+        self._failed = None
+        logger.info("a new og.Engine serves the model")
+        restarted.set_result(None)
 
     def _step_solo(self) -> None:
         rows = len(self._solo) + len(self._active)

@@ -28,6 +28,10 @@ from worker.throughput import Throughput
 logger = logging.getLogger(__name__)
 
 
+class EngineUnrecoverable(RuntimeError):
+    """The engine failed and no new one could be made in this process."""
+
+
 class WorkerService:
     def __init__(
         self,
@@ -58,6 +62,11 @@ class WorkerService:
         # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
         self.on_job_failed: Callable[[Claim, str], Awaitable[None] | None] | None = None
         self.preemptions = 0
+        self.engine_restarts = 0  # failed engines replaced by a working one
+        self._recovery: asyncio.Task[None] | None = None  # while the engine is rebuilt after a failure
+        self.unrecoverable: BaseException | None = None  # why the engine could not be rebuilt
+        self._failed_again: str | None = None
+        engine.on_failure = self._engine_failed
         self._finished_tokens = 0
         self._throughput = Throughput(time.monotonic())
 
@@ -66,6 +75,8 @@ class WorkerService:
         return self.info.model
 
     def free_slots(self) -> int:
+        if self._recovery is not None:
+            return 0  # no engine to run them
         busy = sum(1 for run in self.runs.values() if not run.engine_done)
         if any(run.claim.quarantined for run in self.runs.values()):
             return 0  # a quarantined job runs alone until it ends
@@ -110,6 +121,11 @@ class WorkerService:
             await asyncio.gather(*background, return_exceptions=True)
             await self.writer.close()
             await self._leave(beating)
+        if self.unrecoverable is not None:
+            raise EngineUnrecoverable(
+                f"the engine failed and no new one could be made ({self.unrecoverable}); the worker stops "
+                "so that its supervisor starts it again"
+            ) from self.unrecoverable
 
     async def _leave(self, beating: asyncio.Task[None]) -> None:
         """Out of the registry. The heartbeat ends first, a beat in flight included (it is bounded by its
@@ -127,6 +143,50 @@ class WorkerService:
                 e,
                 self.settings.heartbeat_ttl_s,
             )
+
+    def _engine_failed(self, cause: str) -> None:
+        if self._recovery is not None:
+            self._failed_again = cause  # the new engine failed too, before it served
+        elif not self._stopping.is_set():
+            self._failed_again = None
+            self._recovery = asyncio.create_task(self._recover(cause), name="engine-recovery")
+
+    async def _recover(self, cause: str) -> None:
+        """After the engine failed for good: out of the ready workers at once, the jobs it held back in
+        the queue (their runs end `lost`; see _execute), then a new engine in this process. A worker
+        whose engine cannot be made again stops, and exits nonzero for its supervisor to restart it."""
+        logger.error("the engine failed (%s): the worker takes no job until it has a new one", cause)
+        self.info.state = "recovering"
+        await self._beat_now()
+        while any(not run.engine_done for run in self.runs.values()):
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+        try:
+            await self.engine.restart()
+            await self.warm_up()
+            if self._failed_again is not None:
+                raise RuntimeError(f"the new engine failed too ({self._failed_again})")
+        except Exception as e:
+            logger.critical("no new engine could be made (%s): the worker stops", e)
+            self.unrecoverable = e
+            self.stop()
+            return
+        self.engine_restarts += 1
+        self.info.state = "ready"
+        self._recovery = None
+        await self._beat_now()
+        logger.info("the worker serves again on a new engine (%d restarts)", self.engine_restarts)
+        self._slot_freed.set()
+        self._wake.set()
+
+    async def _beat_now(self) -> None:
+        """The registry entry, with the worker's state, written now rather than at the next beat."""
+        try:
+            await asyncio.wait_for(
+                self._beat(self.settings.heartbeat_ttl_s), self.settings.heartbeat_ttl_s / 2
+            )
+        except (RedisError, TimeoutError) as e:
+            logger.warning("heartbeat failed (%s)", e or "Redis did not answer in time")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -277,6 +337,8 @@ class WorkerService:
             await run.run()
             if run.preempted and await self.queue.release(run.claim, preempted=True):
                 self.preemptions += 1
+            elif run.lost and not run.preempted and await self.queue.release(run.claim):
+                logger.info("job %s handed back to the queue: the engine failed under it", run.job_id)
             if run.preempt_requested:
                 with contextlib.suppress(RedisError):
                     await self.queue.end_preemption(self.model, self.settings.heartbeat_ttl_s)
