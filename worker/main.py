@@ -26,6 +26,7 @@ from common.settings import WorkerSettings
 from common.startup import CannotStart, debug_wanted, exit_with, settings_error_lines
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
+from worker.service import EngineUnrecoverable
 
 if TYPE_CHECKING:
     from worker.metrics import MetricsServer
@@ -245,4 +246,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         aio.run(serve(settings, args.fake_engine))
     except CannotStart as e:
+        exit_with(PROG, [str(e)], e, debug=debug_wanted(settings))
+    except EngineUnrecoverable as e:  # its supervisor starts it again
         exit_with(PROG, [str(e)], e, debug=debug_wanted(settings))
