@@ -291,6 +291,11 @@ class WorkerSettings(FleetSettings):
         description="Testing aid: a worker kills itself (SIGKILL) when it starts a job whose prompt "
         "holds this text, as an engine crash would (a poison job); empty is off.",
     )
+    fail_marker: str = Field(
+        "",
+        description="Testing aid: a worker fails a job whose prompt holds this text with error code "
+        "job_failed, as it fails a job its engine could not run; empty is off.",
+    )
     claim_poll_s: float = Field(
         1.0,
         gt=0,

@@ -15,27 +15,37 @@ from common.events import done_entry
 from common.wire import JobStatus
 from gateway.openai_api.choices import ChoiceEvent
 from gateway.responses.events import EventFrames
+from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 
 JOB_ID = "x-ortfleet-job-id"
-# The tiny model has 320 tokens: the engine refuses to sample among the 1000 likeliest, and fails the job.
-ENGINE_REFUSES: dict[str, Any] = {"top_k": 1000}
+# A job whose prompt holds this fails on its worker with job_failed (ORTFLEET_FAIL_MARKER, a testing aid).
+FAILS = "fail-this-job"
 TOO_LONG = "The quick brown fox. " * 400  # far past the tiny model's context of 512 tokens
 
 
-def call(sdk: openai.OpenAI, route: str, model: str, *, stream: bool, **extra: Any) -> Any:
+@pytest.fixture
+def failing(fleet: Fleet, model_name: str) -> str:
+    """The test's model name, served by a worker that fails every job whose prompt holds FAILS."""
+    fleet.start_worker(model_name, env={"ORTFLEET_FAIL_MARKER": FAILS})
+    return model_name
+
+
+def call(
+    sdk: openai.OpenAI, route: str, model: str, *, stream: bool, prompt: str = "Hello", **extra: Any
+) -> Any:
     """A chat or text completion of a few sampled tokens; `extra` goes in the body as it is."""
     if route == "chat":
         return sdk.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "Hello"}],
+            messages=[{"role": "user", "content": prompt}],
             max_tokens=4,
             temperature=1.0,
             stream=stream,
             extra_body=extra,
         )
     return sdk.completions.create(
-        model=model, prompt="Hello", max_tokens=4, temperature=1.0, stream=stream, extra_body=extra
+        model=model, prompt=prompt, max_tokens=4, temperature=1.0, stream=stream, extra_body=extra
     )
 
 
@@ -43,46 +53,44 @@ def finish_reasons(chunks: Iterable[Any]) -> list[str]:
     return [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
 
 
-async def test_a_job_the_engine_fails_reads_failed_with_job_failed_and_its_events_end_in_an_error(
-    client: httpx.AsyncClient, served: str
+async def test_a_job_that_fails_on_its_worker_reads_failed_with_job_failed_and_its_events_end_in_an_error(
+    client: httpx.AsyncClient, failing: str
 ) -> None:
-    job = await submit(
-        client, {"model": served, "prompt": "Hello", "max_tokens": 4, "temperature": 1.0, **ENGINE_REFUSES}
-    )
+    job = await submit(client, {"model": failing, "prompt": FAILS, "max_tokens": 4, "temperature": 1.0})
     done = await wait_done(client, job["id"])
     events = await read_events(client, job["id"])
 
     assert done["status"] == "failed" and done["finish_reason"] == "error"
-    assert done["error_code"] == "job_failed" and "top_k" in done["error"]
+    assert done["error_code"] == "job_failed" and "fail marker" in done["error"]
     assert events[-1].event == "error"
     assert events[-1].data["code"] == "job_failed" and events[-1].data["status"] == "failed"
     assert "done" not in [event.event for event in events]
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
-async def test_a_completion_whose_job_the_engine_fails_raises_a_500_job_failed_server_error(
-    sdk: openai.OpenAI, client: httpx.AsyncClient, served: str, route: str
+async def test_a_completion_whose_job_fails_on_its_worker_raises_a_500_job_failed_server_error(
+    sdk: openai.OpenAI, client: httpx.AsyncClient, failing: str, route: str
 ) -> None:
     with pytest.raises(openai.InternalServerError) as raised:
-        call(sdk, route, served, stream=False, **ENGINE_REFUSES)
+        call(sdk, route, failing, stream=False, prompt=FAILS)
 
     error = raised.value
     assert error.status_code == 500 and error.code == "job_failed" and error.type == "server_error"
-    assert "top_k" in error.message
+    assert "fail marker" in error.message
     assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code"}
     job = await wait_done(client, error.response.headers[JOB_ID])
     assert job["status"] == "failed" and job["error_code"] == "job_failed"
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
-async def test_a_completion_stream_whose_job_the_engine_fails_ends_in_an_error_the_sdk_raises(
-    sdk: openai.OpenAI, served: str, route: str
+async def test_a_completion_stream_whose_job_fails_on_its_worker_ends_in_an_error_the_sdk_raises(
+    sdk: openai.OpenAI, failing: str, route: str
 ) -> None:
     chunks: list[Any] = []
     with pytest.raises(openai.APIError) as raised:
-        chunks.extend(call(sdk, route, served, stream=True, **ENGINE_REFUSES))
+        chunks.extend(call(sdk, route, failing, stream=True, prompt=FAILS))
 
-    assert raised.value.code == "job_failed" and "top_k" in raised.value.message
+    assert raised.value.code == "job_failed" and "fail marker" in raised.value.message
     assert finish_reasons(chunks) == []  # no choice finished as if it had succeeded
 
 
@@ -156,3 +164,26 @@ async def test_a_job_seed_past_31_bits_samples_like_the_seed_modulo_2_to_the_31(
 
     assert high["status"] == top["status"] == "succeeded", (high, top)
     assert high["output"] == low["output"] and high["usage"]["completion_tokens"] == 8
+
+
+async def test_a_temperature_too_small_to_sample_with_is_greedy_not_a_failed_job(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    def complete(**sampling: Any) -> tuple[str, str | None]:
+        reply = sdk.completions.create(model=served, prompt="Hello", max_tokens=8, extra_body=sampling)
+        return reply.choices[0].text, reply.choices[0].finish_reason
+
+    # float32 holds 2.2e-309 as 0, a temperature beside which the engine refuses sampling options (top_k)
+    assert complete(temperature=2.2e-309, top_k=55) == complete(temperature=0)
+
+
+async def test_a_top_k_past_the_vocabulary_samples_as_no_bound_at_all(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    def sample(top_k: int) -> str:
+        completion = sdk.completions.create(
+            model=served, prompt="Hello", max_tokens=8, temperature=1.0, seed=3, extra_body={"top_k": top_k}
+        )
+        return completion.choices[0].text
+
+    assert sample(1000) == sample(0)  # the tiny model has 320 tokens; 1000 bounds nothing

@@ -35,6 +35,7 @@ _GRAMMAR_FAILURES = ("Error committing tokens", "parser error", "lexer error", "
 # TurnOptions.set_seed an unsigned one. A job's seed (0 to 2**63 - 1) samples with seed mod 2**31, the
 # same on either scheduler.
 ENGINE_SEEDS = 2**31
+SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
 
 _FINISH = {
     og.FinishReason.EOS: Finish.eos,
@@ -99,6 +100,22 @@ def context_length(model_dir: Path) -> int:
         raise ValueError(f"{model_dir}/genai_config.json has no model.context_length") from e
 
 
+def vocab_size(model_dir: Path) -> int | None:
+    genai = json.loads((model_dir / "genai_config.json").read_text())
+    size = genai.get("model", {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def sampling_options(request: GenerationRequest, vocab: int | None) -> tuple[bool, int]:
+    """Whether the request samples, and its top_k as the engine takes it. A temperature below
+    SAMPLING_EPSILON is greedy (the engine holds it as a float32, where the tiniest are 0, and refuses
+    sampling options beside a temperature of 0); a top_k of at least the vocabulary is no bound (the
+    engine refuses one above it)."""
+    sampling = request.temperature >= SAMPLING_EPSILON and request.top_k != 1
+    top_k = request.top_k if vocab is None or request.top_k < vocab else 0
+    return sampling, top_k
+
+
 class OrtTokenizer:
     def __init__(self, model: og.Model) -> None:
         self._tokenizer = og.Tokenizer(model)
@@ -146,6 +163,7 @@ class OrtEngine:
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.context_length = context_length(model_dir)
+        self._vocab_size = vocab_size(model_dir)
         self._commands: queue.SimpleQueue[tuple[str, list[GenerationStream]]] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -251,10 +269,10 @@ class OrtEngine:
 
     def _start(self, stream: GenerationStream) -> None:
         request = stream.request
-        sampling = request.temperature > 0 and request.top_k != 1
+        sampling, top_k = sampling_options(request, self._vocab_size)
         try:
             if request.replay_ids or (sampling and request.seed is not None and not self.continuous_batching):
-                self._solo.append(_SoloRun(stream, self._solo_generator(request, sampling)))
+                self._solo.append(_SoloRun(stream, self._solo_generator(request, sampling, top_k)))
                 return
             og_request = self._engine.create_request()
             options = og.TurnOptions(og_request)
@@ -265,8 +283,8 @@ class OrtEngine:
             if sampling:
                 options.set_temperature(request.temperature)
                 options.set_top_p(request.top_p)
-                if request.top_k:
-                    options.set_top_k(request.top_k)
+                if top_k:
+                    options.set_top_k(top_k)
                 if request.seed is not None:
                     options.set_seed(request.seed % ENGINE_SEEDS)
             if request.stop and self.continuous_batching:
@@ -286,7 +304,7 @@ class OrtEngine:
             return
         self._active[og_request] = (stream, int(turn))
 
-    def _solo_generator(self, request: GenerationRequest, sampling: bool) -> og.Generator:
+    def _solo_generator(self, request: GenerationRequest, sampling: bool, top_k: int) -> og.Generator:
         before = len(request.prompt_ids) + len(request.replay_ids)
         options: dict[str, Any] = {
             "do_sample": sampling,
@@ -296,8 +314,8 @@ class OrtEngine:
             options.update(temperature=request.temperature, top_p=request.top_p)
             if request.seed is not None:
                 options["random_seed"] = request.seed % ENGINE_SEEDS
-            if request.top_k:
-                options["top_k"] = request.top_k
+            if top_k:
+                options["top_k"] = top_k
         if request.min_new_tokens:
             options["min_length"] = before + request.min_new_tokens
         if request.repetition_penalty != 1.0:

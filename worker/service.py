@@ -266,6 +266,11 @@ class WorkerService:
         requests: list[GenerationRequest] = []
         generating: list[JobRun] = []
         for run in runs:
+            if holds_marker(self.settings.fail_marker, run):
+                message = "the job failed on its worker (its prompt holds the fail marker, a testing aid)"
+                self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.job_failed))
+                del self.runs[run.job_id]
+                continue
             try:
                 request = run.engine_request(run.prompt_ids())
             except (PromptTooLong, GuidedResume) as e:
@@ -481,14 +486,18 @@ def poison_message(deaths: int) -> str:
 def crash_on_marker(marker: str, runs: list[JobRun]) -> None:
     """Testing aid: the worker dies at once, as an engine crash would, once it runs a job whose
     prompt holds the marker (the jobs batched with it die with it)."""
-    if not marker:
-        return
     for run in runs:
-        spec = run.spec
-        text = spec.prompt or "".join(m.model_dump_json() for m in spec.messages or [])
-        if marker in text:
+        if holds_marker(marker, run):
             logger.error("job %s holds the crash marker: the worker dies (a testing aid)", run.job_id)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def holds_marker(marker: str, run: JobRun) -> bool:
+    """Whether the job's prompt (or a chat message of it) holds a testing aid's marker; never for ''."""
+    if not marker:
+        return False
+    spec = run.spec
+    return marker in (spec.prompt or "".join(m.model_dump_json() for m in spec.messages or []))
 
 
 def together_window(window_s: float, claims: list[Claim], now: float) -> float:
