@@ -63,7 +63,7 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
         raise BadRedisUrl("the Sentinel URL's path has too many parts: expected /SERVICE or /SERVICE/DB")
     db = 0
     if len(segments) == 2 and segments[1]:
-        if not segments[1].isdigit():
+        if not (segments[1].isascii() and segments[1].isdigit()):
             raise BadRedisUrl(f"the Sentinel URL's database {segments[1]!r} is not a number")
         db = int(segments[1])
     options = dict(parse_qsl(query, keep_blank_values=True))

@@ -56,7 +56,7 @@ class OwnedKind:
 
 def page_limit(request: Request, default: int, most: int) -> int:
     raw = request.query_params.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:  # not "²"
         raise ApiError(400, f"limit: must be a whole number from 1 to {most}", param="limit")
     return int(raw)
 

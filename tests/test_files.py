@@ -6,6 +6,7 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -59,3 +60,13 @@ def test_a_line_longer_than_a_request_body_is_refused_naming_it(sdk: openai.Open
 def test_a_purpose_other_than_batch_is_refused_naming_it(sdk: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="purpose"):
         sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+
+
+@pytest.mark.parametrize("route", ["/v1/files", "/v1/batches", "/v1/jobs"])
+@pytest.mark.parametrize("limit", ["²", "٣", "0", "1000000000000", "-1", "x"])
+async def test_a_list_limit_that_is_not_a_whole_number_in_range_is_refused_naming_it(
+    client: httpx.AsyncClient, route: str, limit: str
+) -> None:
+    reply = await client.get(route, params={"limit": limit})
+    assert reply.status_code in (400, 422), reply.text
+    assert reply.json()["error"]["param"] == "limit"

@@ -59,6 +59,7 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_passwords() -> 
         ("redis+sentinel://h1:99999/main", "outside 1-65535"),
         ("redis+sentinel://h1:port/main", "is not host:port"),
         ("redis+sentinel://h1/main/zero", "'zero' is not a number"),
+        ("redis+sentinel://h1/main/²", "'²' is not a number"),
         ("redis+sentinel://h1/main/0/extra", "too many parts"),
         ("redis+sentinel://h1/main?sentinel_pasword=x", "unknown option(s) sentinel_pasword"),
     ],
