@@ -149,6 +149,38 @@ async def test_a_malformed_input_file_fails_validation_naming_its_line(
     assert batch.failed_at is not None and batch.output_file_id is None
 
 
+@pytest.mark.parametrize(
+    ("hostile", "code"),
+    [
+        ('{"custom_id": "x", "body": {"max_tokens": ' + "9" * 5000 + "}}", "number_too_long"),
+        ("[" * 50_000 + "]" * 50_000, "json_too_deep"),
+    ],
+    ids=["a-5000-digit-number", "50000-levels-of-nesting"],
+)
+async def test_a_line_the_json_parser_cannot_take_fails_its_batch_and_another_batch_completes_meanwhile(
+    batch_fleet: BatchFleet, model_name: str, hostile: str, code: str
+) -> None:
+    _, sdk = batch_fleet()
+    malformed = sdk.batches.create(
+        input_file_id=upload(sdk, [line("a", model_name, "hi"), hostile]),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    ordinary = sdk.batches.create(
+        input_file_id=upload(sdk, [line(f"req-{i}", model_name, f"say {i}") for i in range(3)]),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+
+    failed = await until_status(sdk, malformed.id, "failed", "completed", timeout_s=60)
+    completed = await until_status(sdk, ordinary.id, "completed", "failed", timeout_s=60)
+
+    assert failed.status == "failed" and failed.errors is not None and failed.errors.data is not None
+    assert [(e.line, e.code) for e in failed.errors.data] == [(2, code)]
+    assert completed.status == "completed" and completed.request_counts is not None
+    assert completed.request_counts.completed == 3
+
+
 async def test_cancelling_a_batch_stops_feeding_it_and_keeps_what_finished_and_status_shows_it_before(
     batch_fleet: BatchFleet, model_name: str, redis: Redis
 ) -> None:

@@ -33,6 +33,7 @@ from gateway.batches.lines import (
 from gateway.batches.state import ENDED, PENDING, Batch, BatchState, BatchStatus
 from gateway.errors import ApiError
 from gateway.files.store import FileStore
+from gateway.request_body import JsonLimits
 from gateway.state import AppState
 from gateway.submission import idempotency_redis_key, submit_job
 
@@ -55,6 +56,7 @@ class BatchDriver:
         self.batches = BatchState(state.redis, state.settings.file_ttl_s)
         self.files = FileStore(state.redis, state.settings.file_ttl_s)
         self.token = "gw-" + secrets.token_hex(8)
+        self.limits = JsonLimits(self.settings.max_json_depth, self.settings.max_number_digits)
 
     async def run(self) -> None:
         """Steps every active batch it can lease, every `batch_tick_s`, until cancelled. While no batch
@@ -66,17 +68,25 @@ class BatchDriver:
                 try:
                     active = await self.batches.active()
                     for batch_id in active:
-                        await self.step(batch_id)
+                        await self._step_alone(batch_id)
                     ticks = 1 if active else IDLE_TICKS
                 except RedisError as e:
                     logger.warning("batch driver: Redis unavailable (%s)", e)
-                except Exception:
-                    logger.exception("batch driver step failed")
                 await self._rest(ticks * self.settings.batch_tick_s)
         finally:
             with contextlib.suppress(Exception):
                 for batch_id in await self.batches.active():
                     await self.batches.drop_lease(batch_id, self.token)
+
+    async def _step_alone(self, batch_id: str) -> None:
+        """One batch's step; a fault of its own is logged and stops neither the driver nor the other
+        batches (Redis being away stops them all: it is raised)."""
+        try:
+            await self.step(batch_id)
+        except RedisError:
+            raise
+        except Exception:
+            logger.exception("batch driver: the step of batch %s failed", batch_id)
 
     async def _rest(self, seconds: float) -> None:
         """Sleeps `seconds`, or less if a batch is created on this gateway meanwhile."""
@@ -132,7 +142,7 @@ class BatchDriver:
                 if not raw.strip():
                     continue
                 total += 1
-                error = check_line(raw, start + offset + 1, batch.endpoint, seen)
+                error = check_line(raw, start + offset + 1, batch.endpoint, seen, self.limits)
                 if error is not None and len(errors) < MAX_REPORTED_ERRORS:
                     errors.append(error)
             start += len(chunk)

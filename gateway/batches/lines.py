@@ -19,6 +19,7 @@ from gateway.openai_api.completions import CompletionFormat
 from gateway.openai_api.params import job_messages, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.serving import served_model
+from gateway.request_body import BodyRejected, JsonLimits, load_json
 from gateway.state import AppState
 
 CHAT = "/v1/chat/completions"
@@ -38,12 +39,17 @@ class LineError:
         return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
 
 
-def check_line(raw: str, number: int, endpoint: str, seen: set[str]) -> LineError | None:
-    """What is wrong with the shape of line `number` (1-based) of the input file, if anything."""
+def check_line(
+    raw: str, number: int, endpoint: str, seen: set[str], limits: JsonLimits
+) -> LineError | None:
+    """What is wrong with the shape of line `number` (1-based) of the input file, if anything. A line
+    gets the checks a request body gets (nesting depth, number length) with the same codes."""
     try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return LineError("invalid_json_line", f"line {number}: not valid JSON ({e.msg})", number)
+        data = load_json(raw.encode("utf-8", "surrogatepass"), limits)
+    except BodyRejected as e:
+        code = "invalid_json_line" if e.reason == "invalid_json" else e.reason
+        detail = e.message.removeprefix("the request body ")
+        return LineError(code, f"line {number}: {detail}", number)
     if not isinstance(data, dict):
         return LineError("invalid_request", f"line {number}: must be a JSON object", number)
     custom_id = data.get("custom_id")
@@ -70,7 +76,7 @@ def check_line(raw: str, number: int, endpoint: str, seen: set[str]) -> LineErro
 def custom_id_of(raw: str) -> str:
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # broken, a number past Python's digits, nested too deep
         return ""
     return str(data.get("custom_id", "")) if isinstance(data, dict) else ""
 
