@@ -8,6 +8,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379
+URL_FORMAT = "redis://[user][:password@]host:port/db"
 SENTINEL_FORMAT = (
     "redis+sentinel://[[user]:password@]host:port[,host:port...]/SERVICE[/DB][?sentinel_password=...]"
 )

@@ -4,20 +4,22 @@ traceback comes first."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
 import traceback
 from collections.abc import Mapping
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from pydantic import ValidationError
-from pydantic_settings import SettingsError
+from pydantic_settings import BaseSettings, SettingsError
 
 from common.settings import FleetSettings
 
 ENV_PREFIX = FleetSettings.model_config.get("env_prefix", "")
 _UNPARSED_FIELD = re.compile(r'field "(\w+)"')
+S = TypeVar("S", bound=BaseSettings)
 
 
 class CannotStart(Exception):
@@ -45,6 +47,19 @@ def settings_error_lines(
         where = named(field) + "".join(f"[{part}]" for part in inner)
         lines.append(f"{where}: {problem['msg'].removeprefix('Value error, ')}")
     return lines
+
+
+def settings_or_exit(
+    prog: str, settings_class: type[S], args: argparse.Namespace, flags: Mapping[str, str]
+) -> S:
+    """The settings from the environment, with the command line's flags (`flags`: field -> flag) over
+    them; an invalid one ends the process with a line naming each (by its flag where it came from one)."""
+    given = {field: getattr(args, field) for field in flags if getattr(args, field) is not None}
+    try:
+        return settings_class(**given)
+    except (ValidationError, SettingsError) as e:
+        lines = settings_error_lines(e, {field: flags[field] for field in given})
+        exit_with(prog, lines, e, debug=debug_wanted(None))
 
 
 def debug_wanted(settings: FleetSettings | None) -> bool:

@@ -16,14 +16,13 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
 from uvicorn.config import STARTUP_FAILURE
 
 from common.aio import wait_set
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis
+from common.redis_url import URL_FORMAT
 from common.settings import GatewaySettings
-from common.startup import CannotStart, debug_wanted, exit_with, settings_error_lines
+from common.startup import CannotStart, debug_wanted, exit_with, settings_or_exit
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
 from gateway.metrics import GatewayMetrics
@@ -161,9 +160,7 @@ def check_redis_urls(settings: GatewaySettings) -> None:
         try:
             check_redis(url, settings.redis_connect_timeout_s)
         except RedisRefused as e:
-            raise CannotStart(
-                f"{e}; correct the URL in {setting}: redis://[user][:password@]host:port/db"
-            ) from e
+            raise CannotStart(f"{e}; correct the URL in {setting}: {URL_FORMAT}") from e
         except RedisUnreachable as e:
             logger.warning("%s; starting anyway: /readyz answers 503 until it is reachable", e)
 
@@ -193,19 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_settings(args: argparse.Namespace) -> GatewaySettings:
-    """The settings, the command line's flags over them; an invalid one ends the process, naming each."""
-    given = {field: getattr(args, field) for field in FLAGS if getattr(args, field) is not None}
-    try:
-        return GatewaySettings(**given)
-    except (ValidationError, SettingsError) as e:
-        lines = settings_error_lines(e, {field: FLAGS[field] for field in given})
-        exit_with(PROG, lines, e, debug=debug_wanted(None))
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    settings = load_settings(args)
+    settings = settings_or_exit(PROG, GatewaySettings, args, FLAGS)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

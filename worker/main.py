@@ -15,18 +15,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
-
 from common import aio
 from common.model_folder import GENAI_CONFIG, default_model_dir, is_complete, missing_files
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
+from common.redis_url import URL_FORMAT
 from common.registry import WorkerInfo
 from common.settings import WorkerSettings
-from common.startup import CannotStart, debug_wanted, exit_with, settings_error_lines
+from common.startup import CannotStart, debug_wanted, exit_with, settings_or_exit
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
-from worker.service import EngineUnrecoverable
+from worker.service import EngineUnrecoverable, WorkerService
 
 if TYPE_CHECKING:
     from worker.metrics import MetricsServer
@@ -65,16 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
         "end as on the static scheduler); --model is ignored",
     )
     return parser
-
-
-def build_settings(args: argparse.Namespace) -> WorkerSettings:
-    """The settings, the command line's flags over them; an invalid one ends the process, naming each."""
-    given = {field: getattr(args, field) for field in FLAGS if getattr(args, field) is not None}
-    try:
-        return WorkerSettings(**given)
-    except (ValidationError, SettingsError) as e:
-        lines = settings_error_lines(e, {field: FLAGS[field] for field in given})
-        exit_with(PROG, lines, e, debug=debug_wanted(None))
 
 
 def resolve_model(settings: WorkerSettings) -> Path:
@@ -155,7 +143,7 @@ def check_redis_url(settings: WorkerSettings, name: str) -> None:
     try:
         check_redis(settings.redis_url_for(name), REDIS_CHECK_TIMEOUT_S)
     except RedisRefused as e:
-        raise CannotStart(f"{e}; correct the URL in {setting}: redis://[user][:password@]host:port/db") from e
+        raise CannotStart(f"{e}; correct the URL in {setting}: {URL_FORMAT}") from e
     except RedisUnreachable as e:
         raise CannotStart(f"{e}; start it, or set {setting} (or --redis-url) to one that runs") from e
 
@@ -174,7 +162,6 @@ def open_metrics_port(settings: WorkerSettings) -> MetricsServer:
 
 
 async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> None:
-    from worker.service import WorkerService
     from worker.tokenizer_service import serve_tokenizer
 
     started = time.monotonic()
@@ -237,7 +224,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    settings = build_settings(args)
+    settings = settings_or_exit(PROG, WorkerSettings, args, FLAGS)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from common.redis_url import URL_FORMAT
 from common.settings import GatewaySettings, WorkerSettings
 from common.startup import settings_error_lines
 from ortfleet.fleet.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers
@@ -237,7 +238,7 @@ def _check_redis(url: str) -> None:
     try:
         check_redis(url, timeout_s=5.0)
     except RedisRefused as e:
-        raise StartupError(f"{e}; correct --redis-url: redis://[user][:password@]host:port/db") from e
+        raise StartupError(f"{e}; correct --redis-url: {URL_FORMAT}") from e
     except RedisUnreachable as e:
         raise StartupError(f"{e}; start it, or leave out --redis-url to have a redis-server started") from e
 
