@@ -271,8 +271,30 @@ class WorkerSettings(FleetSettings):
     max_batch_size: int | None = Field(
         None,
         ge=1,
-        description="Engine batch rows (requests generated together); default from genai_config "
-        "(the static scheduler's default is 4).",
+        description="Engine batch rows (requests generated together); default 8 on ortfleet's batcher, "
+        "else from genai_config (og.Engine's static scheduler's default is 4).",
+    )
+    scheduler: Literal["auto", "batcher", "og-engine"] = Field(
+        "auto",
+        description="What batches the requests: batcher (ortfleet's continuous batcher: requests join "
+        "and leave at every step, chunked prefill; CPU only), og-engine (ORT-GenAI's og.Engine: dynamic "
+        "batching where the model has paged attention, else its static scheduler) or auto (og.Engine "
+        "where the model has paged attention or the device is a GPU, the batcher elsewhere).",
+    )
+    kv_budget_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="On the batcher: tokens of KV cache the running requests may hold together (each "
+        "reserves its prompt plus max_tokens when it starts; requests wait for room). Default: batch "
+        "rows x the model's context. A token costs 2 x layers x KV heads x head size x 4 bytes "
+        "(46 KB on the default model).",
+    )
+    prefill_chunk_tokens: int = Field(
+        256,
+        ge=16,
+        le=8192,
+        description="On the batcher: the most prompt tokens prefilled between two decode steps; a "
+        "longer prompt is prefilled a chunk at a time, so the running requests keep generating.",
     )
     max_attempts: int = Field(
         3,

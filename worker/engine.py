@@ -118,7 +118,8 @@ def _put_all(updates: list[tuple[GenerationStream, EngineUpdate]]) -> None:
 class Engine(Protocol):
     capacity: int
     context_length: int
-    continuous_batching: bool
+    continuous_batching: bool  # requests join a running batch (else: a batch runs to its end first)
+    handles_stop_strings: bool  # the engine ends a request at its stop strings (else the job runner does)
     eos_token_ids: frozenset[int]
     # Called in the event loop, with the cause, once the engine has failed and can run nothing more: it
     # has ended every request it held (see Finish.lost) and waits for `restart`.

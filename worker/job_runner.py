@@ -258,7 +258,7 @@ class JobRun:
         for token in self.progress.token_ids:
             decoder.decode(token)
         sampling = self.spec.sampling
-        own_stops = not self._engine.continuous_batching or sampling.include_stop_str_in_output
+        own_stops = not self._engine.handles_stop_strings or sampling.include_stop_str_in_output
         matcher = (
             StopMatcher(sampling.stop, keep_stop=sampling.include_stop_str_in_output)
             if own_stops and sampling.stop

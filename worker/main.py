@@ -36,6 +36,7 @@ FLAGS = {
     "name": "--name",
     "redis_url": "--redis-url",
     "max_batch_size": "--max-batch-size",
+    "scheduler": "--scheduler",
     "metrics_port": "--metrics-port",
 }
 REDIS_CHECK_TIMEOUT_S = 5.0
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", help="served model name (ORTFLEET_NAME, default: the folder's name)")
     parser.add_argument("--redis-url", help="Redis URL (ORTFLEET_REDIS_URL)")
     parser.add_argument("--max-batch-size", type=int, help="engine batch rows (ORTFLEET_MAX_BATCH_SIZE)")
+    parser.add_argument(
+        "--scheduler",
+        choices=["auto", "batcher", "og-engine"],
+        help="what batches the requests (ORTFLEET_SCHEDULER, default auto)",
+    )
     parser.add_argument(
         "--metrics-port", type=int, help="port of /metrics, 0 picks a free one (ORTFLEET_METRICS_PORT)"
     )
@@ -118,6 +124,7 @@ def load_engine(
 
     import onnxruntime_genai as og
 
+    from worker.batcher.engine import BatchingEngine
     from worker.ort_engine import OrtEngine
 
     assert model_dir is not None
@@ -125,15 +132,42 @@ def load_engine(
         device = parse_device(settings.device, og.is_cuda_available)
     except DeviceError as e:
         raise CannotStart(str(e)) from e
-    logger.info("loading %s on %s", model_dir, device)
+    batcher = uses_batcher(settings.scheduler, model_dir, device)
+    logger.info("loading %s on %s (%s)", model_dir, device, "ortfleet's batcher" if batcher else "og.Engine")
+    engine: OrtEngine | BatchingEngine
     try:
-        engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
+        if batcher:
+            engine = BatchingEngine(
+                model_dir,
+                settings.max_batch_size,
+                settings.kv_budget_tokens,
+                settings.prefill_chunk_tokens,
+                settings.step_delay_s,
+            )
+        else:
+            engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
     except (RuntimeError, ValueError, OSError) as e:  # what ORT-GenAI raises for a model it cannot load
         reason = " ".join(str(e).split())
         raise CannotStart(
             f"ONNX Runtime GenAI cannot load the model in {model_dir}: {reason}; {REBUILD}"
         ) from e
     return engine, engine.tokenizer, device
+
+
+def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
+    """Whether ortfleet's batcher runs the model (ORTFLEET_SCHEDULER): it runs on CPU only, and `auto`
+    keeps og.Engine where it batches continuously itself (paged attention) or runs on a GPU."""
+    from worker.ort_engine import uses_dynamic_batching
+
+    if scheduler == "og-engine":
+        return False
+    if device.kind != "cpu":
+        if scheduler == "batcher":
+            raise CannotStart(
+                "ortfleet's batcher runs on CPU only; use --device cpu or --scheduler og-engine"
+            )
+        return False
+    return scheduler == "batcher" or not uses_dynamic_batching(model_dir)
 
 
 def check_redis_url(settings: WorkerSettings, name: str) -> None:

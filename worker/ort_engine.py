@@ -117,8 +117,8 @@ def sampling_options(request: GenerationRequest, vocab: int | None) -> tuple[boo
 
 
 class OrtTokenizer:
-    def __init__(self, model: og.Model) -> None:
-        self._tokenizer = og.Tokenizer(model)
+    def __init__(self, source: og.Model | og.Config) -> None:
+        self._tokenizer = og.Tokenizer(source)
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer.encode(text)]
@@ -162,6 +162,7 @@ class OrtEngine:
     ) -> None:
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
+        self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
         self.context_length = context_length(model_dir)
         self._vocab_size = vocab_size(model_dir)
         self._commands: queue.SimpleQueue[tuple[str, list[GenerationStream]]] = queue.SimpleQueue()

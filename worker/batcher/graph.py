@@ -1,0 +1,97 @@
+"""The model folder's decoder graph on an onnxruntime InferenceSession, run on rows of KV slots.
+
+The graph ORT-GenAI's builder writes for GroupQueryAttention models takes `input_ids`, an
+`attention_mask` and `past_key_values.N.key|value` [batch, kv_heads, past, head]. It derives each row's
+length from the mask's row sum (seqlens_k = sum - 1) and the rotary positions from that length, and
+writes a row's new KV at that length. So rows of different lengths share a run right-padded: row b's KV
+sits at [0, length_b) of its slot, its mask is ones over length_b + new tokens. Past and present are
+bound to the same buffer (ORT-GenAI's share-buffer mode): a run copies no KV.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+
+class UnsupportedGraph(ValueError):
+    """The folder's decoder is not one the batcher can run (it falls back to og.Engine)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    past_names: list[str]  # every layer's key then value, as the graph's inputs
+    present_names: list[str]  # the same order: a present is matched to its past by name, not position
+    kv_heads: int
+    head_size: int
+    vocab_size: int
+
+    @classmethod
+    def read(cls, model_dir: Path, session: ort.InferenceSession) -> Layout:
+        decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+        names = {i.name for i in session.get_inputs()}
+        if "position_ids" in names or decoder["inputs"].get("position_ids") in names:
+            raise UnsupportedGraph(
+                "the graph takes position_ids: only graphs that derive positions are supported"
+            )
+        past, present = [], []
+        for layer in range(decoder["num_hidden_layers"]):
+            for kind in ("key", "value"):
+                past.append(decoder["inputs"][f"past_{kind}_names"] % layer)
+                present.append(decoder["outputs"][f"present_{kind}_names"] % layer)
+        missing = [name for name in past if name not in names]
+        if missing:
+            raise UnsupportedGraph(f"the graph has no input {missing[0]}")
+        logits = next(o for o in session.get_outputs() if o.name == "logits")
+        return cls(past, present, decoder["num_key_value_heads"], decoder["head_size"], logits.shape[-1])
+
+
+def open_session(model_dir: Path, threads: int = 0) -> tuple[ort.InferenceSession, Layout]:
+    """The folder's decoder on CPU. Its threads sleep between runs rather than spin: spinning threads
+    slowed a step 2-3x on 2 busy cores."""
+    config = json.loads((model_dir / "genai_config.json").read_text())
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(
+        str(model_dir / config["model"]["decoder"]["filename"]), options, providers=["CPUExecutionProvider"]
+    )
+    return session, Layout.read(model_dir, session)
+
+
+class DecoderGraph:
+    """Runs the decoder on KV slots: `run(input_ids, mask, slots, kv)` with kv the OrtValues of the
+    consecutive slots [start, stop) (KvSlots.values), bound as both past and present; returns the logits
+    [rows, tokens, vocab]. A range's binding is made once and kept."""
+
+    def __init__(self, session: ort.InferenceSession, layout: Layout) -> None:
+        self.session, self.layout = session, layout
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+
+    def run(
+        self, input_ids: np.ndarray, mask: np.ndarray, slots: tuple[int, int], kv: Sequence[ort.OrtValue]
+    ) -> np.ndarray:
+        binding = self._bindings.get(slots)
+        if binding is None:
+            binding = self._bindings[slots] = self.session.io_binding()
+            for past, present, value in zip(
+                self.layout.past_names, self.layout.present_names, kv, strict=True
+            ):
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_output("logits")
+        self.session.run_with_iobinding(binding)
+        logits: np.ndarray = binding.get_outputs()[-1].numpy()
+        return logits
+
+    def forget(self) -> None:
+        """Drops the bindings (the KV buffers they hold are being replaced)."""
+        self._bindings.clear()

@@ -1,0 +1,133 @@
+"""A row's next token from its logits, as og.Generator picks it: repetition penalty over the prompt and
+what was generated, end of sequence masked until min_tokens, the grammar's mask (structured output),
+then greedy, or temperature, top_k and top_p with the request's own seeded generator.
+
+`choose` picks without changing the row's state (a replay compares the pick with the replayed token);
+`accept` records the token the row goes on with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+from worker.engine import GenerationRequest
+
+SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
+ENGINE_SEEDS = 2**31  # a job's seed samples with seed mod 2**31, as on og.Engine
+_NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be
+
+
+class GrammarError(ValueError):
+    """The request's grammar cannot be compiled, or broke while generating."""
+
+
+class RowSampler:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        grammar_tokenizer: LLTokenizer | None,
+    ) -> None:
+        self.request = request
+        self._eos = np.fromiter(sorted(t for t in eos_token_ids if t < vocab_size), np.int64)
+        self.sampling = request.temperature >= SAMPLING_EPSILON and request.top_k != 1
+        self._top_k = request.top_k if 0 < request.top_k < vocab_size else 0
+        seed = None if request.seed is None else request.seed % ENGINE_SEEDS
+        self._random = np.random.default_rng(seed)
+        self._penalized: set[int] = set()
+        if request.repetition_penalty != 1.0:
+            self._penalized.update(request.prompt_ids)
+        self._matcher: LLMatcher | None = None
+        self._bitmask: np.ndarray | None = None
+        if request.guidance is not None:
+            assert grammar_tokenizer is not None
+            self._matcher = _matcher(grammar_tokenizer, *request.guidance)
+            self._bitmask = allocate_token_bitmask(1, grammar_tokenizer.vocab_size)
+            self._vocab_size = vocab_size
+
+    def choose(self, logits: np.ndarray, produced: int) -> int:
+        """The next token from this step's logits [vocab] (modified in place)."""
+        if self._penalized:
+            ids = np.fromiter(self._penalized, np.int64)
+            scores = logits[ids]
+            penalty = self.request.repetition_penalty
+            logits[ids] = np.where(scores > 0, scores / penalty, scores * penalty)
+        if produced < self.request.min_new_tokens and self._eos.size:
+            logits[self._eos] = -np.inf
+        if self._matcher is not None:
+            self._mask(logits)
+        if not self.sampling:
+            return int(np.argmax(logits))
+        return self._sample(logits / self.request.temperature)
+
+    def accept(self, token: int) -> None:
+        if self.request.repetition_penalty != 1.0:
+            self._penalized.add(token)
+        if self._matcher is not None and not self._matcher.consume_token(token):
+            raise GrammarError(f"the grammar refused token {token}: {self._matcher.get_error()[:300]}")
+
+    @property
+    def grammar_done(self) -> bool:
+        """The grammar allows nothing more (its text is complete)."""
+        return self._matcher is not None and self._matcher.is_stopped()
+
+    def _mask(self, logits: np.ndarray) -> None:
+        assert self._matcher is not None and self._bitmask is not None
+        fill_next_token_bitmask(self._matcher, self._bitmask)
+        if self._matcher.is_error():
+            raise GrammarError(self._matcher.get_error()[:300])
+        view = logits.reshape(1, -1)
+        apply_token_bitmask_inplace(view, self._bitmask[:, : (view.shape[1] + 31) // 32])
+
+    def _sample(self, logits: np.ndarray) -> int:
+        probabilities = _softmax(logits)
+        top_p = self.request.top_p
+        if self._top_k:
+            order = _likeliest(probabilities, self._top_k)
+        elif top_p < 1.0:
+            order = _likeliest(probabilities, min(_NUCLEUS_CANDIDATES, probabilities.size))
+            if probabilities[order].sum() < top_p:  # the nucleus is wider than the candidates
+                order = np.argsort(-probabilities, kind="stable")
+        else:
+            order = np.arange(probabilities.size)
+        weights = probabilities[order]
+        if top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(weights), top_p)) + 1
+            order, weights = order[:keep], weights[:keep]
+        cumulative = np.cumsum(weights)
+        pick = int(np.searchsorted(cumulative, self._random.random() * cumulative[-1], side="right"))
+        return int(order[min(pick, order.size - 1)])
+
+
+def _likeliest(probabilities: np.ndarray, count: int) -> np.ndarray:
+    """The `count` likeliest token ids, likeliest first."""
+    if count >= probabilities.size:
+        return np.argsort(-probabilities, kind="stable")
+    candidates = np.argpartition(probabilities, -count)[-count:]
+    ordered: np.ndarray = candidates[np.argsort(-probabilities[candidates], kind="stable")]
+    return ordered
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - np.max(logits))
+    result: np.ndarray = shifted / shifted.sum()
+    return result
+
+
+def _matcher(tokenizer: LLTokenizer, kind: str, grammar: str) -> LLMatcher:
+    try:
+        if kind == "json_schema":
+            compiled = LLMatcher.grammar_from_json_schema(grammar)
+        elif kind == "regex":
+            compiled = LLMatcher.grammar_from_regex(grammar)
+        else:
+            compiled = LLMatcher.grammar_from_lark(grammar)
+    except ValueError as e:
+        raise GrammarError(f"response_format: the engine cannot use this {kind}: {e}") from e
+    matcher = LLMatcher(tokenizer, compiled, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(f"response_format: the engine cannot use this {kind}: {matcher.get_error()[:500]}")
+    return matcher
