@@ -116,10 +116,10 @@ async def registry_states(redis_url: str, worker_id: str) -> AsyncIterator[Regis
         await redis.aclose()
 
 
-async def test_a_grammar_that_breaks_the_engine_fails_its_job_alone_and_the_worker_serves_on_a_new_engine(
+async def test_a_grammar_that_breaks_og_engine_fails_its_job_alone_and_the_worker_serves_on_a_new_engine(
     fleet: Fleet, client: httpx.AsyncClient, sdk: openai.OpenAI, redis: Redis, model_name: str
 ) -> None:
-    worker = fleet.start_worker(model_name)
+    worker = fleet.start_worker(model_name, "--scheduler", "og-engine")
     [entry] = [w for w in await live_workers(redis) if w["model"] == model_name]
     ordinary = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 460, "min_tokens": 460}
     breaker = {
@@ -165,6 +165,38 @@ async def test_a_grammar_that_breaks_the_engine_fails_its_job_alone_and_the_work
     assert after["id"] == entry["id"] and after["state"] == "ready"
     metrics = (await client.get(after["metrics_url"])).text
     assert value(metrics, "ortfleet_engine_restarts_total", model=model_name) == 1
+
+
+async def test_on_the_batcher_a_grammar_that_breaks_fails_its_job_alone_and_the_others_go_on_unharmed(
+    fleet: Fleet, client: httpx.AsyncClient, redis: Redis, model_name: str
+) -> None:
+    worker = fleet.start_worker(model_name, "--scheduler", "batcher")
+    [entry] = [w for w in await live_workers(redis) if w["model"] == model_name]
+    ordinary = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 460, "min_tokens": 460}
+    breaker = {
+        "model": model_name,
+        "prompt": "Letters:",
+        "max_tokens": 460,
+        "response_format": {"type": "grammar", "grammar": ENGINE_BREAKER},
+    }
+    worker.pause()  # the four jobs run side by side
+    try:
+        others = [(await submit(client, ordinary))["id"] for _ in range(3)]
+        broken = (await submit(client, breaker))["id"]
+    finally:
+        worker.resume()
+    failed = await wait_done(client, broken)
+    finished = [await wait_done(client, job_id) for job_id in others]
+
+    assert failed["status"] == "failed" and failed["error_code"] == "invalid_response_format", failed
+    assert "response_format" in failed["error"] and "Too many items" in failed["error"], failed["error"]
+    assert "<state>" not in failed["error"] and failed["attempts"] == 1
+    for job in finished:  # the grammar's row ended alone: the others ran on, never handed back
+        assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 460, job
+        assert job["attempts"] == 1, job
+    metrics = (await client.get(entry["metrics_url"])).text
+    assert value(metrics, "ortfleet_engine_restarts_total", model=model_name) == 0
+    assert worker.process.poll() is None
 
 
 async def test_readyz_does_not_count_a_worker_whose_engine_is_being_rebuilt(

@@ -13,6 +13,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
 from worker.engine import GenerationRequest
+from worker.ort_engine import failure_cause
 
 SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
 ENGINE_SEEDS = 2**31  # a job's seed samples with seed mod 2**31, as on og.Engine
@@ -67,7 +68,7 @@ class RowSampler:
         if self.request.repetition_penalty != 1.0:
             self._penalized.add(token)
         if self._matcher is not None and not self._matcher.consume_token(token):
-            raise GrammarError(f"the grammar refused token {token}: {self._matcher.get_error()[:300]}")
+            raise self._broken()
 
     @property
     def grammar_done(self) -> bool:
@@ -78,9 +79,16 @@ class RowSampler:
         assert self._matcher is not None and self._bitmask is not None
         fill_next_token_bitmask(self._matcher, self._bitmask)
         if self._matcher.is_error():
-            raise GrammarError(self._matcher.get_error()[:300])
+            raise self._broken()
         view = logits.reshape(1, -1)
         apply_token_bitmask_inplace(view, self._bitmask[:, : (view.shape[1] + 31) // 32])
+
+    def _broken(self) -> GrammarError:
+        assert self._matcher is not None and self.request.guidance is not None
+        cause = failure_cause(self._matcher.get_error())
+        return GrammarError(
+            f"response_format: the engine failed on this {self.request.guidance[0]} while generating ({cause})"
+        )
 
     def _sample(self, logits: np.ndarray) -> int:
         probabilities = _softmax(logits)
