@@ -75,6 +75,16 @@ class _Row:
 
 
 @dataclass
+class BatcherCounters:
+    """What the batcher has run since it started (read from any thread)."""
+
+    prefill_tokens: int = 0  # prompt tokens through the graph
+    prefill_runs: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0  # rows over all decode steps
+
+
+@dataclass
 class _Iteration:
     updates: list[tuple[GenerationStream, EngineUpdate]] = field(default_factory=list)
 
@@ -115,6 +125,7 @@ class BatchingEngine:
         self._waiting: deque[_Row] = deque()
         self._prefilling: list[_Row] = []
         self._decoding: list[_Row] = []  # row i holds slot i
+        self.counters = BatcherCounters()
         self._thread = threading.Thread(target=self._main, name="batcher", daemon=True)
         self._thread.start()
 
@@ -141,8 +152,12 @@ class BatchingEngine:
         await asyncio.wrap_future(restarted)
 
     @property
-    def kv_tokens_free(self) -> int:
-        return self._kv.budget_tokens - self._kv.reserved
+    def kv_tokens_reserved(self) -> int:
+        return self._kv.reserved
+
+    def rows(self) -> tuple[int, int, int]:
+        """Requests waiting for a slot or KV, prefilling, decoding."""
+        return len(self._waiting), len(self._prefilling), len(self._decoding)
 
     # The batcher's thread.
 
@@ -152,7 +167,7 @@ class BatchingEngine:
     def _main(self) -> None:
         try:
             while True:
-                busy = bool(self._prefilling or self._decoding)
+                busy = bool(self._waiting or self._prefilling or self._decoding)
                 if not self._drain_commands(block=not busy):
                     return
                 if self._failed:
@@ -282,6 +297,8 @@ class BatchingEngine:
                 iteration.updates.append((row.stream, EngineUpdate([], Finish.error, f"prefill failed: {e}")))
                 continue
             spent += stop - start
+            self.counters.prefill_tokens += stop - start
+            self.counters.prefill_runs += 1
             row.length = stop
             if row.prompt_left == 0:
                 self._join_decoding(row)
@@ -315,6 +332,8 @@ class BatchingEngine:
         except Exception as e:
             self._fail(f"a decode run failed: {e}")
             return
+        self.counters.decode_steps += 1
+        self.counters.decode_tokens += count
         stepped = list(self._decoding)
         for row in stepped:  # every row's new KV is in before a row that ends moves another
             row.length += 1
