@@ -17,6 +17,7 @@ from gateway.app import build_app
 from gateway.metrics import GatewayMetrics
 from ortfleet import configuration_page
 from ortfleet.cli import build_parser
+from worker.batcher.engine import BatcherCounters
 from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit
@@ -92,9 +93,16 @@ def test_every_metric_is_on_the_operations_page() -> None:
         context_length=1,
         generated_tokens=0,
     )
+    batcher = SimpleNamespace(  # the batcher's figures too (worker/batcher)
+        capacity=1,
+        counters=BatcherCounters(),
+        rows=lambda: (0, 0, 0),
+        kv_tokens_reserved=0,
+        kv_budget_tokens=1,
+    )
     worker = WorkerMetrics(
         CollectorRegistry(),
-        SimpleNamespace(info=info, runs={}, engine=SimpleNamespace(capacity=1), engine_restarts=0),
+        SimpleNamespace(info=info, runs={}, engine=batcher, engine_restarts=0),
     )
     names = {
         metric.name

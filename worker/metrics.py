@@ -175,7 +175,43 @@ class EngineLoad:
             labels=LABELS,
         )
         restarts.add_metric(self.values, service.engine_restarts)
-        return [running, capacity, generated, restarts]
+        return [running, capacity, generated, restarts, *self._batcher()]
+
+    def _batcher(self) -> list[Metric]:
+        """The figures of ortfleet's batcher (worker/batcher), on workers that run it."""
+        engine: Any = self.service.engine
+        counters = getattr(engine, "counters", None)
+        if counters is None:
+            return []
+        waiting, prefilling, decoding = engine.rows()
+        rows = GaugeMetricFamily(
+            f"{NAMESPACE}_batcher_rows",
+            "Requests in the batcher by phase: waiting (for a slot or KV), prefill, decode.",
+            labels=[*LABELS, "phase"],
+        )
+        for phase, count in (("waiting", waiting), ("prefill", prefilling), ("decode", decoding)):
+            rows.add_metric([*self.values, phase], count)
+        reserved = GaugeMetricFamily(
+            f"{NAMESPACE}_kv_cache_reserved_tokens",
+            "KV cache tokens the running requests reserved (prompt plus max_tokens each).",
+            labels=LABELS,
+        )
+        reserved.add_metric(self.values, engine.kv_tokens_reserved)
+        budget = GaugeMetricFamily(
+            f"{NAMESPACE}_kv_cache_budget_tokens",
+            "KV cache tokens the running requests may reserve together (ORTFLEET_KV_BUDGET_TOKENS).",
+            labels=LABELS,
+        )
+        budget.add_metric(self.values, engine.kv_budget_tokens)
+        prefill = CounterMetricFamily(
+            f"{NAMESPACE}_prefill_tokens", "Prompt tokens the batcher prefilled.", labels=LABELS
+        )
+        prefill.add_metric(self.values, counters.prefill_tokens)
+        steps = CounterMetricFamily(
+            f"{NAMESPACE}_decode_steps", "Decode steps the batcher ran (a token for each row).", labels=LABELS
+        )
+        steps.add_metric(self.values, counters.decode_steps)
+        return [rows, reserved, budget, prefill, steps]
 
 
 def worker_labels(service: WorkerService) -> dict[str, str]:

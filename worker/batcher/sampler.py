@@ -86,9 +86,8 @@ class RowSampler:
     def _broken(self) -> GrammarError:
         assert self._matcher is not None and self.request.guidance is not None
         cause = failure_cause(self._matcher.get_error())
-        return GrammarError(
-            f"response_format: the engine failed on this {self.request.guidance[0]} while generating ({cause})"
-        )
+        kind = self.request.guidance[0]
+        return GrammarError(f"response_format: the engine failed on this {kind} while generating ({cause})")
 
     def _sample(self, logits: np.ndarray) -> int:
         probabilities = _softmax(logits)
