@@ -1,0 +1,67 @@
+"""The batcher's sampling (worker/batcher/sampler.py) on hand-made logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from worker.batcher.sampler import RowSampler
+from worker.engine import GenerationRequest
+
+pytestmark = pytest.mark.unit
+
+EOS = 9
+
+
+def sampler(**options: object) -> RowSampler:
+    request = GenerationRequest([1, 2, 3], 10, **options)  # type: ignore[arg-type]
+    return RowSampler(request, frozenset({EOS}), 10, None)
+
+
+def logits(*scores: float) -> np.ndarray:
+    return np.asarray(scores, np.float32)
+
+
+def picks(row: RowSampler, scores: np.ndarray, count: int = 400) -> set[int]:
+    return {row.choose(scores.copy(), 5) for _ in range(count)}
+
+
+def test_greedy_takes_the_highest_score_and_a_tiny_temperature_is_greedy() -> None:
+    scores = logits(0, 1, 5, 2, 0, 0, 0, 0, 0, 4)
+    assert sampler().choose(scores.copy(), 0) == 2
+    assert picks(sampler(temperature=1e-9, seed=1), scores) == {2}
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
+    scores = logits(3, 3, 3, 0, 0, 0, 0, 0, 0, 0)
+    assert picks(sampler(temperature=1.0, top_k=2, seed=3), scores) <= {0, 1, 2}
+    assert len(picks(sampler(temperature=1.0, top_k=2, seed=3), scores)) == 2
+    nucleus = logits(5, 4, 0, 0, 0, 0, 0, 0, 0, 0)  # p(0) ~ 0.72, p(1) ~ 0.27
+    assert picks(sampler(temperature=1.0, top_p=0.5, seed=4), nucleus) == {0}
+    assert picks(sampler(temperature=1.0, top_p=0.9, seed=4), nucleus) == {0, 1}
+    assert len(picks(sampler(temperature=1.0, seed=4), nucleus)) > 2  # no bound: the tail is sampled too
+
+
+def test_the_same_seed_gives_the_same_tokens_and_another_seed_others() -> None:
+    scores = logits(*np.linspace(0, 1, 10))
+    first, second = sampler(temperature=1.0, seed=5), sampler(temperature=1.0, seed=5 + 2**31)  # mod 2**31
+    other = sampler(temperature=1.0, seed=6)
+    a = [first.choose(scores.copy(), 0) for _ in range(50)]
+    assert a == [second.choose(scores.copy(), 0) for _ in range(50)]
+    assert a != [other.choose(scores.copy(), 0) for _ in range(50)]
+
+
+def test_min_tokens_mask_the_end_of_sequence_until_reached() -> None:
+    scores = logits(0, 0, 0, 0, 0, 0, 0, 0, 1, 9)
+    row = sampler(min_new_tokens=3)
+    assert row.choose(scores.copy(), 2) == 8
+    assert row.choose(scores.copy(), 3) == EOS
+
+
+def test_the_repetition_penalty_lowers_the_prompts_tokens_and_those_generated() -> None:
+    scores = logits(0, 0, 0, 2.0, 1.5, 0, 0, 0, 0, 0)
+    assert sampler().choose(scores.copy(), 0) == 3
+    row = sampler(repetition_penalty=1.5)
+    assert row.choose(scores.copy(), 0) == 4  # 3 is in the prompt: 2.0 / 1.5 < 1.5
+    row.accept(4)
+    assert row.choose(scores.copy(), 1) == 3  # now 4 was generated: 1.5 / 1.5 < 2.0 / 1.5
