@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 
+from tests.waiting import until
 from worker.batcher.engine import BatchingEngine
 from worker.engine import Finish, GenerationRequest, GenerationStream
 
@@ -145,8 +146,7 @@ async def test_a_short_prompt_is_prefilled_before_the_rest_of_a_long_one(
     engine = engine_factory(prefill_chunk=16, step_delay_s=0.01)
     long_prompt = long_tokens(engine, 480)
     [long] = engine.submit([GenerationRequest(long_prompt, 1)])
-    while engine.counters.prefill_runs < 2:  # the long prompt's prefill is under way
-        await asyncio.sleep(0.005)
+    await until(lambda: engine.counters.prefill_runs >= 2, "the long prompt's prefill began", 30)
     [short] = engine.submit([GenerationRequest(engine.tokenizer.encode("Hi"), 1)])
     short_done, long_done = await asyncio.gather(collect(short), collect(long))
 
@@ -160,11 +160,9 @@ async def test_cancelling_a_prompt_during_its_chunked_prefill_frees_its_slot_wit
     engine = engine_factory(slots=1, prefill_chunk=16, step_delay_s=0.01)
     long_prompt = long_tokens(engine, 480)
     [long] = engine.submit([GenerationRequest(long_prompt, 5)])
-    while engine.counters.prefill_runs < 3:
-        await asyncio.sleep(0.005)
-    [waiting] = engine.submit([GenerationRequest(engine.tokenizer.encode("Hi"), 2)])  # no slot for it
-    await asyncio.sleep(0.05)
-    assert engine.rows()[0] == 1  # it waits for the only slot
+    await until(lambda: engine.counters.prefill_runs >= 3, "the long prompt's prefill began", 30)
+    [waiting] = engine.submit([GenerationRequest(engine.tokenizer.encode("Hi"), 2)])
+    await until(lambda: engine.rows()[0] == 1, "the short request waits for the only slot", 10)
     engine.cancel(long)
     runs_at_cancel = engine.counters.prefill_runs
 
@@ -243,3 +241,27 @@ async def test_min_tokens_stop_at_eos_and_a_prompt_over_the_context_are_answered
     )
     assert len(kept.tokens) == 50 and not set(kept.tokens) & engine.eos_token_ids
     assert refused.finish is Finish.error and refused.error_code == "context_length_exceeded"
+
+
+async def test_each_token_comes_with_its_logprob_and_the_likeliest_alternatives_when_asked(
+    engine_factory: type[BatchingEngine],
+) -> None:
+    engine = engine_factory()
+    prompt = engine.tokenizer.encode("Once upon a time")
+    [stream] = engine.submit([GenerationRequest(prompt, 12, min_new_tokens=12, logprobs=3)])
+    steps = []
+    while True:
+        update = await stream.updates.get()
+        if update.token_ids:
+            assert update.logprobs is not None and len(update.logprobs) == len(update.token_ids)
+            steps += list(zip(update.token_ids, update.logprobs, strict=True))
+        if update.finish is not None:
+            break
+
+    assert len(steps) == 12
+    for token, logprobs in steps:  # greedy: the token is the likeliest, its logprob the highest
+        assert len(logprobs.top) == 3 and logprobs.top[0] == (token, logprobs.logprob)
+        values = [value for _id, value in logprobs.top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+    [plain] = engine.submit([GenerationRequest(prompt, 2)])
+    assert (await plain.updates.get()).logprobs is None

@@ -39,6 +39,10 @@ class GenerationRequest:
     # first computed (prompt prefill, then one decode step each) and delivers only the tokens after them.
     # max_new_tokens and min_new_tokens count from the end of the replayed tokens.
     replay_ids: tuple[int, ...] = ()
+    # Log-probabilities of each generated token and of the `logprobs` likeliest at its step (0: the
+    # token's alone), from the model's distribution before penalties, masks and temperature. Only on
+    # engines with `gives_logprobs` (og.Engine exposes no logits).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,13 @@ class EngineUpdate:
     # On a request's first update after a replay: whether the replay reproduced every replayed token
     # (False: the engine computed another token somewhere and continued from the replayed one).
     replay_exact: bool | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one for each of token_ids, when asked for
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float  # the generated token's
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), likeliest first
 
 
 class UpdateQueue:
@@ -120,6 +131,7 @@ class Engine(Protocol):
     context_length: int
     continuous_batching: bool  # requests join a running batch (else: a batch runs to its end first)
     handles_stop_strings: bool  # the engine ends a request at its stop strings (else the job runner does)
+    gives_logprobs: bool  # the engine answers GenerationRequest.logprobs
     eos_token_ids: frozenset[int]
     # Called in the event loop, with the cause, once the engine has failed and can run nothing more: it
     # has ended every request it held (see Finish.lost) and waits for `restart`.

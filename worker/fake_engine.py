@@ -79,6 +79,7 @@ class FakeEngine:
         `continuous_batching=False` makes the worker treat it like the static scheduler: it claims
         only between batches and applies stop strings itself."""
         self.continuous_batching = continuous_batching
+        self.gives_logprobs = False
         self.handles_stop_strings = continuous_batching
         self.delay_s = delay_s
         self.capacity = capacity

@@ -162,6 +162,7 @@ class OrtEngine:
     ) -> None:
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
+        self.gives_logprobs = False
         self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
         self.context_length = context_length(model_dir)
         self._vocab_size = vocab_size(model_dir)

@@ -37,7 +37,7 @@ from llguidance import LLTokenizer
 from common.error_codes import ErrorCode
 from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.kv_slots import KvSlots
-from worker.batcher.sampler import GrammarError, RowSampler
+from worker.batcher.sampler import GrammarError, RowSampler, token_logprobs
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
 from worker.ort_engine import OrtTokenizer, context_length
 
@@ -94,6 +94,7 @@ class BatchingEngine:
 
     continuous_batching = True
     handles_stop_strings = False  # the job runner matches stop strings on the text
+    gives_logprobs = True
 
     def __init__(
         self,
@@ -343,6 +344,7 @@ class BatchingEngine:
     def _next(self, row: _Row, logits: np.ndarray, iteration: _Iteration) -> None:
         """The row's next token from its logits: replayed, delivered, or the row's end."""
         request = row.request
+        raw = logits.copy() if request.logprobs is not None and not row.replaying else None
         try:
             token = row.sampler.choose(logits, row.produced)
             if row.replaying:
@@ -375,7 +377,11 @@ class BatchingEngine:
             self._end(row)
         else:
             row.next_token = token
-        iteration.updates.append((row.stream, EngineUpdate(tokens, finish, None, rows, replay_exact=exact)))
+        logprobs = None
+        if raw is not None and tokens:
+            logprobs = (token_logprobs(raw, token, request.logprobs or 0),)
+        update = EngineUpdate(tokens, finish, None, rows, replay_exact=exact, logprobs=logprobs)
+        iteration.updates.append((row.stream, update))
 
     def _fail(self, cause: str) -> None:
         """A decode run failed: no row's KV can be trusted. Every request goes back to the queue (`lost`),

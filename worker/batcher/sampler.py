@@ -12,7 +12,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
-from worker.engine import GenerationRequest
+from worker.engine import GenerationRequest, TokenLogprobs
 from worker.ort_engine import failure_cause
 
 SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
@@ -116,6 +116,14 @@ def _likeliest(probabilities: np.ndarray, count: int) -> np.ndarray:
     candidates = np.argpartition(probabilities, -count)[-count:]
     ordered: np.ndarray = candidates[np.argsort(-probabilities[candidates], kind="stable")]
     return ordered
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """The token's log-probability under these logits, and the `top` likeliest tokens'."""
+    shifted = logits.astype(np.float64) - np.max(logits)
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    likeliest = _likeliest(logprobs, top) if top else np.empty(0, np.int64)
+    return TokenLogprobs(float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in likeliest))
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
