@@ -265,3 +265,22 @@ async def test_each_token_comes_with_its_logprob_and_the_likeliest_alternatives_
         assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
     [plain] = engine.submit([GenerationRequest(prompt, 2)])
     assert (await plain.updates.get()).logprobs is None
+
+
+@pytest.mark.default_model
+async def test_on_the_default_model_each_row_of_a_batch_gives_og_generators_greedy_tokens(
+    engine_factory: type[BatchingEngine], default_model: Path
+) -> None:
+    engine = engine_factory(default_model, prefill_chunk=64)
+    texts = ("The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "Hello! " * 40)
+    prompts = [engine.tokenizer.encode(text) for text in texts]
+    expected = [lone_generator_tokens(default_model, prompt, 48) for prompt in prompts]
+
+    together = await asyncio.gather(
+        *(collect(stream) for stream in engine.submit([GenerationRequest(p, 48) for p in prompts]))
+    )
+
+    for row, tokens in zip(together, expected, strict=True):
+        ends = [i for i, t in enumerate(tokens) if t in engine.eos_token_ids]
+        assert row.tokens == (tokens[: ends[0]] if ends else tokens)
+    assert max(max(row.rows) for row in together) == len(prompts)
