@@ -318,3 +318,53 @@ def test_a_terminated_bench_stops_the_fleet_it_started() -> None:
     assert process.returncode != 0
     _, running = psutil.wait_procs(children, timeout=10)
     assert not running, f"left running: {[child.cmdline() for child in running]}\n{stderr[-2000:]}"
+
+
+def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurrency_and_interference(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "serving.json"
+    done = bench(
+        "serving", "--model", str(tiny_model), "--concurrency", "1,2", "--requests", "2",
+        "--long-prompt-tokens", "200", "--lengths", "4:12", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert data["bench"] == "serving" and "bench serving" in data["command_line"]
+    assert data["machine"]["cores"] >= 1 and data["served_name"] == "bench"
+    planned = [request["max_tokens"] for request in data["requests"]]
+    assert len(planned) == 2 and all(4 <= tokens <= 12 for tokens in planned)
+
+    def every_figure_is_a_number(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                every_figure_is_a_number(inner, f"{where}.{key}")
+        elif isinstance(value, list):
+            for index, inner in enumerate(value):
+                every_figure_is_a_number(inner, f"{where}[{index}]")
+        else:
+            assert isinstance(value, int | float) and not isinstance(value, bool), f"{where}: {value!r}"
+
+    runs = [data["engine_alone"], *data["levels"]]
+    assert [level["concurrency"] for level in data["levels"]] == [1, 2]
+    assert data["engine_alone"]["itl_ms"]["n"] == sum(planned) - 2  # the engine's every token
+    for run in runs:
+        every_figure_is_a_number(run, "run")
+        assert run["requests"] == 2 and run["errors"] == 0 and run["tokens_per_s"] > 0
+        assert_summary(run["ttft_ms"], 2)
+        assert_summary(run["itl_ms"])  # a gap between text chunks: one per token but those without text
+        assert 0 < run["itl_ms"]["n"] <= sum(planned) - 2
+        # End of sequence ignored: every request generates exactly its max tokens, the same list everywhere.
+        assert [r["tokens"] for r in run["per_request"]] == [r["max_tokens"] for r in run["per_request"]]
+        assert [r["max_tokens"] for r in run["per_request"]] == planned
+        assert run["output_tokens"] == sum(planned)
+    interference = data["interference"]
+    every_figure_is_a_number({k: v for k, v in interference.items() if k != "long_prompts_sized_by"}, "i")
+    assert interference["long_prompts_sized_by"] == "tokenize"  # the fleet's POST /tokenize
+    assert all(abs(tokens - 200) <= 10 for tokens in interference["long_prompt_tokens"])
+    assert interference["long_tokens"] == [16, 16, 16] and interference["short_tokens"] == 16
+    assert len(interference["long_ttft_ms"]) == 3 and interference["short_sent_at_ms"] >= 500
+    goals = {goal["goal"]: goal for goal in data["goals"]}  # no 4 streams here: that goal is left out
+    assert len(goals) == 4 and all(isinstance(goal["pass"], bool) for goal in goals.values())
+    assert "interference: the short chat's first token within 3 s" in goals
+    assert "engine alone" in done.stdout and "goals" in done.stdout and "short chat" in done.stdout

@@ -23,7 +23,7 @@ def register(subparsers: Subparsers) -> None:
         "bench",
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {FLEET_HELP}. "
-        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness, batching.",
+        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness, batching, serving.",
     )
     _fleet_options(parser)
     parser.set_defaults(func=run_fleet)
@@ -183,6 +183,51 @@ def register(subparsers: Subparsers) -> None:
     batching.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     batching.set_defaults(func=run_batching)
 
+    serving = modes.add_parser(
+        "serving",
+        help="what clients get: the engine alone, then ortfleet (or any OpenAI-compatible server) at "
+        "several concurrencies, and a short chat during long prefills; goals checked",
+        description="On one model folder and one fixed list of requests (mixed output lengths, end of "
+        "sequence ignored), in one run: one og.Generator per request in this process, requests one after "
+        "another (the engine alone); then a local fleet (Redis, a gateway, one worker on the model) or "
+        "the OpenAI-compatible server at --url (llama.cpp's llama-server, vLLM), streamed completions "
+        "from closed-loop clients at each concurrency: tokens/s, TTFT, ITL; then three long prompts at "
+        "once and a short chat request 0.5 s later: its TTFT. Then the goals against this run's figures.",
+    )
+    serving.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="model folder: the engine alone's and the local fleet's (default: the default model; with "
+        "--url, no engine alone unless given)",
+    )
+    serving.add_argument(
+        "--concurrency", type=_int_list, default=[1, 4, 8], help="concurrent clients (default 1,4,8)"
+    )
+    serving.add_argument(
+        "--requests", type=_positive, default=16, help="requests per concurrency (default 16)"
+    )
+    serving.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=(32, 224),
+        metavar="MIN:MAX",
+        help="output tokens of each request, drawn by a seeded random (default 32:224)",
+    )
+    serving.add_argument(
+        "--long-prompt-tokens",
+        type=_positive,
+        default=3000,
+        help="prompt tokens of the interference run's long requests (default 3000)",
+    )
+    serving.add_argument("--no-interference", action="store_true", help="skip the prefill interference run")
+    serving.add_argument(
+        "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
+    )
+    serving.add_argument("--name", help="served model name at --url (default: its only model)")
+    serving.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    serving.set_defaults(func=run_serving)
+
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -253,6 +298,15 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive numbers, e.g. 1,2,4,8")
     return values
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    from ortfleet.bench.serving import parse_lengths
+
+    try:
+        return parse_lengths(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _float_list(text: str) -> list[float]:
@@ -416,3 +470,25 @@ def run_sim(args: argparse.Namespace) -> int:
         raise SystemExit(f"ortfleet bench sim: {e}") from e
     figures = sim.run(sim.SimOptions(workers, args.duration, args.max_tokens, args.clients))
     return _finish(figures, sim.text(figures), args.json)
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ortfleet.bench import serving
+
+    if args.name and not args.url:
+        raise SystemExit("ortfleet bench serving: --name names a model at --url")
+    options = serving.ServingOptions(
+        model_dir=None if args.url and args.model is None else model_dir(args.model),
+        concurrency=args.concurrency,
+        requests=args.requests,
+        lengths=args.lengths,
+        long_prompt_tokens=args.long_prompt_tokens,
+        interference=not args.no_interference,
+        url=args.url.rstrip("/") if args.url else None,
+        name=args.name,
+        command_line=shlex.join(["ortfleet", *sys.argv[1:]]),
+    )
+    figures = serving.run(options)
+    return _finish(figures, serving.text(figures), args.json)
