@@ -156,3 +156,33 @@ async def test_a_real_worker_cuts_batch_work_for_an_interactive_job_and_resumes_
         assert "".join(t["text"] for t in tokens) == final["output"]
         indexes = [t["index"] for t in tokens]
         assert indexes == sorted(set(indexes)) and indexes[0] == 0
+
+
+async def test_on_the_batcher_a_preempted_structured_output_job_resumes_through_its_grammar(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    slow = {"ORTFLEET_STEP_DELAY_S": "0.01", "ORTFLEET_PREEMPT_AFTER_S": "0"}
+    fleet.start_worker(model_name, "--max-batch-size", "1", "--scheduler", "batcher", env=slow)
+    schema = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "maxLength": 120}},
+        "required": ["story"],
+        "additionalProperties": False,
+    }
+    guided = {
+        "model": model_name,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+    }
+    reference = await wait_done(client, (await submit_http(client, guided))["id"])
+    job_id = (await submit_http(client, {**guided, "priority": "batch"}))["id"]
+    await first_token(client, job_id)
+    quick_body = {"model": model_name, "prompt": "Hi", "max_tokens": 2}
+    quick = await wait_done(client, (await submit_http(client, quick_body))["id"])
+    final = await wait_done(client, job_id)
+
+    assert quick["status"] == "succeeded"
+    assert final["status"] == "succeeded" and final["preemptions"] == 1 and final["attempts"] == 2, final
+    assert final["output"] == reference["output"]  # the grammar went on from the replayed tokens
+    assert set(json.loads(final["output"])) == {"story"}

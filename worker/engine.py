@@ -132,6 +132,7 @@ class Engine(Protocol):
     continuous_batching: bool  # requests join a running batch (else: a batch runs to its end first)
     handles_stop_strings: bool  # the engine ends a request at its stop strings (else the job runner does)
     gives_logprobs: bool  # the engine answers GenerationRequest.logprobs
+    replays_guidance: bool  # a replay walks the request's grammar through the replayed tokens
     eos_token_ids: frozenset[int]
     # Called in the event loop, with the cause, once the engine has failed and can run nothing more: it
     # has ended every request it held (see Finish.lost) and waits for `restart`.

@@ -36,8 +36,8 @@ class PromptTooLong(ValueError):
 
 
 class GuidedResume(ValueError):
-    """A structured-output job cannot go on from tokens an earlier attempt streamed: the engine's
-    grammar would start again from its beginning."""
+    """A structured-output job cannot go on from tokens an earlier attempt streamed on og.Engine, whose
+    grammar would start again from its beginning (ortfleet's batcher replays them through it)."""
 
     code = ErrorCode.structured_output_not_resumable
 
@@ -181,7 +181,7 @@ class JobRun:
         if self._cancelled or self._max_new == 0:
             return None
         guidance = self.spec.guidance
-        if guidance is not None and self.progress.token_ids:
+        if guidance is not None and self.progress.token_ids and not self._resumes_guidance:
             raise GuidedResume(
                 f"the worker running this structured-output job stopped after {len(self.progress.token_ids)} "
                 "tokens, and structured output cannot resume from them; submit the job again"
@@ -201,6 +201,10 @@ class JobRun:
             repetition_penalty=sampling.repetition_penalty,
             guidance=(guidance.kind, guidance.grammar) if guidance is not None else None,
         )
+
+    @property
+    def _resumes_guidance(self) -> bool:
+        return self._replay and self._engine.replays_guidance
 
     def attach(self, stream: GenerationStream) -> None:
         self._stream = stream

@@ -163,6 +163,7 @@ class OrtEngine:
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.gives_logprobs = False
+        self.replays_guidance = False  # og's grammar starts again from its beginning
         self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
         self.context_length = context_length(model_dir)
         self._vocab_size = vocab_size(model_dir)

@@ -95,6 +95,7 @@ class BatchingEngine:
     continuous_batching = True
     handles_stop_strings = False  # the job runner matches stop strings on the text
     gives_logprobs = True
+    replays_guidance = True
 
     def __init__(
         self,
