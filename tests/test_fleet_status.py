@@ -13,6 +13,7 @@ from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import submit, wait_done
 from tests.test_cli import ortfleet
+from worker.batcher.engine import DEFAULT_SLOTS
 
 
 def status_json(redis_url: str) -> dict[str, Any]:
@@ -44,10 +45,12 @@ async def test_status_shows_the_running_workers_their_queue_and_the_jobs_of_the_
 
     assert sorted(w["metrics_url"] for w in mine) == sorted(f"http://127.0.0.1:{p}/metrics" for p in ports)
     for worker in mine:
-        assert worker["device"] == "cpu" and worker["state"] == "ready" and worker["capacity"] == 4
+        assert (
+            worker["device"] == "cpu" and worker["state"] == "ready" and worker["capacity"] == DEFAULT_SLOTS
+        )
         assert worker["heartbeat_age_s"] < 5
     [model] = [m for m in status["models"] if m["name"] == model_name]
-    assert model["workers"] == 2 and model["capacity"] == 8 and model["queued"] == 0
+    assert model["workers"] == 2 and model["capacity"] == 2 * DEFAULT_SLOTS and model["queued"] == 0
     assert model["finished_last_minute"] == 4
     assert model["failed_last_minute"] == 1
 

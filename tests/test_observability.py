@@ -23,6 +23,7 @@ from ortfleet.fleet.processes import free_port, stop
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_cli import ortfleet_up
+from worker.batcher.engine import DEFAULT_SLOTS
 
 ROOT = Path(__file__).parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "ortfleet.json"
@@ -256,10 +257,10 @@ async def test_a_worker_exposes_its_latencies_tokens_and_load_labelled_by_model_
     assert (value(text, "ortfleet_prompt_tokens_total", **labels) or 0) > 0
     assert value(text, "ortfleet_jobs_finished_total", status="succeeded", **labels) == 2
     assert value(text, "ortfleet_request_success_total", finished_reason="length", **labels) == 2
-    assert value(text, "ortfleet_engine_capacity", **labels) == 4
+    assert value(text, "ortfleet_engine_capacity", **labels) == DEFAULT_SLOTS  # the batcher's default
     assert value(text, "ortfleet_num_requests_running", **labels) == 0
     [(info, _)] = samples(text, "ortfleet_worker_info")
-    assert info["model"] == model_name and info["device"] == "cpu" and info["batching"] == "static"
+    assert info["model"] == model_name and info["device"] == "cpu" and info["batching"] == "continuous"
     assert info["onnxruntime_genai_version"] != "unknown"
 
 
@@ -279,7 +280,7 @@ def test_up_gives_each_worker_its_own_metrics_port_listed_for_prometheus(
         for target in groups["worker"]:
             assert f"http://{target}/metrics" in printed
             text = httpx.get(f"http://{target}/metrics", timeout=10).text
-            assert value(text, "ortfleet_engine_capacity", model=tiny_model.name) == 4
+            assert value(text, "ortfleet_engine_capacity", model=tiny_model.name) == DEFAULT_SLOTS
         assert "ortfleet status --redis-url redis://127.0.0.1:" in printed
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import onnxruntime_genai as og
 from llguidance import LLTokenizer
 
@@ -119,7 +120,10 @@ class BatchingEngine:
         config = og.Config(str(model_dir))
         self.tokenizer = OrtTokenizer(config)
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        session, layout = open_session(model_dir)
+        try:
+            session, layout = open_session(model_dir)
+        except ort.capi.onnxruntime_pybind11_state.Fail as e:  # a graph or weights it cannot load
+            raise ValueError(str(e)) from e
         self._graph = DecoderGraph(session, layout)
         self.vocab_size = layout.vocab_size
         self._kv = self._new_kv()
