@@ -60,7 +60,13 @@ async def test_status_shows_the_running_workers_their_queue_and_the_jobs_of_the_
         [line] = [line for line in table.stdout.splitlines() if f"-{worker.process.pid}-" in line]
         assert model_name in line and " cpu " in line and "/metrics" in line
     [model_line] = [line for line in table.stdout.splitlines() if line.startswith(f"{model_name} ")]
-    assert model_line.split()[1:6] == ["2", "8", "0", "0", "-"]  # workers, slots, in flight, queued, wait
+    assert model_line.split()[1:6] == [
+        "2",
+        str(2 * DEFAULT_SLOTS),
+        "0",
+        "0",
+        "-",
+    ]  # workers, slots, in flight, queued, wait
     assert model_line.split()[-2:] == ["4", "1"]  # done and failed in the last minute
 
 
