@@ -85,10 +85,15 @@ class DirectBackend:
     name = "direct"
 
     def __init__(self, model_dir: Path, max_tokens: int) -> None:
+        from worker.batcher.engine import BatchingEngine
         from worker.device import Device
+        from worker.main import uses_batcher
         from worker.ort_engine import OrtEngine
 
-        self.engine = OrtEngine(model_dir, Device("cpu"))
+        cpu = Device("cpu")  # the engine a CPU worker runs with its default settings
+        self.engine: OrtEngine | BatchingEngine = (
+            BatchingEngine(model_dir) if uses_batcher("auto", model_dir, cpu) else OrtEngine(model_dir, cpu)
+        )
         self.max_tokens = max_tokens
         self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
 

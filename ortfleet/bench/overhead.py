@@ -1,9 +1,10 @@
 """`ortfleet bench` (fleet mode): the whole fleet over HTTP/SSE against its engine in-process.
 
 Both sides get the same prompts and a fixed generation length (min_tokens = max_tokens), so
-every request does the same work. The direct baseline runs worker/ort_engine.py's OrtEngine in
-this process; the fleet side runs redis-server, a gateway and a worker on the same model. The two
-never generate at the same time: for each concurrency the direct run goes first, then the fleet.
+every request does the same work. The direct baseline runs the engine a CPU worker runs (the
+batcher, or og.Engine for a model with paged attention) in this process; the fleet side runs
+redis-server, a gateway and a worker on the same model. The two never generate at the same time:
+for each concurrency the direct run goes first, then the fleet.
 """
 
 from __future__ import annotations
