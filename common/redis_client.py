@@ -35,6 +35,7 @@ from redis.sentinel import Sentinel as SyncSentinel
 
 from common.aio import wait_set
 from common.redis_url import SentinelUrl, is_sentinel_url, mask_url, parse_sentinel_url
+from common.store_config import StoreConfig, read_config_blocking
 
 SENTINEL_TIMEOUT_S = 2.0  # a sentinel answers at once, or is down and the next one is asked
 
@@ -325,14 +326,15 @@ class RedisRefused(Exception):
     wants or rejects, a database it lacks, no Redis at all), or no client can be made from it."""
 
 
-def check_redis(url: str, timeout_s: float) -> None:
-    """One PING of the Redis at `url` on a connection of its own, giving up after `timeout_s`. Raises
-    RedisRefused or RedisUnreachable with a message that names the Redis (its password masked) and
-    the problem."""
+def check_redis(url: str, timeout_s: float) -> StoreConfig:
+    """One PING of the Redis at `url` on a connection of its own, giving up after `timeout_s`, then its
+    memory policy and persistence. Raises RedisRefused or RedisUnreachable with a message that names the
+    Redis (its password masked) and the problem."""
     shown = f"Redis at {mask_url(url)}"
     try:
         with connect_blocking(url, timeout_s) as client:
             client.ping()
+            return read_config_blocking(client)
     except AuthenticationError as e:
         if "authentication required" in str(e).lower():
             raise RedisRefused(f"{shown} wants a password and the URL gives none") from e

@@ -45,6 +45,13 @@ class FleetSettings(BaseSettings):
         "worker's jobs are resumed elsewhere after this.",
     )
 
+    allow_evicting_redis: bool = Field(
+        False,
+        description="Start on a Redis whose maxmemory-policy evicts keys (anything but noeviction), which "
+        "can drop accepted jobs, streams and files without a word; without it such a Redis is refused at "
+        "start and reported by /readyz while it runs.",
+    )
+
     def redis_url_for(self, model: str) -> str:
         """The URL of the Redis that holds `model`'s jobs."""
         return (self.redis_shards.get(model) or self.redis_url).get_secret_value()

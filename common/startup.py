@@ -5,6 +5,7 @@ traceback comes first."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -16,6 +17,9 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsError
 
 from common.settings import FleetSettings
+from common.store_config import StoreConfig
+
+logger = logging.getLogger(__name__)
 
 ENV_PREFIX = FleetSettings.model_config.get("env_prefix", "")
 _UNPARSED_FIELD = re.compile(r'field "(\w+)"')
@@ -78,3 +82,12 @@ def exit_with(prog: str, lines: list[str], error: BaseException, *, debug: bool)
     for line in lines:
         print(f"{prog}: {line}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def check_store_config(config: StoreConfig, label: str, allow_eviction: bool) -> None:
+    """CannotStart for a Redis that evicts keys, unless `allow_eviction`; a warning for each other thing
+    an operator should know (no persistence, a policy that could not be read)."""
+    if config.evicts and not allow_eviction:
+        raise CannotStart(config.eviction_refusal(label))
+    for line in config.warnings(label, allow_eviction):
+        logger.warning("%s", line)

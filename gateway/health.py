@@ -32,18 +32,25 @@ async def readyz(request: Request) -> Response:
     try:
         for shard in state.shards.all:
             await shard.redis.ping()
+            await shard.watch.check_config()
         fleet = await state.fleet.snapshot(fresh=True)
     except (RedisError, OSError) as e:
         return JSONResponse({"status": "unavailable", "reason": f"Redis is unreachable: {e}"}, 503)
+    # What an operator must hear of each Redis (no persistence, settings unreadable), ready or not.
+    said = [warning for shard in state.shards.all for warning in shard.watch.warnings()]
+    warnings = {"warnings": said} if said else {}
+    refused = [refusal for shard in state.shards.all if (refusal := shard.watch.refusal) is not None]
+    if refused:
+        return JSONResponse({"status": "unavailable", "reason": "; ".join(refused), **warnings}, 503)
     if not fleet.live:
-        return JSONResponse({"status": "unavailable", "reason": "no live worker"}, 503)
+        return JSONResponse({"status": "unavailable", "reason": "no live worker", **warnings}, 503)
     # Public: ready workers per model, what a load balancer or a deployment waits for; no load figures.
     models = {name: {"workers": m.ready} for name, m in fleet.live.items() if m.ready}
     if not models:
         recovering = sum(m.workers for m in fleet.live.values())
         reason = f"no ready worker: {recovering} live worker(s) are rebuilding a failed engine"
-        return JSONResponse({"status": "unavailable", "reason": reason}, 503)
-    return JSONResponse({"status": "ready", "models": models})
+        return JSONResponse({"status": "unavailable", "reason": reason, **warnings}, 503)
+    return JSONResponse({"status": "ready", "models": models, **warnings})
 
 
 routes = [

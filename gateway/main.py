@@ -20,9 +20,9 @@ from uvicorn.config import STARTUP_FAILURE
 
 from common.aio import wait_set
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis
-from common.redis_url import URL_FORMAT
+from common.redis_url import URL_FORMAT, mask_url
 from common.settings import GatewaySettings
-from common.startup import CannotStart, debug_wanted, exit_with, settings_or_exit
+from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
 from gateway.metrics import GatewayMetrics
@@ -151,18 +151,20 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 def check_redis_urls(settings: GatewaySettings) -> None:
     """CannotStart for a Redis that refuses its URL (a password wanted or wrong: a mistake in the
-    configuration). An unreachable one is only logged: the gateway starts, and answers 503 on /readyz
-    until Redis is back, as a load balancer in front expects of it."""
+    configuration) or evicts keys (unless allowed). An unreachable one is only logged: the gateway
+    starts, and answers 503 on /readyz until Redis is back, as a load balancer in front expects of it."""
     urls = {settings.redis_url.get_secret_value(): "ORTFLEET_REDIS_URL (or --redis-url)"}
     for model, shard in settings.redis_shards.items():
         urls.setdefault(shard.get_secret_value(), f"ORTFLEET_REDIS_SHARDS[{model}]")
     for url, setting in urls.items():
         try:
-            check_redis(url, settings.redis_connect_timeout_s)
+            config = check_redis(url, settings.redis_connect_timeout_s)
         except RedisRefused as e:
             raise CannotStart(f"{e}; correct the URL in {setting}: {URL_FORMAT}") from e
         except RedisUnreachable as e:
             logger.warning("%s; starting anyway: /readyz answers 503 until it is reachable", e)
+            continue
+        check_store_config(config, mask_url(url), settings.allow_evicting_redis)
 
 
 def check_exposure(settings: GatewaySettings) -> None:

@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import Metric
 from redis.exceptions import RedisError
 
 from common.fleet_stats import QueueStats, queue_stats, served_tokens
+from common.store_watch import StoreMetrics, StoreWatch
 from gateway.batch_progress import BatchMetrics
 from gateway.fleet import FleetView
 from gateway.shards import Shards
@@ -97,9 +98,12 @@ class GatewayMetrics:
         self.fleet = FleetFigures(per_key)
         registry.register(self.fleet)
         self.batches = BatchMetrics(registry, NAMESPACE)
+        self.store_watches: list[StoreWatch] = []  # the shards' watches, as of the last scrape
+        registry.register(StoreMetrics(lambda: self.store_watches, NAMESPACE))
 
     async def refresh(self, shards: Shards, fleet: FleetView) -> None:
         """Read the figures that live in Redis; on a Redis error they are left out of this scrape."""
+        self.store_watches = [shard.watch for shard in shards.all]
         try:
             snapshot = await fleet.snapshot(fresh=True)
             models = sorted(snapshot.known)

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from common import keys
+from common.aio import cancel_and_wait
 from common.jobqueue import JobQueue
 from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.redis_url import mask_url
 from common.settings import GatewaySettings
+from common.store_watch import StoreWatch
 from common.wire import JobStatus
 from gateway.relay import StreamRelay
 
@@ -32,6 +34,7 @@ class Shard:
     redis: Redis
     queue: JobQueue
     relay: StreamRelay
+    watch: StoreWatch  # its memory policy and persistence
 
 
 class Shards:
@@ -83,11 +86,15 @@ async def open_shards(settings: GatewaySettings) -> AsyncIterator[Shards]:
     home_url = settings.redis_url.get_secret_value()
     model_urls = {model: url.get_secret_value() for model, url in settings.redis_shards.items()}
     shards: dict[str, Shard] = {}
+    watching: list[asyncio.Task[None]] = []
     try:
         for url in dict.fromkeys([home_url, *model_urls.values()]):
-            shards[url] = await _open(settings, url)
+            shards[url] = shard = await _open(settings, url)
+            watching.append(asyncio.create_task(shard.watch.run(), name="store-watch"))
         yield Shards(shards[home_url], {model: shards[url] for model, url in model_urls.items()})
     finally:
+        for task in watching:
+            await cancel_and_wait(task)
         for shard in shards.values():
             await shard.relay.close()
             await shard.redis.aclose()
@@ -110,4 +117,6 @@ async def _open(settings: GatewaySettings, url: str) -> Shard:
         client_name=name,
     )
     await relay.start()
-    return Shard(mask_url(url), redis, JobQueue(redis, settings.job_ttl_s), relay)
+    label = mask_url(url)
+    watch = StoreWatch(redis, label, settings.allow_evicting_redis)
+    return Shard(label, redis, JobQueue(redis, settings.job_ttl_s), relay, watch)

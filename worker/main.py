@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 from common import aio
 from common.model_folder import GENAI_CONFIG, default_model_dir, is_complete, missing_files
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
-from common.redis_url import URL_FORMAT
+from common.redis_url import URL_FORMAT, mask_url
 from common.registry import WorkerInfo
 from common.settings import WorkerSettings
-from common.startup import CannotStart, debug_wanted, exit_with, settings_or_exit
+from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
+from common.store_watch import StoreWatch
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
 from worker.service import EngineUnrecoverable, WorkerService
@@ -171,15 +172,17 @@ def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
 
 
 def check_redis_url(settings: WorkerSettings, name: str) -> None:
-    """CannotStart when the Redis of the model's jobs is unreachable or refuses its URL: a worker
-    without its Redis has nothing to do."""
+    """CannotStart when the Redis of the model's jobs is unreachable, refuses its URL (a worker without
+    its Redis has nothing to do) or evicts keys (unless allowed)."""
     setting = f"ORTFLEET_REDIS_SHARDS[{name}]" if name in settings.redis_shards else "ORTFLEET_REDIS_URL"
+    url = settings.redis_url_for(name)
     try:
-        check_redis(settings.redis_url_for(name), REDIS_CHECK_TIMEOUT_S)
+        config = check_redis(url, REDIS_CHECK_TIMEOUT_S)
     except RedisRefused as e:
         raise CannotStart(f"{e}; correct the URL in {setting}: {URL_FORMAT}") from e
     except RedisUnreachable as e:
         raise CannotStart(f"{e}; start it, or set {setting} (or --redis-url) to one that runs") from e
+    check_store_config(config, mask_url(url), settings.allow_evicting_redis)
 
 
 def open_metrics_port(settings: WorkerSettings) -> MetricsServer:
@@ -231,7 +234,8 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
             width,
         )
         engine.capacity = info.capacity = width
-    metrics.observe(service)
+    watch = StoreWatch(redis, mask_url(settings.redis_url_for(name)), settings.allow_evicting_redis)
+    metrics.observe(service, watch)
     logger.info("metrics on %s", metrics.url)
     logger.info(
         "worker %s serves %r on %s: %d slots, %s batching, ready in %.1f s",
@@ -246,9 +250,11 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
     tokenizer_calls = asyncio.create_task(serve_tokenizer(redis, name, tokenizer), name="tokenizer-calls")
+    watching = asyncio.create_task(watch.run(), name="store-watch")
     try:
         await service.run()
     finally:
+        watching.cancel()
         tokenizer_calls.cancel()
         metrics.close()
         engine.close()

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from common.fleet_stats import record_outcome
 from common.jobqueue import Claim
+from common.store_watch import StoreMetrics, StoreWatch
 from common.wire import TERMINAL, FinishReason, JobStatus
 
 if TYPE_CHECKING:
@@ -247,10 +248,12 @@ class MetricsServer:
     url: str
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
-    def observe(self, service: WorkerService) -> None:
-        """Hooks the worker's metrics into its service and serves them; their URL goes in its registry
-        entry."""
+    def observe(self, service: WorkerService, watch: StoreWatch | None = None) -> None:
+        """Hooks the worker's metrics into its service (and the watch over its Redis) and serves them;
+        their URL goes in its registry entry."""
         metrics = WorkerMetrics(self.registry, service)
+        if watch is not None:
+            self.registry.register(StoreMetrics(lambda: [watch], NAMESPACE))
         service.on_job_done = metrics.job_done
         service.on_job_failed = metrics.job_failed
         service.info.metrics_url = self.url

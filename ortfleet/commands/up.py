@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from common.redis_url import URL_FORMAT
+from common.redis_url import URL_FORMAT, mask_url
 from common.settings import GatewaySettings, WorkerSettings
 from common.startup import settings_error_lines
 from ortfleet.fleet.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         served = _resolve_model(args, settings.model_cache, console)
         if args.redis_url:
             fleet.redis_url = args.redis_url
-            _check_redis(fleet.redis_url)
+            _check_redis(fleet.redis_url, settings.allow_evicting_redis)
         else:
             data_dir = Path(tempfile.mkdtemp(prefix="ortfleet-up-"))
             _start_redis(fleet, console, signals, data_dir)
@@ -232,15 +232,17 @@ def _check_port_free(host: str, port: int) -> None:
             ) from e
 
 
-def _check_redis(url: str) -> None:
+def _check_redis(url: str, allow_eviction: bool) -> None:
     from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 
     try:
-        check_redis(url, timeout_s=5.0)
+        config = check_redis(url, timeout_s=5.0)
     except RedisRefused as e:
         raise StartupError(f"{e}; correct --redis-url: {URL_FORMAT}") from e
     except RedisUnreachable as e:
         raise StartupError(f"{e}; start it, or leave out --redis-url to have a redis-server started") from e
+    if config.evicts and not allow_eviction:
+        raise StartupError(config.eviction_refusal(mask_url(url)))
 
 
 def _start_redis(fleet: LocalFleet, console: Console, signals: StopSignals, data_dir: Path) -> None:
@@ -330,8 +332,6 @@ def curl_example(base_url: str, model: str) -> str:
 def _print_ready(
     base_url: str, served: Served, worker_metrics: list[str], redis_url: str, external_redis: bool
 ) -> None:
-    from common.redis_url import mask_url
-
     lines = [
         f"ortfleet is up: {len(worker_metrics)} worker(s) serving {served.name!r}",
         f"  gateway  {base_url}",

@@ -1,0 +1,140 @@
+"""Redis is checked, not trusted: a Redis that evicts keys is refused at start (unless allowed), one that
+persists nothing or hides its settings is said to be so (log, /readyz, metrics), and a policy changed
+while the fleet runs makes /readyz say so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from redis import Redis as SyncRedis
+
+from ortfleet.fleet.processes import free_port, start_redis, stop
+from tests.test_startup_mistakes import STARTS, assert_one_line, clean_env, first_answer
+from tests.waiting import until
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    stderr: Path
+
+    def log(self) -> str:
+        return self.stderr.read_text()
+
+
+@contextmanager
+def redis_with(tmp_path: Path, *options: str, appendonly: bool = True) -> Iterator[str]:
+    """A redis-server started with `options`; its URL."""
+    port = free_port()
+    process = start_redis(port, tmp_path / "redis", appendonly=appendonly, options=options)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop(process)
+
+
+@contextmanager
+def gateway_on(redis_url: str, tmp_path: Path, **settings: str) -> Iterator[RunningGateway]:
+    """A gateway process on `redis_url`, answering /readyz; its stderr is kept in a file."""
+    port = free_port()
+    stderr = tmp_path / f"gateway-{port}.log"
+    with stderr.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--port", str(port)],
+            env=clean_env(ORTFLEET_REDIS_URL=redis_url, **settings),
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        first_answer(f"{url}/readyz", process)
+        yield RunningGateway(url, stderr)
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.mark.parametrize("process", ["gateway", "worker"])
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
+def test_a_process_on_a_redis_that_evicts_keys_exits_naming_the_policy_and_the_way_out(
+    process: str, policy: str, tmp_path: Path
+) -> None:
+    with redis_with(tmp_path, "--maxmemory", "20mb", "--maxmemory-policy", policy) as url:
+        exited = STARTS[process](tmp_path, ORTFLEET_REDIS_URL=url)
+
+    assert_one_line(
+        exited, f"ortfleet-{process}", policy, "noeviction", "ORTFLEET_ALLOW_EVICTING_REDIS", "127.0.0.1"
+    )
+
+
+def test_a_gateway_allowed_an_evicting_redis_starts_and_says_keys_may_be_lost(tmp_path: Path) -> None:
+    with (
+        redis_with(tmp_path, "--maxmemory-policy", "allkeys-lru") as url,
+        gateway_on(url, tmp_path, ORTFLEET_ALLOW_EVICTING_REDIS="true") as gateway,
+    ):
+        ready = httpx.get(f"{gateway.url}/readyz").json()
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+
+    assert ready["reason"] == "no live worker"
+    assert any("allkeys-lru" in warning and "may be lost" in warning for warning in ready["warnings"])
+    assert "ORTFLEET_ALLOW_EVICTING_REDIS" in gateway.log()
+    evicting = next(line for line in metrics.splitlines() if line.startswith("ortfleet_redis_evicting{"))
+    assert evicting.startswith('ortfleet_redis_evicting{redis="redis://127.0.0.1'), evicting
+    assert evicting.endswith(" 1.0"), evicting
+
+
+def test_a_redis_without_persistence_is_a_warning_a_metric_and_a_readyz_detail(tmp_path: Path) -> None:
+    with redis_with(tmp_path, appendonly=False) as url, gateway_on(url, tmp_path) as gateway:
+        ready = httpx.get(f"{gateway.url}/readyz").json()
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+
+    said = [line for line in gateway.log().splitlines() if "persists nothing" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "appendonly yes" in said[0], gateway.log()
+    assert any("persists nothing" in warning for warning in ready["warnings"]), ready
+    persistent = next(line for line in metrics.splitlines() if line.startswith("ortfleet_redis_persistent{"))
+    assert persistent.endswith(" 0.0"), persistent
+
+
+def test_a_redis_whose_config_command_is_disabled_is_said_to_be_unchecked(tmp_path: Path) -> None:
+    with (
+        redis_with(tmp_path, "--rename-command", "CONFIG", "") as url,
+        gateway_on(url, tmp_path) as gateway,
+    ):
+        ready = httpx.get(f"{gateway.url}/readyz").json()
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+
+    said = [line for line in gateway.log().splitlines() if "could not be checked" in line]
+    assert len(said) == 1 and "noeviction" in said[0], gateway.log()
+    assert "Traceback" not in gateway.log()
+    assert any("could not be checked" in warning for warning in ready["warnings"]), ready
+    checked = next(line for line in metrics.splitlines() if line.startswith("ortfleet_redis_config_checked{"))
+    assert checked.endswith(" 0.0"), checked
+
+
+def test_the_suites_own_redis_passes_the_check_with_nothing_to_say(tmp_path: Path) -> None:
+    with redis_with(tmp_path) as url, gateway_on(url, tmp_path) as gateway:
+        ready = httpx.get(f"{gateway.url}/readyz").json()
+
+    assert "warnings" not in ready, ready
+    assert "WARNING" not in gateway.log(), gateway.log()
+
+
+async def test_an_evicting_policy_set_while_the_gateway_runs_makes_it_not_ready(tmp_path: Path) -> None:
+    with redis_with(tmp_path) as url, gateway_on(url, tmp_path) as gateway:
+        with SyncRedis.from_url(url) as admin:
+            admin.config_set("maxmemory-policy", "allkeys-lfu")
+
+        async with httpx.AsyncClient() as client:
+            reply = await client.get(f"{gateway.url}/readyz")
+        assert reply.status_code == 503
+        assert "allkeys-lfu" in reply.json()["reason"], reply.json()
+        await until(lambda: "allkeys-lfu" in gateway.log(), "the change logged", 5)
