@@ -30,3 +30,4 @@ class TokenizerReply(BaseModel):
     tokens: list[int] | None = None
     text: str | None = None
     error: str | None = None
+    param: str | None = None  # the field the error is about, when the worker can tell

@@ -93,7 +93,8 @@ async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:
         )
     reply = TokenizerReply.model_validate_json(popped[1])
     if reply.error is not None:
-        raise ApiError(400, reply.error, param="tokens" if call.op == "detokenize" else "prompt")
+        param = reply.param or ("tokens" if call.op == "detokenize" else "prompt")
+        raise ApiError(400, reply.error, param=param)
     return reply
 
 

@@ -136,6 +136,20 @@ async def test_tokenize_and_detokenize_are_answered_by_a_worker_of_the_model(
     assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize("bad", [-1, 320, 10**6, 2**40])
+async def test_detokenize_refuses_an_id_outside_the_vocabulary_naming_it(
+    client: httpx.AsyncClient, served: str, bad: int
+) -> None:
+    """The tiny model's vocabulary is ids 0..319."""
+    reply = await client.post("/detokenize", json={"model": served, "tokens": [5, 6, bad]})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "tokens.2" and error["type"] == "invalid_request_error"
+    assert f": {bad} is not a token id" in error["message"] and "0 to 319" in error["message"]
+    last = await client.post("/detokenize", json={"model": served, "tokens": [5, 319]})
+    assert last.status_code == 200 and "\ufffd" not in last.json()["prompt"]
+
+
 async def test_tokenize_needs_a_key_on_a_keyed_gateway_and_health_does_not(
     fleet: Fleet, model_name: str
 ) -> None:

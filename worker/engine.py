@@ -152,6 +152,11 @@ class Engine(Protocol):
 
 
 class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int | None:
+        """How many token ids the model has (ids 0 to vocab_size - 1), when its folder says."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages_json: str) -> str: ...

@@ -43,6 +43,8 @@ class FakeDecoder:
 
 
 class FakeTokenizer:
+    vocab_size = EOS + 1
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 

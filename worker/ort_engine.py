@@ -117,8 +117,13 @@ def sampling_options(request: GenerationRequest, vocab: int | None) -> tuple[boo
 
 
 class OrtTokenizer:
-    def __init__(self, source: og.Model | og.Config) -> None:
+    def __init__(self, source: og.Model | og.Config, vocab: int | None) -> None:
         self._tokenizer = og.Tokenizer(source)
+        self._vocab_size = vocab
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self._tokenizer.encode(text)]
@@ -213,7 +218,7 @@ class OrtEngine:
         try:
             config = load_config(self._model_dir, self._device, self._max_batch_size)
             self._model = og.Model(config)
-            self.tokenizer = OrtTokenizer(self._model)
+            self.tokenizer = OrtTokenizer(self._model, self._vocab_size)
             self.eos_token_ids = self.tokenizer.eos_token_ids
             self._new_engine()
             self.capacity = int(self._engine.get_capabilities().configured_max_batch_size) or 1

@@ -23,7 +23,9 @@ POLL_S = 1
 def answer(call: TokenizerCall, tokenizer: Tokenizer) -> TokenizerReply:
     try:
         if call.op == "detokenize":
-            return TokenizerReply(text=tokenizer.decode(call.tokens or []))
+            tokens = call.tokens or []
+            refused = _outside_vocabulary(tokens, tokenizer.vocab_size)
+            return refused or TokenizerReply(text=tokenizer.decode(tokens))
         if call.messages is not None:
             text = tokenizer.apply_chat_template(json.dumps([m.model_dump() for m in call.messages]))
         else:
@@ -31,6 +33,23 @@ def answer(call: TokenizerCall, tokenizer: Tokenizer) -> TokenizerReply:
         return TokenizerReply(tokens=tokenizer.encode(text))
     except Exception as e:  # a bad token id, a template error: the caller's problem, not the worker's
         return TokenizerReply(error=f"the tokenizer refused it: {e}")
+
+
+def _outside_vocabulary(tokens: list[int], vocab_size: int | None) -> TokenizerReply | None:
+    """The refusal of the first id that is no token of the model (the tokenizer would decode it as
+    U+FFFD or nothing), if any."""
+    for i, token in enumerate(tokens):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            ids = (
+                f"its {vocab_size} ids are 0 to {vocab_size - 1}"
+                if vocab_size is not None
+                else "ids are 0 and up"
+            )
+            return TokenizerReply(
+                error=f"tokens.{i}: {token} is not a token id of this model ({ids})",
+                param=f"tokens.{i}",
+            )
+    return None
 
 
 async def serve_tokenizer(redis: Redis, model: str, tokenizer: Tokenizer) -> None:

@@ -40,7 +40,7 @@ from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.kv_slots import KvSlots
 from worker.batcher.sampler import GrammarError, RowSampler, token_logprobs
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
-from worker.ort_engine import OrtTokenizer, context_length
+from worker.ort_engine import OrtTokenizer, context_length, vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class BatchingEngine:
         self._restarted: concurrent.futures.Future[None] | None = None
         self._failed: str | None = None
         config = og.Config(str(model_dir))
-        self.tokenizer = OrtTokenizer(config)
+        self.tokenizer = OrtTokenizer(config, vocab_size(model_dir))
         self.eos_token_ids = self.tokenizer.eos_token_ids
         try:
             session, layout = open_session(model_dir)
