@@ -115,6 +115,27 @@ async def test_a_foreground_response_answers_with_its_jobs_generated_text(
     assert response.output_text == job["output"]
 
 
+async def test_a_response_with_store_false_is_answered_and_then_kept_nowhere(
+    sdk: openai.OpenAI, client: httpx.AsyncClient, redis: Redis, served: str
+) -> None:
+    """As OpenAI: an unstored response cannot be retrieved later, through either API."""
+    answered = sdk.responses.create(model=served, input="Hi", max_output_tokens=4, temperature=0, store=False)
+    assert answered.usage is not None and answered.usage.output_tokens == 4 and answered.store is False
+    with sdk.responses.create(
+        model=served, input="Hi", max_output_tokens=4, temperature=0, store=False, stream=True
+    ) as events:
+        streamed = [event for event in events][-1].response
+    assert streamed.output_text == answered.output_text
+    listed = (await client.get("/v1/jobs", params={"limit": 100})).json()["data"]
+    for response in (answered, streamed):
+        job_id = "job_" + response.id.removeprefix("resp_")
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(response.id)
+        assert (await client.get(f"/v1/jobs/{job_id}")).status_code == 404
+        assert job_id not in [job["id"] for job in listed]
+        assert not await redis.exists(keys.job(job_id), keys.events(job_id), keys.response(response.id))
+
+
 async def test_another_keys_files_batches_and_responses_do_not_exist_for_it(
     redis_server: object, tiny_model: object, model_name: str
 ) -> None:

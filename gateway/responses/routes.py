@@ -49,14 +49,23 @@ async def current_view(state: AppState, meta: dict[str, str]) -> dict[str, Any]:
     return view_from_job(meta, await state.shards.of_model(meta["model"]).queue.record(meta["job_id"]))
 
 
+async def forget_unstored(state: AppState, meta: dict[str, str]) -> None:
+    """Deletes the job of a response created with `store: false` once it has been answered (or its
+    client left): as on OpenAI, such a response cannot be retrieved later, as a response or a job."""
+    if meta["store"] != "1":
+        with anyio.CancelScope(shield=True):
+            await state.shards.of_model(meta["model"]).queue.purge(meta["job_id"], meta["model"])
+
+
 class ResponseEventStream(JobEventsResponse):
     """A response's events (EventFrames) after `starting_after`, relayed from its job's stream. The
     stream holds one of its key's stream slots, taken by the caller, until it ends; a foreground
-    response (`owned`) whose client leaves first is cancelled."""
+    response (`owned`) whose client leaves first is cancelled, and an unstored one is forgotten."""
 
     def __init__(
         self, state: AppState, meta: dict[str, str], starting_after: int, owner: str, owned: bool
     ) -> None:
+        self._state = state
         self._shard = state.shards.of_model(meta["model"])
         self._meta = meta
         self._owned = owned
@@ -77,13 +86,15 @@ class ResponseEventStream(JobEventsResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self._owned and not self.ended:
+            if self._owned and not self.ended and self._meta["store"] == "1":
                 with anyio.CancelScope(shield=True):
                     await self._shard.queue.cancel(self._meta["job_id"], self._meta["model"])
+            await forget_unstored(self._state, self._meta)
 
 
 async def _submit(state: AppState, body: ResponseRequest, model: str, principal: Principal) -> dict[str, str]:
-    """Submits the response's job and stores the response's record, which it returns."""
+    """Submits the response's job and stores the response's record (unless `store` is false), which it
+    returns."""
     try:
         submitted = await submit_job(state, response_job(body, model), None, principal)
     except ApiError as e:
@@ -103,8 +114,9 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
         "top_p": "" if body.top_p is None else str(body.top_p),
         "metadata": json.dumps(body.metadata or {}),
     }
-    await state.redis.hset(keys.response(resp_id), mapping=meta)  # type: ignore[misc]
-    await state.redis.expire(keys.response(resp_id), state.settings.job_ttl_s)
+    if body.stored:
+        await state.redis.hset(keys.response(resp_id), mapping=meta)  # type: ignore[misc]
+        await state.redis.expire(keys.response(resp_id), state.settings.job_ttl_s)
     return meta
 
 
@@ -131,10 +143,12 @@ async def create_response(request: Request) -> Response:
         await until_disconnect(request, _until_final(state, model, meta["job_id"]))
     except ClientGone:
         await state.shards.of_model(model).queue.cancel(meta["job_id"], model)
+        await forget_unstored(state, meta)
         return Response(status_code=499)
     finally:
         state.streams.give_back(principal.name)
     record = await state.shards.of_model(model).queue.record(meta["job_id"])
+    await forget_unstored(state, meta)
     if record is None:  # purged (or expired) meanwhile
         raise job_failure(meta["job_id"], "was purged", ErrorCode.job_purged, "input")
     if record.status is JobStatus.failed:  # a call that waited for its response is answered an error
