@@ -68,12 +68,15 @@ SUBMIT = (
     + _FAIR
     + """
 -- KEYS: record, events, arq job, queue of its class, queued tokens, owner's active jobs, owner's jobs,
---       fair-share tags of its class, idempotency entry (only with an idempotency key)
+--       fair-share tags of its class, the Redis's epoch, idempotency entry (only with an idempotency key)
 -- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
 --       owner's max active jobs (0: no limit), owner, weight, n record fields, fields...,
---       n event fields, fields...
--- Returns {outcome, detail}: created/duplicate and the job id, busy, or full and which limit.
-local idem = KEYS[9]
+--       n event fields, fields..., the epoch the job id carries ('': not checked)
+-- Returns {outcome, detail}: created/duplicate and the job id, busy, full and which limit, or epoch
+-- when the Redis's epoch is not the job id's (it lost its data since the caller read it).
+local epoch = ARGV[#ARGV]
+if epoch ~= '' and redis.call('GET', KEYS[9]) ~= epoch then return {'epoch', ''} end
+local idem = KEYS[10]
 if idem then
   local existing = redis.call('GET', idem)
   if existing then return {'duplicate', existing} end

@@ -172,6 +172,11 @@ class NotReplicated(Exception):
         self.wanted = wanted
 
 
+class EpochChanged(Exception):
+    """The Redis's epoch is not the one the job id carries: it lost its data since the caller read its
+    epoch (common/store_epoch.py). Nothing was written."""
+
+
 class QueueFull(Exception):
     def __init__(self, model: str, limit: str) -> None:
         super().__init__(f"the queue of model {model!r} is full ({limit})")
@@ -263,10 +268,12 @@ class JobQueue:
         request_digest: str | None = None,
         replicas: int = 0,
         replicas_timeout_ms: int = 1000,
+        epoch: str = "",
     ) -> Submitted:
         """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits. With
         `replicas`, returns only once that many replicas confirm the writes (WAIT on the connection that
-        ran the script), else raises NotReplicated."""
+        ran the script), else raises NotReplicated. With `epoch` (the one the job id carries), raises
+        EpochChanged when the Redis's is another."""
         now_ms = int(spec.submitted_at * 1000)
         record = JobRecord(
             id=spec.id,
@@ -295,6 +302,7 @@ class JobQueue:
             repr(float(weight)),
             *_flat(record.to_fields()),
             *_flat(status_entry(JobStatus.queued)),
+            epoch,
         ]
         script_keys = [
             *keys.job_keys(spec.id),
@@ -303,6 +311,7 @@ class JobQueue:
             keys.active_jobs(owner),
             keys.owner_jobs(owner),
             keys.fair_tags(spec.model, spec.priority.value),
+            keys.EPOCH,
             *([idempotency_key] if idempotency_key else []),
         ]
         if replicas <= 0:
@@ -313,6 +322,8 @@ class JobQueue:
                 await self._submit(keys=script_keys, args=args, client=pipe)
                 pipe.wait(replicas, replicas_timeout_ms)
                 (outcome, detail), confirmed = await pipe.execute()
+        if outcome == "epoch":
+            raise EpochChanged(f"the Redis of model {spec.model!r} lost its data")
         if outcome == "busy":
             raise OwnerBusy(owner, owner_max_active)
         if outcome == "full":

@@ -18,6 +18,8 @@ WORKERS = PREFIX + "workers"  # zset: worker id -> heartbeat expiry (ms)
 MODELS = PREFIX + "models"  # hash: model name -> JSON of what its workers last reported
 CANCEL_CHANNEL = PREFIX + "cancel"  # pub/sub: job ids whose running generation must stop
 STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to (common/job_scripts.py)
+EPOCH = PREFIX + "epoch"  # string: this Redis's data epoch (common/store_epoch.py); job TTL, renewed by reads
+LOST_EPOCHS = PREFIX + "lost-epochs"  # set: epochs whose data this Redis lost (restarted empty); job TTL
 
 
 def job(job_id: str) -> str:

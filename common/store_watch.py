@@ -1,33 +1,87 @@
 """A process's watch over one Redis while it runs: its memory policy and persistence, read again
-periodically (common/store_config.py), for the logs, /readyz and the metrics."""
+periodically (common/store_config.py), and its data epoch (common/store_epoch.py), read every second, so
+that a Redis that lost its data is known to have lost it; for the logs, /readyz and the metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.store_config import StoreConfig, read_config
+from common.store_epoch import current_epoch, epoch_of, note_lost, was_lost
 
 logger = logging.getLogger(__name__)
 
 CONFIG_EVERY_S = 30.0  # how often the memory policy and persistence are read again
+EPOCH_EVERY_S = 1.0  # how often the epoch is read again
+
+
+@dataclass(frozen=True)
+class StoreLoss:
+    """A Redis found to have lost its data: its epoch `old` was gone, `new` in its place."""
+
+    at: float  # time.time()
+    old: str
+    new: str
 
 
 class StoreWatch:
     """What one process knows of one Redis's fitness to keep its work. `label` names the Redis in
     what it says (its URL, password masked)."""
 
-    def __init__(self, redis: Redis, label: str, allow_eviction: bool) -> None:
+    def __init__(self, redis: Redis, label: str, allow_eviction: bool, ttl_s: int = 86_400) -> None:
         self.redis = redis
         self.label = label
         self.allow_eviction = allow_eviction
+        self.ttl_s = ttl_s  # the job TTL: how long a loss matters (its jobs would have expired by then)
         self.config: StoreConfig | None = None  # None until read
+        self.epoch: str | None = None  # None until read
+        self.lost_epochs: set[str] = set()
+        self.losses = 0
+        self.last_loss: StoreLoss | None = None
+        # Called with the lost epoch once a loss is found (the gateway ends its streams).
+        self.on_loss: list[Callable[[str], None]] = []
+        self._reading_epoch = asyncio.Lock()
+
+    async def check_epoch(self) -> str:
+        """The Redis's epoch now; a change (or a Redis found without one) since the last read is a loss:
+        logged, counted, recorded in the Redis and told to `on_loss`."""
+        async with self._reading_epoch:
+            current = await current_epoch(self.redis, self.ttl_s)
+            known, self.epoch = self.epoch, current
+            if known is not None and current != known:
+                await self._lost(known, current)
+            return current
+
+    async def _lost(self, old: str, new: str) -> None:
+        self.lost_epochs.add(old)
+        self.losses += 1
+        self.last_loss = StoreLoss(time.time(), old, new)
+        logger.error(
+            "Redis at %s lost its data (restarted without persistence, or flushed): the jobs, streams, "
+            "files and batches it held are gone; their clients get store_lost",
+            self.label,
+        )
+        with contextlib.suppress(RedisError, OSError):  # this process knows it; others find it in time
+            await note_lost(self.redis, old, self.ttl_s)
+        for callback in self.on_loss:
+            callback(old)
+
+    async def is_lost(self, job_id: str) -> bool:
+        """Whether the job was lost with its Redis's data (its id carries an epoch that was lost)."""
+        epoch = epoch_of(job_id)
+        if epoch is None or epoch == self.epoch:
+            return False
+        return epoch in self.lost_epochs or await was_lost(self.redis, epoch)
 
     async def check_config(self) -> StoreConfig:
         """Reads the memory policy and persistence again; says so in the log when they changed since
@@ -54,19 +108,32 @@ class StoreWatch:
         return self.refusal_of(self.config) if self.config is not None else None
 
     def warnings(self) -> list[str]:
-        """What an operator should know of this Redis short of a refusal."""
-        if self.config is None:
-            return []
-        return self.config.warnings(self.label, self.allow_eviction)
+        """What an operator should know of this Redis short of a refusal: its settings, and a loss of
+        its data within the job TTL."""
+        said = self.config.warnings(self.label, self.allow_eviction) if self.config is not None else []
+        loss = self.last_loss
+        if loss is not None and time.time() - loss.at < self.ttl_s:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(loss.at))
+            said.append(
+                f"Redis at {self.label} lost its data (found at {when}): the jobs submitted before are gone "
+                "and answer store_lost"
+            )
+        return said
 
     async def run(self) -> None:
-        """Reads the settings every CONFIG_EVERY_S, until cancelled; a Redis away is skipped over."""
+        """Reads the epoch every EPOCH_EVERY_S and the settings every CONFIG_EVERY_S, until cancelled; a
+        Redis away is skipped over."""
+        loop = asyncio.get_running_loop()
+        config_due = loop.time()
         while True:
             try:
-                await self.check_config()
+                await self.check_epoch()
+                if loop.time() >= config_due:
+                    await self.check_config()
+                    config_due = loop.time() + CONFIG_EVERY_S
             except (RedisError, OSError) as e:
-                logger.debug("Redis at %s: its settings could not be read (%s)", self.label, e)
-            await asyncio.sleep(CONFIG_EVERY_S)
+                logger.debug("Redis at %s could not be read (%s)", self.label, e)
+            await asyncio.sleep(EPOCH_EVERY_S)
 
 
 class StoreMetrics:
@@ -93,7 +160,14 @@ class StoreMetrics:
             "1 when the Redis keeps its data across a restart (appendonly or RDB snapshots), else 0.",
             labels=["redis"],
         )
+        losses = CounterMetricFamily(
+            f"{ns}_store_losses",
+            "Times this process found the Redis had lost its data (its epoch gone: restarted without "
+            "persistence, or flushed).",
+            labels=["redis"],
+        )
         for watch in self._watches():
+            losses.add_metric([watch.label], watch.losses)
             config = watch.config
             if config is None:
                 continue
@@ -101,4 +175,4 @@ class StoreMetrics:
             if config.checked:
                 evicting.add_metric([watch.label], 1 if config.evicts else 0)
                 persistent.add_metric([watch.label], 1 if config.persists else 0)
-        return [checked, evicting, persistent]
+        return [checked, evicting, persistent, losses]

@@ -35,12 +35,25 @@ def not_found(job_id: str) -> ApiError:
     return ApiError(404, message, param="id", code=ErrorCode.job_not_found)
 
 
+def store_lost(job_id: str) -> ApiError:
+    message = (
+        f"job {job_id!r} was lost: the job store (Redis) lost its data (it restarted without persistence); "
+        "submit the job again"
+    )
+    return ApiError(503, message, param="id", code=ErrorCode.store_lost)
+
+
+async def missing(state: AppState, job_id: str) -> ApiError:
+    """The error for a job not found: lost with its Redis's data (503 store_lost), or 404."""
+    return store_lost(job_id) if await state.shards.lost(job_id) else not_found(job_id)
+
+
 async def find_job(state: AppState, job_id: str, principal: Principal) -> tuple[Shard, JobRecord]:
     """The job's shard and record as `principal` may see it: another owner's job does not exist for
-    them (404, not 403)."""
+    them (404, not 403); a job lost with its Redis's data is 503 store_lost."""
     found = await state.shards.owned_record(job_id, principal.name)
     if found is None:
-        raise not_found(job_id)
+        raise await missing(state, job_id)
     return found
 
 
@@ -141,11 +154,11 @@ async def cancel_job(request: Request) -> Response:
     shard, record = await find_job(state, job_id, principal)
     if request.query_params.get("purge", "false").lower() in ("1", "true", "yes"):
         if not await shard.queue.purge(job_id, record.model):
-            raise not_found(job_id)
+            raise await missing(state, job_id)
         return Response(status_code=204)
     outcome = await shard.queue.cancel(job_id, record.model)
     if outcome == "missing":
-        raise not_found(job_id)
+        raise await missing(state, job_id)
     view = await load_view(state, job_id, principal)
     return job_response(view, 202 if outcome == "cancelling" else 200)
 

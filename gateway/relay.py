@@ -37,9 +37,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.redis_client import connection_pool
+from common.store_epoch import epoch_of
 
 logger = logging.getLogger(__name__)
 
+_EVENTS_PREFIX = keys.events("")
 SWEEP_KEYS_PER_READ = 100  # streams re-read by a sweep added to each read of notified streams
 
 Entry = tuple[str, str, dict[str, str]]  # stream key, entry id, fields
@@ -317,6 +319,14 @@ class _Reader:
                 if len(entries) >= self._count:
                     self.due(key)  # more than one read's worth: read on
 
+    def end_streams(self, which: Callable[[str], bool], fields: dict[str, str]) -> None:
+        """Hands each tap of the streams `which` selects `fields` as an entry past its cursor."""
+        for key in [key for key in self.taps if which(key)]:
+            for tap in list(self.taps.get(key, ())):
+                ms, seq = tap.cursor_id
+                tap.follower.push((key, f"{ms}-{seq + 1}", fields))
+                tap.follower.arrived()
+
     def _retry(self, keys: list[str]) -> None:
         for key in keys:
             self.due(key)
@@ -387,6 +397,7 @@ class StreamRelay:
         self._heard_at = 0.0  # when the subscription last heard from Redis (event-loop time)
         self._tasks: list[asyncio.Task[None]] = []
         self._unreachable_since: float | None = None
+        self.lost_epochs: set[str] = set()
         self.closed = False
 
     async def start(self) -> None:
@@ -496,6 +507,17 @@ class StreamRelay:
 
     def detach(self, tap: _Tap) -> None:
         self._reader(tap.key).detach(tap)
+
+    def end_lost(self, epoch: str, fields: dict[str, str]) -> None:
+        """Redis lost its data of `epoch`: every followed stream of a job of that epoch gets `fields` as
+        its last entry now (it will never get another), and the relay answers `lost` for them after."""
+        self.lost_epochs.add(epoch)
+        for reader in self._readers:
+            reader.end_streams(lambda key: epoch_of(key.removeprefix(_EVENTS_PREFIX)) == epoch, fields)
+
+    def lost(self, job_id: str) -> bool:
+        """Whether the job was lost with its Redis's data (`end_lost`)."""
+        return epoch_of(job_id) in self.lost_epochs
 
     def unreachable_for(self) -> float | None:
         """Seconds since the relay's reads started failing (Redis away); None while they work."""

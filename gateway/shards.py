@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from common.settings import GatewaySettings
 from common.store_watch import StoreWatch
 from common.wire import JobStatus
 from gateway.relay import StreamRelay
+from gateway.sse import STORE_LOST
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,15 @@ class Shards:
                 replies = await pipe.execute()
             found |= {job_id: JobStatus(raw) for job_id, raw in zip(job_ids, replies, strict=True) if raw}
         return found
+
+    async def lost(self, job_id: str) -> bool:
+        """Whether the job, not found, was lost with its Redis's data (the epoch its id carries was lost).
+        Each Redis's epoch is read now: a loss in the last second is not yet known otherwise."""
+        for shard in self.all:
+            await shard.watch.check_epoch()
+            if await shard.watch.is_lost(job_id):
+                return True
+        return False
 
     async def first_value(self, key: str) -> str | None:
         """The string at `key` on the first shard holding one (an idempotency entry lives on the shard of
@@ -118,5 +129,6 @@ async def _open(settings: GatewaySettings, url: str) -> Shard:
     )
     await relay.start()
     label = mask_url(url)
-    watch = StoreWatch(redis, label, settings.allow_evicting_redis)
+    watch = StoreWatch(redis, label, settings.allow_evicting_redis, settings.job_ttl_s)
+    watch.on_loss.append(functools.partial(relay.end_lost, fields=STORE_LOST))
     return Shard(label, redis, JobQueue(redis, settings.job_ttl_s), relay, watch)

@@ -34,6 +34,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})", re.ASCII)
 _MAX_PART = 2**64 - 1
 PURGED = {"type": "error", "status": "failed", "message": "the job was purged", "code": "job_purged"}
+STORE_LOST = {
+    "type": "error",
+    "status": "failed",
+    "message": "the job store (Redis) lost its data, this job with it (it restarted without persistence); "
+    "submit the job again",
+    "code": "store_lost",
+}
 
 
 def valid_entry_id(text: str) -> bool:
@@ -158,7 +165,8 @@ class JobStreamReading:
             logger.warning("job %s: Redis away for %.0f s, ending the stream", self.job_id, away)
             return []
         if away is None and not await stream_exists(self._redis, self._stream):
-            return [(f"{int(time.time() * 1000)}-0", PURGED)]
+            gone = STORE_LOST if self._streams.lost(self.job_id) else PURGED
+            return [(f"{int(time.time() * 1000)}-0", gone)]
         return None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -15,15 +14,12 @@ from common import keys
 from common.apikeys import ANONYMOUS, Principal
 from common.error_codes import ErrorCode
 from common.guidance import Guidance
-from common.jobqueue import NotReplicated, OwnerBusy, QueueFull, QueueLimits, Submitted
+from common.jobqueue import EpochChanged, NotReplicated, OwnerBusy, QueueFull, QueueLimits, Submitted
+from common.store_epoch import new_job_id
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
 from gateway import guidance_check
 from gateway.errors import ApiError, validation_error
 from gateway.state import AppState
-
-
-def new_job_id() -> str:
-    return "job_" + secrets.token_urlsafe(18)
 
 
 async def resolve_model(state: AppState, requested: str | None) -> tuple[str, int]:
@@ -189,8 +185,10 @@ async def submit_job(
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
+    shard = state.shards.of_model(model)
+    epoch = shard.watch.epoch or await shard.watch.check_epoch()
     spec = JobSpec(
-        id=new_job_id(),
+        id=new_job_id(epoch),
         model=model,
         prompt=request.prompt,
         messages=request.messages,
@@ -202,18 +200,12 @@ async def submit_job(
     idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None
     try:
-        submitted = await state.shards.of_model(model).queue.submit(
-            spec,
-            limits=queue_limits(state),
-            cost=estimated_cost(spec),
-            idempotency_key=idem,
-            owner=principal.name,
-            owner_max_active=principal.max_concurrent_jobs or 0,
-            weight=principal.weight,
-            request_digest=digest,
-            replicas=state.settings.submit_replicas,
-            replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,
-        )
+        try:
+            submitted = await _submit(state, spec, idem, principal, digest, epoch)
+        except EpochChanged:  # the Redis lost its data since its epoch was read: note it, then go on
+            epoch = await shard.watch.check_epoch()
+            spec = spec.model_copy(update={"id": new_job_id(epoch)})
+            submitted = await _submit(state, spec, idem, principal, digest, epoch)
     except NotReplicated as e:
         raise ApiError(
             503,
@@ -221,6 +213,10 @@ async def submit_job(
             "primary fails now; retry with the same Idempotency-Key, which returns this job if it exists",
             code=ErrorCode.not_replicated,
             headers={"Retry-After": "1"},
+        ) from e
+    except EpochChanged as e:  # lost again, at once
+        raise ApiError(
+            503, f"{e}; retry shortly", code=ErrorCode.store_lost, headers={"Retry-After": "1"}
         ) from e
     except OwnerBusy as e:
         raise ApiError(429, str(e), code=ErrorCode.too_many_active_jobs, headers={"Retry-After": "1"}) from e
@@ -231,3 +227,21 @@ async def submit_job(
     else:
         await check_same_request(state, submitted.job_id, digest, idempotency_key or "")
     return SubmittedJob(submitted.job_id, submitted.created, model, now)
+
+
+async def _submit(
+    state: AppState, spec: JobSpec, idem: str | None, principal: Principal, digest: str | None, epoch: str
+) -> Submitted:
+    return await state.shards.of_model(spec.model).queue.submit(
+        spec,
+        limits=queue_limits(state),
+        cost=estimated_cost(spec),
+        idempotency_key=idem,
+        owner=principal.name,
+        owner_max_active=principal.max_concurrent_jobs or 0,
+        weight=principal.weight,
+        request_digest=digest,
+        replicas=state.settings.submit_replicas,
+        replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,
+        epoch=epoch,
+    )

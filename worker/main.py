@@ -234,7 +234,8 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
             width,
         )
         engine.capacity = info.capacity = width
-    watch = StoreWatch(redis, mask_url(settings.redis_url_for(name)), settings.allow_evicting_redis)
+    label = mask_url(settings.redis_url_for(name))
+    watch = StoreWatch(redis, label, settings.allow_evicting_redis, settings.job_ttl_s)
     metrics.observe(service, watch)
     logger.info("metrics on %s", metrics.url)
     logger.info(

@@ -82,6 +82,15 @@ async def delete_file(request: Request) -> Response:
 
 async def file_content(request: Request) -> Response:
     stored = await owned_file(request)
+    held = await file_store(request).line_count(stored.id)
+    if held < stored.lines:  # never a partial or empty body for a file whose lines Redis lost
+        raise ApiError(
+            503,
+            f"the content of file {stored.id!r} was lost by the job store (Redis holds {held} of its "
+            f"{stored.lines} lines): it restarted without persistence, or evicted keys; upload it again",
+            param="file_id",
+            code=ErrorCode.store_lost,
+        )
     filename = stored.filename.replace('"', "").replace("\\", "")
     headers = {"Content-Disposition": f'attachment; filename="{filename}"'}
     return StreamingResponse(

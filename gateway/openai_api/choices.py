@@ -55,6 +55,8 @@ def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt
         return ApiError(404, f"job {job_id} {message}", code=code, headers=headers)
     if code is ErrorCode.expired_in_queue:  # the fleet was too busy to start it in time: worth a retry
         return ApiError(503, f"job {job_id} {message}", code=code, headers={**headers, "Retry-After": "5"})
+    if code is ErrorCode.store_lost:  # Redis lost its data: the job is gone, a new one may run
+        return ApiError(503, f"job {job_id}: {message}", code=code, headers={**headers, "Retry-After": "1"})
     code = code or ErrorCode.job_failed
     return ApiError(500, f"job {job_id} failed: {message}", code=code, headers=headers)
 
