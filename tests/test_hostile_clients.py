@@ -272,6 +272,53 @@ async def test_odd_digits_in_the_job_list_query_get_422(tenants: Tenants, query:
     assert reply.status_code == 422, reply.text
 
 
+METADATA_ROUTES: list[tuple[str, dict[str, object]]] = [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+    (
+        "/v1/batches",
+        {"input_file_id": "file-none", "endpoint": "/v1/completions", "completion_window": "24h"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "fields"), METADATA_ROUTES)
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {f"k{i}": "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+        {"k": "v" * 500_000},
+    ],
+    ids=["17-pairs", "key-65", "value-513", "value-500k"],
+)
+async def test_metadata_past_openais_bounds_gets_400_naming_it(
+    tenants: Tenants, path: str, fields: dict[str, object], metadata: dict[str, str]
+) -> None:
+    """OpenAI's bounds: 16 pairs, keys of at most 64 characters, values of at most 512."""
+    body = {"model": tenants.model, **fields, "metadata": metadata}
+    async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=10) as client:
+        reply = await client.post(path, json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "metadata" and error["message"].startswith("metadata: "), error
+    assert len(reply.content) < 2000  # the message names the bound, without echoing the value
+
+
+@pytest.mark.parametrize(("path", "fields"), METADATA_ROUTES)
+async def test_metadata_at_openais_bounds_is_taken(
+    tenants: Tenants, path: str, fields: dict[str, object]
+) -> None:
+    metadata = {f"{i:02d}".ljust(64, "k"): "v" * 512 for i in range(16)}
+    body = {"model": tenants.model, **fields, "metadata": metadata}
+    async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=30) as client:
+        reply = await client.post(path, json=body)
+    if path == "/v1/batches":  # past the body's checks: the file is looked up
+        assert reply.status_code == 404 and reply.json()["error"]["param"] == "input_file_id", reply.text
+    else:
+        assert reply.status_code == 200 and reply.json()["metadata"] == metadata, reply.text
+
+
 @pytest.mark.parametrize("path", ["/v1/jobs", "/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize(
     ("body", "code"),

@@ -18,6 +18,7 @@ from gateway.batches.state import Batch, BatchState, BatchStatus, new_batch_id
 from gateway.errors import ApiError
 from gateway.files.routes import file_store
 from gateway.files.store import new_file_id
+from gateway.metadata import Metadata
 from gateway.owned import OwnedKind, list_page, page_limit
 from gateway.request_body import parse_body
 from gateway.state import app_state
@@ -33,7 +34,9 @@ class BatchRequest(BaseModel):
     input_file_id: str = Field(..., min_length=1, description="A file uploaded with purpose `batch`.")
     endpoint: str = Field(..., description="/v1/chat/completions or /v1/completions.")
     completion_window: Literal["24h"] = Field(..., description="The only window offered: 24h.")
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 string pairs.")
+    metadata: Metadata | None = Field(
+        None, description="Up to 16 string pairs; keys up to 64 characters, values up to 512."
+    )
 
 
 def batch_state(request: Request) -> BatchState:

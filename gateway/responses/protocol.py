@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from common.error_codes import ErrorCode
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
+from gateway.metadata import Metadata
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -30,7 +31,9 @@ class ResponseRequest(BaseModel):
         None, description="Answer at once; the response runs on, to be retrieved, streamed or cancelled."
     )
     store: bool | None = Field(None, description="Keep the response for retrieval (default true).")
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 string pairs.")
+    metadata: Metadata | None = Field(
+        None, description="Up to 16 string pairs; keys up to 64 characters, values up to 512."
+    )
     # OpenAI's parameters ortfleet cannot honour: accepted only unset (or at their neutral values).
     tools: Any = None
     tool_choice: Any = None
