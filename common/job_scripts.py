@@ -41,6 +41,31 @@ local function note_outcome(key, status, id, now_ms, window_ms)
 end
 """
 
+# A job still waiting for its first attempt past its queue deadline fails as expired, in CLAIM (a worker
+# reaches it at the head of its queue) and in EXPIRE_QUEUED (the gateways' sweep, which needs no worker).
+# The caller has taken it out of its queue and its cost off the queued tokens.
+_EXPIRE = """
+local function past_deadline(rec, now)
+  local deadline = tonumber(redis.call('HGET', rec, 'deadline_ms') or '0')
+  return redis.call('HGET', rec, 'attempts') == '0' and redis.call('HGET', rec, 'status') == 'queued'
+    and deadline > 0 and now > deadline
+end
+local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, code, noticed)
+  local created = tonumber(redis.call('HGET', job.rec, 'created_at'))
+  local waited = string.format('%.1f', (now - created * 1000) / 1000)
+  local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
+  redis.call('HSET', job.rec, 'status', 'failed', 'finish_reason', 'error', 'error', message,
+    'error_code', code, 'finished_at', now / 1000)
+  redis.call('XADD', job.events, '*', 'type', 'error', 'status', 'failed', 'message', message,
+    'code', code)
+  noticed[#noticed + 1] = job.events
+  redis.call('DEL', job.arq)
+  redis.call('ZREM', job.active, id)
+  redis.call('ZREM', deadlines, id)
+  note_outcome(outcomes, 'failed', id, now, window_ms)
+end
+"""
+
 # Weighted fair share between keys within a priority class, by tokens: start-time fair queuing.
 # A job's start tag S = max(V, F[key]), where V (':v') is the start tag of the class's last claimed job
 # and F[key] the finish tag of the key's last job; the key's F becomes S + cost / weight. Tags count in
@@ -68,15 +93,17 @@ SUBMIT = (
     + _FAIR
     + """
 -- KEYS: record, events, arq job, queue of its class, queued tokens, owner's active jobs, owner's jobs,
---       fair-share tags of its class, the Redis's epoch, idempotency entry (only with an idempotency key)
+--       fair-share tags of its class, the Redis's epoch, queue deadlines, idempotency entry (only with an
+--       idempotency key)
 -- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
 --       owner's max active jobs (0: no limit), owner, weight, n record fields, fields...,
---       n event fields, fields..., the epoch the job id carries ('': not checked)
+--       n event fields, fields..., its queue deadline ms ('': none), the epoch the job id carries
+--       ('': not checked)
 -- Returns {outcome, detail}: created/duplicate and the job id, busy, full and which limit, or epoch
 -- when the Redis's epoch is not the job id's (it lost its data since the caller read it).
 local epoch = ARGV[#ARGV]
 if epoch ~= '' and redis.call('GET', KEYS[9]) ~= epoch then return {'epoch', ''} end
-local idem = KEYS[10]
+local idem = KEYS[11]
 if idem then
   local existing = redis.call('GET', idem)
   if existing then return {'duplicate', existing} end
@@ -109,6 +136,10 @@ redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', horizon)
 redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
 redis.call('EXPIRE', KEYS[7], ttl)
 if idem then redis.call('SET', idem, ARGV[1], 'EX', ttl) end
+if ARGV[#ARGV - 1] ~= '' then
+  redis.call('ZADD', KEYS[10], ARGV[#ARGV - 1], ARGV[1])
+  redis.call('EXPIRE', KEYS[10], ttl)
+end
 redis.call('PUBLISH', ARGV[6], ARGV[1])
 return {'created', ARGV[1]}
 """
@@ -153,10 +184,12 @@ return st
 CLAIM = (
     _UNCOUNT
     + _NOTE_OUTCOME
+    + _EXPIRE
     + _FAIR
     + """
--- KEYS: leases, queued tokens, model's recent outcomes, then per class (highest first): its queue, its
---       fair-share tags; then 4 keys per candidate job: record, events, arq job, its owner's active jobs
+-- KEYS: leases, queued tokens, model's recent outcomes, queue deadlines, then per class (highest first):
+--       its queue, its fair-share tags; then 4 keys per candidate job: record, events, arq job, its
+--       owner's active jobs
 -- ARGV: now_ms, lease_ms, max jobs, worker id, outcome window ms, error code of an expired job,
 --       idle ('1': the worker runs nothing, so it may take a suspect job, alone),
 --       n classes, class names..., stream notices channel,
@@ -177,14 +210,14 @@ local idle = ARGV[7] == '1'
 local nclass = tonumber(ARGV[8])
 local queues, tags, class_at = {}, {}, {}
 for c = 1, nclass do
-  queues[c], tags[c] = KEYS[2 + 2 * c], KEYS[3 + 2 * c]
+  queues[c], tags[c] = KEYS[3 + 2 * c], KEYS[4 + 2 * c]
   class_at[ARGV[8 + c]] = c
 end
 local notices, noticed = ARGV[9 + nclass], {}
 local candidates = {}
 local n = 0
 for i = 10 + nclass, #ARGV - 2, 3 do
-  local k = 3 + 2 * nclass + 4 * n
+  local k = 4 + 2 * nclass + 4 * n
   candidates[ARGV[i]] = {owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
     events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4]}
   n = n + 1
@@ -235,20 +268,6 @@ local function claimable()
   return nil, false
 end
 
-local function expire(id, job)
-  local created = tonumber(redis.call('HGET', job.rec, 'created_at'))
-  local waited = string.format('%.1f', (now - created * 1000) / 1000)
-  local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
-  redis.call('HSET', job.rec, 'status', 'failed', 'finish_reason', 'error', 'error', message,
-    'error_code', ARGV[6], 'finished_at', now / 1000)
-  redis.call('XADD', job.events, '*', 'type', 'error', 'status', 'failed', 'message', message,
-    'code', ARGV[6])
-  noticed[#noticed + 1] = job.events
-  redis.call('DEL', job.arq)
-  redis.call('ZREM', job.active, id)
-  note_outcome(KEYS[3], 'failed', id, now, tonumber(ARGV[5]))
-end
-
 requeue_expired_leases()
 local out = {0, '0'}
 local taken = 0
@@ -266,17 +285,19 @@ while taken < tonumber(ARGV[3]) do
   end
   local st = redis.call('HGET', job.rec, 'status')
   local first = redis.call('HGET', job.rec, 'attempts') == '0'
-  local deadline = tonumber(redis.call('HGET', job.rec, 'deadline_ms') or '0')
-  local expired = first and st == 'queued' and deadline > 0 and now > deadline
+  local expired = past_deadline(job.rec, now)
   if expired and not job.known then
     out[1] = 2
     break
   end
   redis.call('ZREM', queues[c], id)
   advance(tags[c], score)
-  if first then uncount(KEYS[2], job.rec) end
+  if first then
+    uncount(KEYS[2], job.rec)
+    redis.call('ZREM', KEYS[4], id)
+  end
   if expired then
-    expire(id, job)
+    expire_in_queue(id, job, KEYS[4], KEYS[3], now, tonumber(ARGV[5]), ARGV[6], noticed)
   elseif st == 'queued' or st == 'running' then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
     local attempt = redis.call('HINCRBY', job.rec, 'attempts', 1)
@@ -295,6 +316,35 @@ while taken < tonumber(ARGV[3]) do
 end
 if #noticed > 0 then redis.call('PUBLISH', notices, table.concat(noticed, ' ')) end
 return out
+"""
+)
+
+EXPIRE_QUEUED = (
+    _UNCOUNT
+    + _NOTE_OUTCOME
+    + _EXPIRE
+    + """
+-- KEYS: queue deadlines, queued tokens, model's recent outcomes, queue of its class, record, events,
+--       arq job, owner's active jobs
+-- ARGV: id, now_ms, outcome window ms, error code of an expired job, owner, stream notices channel
+-- The gateways' sweep of the queue deadlines, for jobs no worker claims (none is live): the job fails as
+-- CLAIM fails it when still waiting for its first attempt past its deadline. A job that started, ended
+-- or is gone leaves the deadlines; one whose owner is not the caller's (it read the record before a
+-- purge and a new job) is left for the next sweep. Returns 1 when it expired the job, else 0.
+local id, now = ARGV[1], tonumber(ARGV[2])
+local job = {rec = KEYS[5], events = KEYS[6], arq = KEYS[7], active = KEYS[8]}
+if redis.call('EXISTS', job.rec) == 1 and (redis.call('HGET', job.rec, 'owner') or '') ~= ARGV[5] then
+  return 0
+end
+if not past_deadline(job.rec, now) or redis.call('ZREM', KEYS[4], id) == 0 then
+  redis.call('ZREM', KEYS[1], id)
+  return 0
+end
+uncount(KEYS[2], job.rec)
+local noticed = {}
+expire_in_queue(id, job, KEYS[1], KEYS[3], now, tonumber(ARGV[3]), ARGV[4], noticed)
+redis.call('PUBLISH', ARGV[6], table.concat(noticed, ' '))
+return 1
 """
 )
 

@@ -196,6 +196,7 @@ class JobQueue:
         self._submit = redis.register_script(job_scripts.SUBMIT)
         self._cancel = redis.register_script(job_scripts.CANCEL)
         self._claim = redis.register_script(job_scripts.CLAIM)
+        self._expire_queued = redis.register_script(job_scripts.EXPIRE_QUEUED)
         self._renew = redis.register_script(job_scripts.RENEW)
         self._publish = redis.register_script(job_scripts.PUBLISH)
         self._publish_step = redis.register_script(job_scripts.PUBLISH_STEP)
@@ -302,6 +303,7 @@ class JobQueue:
             repr(float(weight)),
             *_flat(record.to_fields()),
             *_flat(status_entry(JobStatus.queued)),
+            str(record.deadline_ms) if record.deadline_ms else "",
             epoch,
         ]
         script_keys = [
@@ -312,6 +314,7 @@ class JobQueue:
             keys.owner_jobs(owner),
             keys.fair_tags(spec.model, spec.priority.value),
             keys.EPOCH,
+            keys.QUEUE_DEADLINES,
             *([idempotency_key] if idempotency_key else []),
         ]
         if replicas <= 0:
@@ -408,7 +411,12 @@ class JobQueue:
             if not ids:
                 break
             owners = await self._owners(ids) if owners_needed else {}
-            script_keys = [keys.leases(model), keys.queued_tokens(model), keys.finished(model)]
+            script_keys = [
+                keys.leases(model),
+                keys.queued_tokens(model),
+                keys.finished(model),
+                keys.QUEUE_DEADLINES,
+            ]
             for cls in PRIORITY_ORDER:
                 script_keys += [keys.queue(model, cls.value), keys.fair_tags(model, cls.value)]
             window_ms = RECENT_WINDOW_S * 1000
@@ -434,6 +442,29 @@ class JobQueue:
             elif stopped != _HEAD_MOVED or any(claim.quarantined for claim in taken):
                 break
         return Claimed(claims, suspect_waiting)
+
+    async def expire_overdue(self, now_ms: int, most: int = 100) -> int:
+        """Fails the jobs still waiting for a first attempt past their queue deadline, as a claim would,
+        whether or not a worker of their model is live (up to `most` a call); how many it failed."""
+        due: list[str] = await self._redis.zrangebyscore(keys.QUEUE_DEADLINES, "-inf", now_ms, 0, most)
+        expired = 0
+        for job_id in due:
+            model, priority, owner = await self._redis.hmget(keys.job(job_id), ["model", "priority", "owner"])  # type: ignore[misc]
+            if model is None:  # expired or purged meanwhile
+                await self._redis.zrem(keys.QUEUE_DEADLINES, job_id)
+                continue
+            script_keys = [
+                keys.QUEUE_DEADLINES,
+                keys.queued_tokens(model),
+                keys.finished(model),
+                keys.queue(model, priority or PriorityClass.interactive.value),
+                *keys.job_keys(job_id),
+                keys.active_jobs(owner or ""),
+            ]
+            window_ms = RECENT_WINDOW_S * 1000
+            args = [job_id, str(now_ms), str(window_ms), _EXPIRED, owner or "", keys.STREAM_NOTICES]
+            expired += await self._expire_queued(keys=script_keys, args=args)
+        return expired
 
     async def _claim_candidates(self, model: str, wanted: int, now_ms: int) -> list[str]:
         """The jobs a claim may take: those whose lease ran out, then the head of each class's queue."""

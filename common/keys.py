@@ -19,6 +19,7 @@ MODELS = PREFIX + "models"  # hash: model name -> JSON of what its workers last 
 CANCEL_CHANNEL = PREFIX + "cancel"  # pub/sub: job ids whose running generation must stop
 STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to (common/job_scripts.py)
 EPOCH = PREFIX + "epoch"  # string: this Redis's data epoch (common/store_epoch.py); job TTL, renewed by reads
+QUEUE_DEADLINES = PREFIX + "queue-deadlines"  # zset: queued job id -> its queue deadline (ms); job TTL
 LOST_EPOCHS = PREFIX + "lost-epochs"  # set: epochs whose data this Redis lost (restarted empty); job TTL
 
 

@@ -26,6 +26,7 @@ from common.redis_url import mask_url
 from common.settings import GatewaySettings
 from common.store_watch import StoreWatch
 from common.wire import JobStatus
+from gateway.queue_sweep import sweep_queue_deadlines
 from gateway.relay import StreamRelay
 from gateway.sse import STORE_LOST
 
@@ -102,6 +103,9 @@ async def open_shards(settings: GatewaySettings) -> AsyncIterator[Shards]:
         for url in dict.fromkeys([home_url, *model_urls.values()]):
             shards[url] = shard = await _open(settings, url)
             watching.append(asyncio.create_task(shard.watch.run(), name="store-watch"))
+            watching.append(
+                asyncio.create_task(sweep_queue_deadlines(shard.queue, shard.label), name="sweep")
+            )
         yield Shards(shards[home_url], {model: shards[url] for model, url in model_urls.items()})
     finally:
         for task in watching:
