@@ -136,6 +136,20 @@ async def test_a_response_with_store_false_is_answered_and_then_kept_nowhere(
         assert not await redis.exists(keys.job(job_id), keys.events(job_id), keys.response(response.id))
 
 
+@pytest.mark.parametrize("max_output_tokens", [100_000, 10**6])
+async def test_a_max_output_tokens_past_the_context_gets_400_naming_max_output_tokens(
+    client: httpx.AsyncClient, served: str, max_output_tokens: int
+) -> None:
+    """100,000 is past the tiny model's context; 10**6 past any job's max_tokens."""
+    reply = await client.post(
+        "/v1/responses", json={"model": served, "input": "Hi", "max_output_tokens": max_output_tokens}
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "max_output_tokens", error
+    assert error["message"].startswith("max_output_tokens: ") and "max_tokens" not in error["message"]
+
+
 async def test_another_keys_files_batches_and_responses_do_not_exist_for_it(
     redis_server: object, tiny_model: object, model_name: str
 ) -> None:

@@ -133,6 +133,18 @@ def _content(content: Any, i: int) -> str:
     return "\n".join(texts)
 
 
+_JOB_FIELDS = {"max_tokens": "max_output_tokens"}  # the job request's names of the Responses fields
+
+
+def in_responses_terms(error: ApiError) -> ApiError:
+    """An error about the response's job, naming the field as the Responses request calls it."""
+    name = _JOB_FIELDS.get(error.param or "")
+    if name is None:
+        return error
+    message = error.message.replace(f"{error.param}:", f"{name}:", 1)
+    return ApiError(error.status, message, param=name, code=error.code, headers=error.headers)
+
+
 def response_job(body: ResponseRequest, model: str) -> JobRequest:
     fields: dict[str, Any] = {
         "model": model,
@@ -144,4 +156,4 @@ def response_job(body: ResponseRequest, model: str) -> JobRequest:
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})
     except ValidationError as e:
-        raise validation_error(e, 400) from e
+        raise in_responses_terms(validation_error(e, 400)) from e

@@ -27,7 +27,7 @@ from gateway.openai_api.serving import served_model
 from gateway.owned import OwnedKind
 from gateway.request_body import parse_body
 from gateway.responses.events import EventFrames, response_id, view_from_job
-from gateway.responses.protocol import ResponseRequest, check_supported, response_job
+from gateway.responses.protocol import ResponseRequest, check_supported, in_responses_terms, response_job
 from gateway.sse import JobEventsResponse, StreamEndpoint, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
@@ -98,7 +98,7 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
     try:
         submitted = await submit_job(state, response_job(body, model), None, principal)
     except ApiError as e:
-        raise as_openai_error(e) from e
+        raise in_responses_terms(as_openai_error(e)) from e
     resp_id = response_id(submitted.job_id)
     meta = {
         "id": resp_id,
