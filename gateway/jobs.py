@@ -108,9 +108,24 @@ async def get_job(request: Request) -> Response:
     wait = _wait_seconds(request, state.settings.max_wait_s)
     if wait > 0 and view.status not in TERMINAL:
         with state.streams.slot(principal.name):  # a client that leaves frees its Redis connection at once
-            await until_disconnect(request, wait_final(shard.relay, shard.redis, job_id, wait))
+            await until_disconnect(request, wait_final_unless_stopping(state, shard, job_id, wait))
         view = await load_view(state, job_id, principal)
     return job_response(view)
+
+
+async def wait_final_unless_stopping(state: AppState, shard: Shard, job_id: str, wait: float) -> None:
+    """Until the job's final event, `wait` seconds, or the gateway being told to stop (the long-poll then
+    answers the job as it stands, as at the end of its wait, before the shutdown cuts it)."""
+    final = asyncio.ensure_future(wait_final(shard.relay, shard.redis, job_id, wait))
+    stopping = asyncio.ensure_future(state.stopping.wait())
+    try:
+        await asyncio.wait([final, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        final.cancel()
+        stopping.cancel()
+        await asyncio.gather(final, stopping, return_exceptions=True)
+    if final.done() and not final.cancelled() and (error := final.exception()) is not None:
+        raise error
 
 
 def _wait_seconds(request: Request, limit: float) -> float:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from starlette.applications import Starlette
 from uvicorn.config import STARTUP_FAILURE
 
 from common.aio import wait_set
@@ -96,10 +97,11 @@ class CalmServer(uvicorn.Server):
     This loop refreshes the header once a second, as before, and a signal wakes it at once, so a
     SIGTERM or Ctrl-C stops the gateway as quickly as before."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exit_requested = asyncio.Event()
+        self._on_exit = on_exit
 
     async def main_loop(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -118,13 +120,20 @@ class CalmServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._exit_requested.set)
+            if self._on_exit is not None:
+                self._loop.call_soon_threadsafe(self._on_exit)
 
 
-def serve(app: Callable[..., object], listener: socket.socket, **options: object) -> None:
+def serve(
+    app: Callable[..., object],
+    listener: socket.socket,
+    on_exit: Callable[[], None] | None = None,
+    **options: object,
+) -> None:
     """Serves the app on the bound socket as `uvicorn.run` does (one process, no reload), on the calm
-    server."""
+    server; `on_exit` is called in the event loop once the server is told to stop."""
     config = uvicorn.Config(app, **options)  # type: ignore[arg-type]
-    server = CalmServer(config)
+    server = CalmServer(config, on_exit)
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[listener])
     if not server.started:
@@ -165,6 +174,13 @@ def check_redis_urls(settings: GatewaySettings) -> None:
             logger.warning("%s; starting anyway: /readyz answers 503 until it is reachable", e)
             continue
         check_store_config(config, mask_url(url), settings.allow_evicting_redis)
+
+
+def stopping(app: Starlette) -> None:
+    """The gateway was told to stop: what waits for a job answers now (see AppState.stopping)."""
+    state = getattr(app.state, "ortfleet", None)
+    if state is not None:
+        state.stopping.set()
 
 
 def check_exposure(settings: GatewaySettings) -> None:
@@ -220,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     serve(
         app,
         listener,
+        lambda: stopping(app),
         http=protocol,
         log_level=settings.log_level,
         access_log=False,

@@ -23,6 +23,9 @@ class AppState:
     # Set when a batch is created here: this gateway's batch driver, resting while no batch is active,
     # takes it up at once.
     batch_created: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the gateway is told to stop (SIGTERM): long-polls answer at once, before the server's
+    # graceful shutdown runs out and cuts them.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def redis(self) -> Redis:
