@@ -16,13 +16,26 @@ def status_entry(status: JobStatus, **extra: Any) -> dict[str, str]:
     return fields
 
 
-def token_entry(text: str, token_ids: list[int], index: int) -> dict[str, str]:
-    return {
+def token_entry(
+    text: str, token_ids: list[int], index: int, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, str]:
+    """`logprobs`, when the job asked for them: one entry per token id, in OpenAI's chat shape
+    ({token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]})."""
+    fields = {
         "type": TOKEN,
         "text": text,
         "ids": ",".join(map(str, token_ids)),
         "index": str(index),
     }
+    if logprobs is not None:
+        fields["logprobs"] = json.dumps(logprobs, ensure_ascii=False, separators=(",", ":"))
+    return fields
+
+
+def entry_logprobs(fields: dict[str, str]) -> list[dict[str, Any]] | None:
+    """A token entry's log-probabilities (see token_entry); None when the job did not ask for them."""
+    raw = fields.get("logprobs")
+    return json.loads(raw) if raw else None
 
 
 def done_entry(status: JobStatus, finish_reason: str | None, usage_json: str | None) -> dict[str, str]:
@@ -67,7 +80,7 @@ def event_payload(fields: dict[str, str]) -> dict[str, Any]:
             payload["token_ids"] = entry_token_ids(fields)
         elif key in ("index", "attempt"):
             payload[key] = int(value)
-        elif key == "usage":
+        elif key in ("usage", "logprobs"):
             payload[key] = json.loads(value)
         else:
             payload[key] = value

@@ -48,6 +48,10 @@ class ChatMessage(BaseModel):
     content: str
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+TokenId = Annotated[int, Field(ge=0)]
+
 StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)]
 
 
@@ -84,6 +88,30 @@ class Sampling(BaseModel):
         None, max_length=16, description="Token ids that end generation (not included in output)."
     )
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the text.")
+    # OpenAI's controls over the logits. ortfleet's batcher does them; og.Engine exposes no logits, so a
+    # job that asks for one of them fails there with `unsupported_parameter`.
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted once from the logit of each token already generated."
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted from the logit of each token once for every time it was generated.",
+    )
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="Token id to a bias (-100 to 100) added to its logit before sampling; -100 bans it.",
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Give each generated token's log-probability and those of this many likeliest tokens "
+        "at its step (0: the token's own only), in the token events; from the model's distribution before "
+        "penalties, bias, masks and temperature.",
+    )
 
     @field_validator("min_tokens")
     @classmethod

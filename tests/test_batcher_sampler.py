@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.batcher.sampler import RowSampler
+from worker.batcher.sampler import BiasOutsideVocabulary, RowSampler
 from worker.engine import GenerationRequest
 
 pytestmark = pytest.mark.unit
@@ -65,3 +65,27 @@ def test_the_repetition_penalty_lowers_the_prompts_tokens_and_those_generated() 
     assert row.choose(scores.copy(), 0) == 4  # 3 is in the prompt: 2.0 / 1.5 < 1.5
     row.accept(4)
     assert row.choose(scores.copy(), 1) == 3  # now 4 was generated: 1.5 / 1.5 < 2.0 / 1.5
+
+
+def test_frequency_and_presence_penalties_lower_what_was_generated_by_its_count() -> None:
+    scores = logits(0, 0, 3.0, 2.6, 0, 0, 0, 0, 0, 0)
+    frequency = sampler(frequency_penalty=0.3)
+    assert frequency.choose(scores.copy(), 0) == 2
+    frequency.accept(2)
+    assert frequency.choose(scores.copy(), 1) == 2  # 3.0 - 0.3 still above 2.6
+    frequency.accept(2)
+    assert frequency.choose(scores.copy(), 2) == 3  # 3.0 - 0.6 below 2.6
+    presence = sampler(presence_penalty=0.5)
+    presence.accept(2)
+    assert presence.choose(scores.copy(), 1) == 3  # once is enough: 3.0 - 0.5
+    untouched = sampler(presence_penalty=0.5)
+    untouched.accept(4)  # only generated tokens count, not the prompt's (1, 2, 3)
+    assert untouched.choose(scores.copy(), 1) == 2
+
+
+def test_logit_bias_forces_or_bans_a_token_and_one_outside_the_vocabulary_is_refused() -> None:
+    scores = logits(0, 0, 3.0, 2.6, 0, 0, 0, 0, 0, 0)
+    assert sampler(logit_bias=((6, 100.0),)).choose(scores.copy(), 0) == 6
+    assert sampler(logit_bias=((2, -100.0),)).choose(scores.copy(), 0) == 3
+    with pytest.raises(BiasOutsideVocabulary, match="token 10 is outside the model's vocabulary of 10"):
+        sampler(logit_bias=((10, 1.0),))

@@ -312,16 +312,10 @@ BAD_VALUES: list[tuple[str, Any]] = [
     ("max_tokens", 100_000),  # more than the model's context
 ]
 UNSUPPORTED_IN_CHAT: list[tuple[str, Any]] = [
-    ("logprobs", True),
-    ("top_logprobs", 2),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"),
-    ("logit_bias", {"50": 10}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", 0.5),
 ]
 UNSUPPORTED_IN_COMPLETIONS: list[tuple[str, Any]] = [
-    ("logprobs", 0),  # 0 still asks for the chosen tokens' logprobs
     ("echo", True),
     ("suffix", " the end"),
     ("best_of", 3),

@@ -39,10 +39,26 @@ class GenerationRequest:
     # first computed (prompt prefill, then one decode step each) and delivers only the tokens after them.
     # max_new_tokens and min_new_tokens count from the end of the replayed tokens.
     replay_ids: tuple[int, ...] = ()
-    # Log-probabilities of each generated token and of the `logprobs` likeliest at its step (0: the
-    # token's alone), from the model's distribution before penalties, masks and temperature. Only on
-    # engines with `gives_logprobs` (og.Engine exposes no logits).
+    # OpenAI's controls over the logits, only on engines that expose them (`exposes_logits`; og.Engine
+    # does not). Log-probabilities of each generated token and of the `logprobs` likeliest at its step
+    # (0: the token's alone), from the model's distribution before penalties, bias, masks and temperature.
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+
+    @property
+    def needs_logits(self) -> str | None:
+        """The first parameter set that only an engine exposing its logits can honour, if any."""
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.presence_penalty:
+            return "presence_penalty"
+        if self.frequency_penalty:
+            return "frequency_penalty"
+        if self.logit_bias:
+            return "logit_bias"
+        return None
 
 
 @dataclass(frozen=True)
@@ -131,7 +147,7 @@ class Engine(Protocol):
     context_length: int
     continuous_batching: bool  # requests join a running batch (else: a batch runs to its end first)
     handles_stop_strings: bool  # the engine ends a request at its stop strings (else the job runner does)
-    gives_logprobs: bool  # the engine answers GenerationRequest.logprobs
+    exposes_logits: bool  # the engine answers logprobs, presence and frequency penalties and logit_bias
     replays_guidance: bool  # a replay walks the request's grammar through the replayed tokens
     eos_token_ids: frozenset[int]
     # Called in the event loop, with the cause, once the engine has failed and can run nothing more: it
@@ -164,6 +180,10 @@ class Tokenizer(Protocol):
     def stream_decoder(self) -> StreamDecoder: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token, which may be part of a character."""
+        ...
 
 
 class StreamDecoder(Protocol):

@@ -55,6 +55,9 @@ class FakeTokenizer:
     def stream_decoder(self) -> FakeDecoder:
         return FakeDecoder()
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else b""
+
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < EOS).decode(errors="replace")
 
@@ -81,7 +84,7 @@ class FakeEngine:
         `continuous_batching=False` makes the worker treat it like the static scheduler: it claims
         only between batches and applies stop strings itself."""
         self.continuous_batching = continuous_batching
-        self.gives_logprobs = False
+        self.exposes_logits = False
         self.replays_guidance = False  # og's grammar starts again from its beginning
         self.handles_stop_strings = continuous_batching
         self.delay_s = delay_s

@@ -25,6 +25,7 @@ from worker.engine import (
     StreamDecoder,
     Tokenizer,
 )
+from worker.logprob_entries import LogprobEntries
 from worker.publisher import LeaseLost, StepWriter, StreamPublisher
 from worker.stop_strings import StopMatcher
 
@@ -40,6 +41,12 @@ class GuidedResume(ValueError):
     grammar would start again from its beginning (ortfleet's batcher replays them through it)."""
 
     code = ErrorCode.structured_output_not_resumable
+
+
+class NeedsLogits(ValueError):
+    """The job asks for logprobs, penalties or a logit bias, and the engine exposes no logits."""
+
+    code = ErrorCode.unsupported_parameter
 
 
 @dataclass
@@ -93,6 +100,7 @@ class JobRun:
         self._queue = queue
         self._engine = engine
         self._tokenizer = tokenizer
+        self._logprob_entries = LogprobEntries(tokenizer) if spec.sampling.logprobs is not None else None
         self._writer = writer
         self._stream: GenerationStream | None = None
         self._cancelled = False
@@ -188,7 +196,7 @@ class JobRun:
             )
         done = self.progress.token_ids
         fewest = self._max_new if sampling.ignore_eos else sampling.min_tokens - len(done)
-        return GenerationRequest(
+        request = GenerationRequest(
             prompt_ids=prompt_ids if self._replay else prompt_ids + done,
             replay_ids=tuple(done) if self._replay else (),
             max_new_tokens=self._max_new,
@@ -200,7 +208,19 @@ class JobRun:
             stop=None if sampling.include_stop_str_in_output else sampling.stop,  # kept: matched here
             repetition_penalty=sampling.repetition_penalty,
             guidance=(guidance.kind, guidance.grammar) if guidance is not None else None,
+            logprobs=sampling.logprobs,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logit_bias=tuple(sorted((sampling.logit_bias or {}).items())),
         )
+        needed = request.needs_logits
+        if needed is not None and not self._engine.exposes_logits:
+            raise NeedsLogits(
+                f"{needed}: the workers of model {self.spec.model!r} run og.Engine, which exposes no logits; "
+                "only workers running ortfleet's batcher (ORTFLEET_SCHEDULER) honour logprobs, "
+                "presence_penalty, frequency_penalty and logit_bias"
+            )
+        return request
 
     @property
     def _resumes_guidance(self) -> bool:
@@ -322,7 +342,11 @@ class JobRun:
                 record = RecordUpdate(first_token_at=now).to_fields()
             if update.replay_exact is not None:
                 record = {**(record or {}), **RecordUpdate(resume_exact=update.replay_exact).to_fields()}
-            publisher.add(token_entry(chunk, update.token_ids[: len(pieces)], index), record)
+            kept = update.token_ids[: len(pieces)]
+            logprobs = None
+            if self._logprob_entries is not None and update.logprobs is not None:
+                logprobs = self._logprob_entries(kept, update.logprobs)
+            publisher.add(token_entry(chunk, kept, index, logprobs), record)
             decoding.text += chunk
         if hit_stop:
             decoding.stopped = True

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime_genai as og
@@ -21,6 +21,9 @@ import onnxruntime_genai as og
 from common.error_codes import ErrorCode
 from worker.device import Device
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +120,20 @@ def sampling_options(request: GenerationRequest, vocab: int | None) -> tuple[boo
 
 
 class OrtTokenizer:
-    def __init__(self, source: og.Model | og.Config, vocab: int | None) -> None:
+    def __init__(self, source: og.Model | og.Config, vocab: int | None, model_dir: Path) -> None:
         self._tokenizer = og.Tokenizer(source)
         self._vocab_size = vocab
+        self._model_dir = model_dir
+        self._byte_tokenizer: LLTokenizer | None = None
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own bytes (a byte-level token can hold part of a character), read from the model
+        folder's tokenizer.json by llguidance the first time it is asked."""
+        if self._byte_tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._byte_tokenizer = LLTokenizer(str(self._model_dir / "tokenizer.json"))
+        return self._byte_tokenizer.decode_bytes([token])
 
     @property
     def vocab_size(self) -> int | None:
@@ -167,7 +181,7 @@ class OrtEngine:
     ) -> None:
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
-        self.gives_logprobs = False
+        self.exposes_logits = False
         self.replays_guidance = False  # og's grammar starts again from its beginning
         self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
         self.context_length = context_length(model_dir)
@@ -218,7 +232,7 @@ class OrtEngine:
         try:
             config = load_config(self._model_dir, self._device, self._max_batch_size)
             self._model = og.Model(config)
-            self.tokenizer = OrtTokenizer(self._model, self._vocab_size)
+            self.tokenizer = OrtTokenizer(self._model, self._vocab_size, self._model_dir)
             self.eos_token_ids = self.tokenizer.eos_token_ids
             self._new_engine()
             self.capacity = int(self._engine.get_capabilities().configured_max_batch_size) or 1

@@ -21,7 +21,7 @@ from common.registry import WorkerInfo, deregister, heartbeat
 from common.settings import WorkerSettings
 from common.wire import PriorityClass
 from worker.engine import Engine, GenerationRequest, Tokenizer
-from worker.job_runner import GuidedResume, JobRun, PromptTooLong
+from worker.job_runner import GuidedResume, JobRun, NeedsLogits, PromptTooLong
 from worker.publisher import StepWriter
 from worker.throughput import Throughput
 
@@ -273,7 +273,7 @@ class WorkerService:
                 continue
             try:
                 request = run.engine_request(run.prompt_ids())
-            except (PromptTooLong, GuidedResume) as e:
+            except (PromptTooLong, GuidedResume, NeedsLogits) as e:
                 self._spawn(self._fail(run.claim, run.spec.model, str(e), e.code))
                 del self.runs[run.job_id]
                 continue

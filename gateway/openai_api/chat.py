@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -12,6 +13,7 @@ from starlette.routing import Route
 from common.wire import Usage
 from gateway.auth import principal_of
 from gateway.openai_api.choices import ChoiceResult, Choices
+from gateway.openai_api.logprobs import TextOffsets, chat_logprobs
 from gateway.openai_api.params import job_messages, job_request, reject_unsupported
 from gateway.openai_api.protocol import (
     ChatChoice,
@@ -35,6 +37,7 @@ class ChatFormat:
     created: int
     model: str
     count: int
+    logprobs: bool = False  # the request asked for logprobs
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -50,6 +53,12 @@ class ChatFormat:
     def text(self, index: int, text: str) -> ChatCompletionChunk:
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text))])
 
+    def tokens(
+        self, index: int, text: str, logprobs: list[dict[str, Any]], offsets: TextOffsets
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=chat_logprobs(logprobs))
+        return self._chunk([choice])
+
     def finish(self, index: int, reason: OpenAIFinishReason) -> ChatCompletionChunk:
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
@@ -58,7 +67,12 @@ class ChatFormat:
 
     def complete(self, results: list[ChoiceResult], usage: Usage) -> ChatCompletion:
         choices = [
-            ChatChoice(index=i, message=ChatMessageOut(content=r.text), finish_reason=r.finish_reason)
+            ChatChoice(
+                index=i,
+                message=ChatMessageOut(content=r.text),
+                logprobs=chat_logprobs(r.logprobs or []) if self.logprobs else None,
+                finish_reason=r.finish_reason,
+            )
             for i, r in enumerate(results)
         ]
         return ChatCompletion(
@@ -76,7 +90,7 @@ async def create_chat_completion(request: Request) -> Response:
     jobs = [job_request(body, model, k, messages=messages) for k in range(n)]
     owner = principal_of(request.scope)
     choices = await Choices.submit(state, model, jobs, [0] * n, prompt_param="messages", owner=owner)
-    form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", int(time.time()), model, n)
+    form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", int(time.time()), model, n, bool(body.logprobs))
     return await respond(
         request,
         choices,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.events import is_failure, is_final
+from common.events import entry_logprobs, is_failure, is_final
 from common.wire import EventType, JobRequest, JobStatus, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
@@ -39,7 +40,8 @@ def _error_code(raw: str | None) -> ErrorCode | None:
 def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt_param: str) -> ApiError:
     """The error for a failed job, as a call that waited for it is answered: 400 for what the request
     asked that cannot be done (a prompt longer than the context, a grammar the engine cannot compile, a
-    prompt the tokenizer cannot take), 404 for a purged job, 503 for one that waited too long in the
+    prompt the tokenizer cannot take, logprobs from an engine without logits, a logit_bias token the
+    model does not have), 404 for a purged job, 503 for one that waited too long in the
     queue, else 500 with its code (`job_failed` when the worker named none).
 
     An engine or worker failure is the server's, and OpenAI answers its own with 500 `server_error`, as
@@ -51,6 +53,8 @@ def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt
         return ApiError(400, message, param=prompt_param, code=code, headers=headers)
     if code is ErrorCode.invalid_response_format:
         return ApiError(400, message, param="response_format", code=code, headers=headers)
+    if code in (ErrorCode.unsupported_parameter, ErrorCode.unsupported_value):  # "<param>: why" (worker)
+        return ApiError(400, message, param=message.partition(":")[0], code=code, headers=headers)
     if code is ErrorCode.job_purged:
         return ApiError(404, f"job {job_id} {message}", code=code, headers=headers)
     if code is ErrorCode.expired_in_queue:  # the fleet was too busy to start it in time: worth a retry
@@ -85,6 +89,10 @@ class ChoiceEvent:
     def started(self) -> bool:
         return self.kind != EventType.status.value or self.fields.get("status") != JobStatus.queued.value
 
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        return entry_logprobs(self.fields) if self.kind == EventType.token.value else None
+
     def usage(self) -> Usage:
         raw = self.fields.get("usage")
         return Usage.model_validate_json(raw) if raw else Usage()
@@ -95,6 +103,7 @@ class ChoiceResult:
     text: str
     finish_reason: OpenAIFinishReason
     usage: Usage
+    logprobs: list[dict[str, Any]] | None = None  # one entry per token (common/events.py), when asked
 
 
 class Choices:
@@ -193,19 +202,23 @@ class Choices:
 
     async def results(self, events: AsyncIterator[list[ChoiceEvent]]) -> list[ChoiceResult]:
         """Waits for every job to end and returns what each one generated."""
+        logprobs: list[list[dict[str, Any]] | None] = [None] * len(self.job_ids)
         async for read in events:
             for event in read:
                 if event.failed:
                     await self.cancel()
                     raise self.failure(event)
+                if (entries := event.logprobs) is not None:
+                    logprobs[event.index] = (logprobs[event.index] or []) + entries
         results = []
-        for job_id in self.job_ids:
+        for job_id, entries in zip(self.job_ids, logprobs, strict=True):
             record = await self.shard.queue.record(job_id)
             if record is None:
                 results.append(ChoiceResult("", finish_reason(None), Usage()))
                 continue
             reason = record.finish_reason.value if record.finish_reason else None
-            results.append(ChoiceResult(record.output or "", finish_reason(reason), record.usage or Usage()))
+            usage = record.usage or Usage()
+            results.append(ChoiceResult(record.output or "", finish_reason(reason), usage, entries))
         return results
 
     def failure(self, event: ChoiceEvent) -> ApiError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -12,6 +13,7 @@ from starlette.routing import Route
 from common.wire import Usage
 from gateway.auth import principal_of
 from gateway.openai_api.choices import ChoiceResult, Choices
+from gateway.openai_api.logprobs import TextOffsets, completion_logprobs
 from gateway.openai_api.params import check_choice_count, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import Completion, CompletionChoice, CompletionRequest, OpenAIFinishReason
 from gateway.openai_api.serving import respond, served_model
@@ -25,6 +27,7 @@ class CompletionFormat:
     id: str
     created: int
     model: str
+    logprobs: bool = False  # the request asked for logprobs
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -35,6 +38,12 @@ class CompletionFormat:
     def text(self, index: int, text: str) -> Completion:
         return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)])
 
+    def tokens(
+        self, index: int, text: str, logprobs: list[dict[str, Any]], offsets: TextOffsets
+    ) -> Completion:
+        found = completion_logprobs(logprobs, offsets)
+        return self._chunk([CompletionChoice(index=index, text=text, logprobs=found, finish_reason=None)])
+
     def finish(self, index: int, reason: OpenAIFinishReason) -> Completion:
         return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
 
@@ -43,7 +52,12 @@ class CompletionFormat:
 
     def complete(self, results: list[ChoiceResult], usage: Usage) -> Completion:
         choices = [
-            CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+            CompletionChoice(
+                index=i,
+                text=r.text,
+                logprobs=completion_logprobs(r.logprobs or [], TextOffsets()) if self.logprobs else None,
+                finish_reason=r.finish_reason,
+            )
             for i, r in enumerate(results)
         ]
         return self._chunk(choices, usage)
@@ -61,7 +75,7 @@ async def create_completion(request: Request) -> Response:
     prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
     owner = principal_of(request.scope)
     choices = await Choices.submit(state, model, jobs, prompt_of, prompt_param="prompt", owner=owner)
-    form = CompletionFormat(f"cmpl-{choices.job_ids[0]}", int(time.time()), model)
+    form = CompletionFormat(f"cmpl-{choices.job_ids[0]}", int(time.time()), model, body.logprobs is not None)
     return await respond(
         request,
         choices,

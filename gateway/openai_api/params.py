@@ -9,14 +9,16 @@ from pydantic import ValidationError
 from common.error_codes import ErrorCode
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
-from gateway.openai_api.protocol import MAX_CHOICES, ChatMessageIn, GenerationParams
+from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, GenerationParams
 from gateway.openai_api.structured import response_format
 
 _SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
 
 
 def reject_unsupported(body: GenerationParams) -> None:
-    """400 naming the parameters set to something ortfleet cannot honour."""
+    """400 naming the parameters set to something ortfleet cannot honour (or set without what they need)."""
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     names = body.unsupported_parameters()
     if names:
         them = "it" if len(names) == 1 else "them"
@@ -55,6 +57,10 @@ def job_request(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "response_format": response_format(body),
         "priority": body.priority,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "logit_bias": body.logit_bias,
+        "logprobs": body.job_logprobs(),
     }
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})

@@ -12,9 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from common.wire import PriorityClass, Usage
+from common.wire import MAX_TOP_LOGPROBS, PriorityClass, Usage
 
 MAX_CHOICES = 128
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a text completion's logprobs
 
 
 class StreamOptions(BaseModel):
@@ -63,11 +64,19 @@ class GenerationParams(BaseModel):
     priority: PriorityClass | None = Field(
         None, description="ortfleet's extension: the job's priority class, interactive (default) or batch."
     )
-    # OpenAI's parameters that ortfleet does not honour: accepted only at their neutral values.
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
+    # OpenAI's controls over the logits (validated again as the job's sampling; honoured by workers that
+    # run ortfleet's batcher, see common/wire.py).
+    presence_penalty: float | None = Field(None, description="-2 to 2; lowers tokens already generated.")
+    frequency_penalty: float | None = Field(
+        None, description="-2 to 2; lowers tokens by how often they were generated."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) to a bias from -100 to 100 added to its logit."
+    )
+
+    def job_logprobs(self) -> int | None:
+        """How many likeliest tokens' log-probabilities the job gives with each token (None: none)."""
+        return None
 
     @property
     def choices_per_prompt(self) -> int:
@@ -99,12 +108,7 @@ class GenerationParams(BaseModel):
         return [name for name, is_neutral in neutral.items() if not is_neutral(getattr(self, name))]
 
     def _neutral(self) -> dict[str, Callable[[Any], bool]]:
-        return {
-            "presence_penalty": _zero,
-            "frequency_penalty": _zero,
-            "logit_bias": _empty,
-            "logprobs": _empty,
-        }
+        return {}
 
 
 def _zero(value: Any) -> bool:
@@ -129,7 +133,10 @@ class ChatCompletionRequest(GenerationParams):
 
     messages: list[ChatMessageIn] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over `max_tokens`.")
-    top_logprobs: Any = None
+    logprobs: bool | None = Field(None, description="Give each output token's log-probability.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="With `logprobs`: the likeliest tokens at each step."
+    )
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -142,10 +149,12 @@ class ChatCompletionRequest(GenerationParams):
     def limit_name(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
+    def job_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def _neutral(self) -> dict[str, Callable[[Any], bool]]:
         return {
             **super()._neutral(),
-            "top_logprobs": _zero,
             "tools": _empty,
             "tool_choice": lambda v: v in (None, "none", "auto"),
             "functions": _empty,
@@ -161,6 +170,12 @@ class CompletionRequest(GenerationParams):
     max_tokens: int | None = Field(
         None, ge=1, description="Most tokens to generate (default 16, as OpenAI's)."
     )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description="Give each output token's log-probability and those of this many likeliest tokens.",
+    )
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -168,10 +183,12 @@ class CompletionRequest(GenerationParams):
     def generated_limit(self) -> int | None:
         return self.max_tokens or 16
 
+    def job_logprobs(self) -> int | None:
+        return self.logprobs
+
     def _neutral(self) -> dict[str, Callable[[Any], bool]]:
         return {
             **super()._neutral(),
-            "logprobs": lambda v: v is None or v is False,  # 0 still asks for the chosen tokens' logprobs
             "echo": _empty,
             "suffix": lambda v: v is None or v == "",
             "best_of": lambda v: v is None or v == self.choices_per_prompt,
@@ -188,10 +205,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: OpenAIFinishReason
 
 
@@ -217,7 +249,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: OpenAIFinishReason | None = None
 
 
@@ -230,10 +262,17 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: OpenAIFinishReason | None
 
 

@@ -16,6 +16,7 @@ from common.wire import EventType, Usage
 from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceEvents, ChoiceResult, Choices, finish_reason
+from gateway.openai_api.logprobs import TextOffsets
 from gateway.openai_api.protocol import OpenAIFinishReason
 from gateway.sse import KEEPALIVE, DirectBody, EventStreamResponse, PushedWrites, direct_body
 
@@ -28,6 +29,12 @@ class ResponseFormat(Protocol):
     def opening(self) -> Sequence[BaseModel]: ...
 
     def text(self, index: int, text: str) -> BaseModel: ...
+
+    def tokens(
+        self, index: int, text: str, logprobs: list[dict[str, Any]], offsets: TextOffsets
+    ) -> BaseModel:
+        """A text chunk with its tokens' log-probabilities; `offsets`: the choice's, so far."""
+        ...
 
     def finish(self, index: int, reason: OpenAIFinishReason) -> BaseModel: ...
 
@@ -80,6 +87,7 @@ class ChunkStream:
         self._include_usage = include_usage
         self._continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
         self._usages = [Usage() for _ in choices.job_ids]
+        self._offsets = [TextOffsets() for _ in choices.job_ids]  # for completions' text_offset
         self._text_frame = TextFrames(form)
         self._opening = b"".join(frame(chunk) for chunk in form.opening())
         self.failure: ChoiceEvent | None = None
@@ -99,7 +107,13 @@ class ChunkStream:
             elif event.kind == EventType.token.value:
                 text = event.fields.get("text", "")
                 usages[event.index].completion_tokens += len(entry_token_ids(event.fields))
-                if text and self._continuous_usage:
+                logprobs = event.logprobs
+                if logprobs is not None:
+                    chunk = form.tokens(event.index, text, logprobs, self._offsets[event.index])
+                    if self._continuous_usage:
+                        chunk = chunk.model_copy(update={"usage": self.choices.total_usage(usages)})
+                    out.append(frame(chunk))
+                elif text and self._continuous_usage:
                     chunk = form.text(event.index, text)
                     out.append(frame(chunk.model_copy(update={"usage": self.choices.total_usage(usages)})))
                 elif text:

@@ -38,7 +38,7 @@ from llguidance import LLTokenizer
 from common.error_codes import ErrorCode
 from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.kv_slots import KvSlots
-from worker.batcher.sampler import GrammarError, RowSampler, token_logprobs
+from worker.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
 from worker.ort_engine import OrtTokenizer, context_length, vocab_size
 
@@ -95,7 +95,7 @@ class BatchingEngine:
 
     continuous_batching = True
     handles_stop_strings = False  # the job runner matches stop strings on the text
-    gives_logprobs = True
+    exposes_logits = True
     replays_guidance = True
 
     def __init__(
@@ -118,7 +118,7 @@ class BatchingEngine:
         self._restarted: concurrent.futures.Future[None] | None = None
         self._failed: str | None = None
         config = og.Config(str(model_dir))
-        self.tokenizer = OrtTokenizer(config, vocab_size(model_dir))
+        self.tokenizer = OrtTokenizer(config, vocab_size(model_dir), model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         try:
             session, layout = open_session(model_dir)
@@ -237,6 +237,11 @@ class BatchingEngine:
         except GrammarError as e:
             updates.append(
                 (stream, EngineUpdate([], Finish.error, str(e), error_code=ErrorCode.invalid_response_format))
+            )
+            return
+        except BiasOutsideVocabulary as e:
+            updates.append(
+                (stream, EngineUpdate([], Finish.error, str(e), error_code=ErrorCode.unsupported_value))
             )
             return
         self._waiting.append(_Row(stream, sampler, reserved))

@@ -1,6 +1,7 @@
 """A row's next token from its logits, as og.Generator picks it: repetition penalty over the prompt and
-what was generated, end of sequence masked until min_tokens, the grammar's mask (structured output),
-then greedy, or temperature, top_k and top_p with the request's own seeded generator.
+what was generated, OpenAI's presence and frequency penalties over what was generated and its logit
+bias, end of sequence masked until min_tokens, the grammar's mask (structured output), then greedy, or
+temperature, top_k and top_p with the request's own seeded generator.
 
 `choose` picks without changing the row's state (a replay compares the pick with the replayed token);
 `accept` records the token the row goes on with.
@@ -24,6 +25,10 @@ class GrammarError(ValueError):
     """The request's grammar cannot be compiled, or broke while generating."""
 
 
+class BiasOutsideVocabulary(ValueError):
+    """The request's logit_bias names a token the model does not have."""
+
+
 class RowSampler:
     def __init__(
         self,
@@ -41,6 +46,15 @@ class RowSampler:
         self._penalized: set[int] = set()
         if request.repetition_penalty != 1.0:
             self._penalized.update(request.prompt_ids)
+        self._counted = bool(request.presence_penalty or request.frequency_penalty)
+        self._counts: dict[int, int] = {}  # each generated token's count, for the two penalties
+        outside = [token for token, _ in request.logit_bias if token >= vocab_size]
+        if outside:
+            raise BiasOutsideVocabulary(
+                f"logit_bias: token {outside[0]} is outside the model's vocabulary of {vocab_size} tokens"
+            )
+        self._bias_ids = np.fromiter((token for token, _ in request.logit_bias), np.int64)
+        self._bias = np.fromiter((bias for _, bias in request.logit_bias), np.float32)
         self._matcher: LLMatcher | None = None
         self._bitmask: np.ndarray | None = None
         if request.guidance is not None:
@@ -56,6 +70,12 @@ class RowSampler:
             scores = logits[ids]
             penalty = self.request.repetition_penalty
             logits[ids] = np.where(scores > 0, scores / penalty, scores * penalty)
+        if self._counts:
+            ids = np.fromiter(self._counts, np.int64, len(self._counts))
+            counts = np.fromiter(self._counts.values(), np.float32, len(self._counts))
+            logits[ids] -= counts * self.request.frequency_penalty + self.request.presence_penalty
+        if self._bias_ids.size:
+            logits[self._bias_ids] += self._bias
         if produced < self.request.min_new_tokens and self._eos.size:
             logits[self._eos] = -np.inf
         if self._matcher is not None:
@@ -67,6 +87,8 @@ class RowSampler:
     def accept(self, token: int) -> None:
         if self.request.repetition_penalty != 1.0:
             self._penalized.add(token)
+        if self._counted:
+            self._counts[token] = self._counts.get(token, 0) + 1
         if self._matcher is not None and not self._matcher.consume_token(token):
             raise self._broken()
 

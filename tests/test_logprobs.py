@@ -1,0 +1,193 @@
+"""Log-probabilities, penalties and logit bias through the OpenAI routes and the job API, on a real fleet
+whose worker runs ortfleet's batcher (the CPU default); og.Engine, which exposes no logits, refuses them
+by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Fleet
+from tests.jobs_client import Event, read_events, submit, wait_done
+
+
+def chat(content: str) -> list[Any]:
+    return [{"role": "user", "content": content}]
+
+
+def generated_ids(events: list[Event]) -> list[int]:
+    return [token for event in events if event.event == "token" for token in event.data["token_ids"]]
+
+
+async def test_greedy_chat_logprobs_give_each_token_as_its_own_likeliest_streamed_or_not(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    reply = sdk.chat.completions.create(
+        model=served,
+        messages=chat("Hello there"),
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert reply.usage is not None and len(content) == reply.usage.completion_tokens == 12
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        best = entry.top_logprobs[0]
+        assert (best.token, best.logprob) == (entry.token, entry.logprob)  # greedy: the likeliest is chosen
+        assert entry.logprob <= 0 and entry.bytes
+        if not entry.token.startswith("bytes:"):  # else a token that holds part of a character
+            assert entry.bytes == list(entry.token.encode())
+        ranked = [top.logprob for top in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True)
+
+    streamed = []
+    for chunk in sdk.chat.completions.create(
+        model=served,
+        messages=chat("Hello there"),
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    ):
+        for part in chunk.choices:
+            if part.logprobs is not None and part.logprobs.content:
+                streamed += part.logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+    plain = sdk.chat.completions.create(model=served, messages=chat("Hello there"), max_tokens=3)
+    assert plain.choices[0].logprobs is None
+
+
+async def test_completion_logprobs_list_tokens_their_logprobs_alternatives_and_offsets(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    reply = sdk.completions.create(
+        model=served, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2
+    )
+    found = reply.choices[0].logprobs
+    assert found is not None and found.tokens and found.token_logprobs and found.top_logprobs
+    assert found.text_offset is not None
+    assert len(found.tokens) == len(found.token_logprobs) == len(found.top_logprobs) == 8
+    for token, logprob, alternatives in zip(
+        found.tokens, found.token_logprobs, found.top_logprobs, strict=True
+    ):
+        assert len(alternatives) <= 2 and alternatives[token] == pytest.approx(logprob)
+        assert logprob == max(alternatives.values())
+    assert found.text_offset[0] == 0 and found.text_offset == sorted(found.text_offset)
+
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in sdk.completions.create(
+        model=served, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2, stream=True
+    ):
+        for part in chunk.choices:
+            if part.logprobs is not None:
+                tokens += part.logprobs.tokens or []
+                offsets += part.logprobs.text_offset or []
+    assert tokens == found.tokens
+    assert offsets == found.text_offset
+
+
+async def test_the_job_api_streams_logprobs_with_each_token_event(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    job = await submit(
+        client,
+        {"model": served, "prompt": "Once upon a time", "max_tokens": 6, "min_tokens": 6, "logprobs": 1},
+    )
+    assert (await wait_done(client, job["id"]))["status"] == "succeeded"
+    tokens = [event.data for event in await read_events(client, job["id"]) if event.event == "token"]
+    assert sum(len(event["token_ids"]) for event in tokens) == 6
+    for event in tokens:
+        assert len(event["logprobs"]) == len(event["token_ids"])
+        for entry in event["logprobs"]:
+            assert len(entry["top_logprobs"]) == 1 and entry["logprob"] <= 0
+
+
+async def test_logit_bias_forces_and_bans_tokens(client: httpx.AsyncClient, served: str) -> None:
+    base = {"model": served, "prompt": "Once upon a time", "max_tokens": 5, "min_tokens": 5, "temperature": 0}
+    free = await submit(client, base)
+    await wait_done(client, free["id"])
+    greedy = generated_ids(await read_events(client, free["id"]))
+
+    forced = await submit(client, {**base, "logit_bias": {"100": 100}})
+    done = await wait_done(client, forced["id"])
+    assert done["status"] == "succeeded", (done["error"], done.get("error_code"))
+    assert generated_ids(await read_events(client, forced["id"])) == [100] * 5
+
+    banned = await submit(client, {**base, "logit_bias": {str(greedy[0]): -100}})
+    await wait_done(client, banned["id"])
+    assert generated_ids(await read_events(client, banned["id"]))[0] != greedy[0]
+
+
+async def test_a_frequency_penalty_changes_a_greedy_text_that_repeats(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    base = {
+        "model": served,
+        "prompt": "the the the the",
+        "max_tokens": 40,
+        "min_tokens": 40,
+        "temperature": 0,
+    }
+    plain = await submit(client, base)
+    penalized = await submit(client, {**base, "frequency_penalty": 2.0, "presence_penalty": 2.0})
+    await wait_done(client, plain["id"])
+    await wait_done(client, penalized["id"])
+    repeated = generated_ids(await read_events(client, plain["id"]))
+    assert len(set(repeated)) < len(repeated)  # the unpenalized text repeats tokens
+    different = generated_ids(await read_events(client, penalized["id"]))
+    assert different != repeated
+    assert len(set(different)) > len(set(repeated))
+
+
+async def test_bad_logprob_and_bias_values_are_400s_naming_the_field(sdk: openai.OpenAI, served: str) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"12": 101}}, "logit_bias"),
+        ({"logit_bias": {"twelve": 1}}, "logit_bias"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            sdk.chat.completions.create(model=served, messages=chat("Hi"), max_tokens=2, extra_body=extra)
+        assert raised.value.param is not None and raised.value.param.startswith(param), (extra, raised.value)
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.completions.create(model=served, prompt="Hi", max_tokens=2, logprobs=6)
+    assert raised.value.param == "logprobs"
+
+    with pytest.raises(openai.BadRequestError) as raised:  # the worker knows the vocabulary
+        sdk.chat.completions.create(
+            model=served, messages=chat("Hi"), max_tokens=2, logit_bias={"10000000": 5}
+        )
+    assert raised.value.param == "logit_bias" and raised.value.code == "unsupported_value"
+    assert "10000000" in raised.value.message and "vocabulary" in raised.value.message
+
+
+async def test_og_engine_refuses_what_needs_logits_by_name(fleet: Fleet, model_name: str) -> None:
+    fleet.start_worker(model_name, "--scheduler", "og-engine")
+    async with openai.AsyncOpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0) as sdk:
+        for extra, param in [
+            ({"logprobs": True}, "logprobs"),
+            ({"presence_penalty": 1.0}, "presence_penalty"),
+            ({"logit_bias": {"5": 3}}, "logit_bias"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as raised:
+                await sdk.chat.completions.create(
+                    model=model_name, messages=chat("Hi"), max_tokens=2, extra_body=extra
+                )
+            assert raised.value.param == param and raised.value.code == "unsupported_parameter"
+            assert "og.Engine" in raised.value.message
+        ordinary = await sdk.chat.completions.create(model=model_name, messages=chat("Hi"), max_tokens=2)
+        assert ordinary.choices[0].message.content is not None
