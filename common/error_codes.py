@@ -32,6 +32,7 @@ class ErrorCode(str, Enum):
     stream_tokens_disabled = "stream_tokens_disabled"
     store_timeout = "store_timeout"
     not_replicated = "not_replicated"  # fewer replicas than ORTFLEET_SUBMIT_REPLICAS confirmed a submission
+    store_full = "store_full"  # Redis refuses writes for memory (maxmemory reached, noeviction)
     store_lost = "store_lost"  # Redis lost its data (restarted without persistence): the job or file is gone
     # refused by a protective limit
     invalid_json = "invalid_json"

@@ -22,7 +22,9 @@ from common.store_epoch import current_epoch, epoch_of, note_lost, was_lost
 logger = logging.getLogger(__name__)
 
 CONFIG_EVERY_S = 30.0  # how often the memory policy and persistence are read again
-EPOCH_EVERY_S = 1.0  # how often the epoch is read again
+EPOCH_EVERY_S = 1.0  # how often the epoch and the memory in use are read again
+OUT_OF_MEMORY = "used memory > 'maxmemory'"  # in Redis's refusal of a write (OOM command not allowed ...)
+OUT_OF_MEMORY_LOG_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,34 @@ class StoreWatch:
         # Called with the lost epoch once a loss is found (the gateway ends its streams).
         self.on_loss: list[Callable[[str], None]] = []
         self._reading_epoch = asyncio.Lock()
+        self.memory: tuple[int, int] | None = None  # used_memory, maxmemory (0: no limit), as last read
+
+    async def check_memory(self) -> None:
+        """Reads the memory in use and its limit; says so in the log when Redis fills up, and when it has
+        room again."""
+        info = await self.redis.info("memory")
+        was_full = self.full is not None
+        self.memory = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        full = self.full
+        if full is not None and not was_full:
+            logger.error("%s", full)
+        elif full is None and was_full:
+            logger.info("Redis at %s has memory again: writes are accepted", self.label)
+
+    @property
+    def full(self) -> str | None:
+        """Why this Redis refuses writes for memory (used_memory at maxmemory, and a policy that evicts
+        nothing), if it does."""
+        if self.memory is None:
+            return None
+        used, limit = self.memory
+        if limit <= 0 or used < limit or (self.config is not None and self.config.evicts):
+            return None
+        return (
+            f"Redis at {self.label} is out of memory (used_memory {used / 2**20:.1f} MiB of maxmemory "
+            f"{limit / 2**20:.1f} MiB): it refuses writes, so no job can be submitted or run; raise "
+            "maxmemory or free memory"
+        )
 
     async def check_epoch(self) -> str:
         """The Redis's epoch now; a change (or a Redis found without one) since the last read is a loss:
@@ -128,6 +158,7 @@ class StoreWatch:
         while True:
             try:
                 await self.check_epoch()
+                await self.check_memory()
                 if loop.time() >= config_due:
                     await self.check_config()
                     config_due = loop.time() + CONFIG_EVERY_S
@@ -166,8 +197,15 @@ class StoreMetrics:
             "persistence, or flushed).",
             labels=["redis"],
         )
+        full = GaugeMetricFamily(
+            f"{ns}_redis_full",
+            "1 while the Redis refuses writes for memory (used_memory at maxmemory, noeviction), else 0.",
+            labels=["redis"],
+        )
         for watch in self._watches():
             losses.add_metric([watch.label], watch.losses)
+            if watch.memory is not None:
+                full.add_metric([watch.label], 1 if watch.full is not None else 0)
             config = watch.config
             if config is None:
                 continue
@@ -175,4 +213,35 @@ class StoreMetrics:
             if config.checked:
                 evicting.add_metric([watch.label], 1 if config.evicts else 0)
                 persistent.add_metric([watch.label], 1 if config.persists else 0)
-        return [checked, evicting, persistent, losses]
+        return [checked, evicting, persistent, losses, full]
+
+
+class OutOfMemoryLines(logging.Filter):
+    """Lets through one log line a period about Redis refusing writes for memory (each retried claim,
+    heartbeat and write would log one), noting how many it held back."""
+
+    def __init__(self, period_s: float = OUT_OF_MEMORY_LOG_EVERY_S) -> None:
+        super().__init__()
+        self.period_s = period_s
+        self._last = -period_s
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if OUT_OF_MEMORY not in text and not (record.exc_info and OUT_OF_MEMORY in str(record.exc_info[1])):
+            return True
+        now = time.monotonic()
+        if now - self._last < self.period_s:
+            self._held += 1
+            return False
+        if self._held:
+            record.msg, record.args = f"{text} ({self._held} like it held back)", ()
+        self._last, self._held = now, 0
+        return True
+
+
+def quiet_out_of_memory_lines() -> None:
+    """Installs OutOfMemoryLines on the handlers of the root logger (call it after logging is set up)."""
+    lines = OutOfMemoryLines()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lines)

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from pydantic import ValidationError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -89,6 +90,12 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, OutOfMemoryError):
+        logger.warning("Redis refused a write on %s %s: %s", request.method, request.url.path, exc)
+        return store_full_response(
+            "the job store (Redis) is out of memory (maxmemory reached) and refuses writes; retry once it "
+            "has room"
+        )
     logger.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, exc)
     if isinstance(exc, RedisTimeoutError):
         request.app.state.ortfleet.metrics.rejected.labels("store_timeout").inc()
@@ -96,6 +103,19 @@ async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
     else:
         message, code = "the job store (Redis) is unavailable; retry shortly", ErrorCode.store_unavailable
     return JSONResponse(envelope(503, message, code=code), 503, {"Retry-After": "1"})
+
+
+STORE_FULL_RETRY_S = 5
+
+
+def store_full(message: str) -> ApiError:
+    """503 store_full: Redis refuses writes for memory."""
+    return ApiError(503, message, code=ErrorCode.store_full, headers={"Retry-After": str(STORE_FULL_RETRY_S)})
+
+
+def store_full_response(message: str) -> JSONResponse:
+    error = store_full(message)
+    return JSONResponse(envelope(error.status, error.message, code=error.code), error.status, error.headers)
 
 
 async def client_gone_handler(request: Request, exc: Exception) -> Response:

@@ -33,6 +33,7 @@ async def readyz(request: Request) -> Response:
         for shard in state.shards.all:
             await shard.redis.ping()
             await shard.watch.check_config()
+            await shard.watch.check_memory()
         fleet = await state.fleet.snapshot(fresh=True)
     except (RedisError, OSError) as e:
         return JSONResponse({"status": "unavailable", "reason": f"Redis is unreachable: {e}"}, 503)
@@ -40,6 +41,7 @@ async def readyz(request: Request) -> Response:
     said = [warning for shard in state.shards.all for warning in shard.watch.warnings()]
     warnings = {"warnings": said} if said else {}
     refused = [refusal for shard in state.shards.all if (refusal := shard.watch.refusal) is not None]
+    refused += [full for shard in state.shards.all if (full := shard.watch.full) is not None]
     if refused:
         return JSONResponse({"status": "unavailable", "reason": "; ".join(refused), **warnings}, 503)
     if not fleet.live:

@@ -24,6 +24,7 @@ from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 from common.redis_url import URL_FORMAT, mask_url
 from common.settings import GatewaySettings
 from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
+from common.store_watch import quiet_out_of_memory_lines
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
 from gateway.metrics import GatewayMetrics
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_out_of_memory_lines()
     try:
         check_exposure(settings)
         listener = bind_listener(settings.host, settings.port)

@@ -18,7 +18,7 @@ from common.jobqueue import EpochChanged, NotReplicated, OwnerBusy, QueueFull, Q
 from common.store_epoch import new_job_id
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
 from gateway import guidance_check
-from gateway.errors import ApiError, validation_error
+from gateway.errors import ApiError, store_full, validation_error
 from gateway.state import AppState
 
 
@@ -186,6 +186,8 @@ async def submit_job(
     check_length(request, context_length)
     now = time.time()
     shard = state.shards.of_model(model)
+    if (full := shard.watch.full) is not None:  # it would take the job, then fail to run it
+        raise store_full(full)
     epoch = shard.watch.epoch or await shard.watch.check_epoch()
     spec = JobSpec(
         id=new_job_id(epoch),

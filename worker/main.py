@@ -22,7 +22,7 @@ from common.redis_url import URL_FORMAT, mask_url
 from common.registry import WorkerInfo
 from common.settings import WorkerSettings
 from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
-from common.store_watch import StoreWatch
+from common.store_watch import StoreWatch, quiet_out_of_memory_lines
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
 from worker.service import EngineUnrecoverable, WorkerService
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    quiet_out_of_memory_lines()
     try:
         aio.run(serve(settings, args.fake_engine))
     except CannotStart as e:
