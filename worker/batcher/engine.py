@@ -38,6 +38,7 @@ from llguidance import LLTokenizer
 from common.error_codes import ErrorCode
 from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.kv_slots import KvSlots
+from worker.batcher.prefix_cache import PrefixCache
 from worker.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
 from worker.ort_engine import OrtTokenizer, context_length, vocab_size
@@ -61,6 +62,7 @@ class _Row:
     exact: bool = True
     decoding: bool = False
     first_update: bool = True
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def request(self) -> GenerationRequest:
@@ -83,6 +85,8 @@ class BatcherCounters:
     prefill_runs: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0  # rows over all decode steps
+    prefix_hits: int = 0  # requests that started from a cached prompt prefix
+    prefix_tokens_reused: int = 0  # prompt tokens those requests did not prefill
 
 
 @dataclass
@@ -105,6 +109,7 @@ class BatchingEngine:
         kv_budget_tokens: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         step_delay_s: float = 0.0,
+        prefix_cache: bool = True,
     ) -> None:
         self.context_length = context_length(model_dir)
         self.capacity = slots or DEFAULT_SLOTS
@@ -127,6 +132,7 @@ class BatchingEngine:
         self._graph = DecoderGraph(session, layout)
         self.vocab_size = layout.vocab_size
         self._kv = self._new_kv()
+        self._prefixes = PrefixCache(prefill_chunk) if prefix_cache else None
         self._grammar_tokenizer: LLTokenizer | None = None
         self._waiting: deque[_Row] = deque()
         self._prefilling: list[_Row] = []
@@ -160,6 +166,11 @@ class BatchingEngine:
     @property
     def kv_tokens_reserved(self) -> int:
         return self._kv.reserved
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """Tokens of prompt KV kept in free slots for reuse."""
+        return 0 if self._prefixes is None else self._prefixes.tokens
 
     def rows(self) -> tuple[int, int, int]:
         """Requests waiting for a slot or KV, prefilling, decoding."""
@@ -269,9 +280,26 @@ class BatchingEngine:
         while self._waiting and self._rows() < self.capacity and self._kv.fits(self._waiting[0].reserved):
             row = self._waiting.popleft()
             held = {r.slot for r in self._prefilling} | set(range(len(self._decoding)))
-            row.slot = max(set(range(self.capacity)) - held)  # prefill slots from the top
+            free = set(range(self.capacity)) - held
+            self._take_slot(row, free)
             self._kv.reserve(row.reserved)
             self._prefilling.append(row)
+
+    def _take_slot(self, row: _Row, free: set[int]) -> None:
+        """The slot holding the longest cached prefix of the row's prompt, from which it prefills the
+        rest; else a free slot, from the top (prefix_cache.py)."""
+        if self._prefixes is None:
+            row.slot = max(free)
+            return
+        slot, reused = self._prefixes.match(row.request.prompt_ids, free)
+        if slot is None:
+            slot = self._prefixes.victim(free)
+        else:
+            row.length = row.cached = reused
+            self.counters.prefix_hits += 1
+            self.counters.prefix_tokens_reused += reused
+        self._prefixes.forget(slot)
+        row.slot = slot
 
     def _end(self, row: _Row) -> None:
         """Takes the row out of the batch and gives back its slot and KV."""
@@ -283,11 +311,17 @@ class BatchingEngine:
             self._prefilling.remove(row)
             return
         last = self._decoding[-1]
-        if last is not row:
-            self._kv.move(last.slot, row.slot, last.length)
-            last.slot = row.slot
-            self._decoding[row.slot] = last
+        kept = 0 if self._prefixes is None else self._prefixes.usable(row.request.prompt_ids)
+        if last is not row:  # the last decode row fills the gap; the ended row's prompt KV takes its slot
+            if kept:
+                self._kv.swap(last.slot, last.length, row.slot, kept)
+            else:
+                self._kv.move(last.slot, row.slot, last.length)
+            row.slot, last.slot = last.slot, row.slot
+            self._decoding[last.slot] = last
         self._decoding.pop()
+        if self._prefixes is not None:
+            self._prefixes.keep(row.slot, row.request.prompt_ids)
 
     def _prefill(self, iteration: _Iteration) -> None:
         spent = 0
@@ -320,11 +354,16 @@ class BatchingEngine:
         target = len(self._decoding)
         if row.slot != target:
             other = next((r for r in self._prefilling if r.slot == target), None)
-            if other is None:
-                self._kv.move(row.slot, target, row.length)
-            else:  # a prefilling row sits where the decode rows end: they trade slots
+            cached = 0 if self._prefixes is None else self._prefixes.length(target)
+            if other is not None:  # a prefilling row sits where the decode rows end: they trade slots
                 self._kv.swap(row.slot, row.length, target, other.length)
                 other.slot = row.slot
+            elif cached:  # a cached prefix sits there: it moves to the row's slot
+                self._kv.swap(row.slot, row.length, target, cached)
+                assert self._prefixes is not None
+                self._prefixes.moved(target, row.slot)
+            else:
+                self._kv.move(row.slot, target, row.length)
             row.slot = target
         row.decoding = True
         self._decoding.append(row)
@@ -417,6 +456,8 @@ class BatchingEngine:
             try:
                 self._graph.forget()
                 self._kv = self._new_kv()
+                if self._prefixes is not None:
+                    self._prefixes.clear()
             except Exception as e:
                 restarted.set_exception(e)
                 return
