@@ -132,10 +132,9 @@ def _wait_seconds(request: Request, limit: float) -> float:
     raw = request.query_params.get("wait")
     if raw is None:
         return 0.0
-    try:
-        wait = float(raw)
-    except ValueError as e:
-        raise ApiError(422, f"wait: {raw!r} is not a number of seconds", param="wait") from e
+    if not _SECONDS.fullmatch(raw):  # float() would take " 2", "2_0", "nan" and other scripts' digits
+        raise ApiError(422, f"wait: {raw[:100]!r} is not a number of seconds", param="wait")
+    wait = float(raw)
     if not 0 <= wait <= limit:
         raise ApiError(422, f"wait: must be between 0 and {limit:g} seconds", param="wait")
     return wait
@@ -220,6 +219,7 @@ async def _page(
     return [(score, job_id, shard) for job_id, score in entries]
 
 
+_SECONDS = re.compile(r"(?:[0-9]{1,9}(?:\.[0-9]{0,9})?|\.[0-9]{1,9})", re.ASCII)
 _CURSOR = re.compile(r"([0-9]{1,16})\.([A-Za-z0-9_-]{1,64})", re.ASCII)
 
 

@@ -3,6 +3,7 @@ owner; another key's object answers the same 404 as one that never existed. List
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -33,6 +34,7 @@ class OwnedKind:
     noun: str  # how messages name it: "file"
     param: str  # the path parameter that holds its id
     code: ErrorCode  # the code of its 404
+    prefix: str  # how its ids begin: "file-"
 
     def not_found(self, object_id: str) -> ApiError:
         return ApiError(
@@ -52,6 +54,16 @@ class OwnedKind:
         if found is None or found.owner != owner:
             raise self.not_found(object_id)
         return found
+
+    def page_after(self, request: Request) -> str | None:
+        """The list's `after` cursor: an id of this kind (it need not exist), else 400 naming it."""
+        after = request.query_params.get("after")
+        if after is not None and not re.fullmatch(re.escape(self.prefix) + _ID_CHARS, after, re.ASCII):
+            raise ApiError(400, f"after: {after[:100]!r} is not the id of a {self.noun}", param="after")
+        return after
+
+
+_ID_CHARS = "[A-Za-z0-9_-]{1,64}"
 
 
 def page_limit(request: Request, default: int, most: int) -> int:

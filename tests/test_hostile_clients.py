@@ -265,6 +265,53 @@ async def test_an_event_id_that_redis_would_refuse_gets_422_before_the_stream_st
             assert by_header.status_code == 422
 
 
+# Arabic-Indic one and fullwidth zero are digits to str.isdigit and int(), as "2_0" and " 2" are to int()
+ODD_NUMBERS = ["\u0661", "2_0", " 2", "2 ", "+2", "\uff10", "1e3", "-2", "9" * 40]
+
+
+@pytest.mark.parametrize("value", ODD_NUMBERS)
+async def test_a_starting_after_that_is_not_a_plain_sequence_number_gets_400_naming_it(
+    tenants: Tenants, value: str
+) -> None:
+    async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=10) as client:
+        created = await client.post(
+            "/v1/responses",
+            json={"model": tenants.model, "input": "Hi", "max_output_tokens": 1, "background": True},
+        )
+        reply = await client.get(
+            f"/v1/responses/{created.json()['id']}", params={"stream": "true", "starting_after": value}
+        )
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "starting_after"
+        fine = await client.get(
+            f"/v1/responses/{created.json()['id']}", params={"stream": "true", "starting_after": "0"}
+        )
+        assert fine.status_code == 200 and "text/event-stream" in fine.headers["content-type"]
+
+
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/batches"])
+@pytest.mark.parametrize("value", [*ODD_NUMBERS, "file-a b", "batch_\u00e9", ""])
+async def test_a_list_cursor_that_is_no_id_gets_400_naming_after(
+    tenants: Tenants, path: str, value: str
+) -> None:
+    async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=10) as client:
+        reply = await client.get(path, params={"after": value})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "after"
+
+
+@pytest.mark.parametrize("value", [*ODD_NUMBERS, "nan", "inf"])
+async def test_a_wait_that_is_not_a_plain_number_of_seconds_gets_422_naming_it(
+    tenants: Tenants, value: str
+) -> None:
+    async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=10) as client:
+        job = await submit(client, {"model": tenants.model, "prompt": "Hi", "max_tokens": 1})
+        reply = await client.get(f"/v1/jobs/{job['id']}", params={"wait": value})
+        assert reply.status_code == 422, reply.text
+        assert reply.json()["error"]["param"] == "wait"
+        assert (await client.get(f"/v1/jobs/{job['id']}", params={"wait": "0.5"})).status_code == 200
+
+
 @pytest.mark.parametrize("query", [{"limit": "²"}, {"after": "²"}, {"limit": "9" * 5000}, {"after": "1"}])
 async def test_odd_digits_in_the_job_list_query_get_422(tenants: Tenants, query: dict[str, str]) -> None:
     async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=10) as client:

@@ -44,7 +44,7 @@ def batch_state(request: Request) -> BatchState:
     return BatchState(state.redis, state.settings.file_ttl_s)
 
 
-BATCH = OwnedKind("batch", "batch_id", ErrorCode.batch_not_found)
+BATCH = OwnedKind("batch", "batch_id", ErrorCode.batch_not_found, "batch_")
 
 
 async def owned_batch(request: Request) -> Batch:
@@ -104,7 +104,7 @@ async def get_batch(request: Request) -> Response:
 async def list_batches(request: Request) -> Response:
     limit = page_limit(request, default=20, most=MAX_LIST)
     owner = principal_of(request.scope).name
-    found = await batch_state(request).list_batches(owner, limit + 1, request.query_params.get("after"))
+    found = await batch_state(request).list_batches(owner, limit + 1, BATCH.page_after(request))
     return list_page(found, limit)
 
 

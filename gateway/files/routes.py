@@ -23,7 +23,7 @@ def file_store(request: Request) -> FileStore:
     return FileStore(state.redis, state.settings.file_ttl_s)
 
 
-FILE = OwnedKind("file", "file_id", ErrorCode.file_not_found)
+FILE = OwnedKind("file", "file_id", ErrorCode.file_not_found, "file-")
 
 
 async def owned_file(request: Request) -> StoredFile:
@@ -63,7 +63,7 @@ async def create_file(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     limit = page_limit(request, default=MAX_LIST, most=MAX_LIST)
     purpose = request.query_params.get("purpose")
-    after = request.query_params.get("after")
+    after = FILE.page_after(request)
     owner = principal_of(request.scope).name
     found = await file_store(request).list_files(owner, purpose, limit + 1, after)
     return list_page(found, limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from typing import Any
 
@@ -35,7 +36,8 @@ from gateway.submission import submit_job
 CANCEL_WAIT_S = 5.0
 
 
-RESPONSE = OwnedKind("response", "response_id", ErrorCode.response_not_found)
+RESPONSE = OwnedKind("response", "response_id", ErrorCode.response_not_found, "resp_")
+_SEQUENCE_NUMBER = re.compile(r"-1|[0-9]{1,18}", re.ASCII)
 
 
 async def load_meta(state: AppState, resp_id: str, owner: str) -> dict[str, str]:
@@ -172,12 +174,10 @@ async def get_response(request: Request) -> Response:
     if request.query_params.get("stream", "false").lower() not in ("true", "1"):
         return JSONResponse(await current_view(state, meta))
     raw = request.query_params.get("starting_after", "-1")
-    try:
-        starting_after = int(raw)
-    except ValueError as e:
-        raise ApiError(
-            400, f"starting_after: {raw!r} is not a sequence number", param="starting_after"
-        ) from e
+    if not _SEQUENCE_NUMBER.fullmatch(raw):
+        message = f"starting_after: {raw[:100]!r} is not a sequence number (0 or more, or -1: every event)"
+        raise ApiError(400, message, param="starting_after")
+    starting_after = int(raw)
     state.streams.take(meta["owner"])
     return ResponseEventStream(state, meta, starting_after, meta["owner"], owned=False)
 
