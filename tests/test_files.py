@@ -70,3 +70,25 @@ async def test_a_list_limit_that_is_not_a_whole_number_in_range_is_refused_namin
     reply = await client.get(route, params={"limit": limit})
     assert reply.status_code in (400, 422), reply.text
     assert reply.json()["error"]["param"] == "limit"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"garbage",
+        b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n',  # no closing boundary
+        b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\n',
+    ],
+    ids=["empty", "garbage", "truncated-field", "truncated-file"],
+)
+async def test_a_body_that_is_not_valid_multipart_is_refused_saying_so(
+    client: httpx.AsyncClient, body: bytes
+) -> None:
+    before = (await client.get("/v1/files")).json()["data"]
+    reply = await client.post(
+        "/v1/files", content=body, headers={"content-type": "multipart/form-data; boundary=B"}
+    )
+    assert reply.status_code == 400, reply.text
+    assert "not valid multipart/form-data" in reply.json()["error"]["message"], reply.text
+    assert (await client.get("/v1/files")).json()["data"] == before

@@ -50,6 +50,7 @@ class _Reader:
         self.header_field = bytearray()
         self.header_value = bytearray()
         self.files_seen = 0
+        self.ended = False  # the closing boundary was read
 
     # python-multipart's callbacks
     def on_part_begin(self) -> None:
@@ -99,6 +100,9 @@ class _Reader:
         elif self.partial:
             self._line(bytes(self.partial))
             self.partial.clear()
+
+    def on_end(self) -> None:
+        self.ended = True
 
     def _split(self, chunk: bytes) -> None:
         start = 0
@@ -162,6 +166,7 @@ async def receive_upload(
         "on_header_value": reader.on_header_value,
         "on_header_end": reader.on_header_end,
         "on_headers_finished": reader.on_headers_finished,
+        "on_end": reader.on_end,
     }
     parser = MultipartParser(boundary_of(content_type), callbacks)  # type: ignore[arg-type]
     try:
@@ -170,10 +175,12 @@ async def receive_upload(
             if reader.ready_bytes >= FLUSH_BYTES:
                 await store.append_lines(file_id, reader.take())
         parser.finalize()
+        if not reader.ended:
+            raise MultipartParseError("it ends before its closing boundary")
         await store.append_lines(file_id, reader.take())
     except MultipartParseError as e:
         await store.redis.delete(keys.file_lines(file_id))
-        raise ApiError(400, f"the multipart body is malformed: {e}", param="file") from e
+        raise ApiError(400, f"the body is not valid multipart/form-data: {e}", param="file") from e
     except BaseException:
         await store.redis.delete(keys.file_lines(file_id))
         raise
