@@ -303,6 +303,12 @@ class WorkerSettings(FleetSettings):
         description="On the batcher: the most prompt tokens prefilled between two decode steps; a "
         "longer prompt is prefilled a chunk at a time, so the running requests keep generating.",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="On the batcher: a finished request's prompt KV stays in its free slot, and a request "
+        "whose prompt starts the same way (whole prefill chunks) prefills only the rest; its tokens are "
+        "the same as without the cache.",
+    )
     max_attempts: int = Field(
         3,
         ge=1,

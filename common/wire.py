@@ -4,9 +4,18 @@ stream event types. The job's record in Redis is common/records.py's."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from common.guidance import Guidance, ResponseFormat
 
@@ -159,10 +168,27 @@ class JobSpec(BaseModel):
     guidance: Guidance | None = None  # structured output: the grammar the output must follow
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV a worker reused from an earlier request
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Shown only from engines that report reuse (ortfleet's batcher), as OpenAI's usage has it.
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _details_when_known(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        shown: dict[str, Any] = handler(self)
+        if shown.get("prompt_tokens_details") is None:
+            shown.pop("prompt_tokens_details", None)
+        return shown
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return None if self.prompt_tokens_details is None else self.prompt_tokens_details.cached_tokens
 
 
 class Timings(BaseModel):

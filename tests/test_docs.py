@@ -99,6 +99,7 @@ def test_every_metric_is_on_the_operations_page() -> None:
         rows=lambda: (0, 0, 0),
         kv_tokens_reserved=0,
         kv_budget_tokens=1,
+        prefix_cache_tokens=0,
     )
     worker = WorkerMetrics(
         CollectorRegistry(),

@@ -7,9 +7,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
+from redis.asyncio import Redis
 
+from common.registry import live_workers
 from tests.test_batcher import collect, long_tokens
+from tests.test_observability import value
 from tests.waiting import until
 from worker.batcher.engine import BatchingEngine
 from worker.batcher.prefix_cache import PrefixCache
@@ -180,3 +185,35 @@ def test_matches_count_whole_chunks_short_of_the_last_token_and_victims_go_least
     cache.forget(3)
     cache.clear()
     assert cache.tokens == 0
+
+
+async def test_through_the_fleet_a_follow_up_reports_its_cached_prompt_tokens_and_the_worker_counts_them(
+    sdk: openai.OpenAI, client: httpx.AsyncClient, redis: Redis, served: str
+) -> None:
+    story = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens (tiny model)
+    [worker] = [w for w in await live_workers(redis) if w["model"] == served]
+
+    async def counted() -> tuple[float | None, float | None]:
+        metrics = (await client.get(worker["metrics_url"])).text
+        hits = value(metrics, "ortfleet_prefix_cache_hits_total", model=served)
+        return hits, value(metrics, "ortfleet_prefix_cache_queries_total", model=served)
+
+    first = sdk.completions.create(model=served, prompt=story, max_tokens=4, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens > 256
+    details = first.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 0
+    hits_before, queries_before = await counted()
+
+    raw = sdk.completions.with_raw_response.create(
+        model=served, prompt=story + " nine ten", max_tokens=4, temperature=0
+    )
+    again = raw.parse()
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 256  # the first whole chunk (256 tokens)
+    job = (await client.get(f"/v1/jobs/{raw.headers['x-ortfleet-job-id']}")).json()
+    assert job["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+
+    hits, queries = await counted()
+    assert hits is not None and hits_before is not None and hits - hits_before == 256
+    assert queries is not None and queries_before is not None
+    assert queries - queries_before == again.usage.prompt_tokens

@@ -72,6 +72,8 @@ class EngineUpdate:
     # (False: the engine computed another token somewhere and continued from the replayed one).
     replay_exact: bool | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one for each of token_ids, when asked for
+    # On a request's first update, from engines that reuse prompt KV: the prompt tokens it reused.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from common.error_codes import ErrorCode
 from common.events import done_entry, entry_token_ids, error_entry, status_entry, token_entry
 from common.jobqueue import Claim, JobQueue, StreamGap
 from common.records import RecordUpdate
-from common.wire import EventType, FinishReason, JobSpec, JobStatus, Timings, Usage
+from common.wire import EventType, FinishReason, JobSpec, JobStatus, PromptTokensDetails, Timings, Usage
 from worker.engine import (
     Engine,
     EngineUpdate,
@@ -113,6 +113,7 @@ class JobRun:
         self.batch_peak = 0
         self.prompt_tokens = 0
         self.tokens_generated = 0  # by this attempt
+        self.cached_tokens: int | None = None  # prompt tokens this attempt's engine reused, if it says
         self._token_times: list[float] = []
         self.outcome: Outcome | None = None
         self.engine_done = False  # the engine has finished with this job (its slot is free)
@@ -314,6 +315,8 @@ class JobRun:
         if decoding.stopped:  # what the engine made after the stop, until it stopped, is dropped
             return self._stopped(decoding) if update.finish is not None else None
         self.batch_peak = max(self.batch_peak, update.batch_rows)
+        if update.cached_tokens is not None:
+            self.cached_tokens = update.cached_tokens
         pieces = []
         hit_stop = False
         generated = index = decoding.generated  # index: of this step's first token
@@ -388,6 +391,9 @@ class JobRun:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=outcome.generated,
             total_tokens=self.prompt_tokens + outcome.generated,
+            prompt_tokens_details=None
+            if self.cached_tokens is None
+            else PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
         first = self.progress.first_token_at
         times = self._token_times

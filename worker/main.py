@@ -144,6 +144,7 @@ def load_engine(
                 settings.kv_budget_tokens,
                 settings.prefill_chunk_tokens,
                 settings.step_delay_s,
+                settings.prefix_cache,
             )
         else:
             engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)

@@ -212,7 +212,25 @@ class EngineLoad:
             f"{NAMESPACE}_decode_steps", "Decode steps the batcher ran (a token for each row).", labels=LABELS
         )
         steps.add_metric(self.values, counters.decode_steps)
-        return [rows, reserved, budget, prefill, steps]
+        queried = CounterMetricFamily(
+            f"{NAMESPACE}_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+            labels=LABELS,
+        )
+        queried.add_metric(self.values, counters.prefix_tokens_queried)
+        hits = CounterMetricFamily(
+            f"{NAMESPACE}_prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache, not prefilled (vLLM's prefix_cache_hits).",
+            labels=LABELS,
+        )
+        hits.add_metric(self.values, counters.prefix_tokens_reused)
+        held = GaugeMetricFamily(
+            f"{NAMESPACE}_prefix_cache_tokens",
+            "Tokens of prompt KV kept in free slots for reuse.",
+            labels=LABELS,
+        )
+        held.add_metric(self.values, engine.prefix_cache_tokens)
+        return [rows, reserved, budget, prefill, steps, queried, hits, held]
 
 
 def worker_labels(service: WorkerService) -> dict[str, str]:

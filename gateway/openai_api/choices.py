@@ -11,7 +11,7 @@ from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.events import entry_logprobs, is_failure, is_final
-from common.wire import EventType, JobRequest, JobStatus, Usage
+from common.wire import EventType, JobRequest, JobStatus, PromptTokensDetails, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
 from gateway.relay import Entry, Follower
@@ -230,12 +230,18 @@ class Choices:
     def total_usage(self, usages: list[Usage]) -> Usage:
         """Completion tokens of every choice; prompt tokens once per prompt (n choices share one)."""
         prompts: dict[int, int] = {}
+        cached: dict[int, int] = {}
         for prompt, usage in zip(self.prompt_of, usages, strict=True):
             prompts[prompt] = max(prompts.get(prompt, 0), usage.prompt_tokens)
+            if usage.cached_tokens is not None:
+                cached[prompt] = max(cached.get(prompt, 0), usage.cached_tokens)
         completion = sum(usage.completion_tokens for usage in usages)
         prompt_tokens = sum(prompts.values())
         return Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())) if cached else None,
         )
 
 

@@ -43,7 +43,9 @@ def _usage(raw: str | None) -> dict[str, Any] | None:
     usage = json.loads(raw)
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        },
         "output_tokens": usage.get("completion_tokens", 0),
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.get("total_tokens", 0),

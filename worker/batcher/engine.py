@@ -85,6 +85,7 @@ class BatcherCounters:
     prefill_runs: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0  # rows over all decode steps
+    prefix_tokens_queried: int = 0  # prompt tokens of the requests admitted with the prefix cache on
     prefix_hits: int = 0  # requests that started from a cached prompt prefix
     prefix_tokens_reused: int = 0  # prompt tokens those requests did not prefill
 
@@ -292,6 +293,7 @@ class BatchingEngine:
             row.slot = max(free)
             return
         slot, reused = self._prefixes.match(row.request.prompt_ids, free)
+        self.counters.prefix_tokens_queried += len(row.request.prompt_ids)
         if slot is None:
             slot = self._prefixes.victim(free)
         else:
@@ -411,8 +413,8 @@ class BatchingEngine:
             iteration.updates.append((row.stream, update))
             return
         row.produced += 1
-        exact = (row.exact if request.replay_ids else None) if row.first_update else None
-        row.first_update = False
+        first, row.first_update = row.first_update, False
+        exact = (row.exact if request.replay_ids else None) if first else None
         finish: Finish | None = None
         tokens = [token]
         if token in self.eos_token_ids:
@@ -429,7 +431,10 @@ class BatchingEngine:
         logprobs = None
         if raw is not None and tokens:
             logprobs = (token_logprobs(raw, token, request.logprobs or 0),)
-        update = EngineUpdate(tokens, finish, None, rows, replay_exact=exact, logprobs=logprobs)
+        cached = row.cached if first else None
+        update = EngineUpdate(
+            tokens, finish, None, rows, replay_exact=exact, logprobs=logprobs, cached_tokens=cached
+        )
         iteration.updates.append((row.stream, update))
 
     def _fail(self, cause: str) -> None:
