@@ -69,7 +69,7 @@ def paths() -> dict[str, Any]:
             "post": {
                 "summary": "Upload a JSONL file (purpose batch), read as a stream; capped by max_file_bytes",
                 "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": upload}}},
-                "responses": {"200": {"description": "the file", **_json(_OBJECT)}, **_errors(400, 413)},
+                "responses": {"200": {"description": "the file", **_json(_OBJECT)}, **_errors(400, 413, 503)},
             },
             "get": {
                 "summary": "The caller's files, newest first",
@@ -102,7 +102,7 @@ def paths() -> dict[str, Any]:
                         "description": "the file",
                         "content": {"application/octet-stream": {"schema": {"type": "string"}}},
                     },
-                    **_errors(404),
+                    **_errors(404, 503),
                 },
             }
         },

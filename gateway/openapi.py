@@ -117,7 +117,7 @@ def build_spec(version: str) -> dict[str, Any]:
                     _JOB_ID,
                     {"name": "wait", "in": "query", "schema": {"type": "number", "minimum": 0}},
                 ],
-                "responses": {"200": {"description": "the job", **_json(job)}, **_errors(404, 422)},
+                "responses": {"200": {"description": "the job", **_json(job)}, **_errors(404, 422, 503)},
             },
             "delete": {
                 "summary": "Cancel a job; with purge=true, also delete all of its data at once",
@@ -126,7 +126,7 @@ def build_spec(version: str) -> dict[str, Any]:
                     "200": {"description": "cancelled (or already ended)", **_json(job)},
                     "202": {"description": "running; it stops within one engine step", **_json(job)},
                     "204": {"description": "purged"},
-                    **_errors(404),
+                    **_errors(404, 503),
                 },
             },
         },
@@ -147,7 +147,7 @@ def build_spec(version: str) -> dict[str, Any]:
                         "description": "event stream",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}},
                     },
-                    **_errors(404, 422),
+                    **_errors(404, 422, 503),
                 },
             }
         },
