@@ -251,3 +251,36 @@ async def test_a_batch_completes_through_a_killed_worker_and_gateway_answering_e
     ids = [o["custom_id"] for o in output]
     assert sorted(ids) == sorted(f"k{i}" for i in range(count))  # every line, each exactly once
     assert len({o["response"]["request_id"] for o in output}) == count
+
+
+async def test_an_error_line_carries_the_status_code_and_param_the_http_route_answers(
+    batch_fleet: BatchFleet, model_name: str
+) -> None:
+    """Refused at the gateway (a regex that does not compile) or failed on the worker (a logit_bias token
+    outside the vocabulary, a prompt past the context): each error line says what HTTP would."""
+    fleet, sdk = batch_fleet()
+    bad = {
+        "regex": {"guided_regex": "(unclosed"},
+        "bias": {"logit_bias": {"10000000": 5}},
+        "long": {"messages": [{"role": "user", "content": "The quick brown fox. " * 400}]},
+    }
+    lines = [
+        line("good", model_name, "hi"),
+        *(line(name, model_name, "hi", **extra) for name, extra in bad.items()),
+    ]
+    created = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = await until_status(sdk, created.id, "completed")
+    errors = {e["custom_id"]: e["response"] for e in jsonl(sdk, batch.error_file_id)}
+    async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=60) as client:
+        for name in bad:
+            direct = await client.post(
+                "/v1/chat/completions", json=line(name, model_name, "hi", **bad[name])["body"]
+            )
+            assert direct.status_code == 400, direct.text
+            expected = direct.json()["error"]
+            answered = errors[name]["body"]["error"]
+            assert errors[name]["status_code"] == direct.status_code, (name, errors[name])
+            assert (answered["code"], answered["param"]) == (expected["code"], expected["param"]), name
+    assert [o["custom_id"] for o in jsonl(sdk, batch.output_file_id)] == ["good"]

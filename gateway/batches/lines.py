@@ -9,12 +9,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from common.error_codes import ErrorCode
 from common.records import JobRecord
 from common.wire import JobRequest, JobStatus, Usage
 from gateway.errors import ApiError, envelope, validation_error
 from gateway.openai_api.chat import ChatFormat
-from gateway.openai_api.choices import ChoiceResult, finish_reason
+from gateway.openai_api.choices import ChoiceResult, finish_reason, job_failure
 from gateway.openai_api.completions import CompletionFormat
 from gateway.openai_api.params import job_messages, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,9 +38,7 @@ class LineError:
         return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
 
 
-def check_line(
-    raw: str, number: int, endpoint: str, seen: set[str], limits: JsonLimits
-) -> LineError | None:
+def check_line(raw: str, number: int, endpoint: str, seen: set[str], limits: JsonLimits) -> LineError | None:
     """What is wrong with the shape of line `number` (1-based) of the input file, if anything. A line
     gets the checks a request body gets (nesting depth, number length) with the same codes."""
     try:
@@ -172,7 +169,7 @@ def finished_line(
             custom_id, number, batch_id, "batch_cancelled", "cancelled with the batch"
         )
     message = "the job vanished" if record is None else record.error or "the request failed"
-    code = (record.error_code if record is not None else None) or ErrorCode.job_failed
-    status_code = 400 if code is ErrorCode.context_length_exceeded else 500
-    body = envelope(status_code, f"line {number}: {message}", None, code)
-    return "error", answer_line(custom_id, job_id, status_code, body, number)
+    code = record.error_code if record is not None else None
+    error = job_failure(job_id, message, code, "messages" if endpoint == CHAT else "prompt")  # as HTTP
+    body = envelope(error.status, f"line {number}: {error.message}", error.param, error.code)
+    return "error", answer_line(custom_id, job_id, error.status, body, number)
