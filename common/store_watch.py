@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from common.store_config import StoreConfig, read_config
 from common.store_epoch import current_epoch, epoch_of, note_lost, was_lost
@@ -58,7 +58,11 @@ class StoreWatch:
     async def check_memory(self) -> None:
         """Reads the memory in use and its limit; says so in the log when Redis fills up, and when it has
         room again."""
-        info = await self.redis.info("memory")
+        try:
+            info = await self.redis.info("memory")
+        except ResponseError:  # INFO disabled (some managed Redis): memory is not watched
+            self.memory = None
+            return
         was_full = self.full is not None
         self.memory = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
         full = self.full

@@ -104,9 +104,9 @@ def test_a_redis_without_persistence_is_a_warning_a_metric_and_a_readyz_detail(t
     assert persistent.endswith(" 0.0"), persistent
 
 
-def test_a_redis_whose_config_command_is_disabled_is_said_to_be_unchecked(tmp_path: Path) -> None:
+def test_a_redis_whose_config_and_info_commands_are_disabled_is_said_to_be_unchecked(tmp_path: Path) -> None:
     with (
-        redis_with(tmp_path, "--rename-command", "CONFIG", "") as url,
+        redis_with(tmp_path, "--rename-command", "CONFIG", "", "--rename-command", "INFO", "") as url,
         gateway_on(url, tmp_path) as gateway,
     ):
         ready = httpx.get(f"{gateway.url}/readyz").json()
