@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -64,6 +65,22 @@ class OwnedKind:
 
 
 _ID_CHARS = "[A-Za-z0-9_-]{1,64}"
+
+
+async def newest_after(redis: Redis, index: str, after: str | None, start: int, count: int) -> list[str]:
+    """Up to `count` ids of the sorted set `index`, newest (highest score) first, skipping `start` of
+    those after the id `after` (none when `after` is not in it). Ids of one score come in descending
+    order of id, as ZREVRANGEBYSCORE gives them, so a page ends and the next begins among them."""
+    upper, skip = "+inf", 0
+    if after is not None:
+        score = await redis.zscore(index, after)
+        if score is None:
+            return []
+        upper = repr(score)
+        tied: list[str] = await redis.zrevrangebyscore(index, upper, upper)
+        skip = tied.index(after) + 1
+    ids: list[str] = await redis.zrevrangebyscore(index, upper, "-inf", start=skip + start, num=count)
+    return ids
 
 
 def page_limit(request: Request, default: int, most: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,3 +93,58 @@ async def test_a_body_that_is_not_valid_multipart_is_refused_saying_so(
     assert reply.status_code == 400, reply.text
     assert "not valid multipart/form-data" in reply.json()["error"]["message"], reply.text
     assert (await client.get("/v1/files")).json()["data"] == before
+
+
+@pytest.mark.parametrize("filename", ["données-日本.jsonl", "emoji-😀.jsonl", "semi;colon back\\slash.jsonl"])
+async def test_a_file_named_in_any_script_downloads_with_its_name_in_rfc_5987_form(
+    client: httpx.AsyncClient, filename: str
+) -> None:
+    files = {"file": (filename, b'{"a": 1}\n'), "purpose": (None, b"batch")}
+    uploaded = (await client.post("/v1/files", files=files)).json()
+    assert uploaded["filename"] == filename
+    for _ in range(2):  # the connection stays usable after the download
+        content = await client.get(f"/v1/files/{uploaded['id']}/content")
+        assert content.status_code == 200 and content.content == b'{"a": 1}\n'
+        disposition = content.headers["content-disposition"]
+        assert disposition.isascii() and "filename*=UTF-8''" in disposition
+        encoded = disposition.split("filename*=UTF-8''")[1].split(";")[0]
+        assert urllib.parse.unquote(encoded) == filename
+
+
+@pytest.mark.parametrize("filename", ["a\x00b.jsonl", "line\nbreak.jsonl", "tab\there.jsonl"])
+async def test_a_filename_with_a_control_character_is_refused_naming_file(
+    client: httpx.AsyncClient, filename: str
+) -> None:
+    boundary = "B"
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n\r\n'
+        '{"a": 1}\n\r\n'
+        f"--{boundary}--\r\n"
+    ).encode()
+    for _ in range(2):  # answered, on a connection that stays usable
+        reply = await client.post(
+            "/v1/files", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"}
+        )
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "file"
+
+
+async def test_paging_through_files_made_in_the_same_second_lists_each_once(
+    client: httpx.AsyncClient,
+) -> None:
+    made = set()
+    for i in range(7):
+        files = {"file": (f"{i}.jsonl", b"{}\n"), "purpose": (None, b"batch")}
+        made.add((await client.post("/v1/files", files=files)).json()["id"])
+    for limit in (1, 2, 3):
+        seen: list[str] = []
+        after: str | None = None
+        while True:
+            params = {"limit": str(limit), **({"after": after} if after else {})}
+            page = (await client.get("/v1/files", params=params)).json()
+            seen += [f["id"] for f in page["data"]]
+            if not page["has_more"]:
+                break
+            after = page["last_id"]
+        assert len(seen) == len(set(seen)) and made <= set(seen), limit

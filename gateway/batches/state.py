@@ -18,6 +18,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
+from gateway.owned import newest_after
 
 PENDING = "pending"  # a line reserved for feeding whose job may or may not exist yet
 
@@ -298,13 +299,7 @@ class BatchState:
         await self.redis.delete(keys.batch_in_flight(batch_id))
 
     async def list_batches(self, owner: str, limit: int, after: str | None) -> list[Batch]:
-        upper = "+inf"
-        if after is not None:
-            score = await self.redis.zscore(keys.owner_batches(owner), after)
-            if score is None:
-                return []
-            upper = f"({int(score)}"
-        ids = await self.redis.zrevrangebyscore(keys.owner_batches(owner), upper, "-inf", start=0, num=limit)
+        ids = await newest_after(self.redis, keys.owner_batches(owner), after, 0, limit)
         found = []
         for batch_id in ids:
             batch = await self.load(batch_id)

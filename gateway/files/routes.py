@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.parse
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -91,11 +93,17 @@ async def file_content(request: Request) -> Response:
             param="file_id",
             code=ErrorCode.store_lost,
         )
-    filename = stored.filename.replace('"', "").replace("\\", "")
-    headers = {"Content-Disposition": f'attachment; filename="{filename}"'}
+    headers = {"Content-Disposition": content_disposition(stored.filename)}
     return StreamingResponse(
         file_store(request).content(stored.id), media_type="application/octet-stream", headers=headers
     )
+
+
+def content_disposition(filename: str) -> str:
+    """An attachment named `filename` in any script: its UTF-8 name in RFC 5987's form, after a plain
+    ASCII one for clients that know only that."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(filename, safe='')}"
 
 
 routes = [

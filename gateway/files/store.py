@@ -11,6 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys
+from gateway.owned import newest_after
 
 READ_CHUNK_LINES = 1000
 PURPOSES = ("batch",)  # what clients may upload; batch_output is what batches write
@@ -116,26 +117,19 @@ class FileStore:
     async def list_files(
         self, owner: str, purpose: str | None, limit: int, after: str | None
     ) -> list[StoredFile]:
-        """The owner's files, newest first, after the file `after`."""
-        upper = "+inf"
-        if after is not None:
-            score = await self.redis.zscore(keys.owner_files(owner), after)
-            if score is None:
-                return []
-            upper = f"({int(score)}"
+        """The owner's files, newest first, after the file `after` (files of the same second too)."""
         found: list[StoredFile] = []
         offset = 0
         while len(found) < limit:
-            ids = await self.redis.zrevrangebyscore(
-                keys.owner_files(owner), upper, "-inf", start=offset, num=limit * 2
-            )
+            ids = await newest_after(self.redis, keys.owner_files(owner), after, offset, limit * 2)
             if not ids:
                 break
             offset += len(ids)
             for file_id in ids:
                 stored = await self.get(file_id, owner)
-                if stored is None:
+                if stored is None:  # expired: out of the index, and out of the count of those passed
                     await self.redis.zrem(keys.owner_files(owner), file_id)
+                    offset -= 1
                 elif purpose is None or stored.purpose == purpose:
                     found.append(stored)
         return found[:limit]

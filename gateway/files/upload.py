@@ -76,6 +76,8 @@ class _Reader:
             if self.files_seen > 1:
                 raise ApiError(400, "file: give one file per upload", param="file")
             self.part.filename = raw_filename.decode("utf-8", "replace")
+            if any(c < " " or c == "\x7f" for c in self.part.filename):
+                raise ApiError(400, "file: the filename holds a control character", param="file")
             self.filename = self.part.filename or "upload.jsonl"
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
