@@ -368,3 +368,34 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     assert len(goals) == 4 and all(isinstance(goal["pass"], bool) for goal in goals.values())
     assert "interference: the short chat's first token within 3 s" in goals
     assert "engine alone" in done.stdout and "goals" in done.stdout and "short chat" in done.stdout
+
+
+def test_the_prefix_bench_measures_second_turns_and_a_shared_system_prompt(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "prefix.json"
+    done = bench(
+        "prefix", "--model", str(tiny_model), "--conversations", "2", "--document-tokens", "300",
+        "--users", "3", "--system-tokens", "300", "--max-tokens", "4", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert data["bench"] == "prefix" and data["options"]["workers"] == 1
+    conversations, system = data["conversations"], data["shared_system_prompt"]
+    assert len(conversations["first_turns"]) == len(conversations["second_turns"]) == 2
+    for first, second in zip(conversations["first_turns"], conversations["second_turns"], strict=True):
+        assert 256 < first["prompt_tokens"] < 512 and first["cached_tokens"] == 0  # documents share nothing
+        assert second["prompt_tokens"] > first["prompt_tokens"]
+        assert second["cached_tokens"] == 256  # the first turn's whole prefill chunk (256 tokens)
+        assert first["tokens"] == second["tokens"] == 4
+    ratio = conversations["second_ttft_ms_median"] / conversations["first_ttft_ms_median"]
+    assert conversations["second_over_first"] == pytest.approx(ratio, rel=0.01)  # of the rounded medians
+    cached = [request["cached_tokens"] for request in system["requests"]]
+    assert cached == [0, 256, 256]  # the system prompt's first chunk, from the second user on
+    assert system["cached_tokens"] == 512 and system["prompt_tokens"] > 3 * 256
+    assert system["saved"] == pytest.approx(512 / system["prompt_tokens"], abs=1e-3)
+    assert [goal["pass"] for goal in data["goals"]] == [
+        conversations["second_over_first"] <= 0.25,
+        system["saved"] >= 0.8,
+    ]
+    assert "second turn" in done.stdout and "goals" in done.stdout

@@ -86,6 +86,8 @@ class Served:
     tokens: int
     gaps: list[float] = field(default_factory=list)  # seconds between tokens after the first
     prompt_tokens: int | None = None  # the server's usage, if it gave one
+    text: str = ""
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details, if it gave one
 
     def figures(self) -> dict[str, Any]:
         duration = self.end - self.start
@@ -247,10 +249,11 @@ async def stream(
     index: int,
     max_tokens: int,
     prompt: str | None = None,
-    chat: str | None = None,
+    chat: str | list[dict[str, str]] | None = None,
 ) -> Served:
-    """One streamed request, a text completion (`prompt`) or a chat completion (`chat`, the user's
-    message), greedy and exactly `max_tokens` long, timed from its send to each text chunk."""
+    """One streamed request, a text completion (`prompt`) or a chat completion (`chat`: the user's
+    message, or the whole conversation), greedy and exactly `max_tokens` long, timed from its send to
+    each text chunk."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
@@ -261,11 +264,13 @@ async def stream(
         "stream_options": {"include_usage": True},
     }
     if chat is not None:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": chat}]
+        messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else chat
+        path, body["messages"] = "/v1/chat/completions", messages
     else:
         path, body["prompt"] = "/v1/completions", prompt
     start = time.perf_counter()
     arrivals: list[float] = []
+    pieces: list[str] = []
     usage: dict[str, Any] | None = None
     async for event in connection.events(path, body):
         if event.data == "[DONE]":
@@ -277,6 +282,7 @@ async def stream(
             text = choice.get("text") or (choice.get("delta") or {}).get("content")
             if text or (choice.get("finish_reason") and not arrivals):  # no text at all: its end counts
                 arrivals.append(event.received)
+            pieces.append(text or "")
         if chunk.get("usage"):
             usage = chunk["usage"]
     end = time.perf_counter()
@@ -287,7 +293,19 @@ async def stream(
     if tokens > len(arrivals) > 1:  # chunks of several tokens: each gap spread over the tokens it held
         gaps = [g * (len(arrivals) - 1) / (tokens - 1) for g in gaps]
     prompt_tokens = int(usage["prompt_tokens"]) if usage and usage.get("prompt_tokens") else None
-    return Served(index, max_tokens, start, arrivals[0] - start, end, tokens, gaps, prompt_tokens)
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return Served(
+        index,
+        max_tokens,
+        start,
+        arrivals[0] - start,
+        end,
+        tokens,
+        gaps,
+        prompt_tokens,
+        "".join(pieces),
+        cached,
+    )
 
 
 async def closed_loop(

@@ -23,7 +23,7 @@ def register(subparsers: Subparsers) -> None:
         "bench",
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {FLEET_HELP}. "
-        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness, batching, serving.",
+        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness, batching, serving, prefix.",
     )
     _fleet_options(parser)
     parser.set_defaults(func=run_fleet)
@@ -227,6 +227,37 @@ def register(subparsers: Subparsers) -> None:
     serving.add_argument("--name", help="served model name at --url (default: its only model)")
     serving.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     serving.set_defaults(func=run_serving)
+
+    prefix = modes.add_parser(
+        "prefix",
+        help="what prefix reuse saves: second turns of long conversations, and many users after one "
+        "system prompt; goals checked",
+        description="On a local fleet (Redis, a gateway, --workers workers on the model) or the "
+        "OpenAI-compatible server at --url, in one run: the first turns of several conversations about "
+        "long documents of their own, one after another, then their second turns: the median TTFT of each; "
+        "then many users' questions after one long system prompt: the share of their prompt tokens the "
+        "server reused (usage.prompt_tokens_details.cached_tokens). Then the goals against this run's "
+        "figures.",
+    )
+    prefix.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
+    prefix.add_argument("--workers", type=_positive, default=1, help="workers of the local fleet (default 1)")
+    prefix.add_argument("--conversations", type=_positive, default=6, help="conversations (default 6)")
+    prefix.add_argument(
+        "--document-tokens", type=_positive, default=1500, help="tokens of each document (default 1500)"
+    )
+    prefix.add_argument(
+        "--users", type=_positive, default=20, help="users after the system prompt (default 20)"
+    )
+    prefix.add_argument(
+        "--system-tokens", type=_positive, default=1000, help="tokens of the system prompt (default 1000)"
+    )
+    prefix.add_argument("--max-tokens", type=_positive, default=32, help="tokens of each answer (default 32)")
+    prefix.add_argument(
+        "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
+    )
+    prefix.add_argument("--name", help="served model name at --url (default: its only model)")
+    prefix.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    prefix.set_defaults(func=run_prefix)
 
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
@@ -470,6 +501,29 @@ def run_sim(args: argparse.Namespace) -> int:
         raise SystemExit(f"ortfleet bench sim: {e}") from e
     figures = sim.run(sim.SimOptions(workers, args.duration, args.max_tokens, args.clients))
     return _finish(figures, sim.text(figures), args.json)
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ortfleet.bench import prefix
+
+    if args.name and not args.url:
+        raise SystemExit("ortfleet bench prefix: --name names a model at --url")
+    options = prefix.PrefixOptions(
+        model_dir=None if args.url else model_dir(args.model),
+        workers=args.workers,
+        conversations=args.conversations,
+        document_tokens=args.document_tokens,
+        users=args.users,
+        system_tokens=args.system_tokens,
+        max_tokens=args.max_tokens,
+        url=args.url.rstrip("/") if args.url else None,
+        name=args.name,
+        command_line=shlex.join(["ortfleet", *sys.argv[1:]]),
+    )
+    figures = prefix.run(options)
+    return _finish(figures, prefix.text(figures), args.json)
 
 
 def run_serving(args: argparse.Namespace) -> int:
