@@ -1,6 +1,7 @@
-"""A process's watch over one Redis while it runs: its memory policy and persistence, read again
-periodically (common/store_config.py), and its data epoch (common/store_epoch.py), read every second, so
-that a Redis that lost its data is known to have lost it; for the logs, /readyz and the metrics."""
+"""A process's watch over one Redis while it runs, for the logs, /readyz and the metrics: its memory
+policy and persistence, read again periodically (common/store_config.py); its data epoch
+(common/store_epoch.py), read every second, so that a Redis that lost its data is known to have lost it;
+and its memory in use, read every second, so that a Redis that refuses writes for memory is named."""
 
 from __future__ import annotations
 
