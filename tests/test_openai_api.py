@@ -34,9 +34,14 @@ def chat(content: str) -> list[Any]:
     return [{"role": "user", "content": content}]
 
 
-def counts(usage: openai.types.CompletionUsage | None) -> dict[str, int]:
+def counts(usage: openai.types.CompletionUsage | None) -> dict[str, Any]:
+    """The usage as the job record holds it: the counts, and the cached prompt tokens where reported."""
     assert usage is not None
-    return usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
+    shown: dict[str, Any] = usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
+    details = usage.prompt_tokens_details
+    if details is not None and details.cached_tokens is not None:
+        shown["prompt_tokens_details"] = {"cached_tokens": details.cached_tokens}
+    return shown
 
 
 async def test_a_chat_completion_returns_the_jobs_output_and_usage(
