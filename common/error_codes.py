@@ -22,6 +22,7 @@ class ErrorCode(str, Enum):
     no_live_worker = "no_live_worker"
     job_not_found = "job_not_found"
     file_not_found = "file_not_found"
+    file_in_use = "file_in_use"  # a batch that has not ended reads it
     batch_not_found = "batch_not_found"
     response_not_found = "response_not_found"
     priority_not_allowed = "priority_not_allowed"

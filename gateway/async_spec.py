@@ -88,9 +88,9 @@ def paths() -> dict[str, Any]:
                 "responses": {"200": {"description": "the file", **_json(_OBJECT)}, **_errors(404)},
             },
             "delete": {
-                "summary": "Delete a file",
+                "summary": "Delete a file (409 while a batch that has not ended reads it)",
                 "parameters": [file_id],
-                "responses": {"200": {"description": "deleted", **_json(_OBJECT)}, **_errors(404)},
+                "responses": {"200": {"description": "deleted", **_json(_OBJECT)}, **_errors(404, 409)},
             },
         },
         "/v1/files/{file_id}/content": {

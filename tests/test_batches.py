@@ -284,3 +284,22 @@ async def test_an_error_line_carries_the_status_code_and_param_the_http_route_an
             assert errors[name]["status_code"] == direct.status_code, (name, errors[name])
             assert (answered["code"], answered["param"]) == (expected["code"], expected["param"]), name
     assert [o["custom_id"] for o in jsonl(sdk, batch.output_file_id)] == ["good"]
+
+
+async def test_a_batchs_input_file_cannot_be_deleted_while_the_batch_runs_and_every_line_is_answered(
+    batch_fleet: BatchFleet, model_name: str
+) -> None:
+    _, sdk = batch_fleet()
+    input_id = upload(sdk, [line(f"req-{i}", model_name, f"say {i}") for i in range(20)])
+    created = sdk.batches.create(
+        input_file_id=input_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    with pytest.raises(openai.ConflictError) as refused:
+        sdk.files.delete(input_id)
+    assert refused.value.status_code == 409 and refused.value.code == "file_in_use"
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "file_id"
+    assert created.id in refused.value.message
+    batch = await until_status(sdk, created.id, "completed")
+    assert batch.request_counts is not None and batch.request_counts.completed == 20
+    assert len(jsonl(sdk, batch.output_file_id)) == 20
+    assert sdk.files.delete(input_id).deleted  # the batch has ended: the file is the key's to delete

@@ -77,6 +77,15 @@ async def get_file(request: Request) -> Response:
 
 async def delete_file(request: Request) -> Response:
     stored = await owned_file(request)
+    reader = await file_store(request).batch_reading(stored.id)
+    if reader is not None:
+        raise ApiError(
+            409,
+            f"file {stored.id!r} is the input of batch {reader}, which has not ended; delete it once the "
+            "batch has ended (or cancel the batch first)",
+            param="file_id",
+            code=ErrorCode.file_in_use,
+        )
     if not await file_store(request).delete(stored.id, stored.owner):
         raise FILE.not_found(stored.id)
     return JSONResponse({"id": stored.id, "object": "file", "deleted": True})

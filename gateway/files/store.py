@@ -134,6 +134,16 @@ class FileStore:
                     found.append(stored)
         return found[:limit]
 
+    async def batch_reading(self, file_id: str) -> str | None:
+        """The id of a batch not yet ended whose input is the file, if any: it reads its lines until it
+        ends."""
+        batch_ids: list[str] = await self.redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hget(keys.batch(batch_id), "input_file_id")
+            inputs: list[str | None] = await pipe.execute()
+        return next((b for b, source in zip(batch_ids, inputs, strict=True) if source == file_id), None)
+
     async def delete(self, file_id: str, owner: str) -> bool:
         if await self.get(file_id, owner) is None:
             return False
