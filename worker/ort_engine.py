@@ -21,6 +21,7 @@ import onnxruntime_genai as og
 from common.error_codes import ErrorCode
 from worker.device import Device
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
+from worker.engine_thread import EngineThread
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
@@ -173,7 +174,7 @@ class _SoloRun:
         return self.replayed < len(self.stream.request.replay_ids)
 
 
-class OrtEngine:
+class OrtEngine(EngineThread):
     """Owns og.Model and og.Engine on a dedicated thread; asyncio code talks to it through queues."""
 
     def __init__(
@@ -205,28 +206,6 @@ class OrtEngine:
         self._ready.wait()
         if self._startup_error is not None:
             raise self._startup_error
-
-    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
-        loop = self._event_loop = asyncio.get_running_loop()
-        streams = [GenerationStream(request=request, loop=loop) for request in requests]
-        self._commands.put(("submit", streams))
-        return streams
-
-    def cancel(self, stream: GenerationStream) -> None:
-        stream.cancel_requested = True
-        self._commands.put(("cancel", [stream]))
-
-    def close(self) -> None:
-        self._commands.put(("stop", []))
-        self._thread.join(timeout=10)
-
-    async def restart(self) -> None:
-        """A fresh og.Engine on the same og.Model, after a failure (on_failure); raises when none can be
-        made."""
-        restarted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._restarted = restarted
-        self._commands.put(("restart", []))
-        await asyncio.wrap_future(restarted)
 
     def _main(self) -> None:
         try:

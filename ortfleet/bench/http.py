@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from ortfleet.fleet.processes import StartupError
+
 
 class HttpError(Exception):
     def __init__(self, status: int, body: bytes) -> None:
@@ -140,3 +142,16 @@ def _parse_frame(frame: bytes, received: float) -> SseEvent | None:
     if not data and not kind:
         return None  # a comment (keep-alive)
     return SseEvent(entry_id, kind or "message", "\n".join(data), received)
+
+
+async def served_model(url: str) -> str:
+    connection = Connection(url)
+    try:
+        models = await connection.json("GET", "/v1/models")
+    finally:
+        await connection.close()
+    names = [m["id"] for m in models["data"]]
+    if len(names) != 1:
+        raise StartupError(f"{url} serves {names or 'no model'}: pick one with --name")
+    name: str = names[0]
+    return name

@@ -26,7 +26,7 @@ from common import aio, keys
 from common.redis_client import connect
 from common.wire import Timings
 from ortfleet.bench.backends import PROMPTS, Backend, DirectBackend, FleetBackend, RequestResult
-from ortfleet.bench.http import Connection
+from ortfleet.bench.http import served_model
 from ortfleet.bench.machine import cpu_seconds, describe, wakeups
 from ortfleet.bench.pinning import Pinning
 from ortfleet.bench.stats import summary
@@ -214,7 +214,7 @@ def run(options: OverheadOptions) -> dict[str, Any]:
         else:
             pids, redis_url = {}, None
         if name is None:
-            name = aio.run(_served_model(url))
+            name = aio.run(served_model(url))
         return aio.run(_measure(options, url, name, CpuMeter(pids), redis_url))
 
 
@@ -297,19 +297,6 @@ class CpuMeter:
         """Wake-ups per generated token of the fleet's main threads (the local fleet's run only)."""
         woken = self.woken.get(("fleet", concurrency), {})
         return {name: round(count / tokens, 3) for name, count in woken.items()} if tokens else {}
-
-
-async def _served_model(url: str) -> str:
-    connection = Connection(url)
-    try:
-        models = await connection.json("GET", "/v1/models")
-    finally:
-        await connection.close()
-    names = [m["id"] for m in models["data"]]
-    if len(names) != 1:
-        raise StartupError(f"{url} serves {names or 'no model'}: pick one with --name")
-    name: str = names[0]
-    return name
 
 
 async def _measure(

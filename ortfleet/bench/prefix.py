@@ -28,10 +28,10 @@ from typing import Any
 from tqdm import tqdm
 
 from common import aio
-from ortfleet.bench.http import Connection
+from ortfleet.bench.http import Connection, served_model
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import table
-from ortfleet.bench.serving import CHARS_PER_TOKEN, LOCAL_NAME, Served, count_tokens, served_model, stream
+from ortfleet.bench.serving import CHARS_PER_TOKEN, LOCAL_NAME, Served, count_tokens, stream
 from ortfleet.fleet.launcher import throwaway_fleet
 from ortfleet.fleet.processes import StartupError
 

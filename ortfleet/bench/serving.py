@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from common import aio
 from ortfleet.bench.backends import PROMPTS
-from ortfleet.bench.http import Connection, HttpError
+from ortfleet.bench.http import Connection, HttpError, served_model
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import table
 from ortfleet.bench.stats import summary
@@ -228,19 +228,6 @@ def engine_alone(model_dir: Path, planned: list[Planned]) -> dict[str, Any]:
 
 
 # --- the server over HTTP -----------------------------------------------------------------------------
-
-
-async def served_model(url: str) -> str:
-    connection = Connection(url)
-    try:
-        models = await connection.json("GET", "/v1/models")
-    finally:
-        await connection.close()
-    names = [m["id"] for m in models["data"]]
-    if len(names) != 1:
-        raise StartupError(f"{url} serves {names or 'no model'}: pick one with --name")
-    name: str = names[0]
-    return name
 
 
 async def stream(

@@ -14,51 +14,17 @@ Three ways to hand the KV over:
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
 
+from worker.batcher.graph import Layout, open_session
+
+__all__ = ["MODES", "Layout", "Mode", "SessionRows", "open_session"]
+
 Mode = Literal["run", "bound", "shared"]
 MODES: tuple[Mode, ...] = ("run", "bound", "shared")
-
-
-@dataclass(frozen=True)
-class Layout:
-    past_names: list[str]  # every layer's key then value, as the graph's inputs
-    present_names: list[str]  # the same order
-    kv_heads: int
-    head_size: int
-    vocab_size: int
-
-    @classmethod
-    def read(cls, model_dir: Path, session: ort.InferenceSession) -> Layout:
-        decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
-        names = {i.name for i in session.get_inputs()}
-        if "position_ids" in names or decoder["inputs"].get("position_ids") in names:
-            raise ValueError("the graph takes position_ids: only graphs that derive positions are supported")
-        past, present = [], []
-        for layer in range(decoder["num_hidden_layers"]):
-            for kind in ("key", "value"):
-                past.append(decoder["inputs"][f"past_{kind}_names"] % layer)
-                present.append(decoder["outputs"][f"present_{kind}_names"] % layer)
-        logits = next(o for o in session.get_outputs() if o.name == "logits")
-        return cls(past, present, decoder["num_key_value_heads"], decoder["head_size"], logits.shape[-1])
-
-
-def open_session(model_dir: Path) -> tuple[ort.InferenceSession, Layout]:
-    """The folder's decoder on CPU; its threads sleep between runs rather than spin (spinning threads
-    slowed a step 2-3x on 2 busy cores, against og.Generator's in the same process)."""
-    config = json.loads((model_dir / "genai_config.json").read_text())
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(
-        str(model_dir / config["model"]["decoder"]["filename"]), options, providers=["CPUExecutionProvider"]
-    )
-    return session, Layout.read(model_dir, session)
 
 
 class SessionRows:

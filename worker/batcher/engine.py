@@ -41,6 +41,7 @@ from worker.batcher.kv_slots import KvSlots
 from worker.batcher.prefix_cache import PrefixCache
 from worker.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
+from worker.engine_thread import EngineThread
 from worker.ort_engine import OrtTokenizer, context_length, vocab_size
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class _Iteration:
     updates: list[tuple[GenerationStream, EngineUpdate]] = field(default_factory=list)
 
 
-class BatchingEngine:
+class BatchingEngine(EngineThread):
     """worker.engine.Engine on ortfleet's continuous batcher (see the module's docstring)."""
 
     continuous_batching = True
@@ -143,26 +144,6 @@ class BatchingEngine:
         self._thread.start()
 
     # The event loop's side.
-
-    def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
-        loop = self._event_loop = asyncio.get_running_loop()
-        streams = [GenerationStream(request=request, loop=loop) for request in requests]
-        self._commands.put(("submit", streams))
-        return streams
-
-    def cancel(self, stream: GenerationStream) -> None:
-        stream.cancel_requested = True
-        self._commands.put(("cancel", [stream]))
-
-    def close(self) -> None:
-        self._commands.put(("stop", []))
-        self._thread.join(timeout=10)
-
-    async def restart(self) -> None:
-        restarted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._restarted = restarted
-        self._commands.put(("restart", []))
-        await asyncio.wrap_future(restarted)
 
     @property
     def kv_tokens_reserved(self) -> int:
