@@ -21,6 +21,7 @@ from gateway.auth import ApiKeyAuth
 from gateway.batches import routes as batches
 from gateway.batches.driver import BatchDriver
 from gateway.body_limit import BodySizeLimit
+from gateway.console import routes as console_routes
 from gateway.errors import (
     ApiError,
     ClientGone,
@@ -32,6 +33,7 @@ from gateway.errors import (
 )
 from gateway.files import routes as files
 from gateway.fleet import FleetView
+from gateway.fleet_overview import routes as fleet_routes
 from gateway.http_metrics import HttpMetrics
 from gateway.openai_api.choices import JOB_ID_HEADER
 from gateway.responses import routes as responses
@@ -112,6 +114,8 @@ def build_app(
             *health.routes,
             *openapi.routes,
             *metrics_route.routes,
+            *fleet_routes,
+            *console_routes,
         ],
         middleware=[
             *cors(settings),

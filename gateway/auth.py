@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 STREAM_TOKEN_INVALID = "\n"  # no key is named so
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
 METRICS_PATH = "/metrics"
+FLEET_PATH = "/v1/fleet"  # also open to the metrics key, which sees the fleet's load there
+CONSOLE_PREFIX = "/console/"  # the console's page and assets hold no data: the page asks for a key
 
 # A sliding minute: one sorted-set entry per request; answers the seconds to wait, 0 when allowed.
 _RATE = """
@@ -66,10 +68,13 @@ class ApiKeyAuth:
         self.default_jobs = default_max_concurrent_jobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _is_console(scope["path"]):
             await self.app(scope, receive, send)
             return
         presented = _bearer(scope)
+        if scope["path"] == FLEET_PATH and self.metrics_key and _same(presented, self.metrics_key):
+            await self.app(scope, receive, send)  # as the anonymous principal: no owner, every figure
+            return
         if scope["path"] == METRICS_PATH:
             if self.metrics_key is not None and not _same(presented, self.metrics_key):
                 await _reject(send, 401, "a valid metrics key is required: Authorization: Bearer KEY")
@@ -129,6 +134,10 @@ class ApiKeyAuth:
             logger.warning("request rate of %s not counted: %s", principal.name, e)
             return 0
         return int(wait)
+
+
+def _is_console(path: str) -> bool:
+    return path == "/" or path.startswith(CONSOLE_PREFIX)
 
 
 def _bearer(scope: Scope) -> str | None:

@@ -157,6 +157,13 @@ def build_spec(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "models"}},
             }
         },
+        "/v1/fleet": {
+            "get": {
+                "summary": "Models, live workers, queues and Redis problems; load figures only without keys "
+                "or with the metrics key",
+                "responses": {"200": {"description": "the fleet", **_json({"type": "object"})}},
+            }
+        },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
         "/readyz": {
             "get": {

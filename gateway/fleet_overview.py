@@ -1,0 +1,110 @@
+"""`GET /v1/fleet`: the fleet as the console draws it (models, workers, queues, Redis problems).
+
+A gateway without keys shows everything. On a gateway with keys, an ordinary key gets the fleet's
+shape (models, workers, devices, engine modes, slots, heartbeats) but not its load (jobs in flight,
+tokens per second, queue depth, jobs of the last minute), as `GET /v1/models` hides `in_flight` from
+it; the metrics key (`ORTFLEET_METRICS_API_KEY`) gets the load too. No answer names a key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from common.fleet_stats import known_models, queue_stats, recent_outcomes
+from common.registry import live_workers, serving
+from gateway.auth import principal_of
+from gateway.state import app_state
+
+LOAD_FIELDS = ("in_flight", "tokens_per_s", "generated_tokens")
+MODEL_LOAD_FIELDS = (
+    "in_flight", "tokens_per_s", "queued", "queued_by_class", "oldest_wait_s", "finished_last_minute",
+    "failed_last_minute",
+)  # fmt: skip
+
+
+def engine_mode(entry: dict[str, str]) -> str:
+    """How the worker's engine admits requests: `continuous` batching or `static` batches."""
+    return "continuous" if entry.get("continuous_batching", "false") == "true" else "static"
+
+
+def worker_entry(entry: dict[str, str], now: float) -> dict[str, Any]:
+    return {
+        "id": entry.get("id", "?"),
+        "model": entry.get("model", "?"),
+        "device": entry.get("device", "?"),
+        "gpu": entry.get("gpu", ""),
+        "engine_mode": engine_mode(entry),
+        "state": entry.get("state", "ready"),
+        "ready": serving(entry),
+        "capacity": int(entry.get("capacity", "0")),
+        "in_flight": int(entry.get("in_flight", "0")),
+        "tokens_per_s": round(float(entry.get("tokens_per_s", "0")), 2),
+        "generated_tokens": int(entry.get("generated_tokens", "0")),
+        "heartbeat_age_s": round(max(0.0, now - float(entry.get("heartbeat_at", now))), 3),
+        "started_at": float(entry.get("started_at", "0")),
+    }
+
+
+async def _models_of(redis: Redis, names: list[str], workers: list[dict[str, Any]], now: float) -> list[Any]:
+    queues = await queue_stats(redis, names, now)
+    outcomes = await recent_outcomes(redis, names, now)
+    models = []
+    for name in names:
+        serving_it = [w for w in workers if w["model"] == name]
+        models.append(
+            {
+                "id": name,
+                "workers": len(serving_it),
+                "ready_workers": sum(1 for w in serving_it if w["ready"]),
+                "capacity": sum(w["capacity"] for w in serving_it),
+                "in_flight": sum(w["in_flight"] for w in serving_it),
+                "tokens_per_s": round(sum(w["tokens_per_s"] for w in serving_it), 2),
+                "queued": queues[name].depth,
+                "queued_by_class": queues[name].by_class,
+                "oldest_wait_s": round(queues[name].oldest_wait_s, 3),
+                "finished_last_minute": outcomes[name].finished,
+                "failed_last_minute": outcomes[name].failed,
+            }
+        )
+    return models
+
+
+async def fleet_overview(request: Request) -> Response:
+    state = app_state(request)
+    now = time.time()
+    workers: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for shard in state.shards.all:
+        workers += [worker_entry(entry, now) for entry in await live_workers(shard.redis)]
+        names |= set(await known_models(shard.redis))
+    names |= {w["model"] for w in workers}
+    workers.sort(key=lambda w: (w["model"], w["id"]))
+    by_shard: dict[int, list[str]] = {}
+    for name in sorted(names):
+        by_shard.setdefault(id(state.shards.of_model(name)), []).append(name)
+    models: list[dict[str, Any]] = []
+    for shard in state.shards.all:
+        if shard_names := by_shard.get(id(shard)):
+            models += await _models_of(shard.redis, shard_names, workers, now)
+    models.sort(key=lambda m: m["id"])
+    problems = [p for shard in state.shards.all for p in (shard.watch.refusal, shard.watch.full) if p]
+    problems += [warning for shard in state.shards.all for warning in shard.watch.warnings()]
+    load = principal_of(request.scope).name == ""  # no keys, or the metrics key (see gateway.auth)
+    if not load:
+        for worker in workers:
+            for field in LOAD_FIELDS:
+                del worker[field]
+        for model in models:
+            for field in MODEL_LOAD_FIELDS:
+                del model[field]
+    overview = {"object": "fleet", "taken_at": now, "load": load, "models": models, "workers": workers}
+    return JSONResponse({**overview, "store": problems})
+
+
+routes = [Route("/v1/fleet", fleet_overview, methods=["GET"])]
