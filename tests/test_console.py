@@ -182,6 +182,11 @@ def text_of(browser: Any, element_id: str) -> str:
     return text
 
 
+def wait_for_text(browser: Any, element_id: str, text: str, timeout_s: float = 60) -> None:
+    script = f"return document.getElementById({element_id!r}).textContent.includes({text!r})"
+    wait_for(browser, script, timeout_s)
+
+
 def fill(browser: Any, element_id: str, value: str) -> None:
     from selenium.webdriver.common.by import By
 
@@ -215,7 +220,7 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     browser.get(gateway + "/")
 
     # the fleet: the model and its worker, live
-    wait_for(browser, f"return document.getElementById('models-table').textContent.includes({model_name!r})")
+    wait_for_text(browser, "models-table", model_name)
     wait_for(browser, "return document.querySelectorAll('#workers-table tbody tr td').length > 1")
     workers = text_of(browser, "workers-table")
     assert model_name in workers and "ready" in workers and "batching" in workers + "batches"
@@ -237,6 +242,7 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     first_job = text_of(browser, "play-job")
     first = httpx.get(f"{gateway}/v1/jobs/{first_job}").json()
     assert first["status"] == "succeeded" and first["output"] == answer
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(str(SCREENSHOT))
 
     # a long generation, stopped with the Stop button: its job ends cancelled
@@ -266,7 +272,7 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     wait_for(browser, "return document.querySelector('#job-events .ev-done') !== null", 30)
     assert text_of(browser, "job-replayed") == done["output"]
     click(browser, "jobs-recent")
-    wait_for(browser, f"return document.getElementById('jobs-table').textContent.includes({stopped_job!r})")
+    wait_for_text(browser, "jobs-table", stopped_job)
 
     # phone width: nothing wider than the screen but the tables' own scrolling boxes
     browser.set_window_size(390, 844)
@@ -274,4 +280,32 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
 
     severe = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not severe, severe
+
+
+@pytest.mark.slow
+def test_the_console_asks_a_keyed_gateway_for_a_key_and_keeps_it_in_the_tab_only(
+    fleet: Fleet, model_name: str, browser: Any
+) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    key = "ofk_" + secrets.token_urlsafe(24)
+    gateway, url = fleet.start_gateway({"ORTFLEET_API_KEYS": f"carol:{key}"})
+    try:
+        fleet.start_worker(model_name)
+        browser.get(url + "/")
+        wait_for(browser, "return !document.getElementById('key-panel').hidden")
+        assert browser.execute_script("return document.activeElement.id") == "key-input"
+        fill(browser, "key-input", key + Keys.ENTER)
+        wait_for_text(browser, "models-table", model_name)
+        assert browser.execute_script("return !document.getElementById('fleet-load-hidden').hidden")
+        assert browser.execute_script("return sessionStorage.getItem('ortfleet.key')") == key
+        assert browser.execute_script("return localStorage.length + document.cookie.length") == 0
+        go_to(browser, "jobs")
+        click(browser, "jobs-recent")
+        wait_for_text(browser, "jobs-table", "no job for this key")
+    finally:
+        gateway.terminate()
+    # the first reads, before the key was given, were refused: the browser logs those, and nothing else
+    severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
     assert not severe, severe
