@@ -184,9 +184,13 @@
   let fleetTimer = null;
   let batchesReadAt = 0;
 
+  let fleetBusy = false;
+
   async function pollFleet() {
     clearTimeout(fleetTimer);
-    if (currentView() !== "fleet") return;
+    if (currentView() !== "fleet" || fleetBusy) return;
+    fleetBusy = true;
+    let refused = false;
     try {
       drawFleet(await api("/v1/fleet"));
       if (Date.now() - batchesReadAt > BATCHES_EVERY_MS) {
@@ -200,9 +204,14 @@
       showNotice("");
     } catch (e) {
       $("fleet-updated").textContent = "not updated: " + e.message;
-      if (!(e instanceof ApiFailure) || e.status !== 401) showNotice("The fleet could not be read: " + e.message);
+      refused = e instanceof ApiFailure && e.status === 401; // polling resumes once a key is given
+      if (!refused) showNotice("The fleet could not be read: " + e.message);
+    } finally {
+      fleetBusy = false;
     }
-    if ($("fleet-live").checked && !document.hidden) fleetTimer = setTimeout(pollFleet, FLEET_EVERY_MS);
+    if (!refused && $("fleet-live").checked && !document.hidden && currentView() === "fleet") {
+      fleetTimer = setTimeout(pollFleet, FLEET_EVERY_MS);
+    }
   }
   $("fleet-live").addEventListener("change", pollFleet);
   document.addEventListener("visibilitychange", () => { if (!document.hidden) pollFleet(); });
