@@ -202,7 +202,9 @@ CLAIM = (
 -- worker that took nothing else in this claim, and then alone: its attempt is quarantined. The
 -- script stops, and says why, at the first that is not a candidate (the head moved since the caller
 -- looked: 1), or that expired in the queue while the caller did not know its owner (2); the caller
--- looks again, then knowing every candidate's owner. It stops too at a suspect job it may not take.
+-- looks again, then knowing every candidate's owner. It stops too at a suspect job it may not take,
+-- and at a job whose preferred worker (the one that holds its prompt's KV) is another, until the job's
+-- preferred_until_ms (3): that worker takes it meanwhile, or any worker after.
 -- Returns {why it stopped early (0, 1 or 2), whether a suspect job waits for an idle worker ('1'/'0'),
 -- then per claimed job: id, attempt, arq payload, owner, quarantined ('1'/'0'), deaths in quarantine}.
 local now = tonumber(ARGV[1])
@@ -281,6 +283,11 @@ while taken < tonumber(ARGV[3]) do
   local suspect = redis.call('HGET', job.rec, 'suspect') == '1'
   if suspect and (taken > 0 or not idle) then
     out[2] = '1'
+    break
+  end
+  local preferred = redis.call('HMGET', job.rec, 'preferred_worker', 'preferred_until_ms')
+  if preferred[1] and preferred[1] ~= ARGV[4] and not suspect and now < tonumber(preferred[2] or '0') then
+    out[1] = 3
     break
   end
   local st = redis.call('HGET', job.rec, 'status')

@@ -30,9 +30,10 @@ from common import job_scripts, keys
 from common.error_codes import ErrorCode
 from common.events import TOKEN, done_entry, entry_token_ids, error_entry, status_entry
 from common.fleet_stats import RECENT_WINDOW_S
+from common.prefix_hints import leave_hints
 from common.records import JobRecord, RecordUpdate, load_record
 from common.redis_client import HeldConnection
-from common.wire import PRIORITY_ORDER, FinishReason, JobSpec, JobStatus, PriorityClass
+from common.wire import PRIORITY_ORDER, ChatMessage, FinishReason, JobSpec, JobStatus, PriorityClass
 
 GENERATE = "generate"
 
@@ -42,6 +43,7 @@ GENERATE = "generate"
 _CLAIM_ROUNDS = 4
 _HEAD_MOVED = 1
 _OWNERS_NEEDED = 2
+_PREFERRED_ELSEWHERE = 3  # the head waits, for a little while, for the worker that holds its prompt's KV
 _EXPIRED = ErrorCode.expired_in_queue.value
 
 
@@ -270,6 +272,8 @@ class JobQueue:
         replicas: int = 0,
         replicas_timeout_ms: int = 1000,
         epoch: str = "",
+        preferred_worker: str | None = None,
+        preferred_until_ms: int | None = None,
     ) -> Submitted:
         """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits. With
         `replicas`, returns only once that many replicas confirm the writes (WAIT on the connection that
@@ -288,6 +292,8 @@ class JobQueue:
             deadline_ms=now_ms + int(limits.max_wait_s * 1000) if limits.max_wait_s else None,
             priority=spec.priority,
             weight=weight,
+            preferred_worker=preferred_worker,
+            preferred_until_ms=preferred_until_ms,
         )
         args = [
             spec.id,
@@ -437,11 +443,17 @@ class JobQueue:
             claims += taken
             suspect_waiting = raw[1] == "1"
             stopped = int(raw[0])
+            if stopped == _PREFERRED_ELSEWHERE:
+                break
             if stopped == _OWNERS_NEEDED:
                 owners_needed = True
             elif stopped != _HEAD_MOVED or any(claim.quarantined for claim in taken):
                 break
         return Claimed(claims, suspect_waiting)
+
+    async def leave_prefix_hints(self, model: str, messages: list[ChatMessage], worker_id: str) -> None:
+        """This worker holds the KV of these messages' prompt (common/prefix_hints.py)."""
+        await leave_hints(self._redis, model, messages, worker_id)
 
     async def expire_overdue(self, now_ms: int, most: int = 100) -> int:
         """Fails the jobs still waiting for a first attempt past their queue deadline, as a claim would,

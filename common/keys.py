@@ -106,6 +106,11 @@ def worker(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
 
 
+def prefix_hint(model: str, digest: str) -> str:
+    """The worker that holds the prompt KV of a chat's leading messages (common/prefix_hints.py)."""
+    return f"{PREFIX}prefix-hint:{model}:{digest}"
+
+
 def idempotency(digest: str) -> str:
     return f"{PREFIX}idem:{digest}"
 

@@ -44,6 +44,8 @@ SCRIPT_FIELDS = frozenset(
         "quarantine_deaths",
         "quarantined_attempt",
         "streamed",
+        "preferred_worker",
+        "preferred_until_ms",
     }
 )
 
@@ -117,6 +119,10 @@ class JobRecord:
     resumes: int | None = None
     resume_exact: bool | None = None  # whether the resume's replay computed every streamed token again
     streamed: int | None = None  # where its stream's tokens end (the next token index), set by the writes
+    # The worker that holds its prompt's KV (common/prefix_hints.py): until `preferred_until_ms`, the
+    # claim leaves the job to that worker.
+    preferred_worker: str | None = None
+    preferred_until_ms: int | None = None
 
     def to_fields(self) -> dict[str, str]:
         return _with_resume_exact(

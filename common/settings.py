@@ -102,6 +102,14 @@ class GatewaySettings(FleetSettings):
     max_queued_jobs: int = Field(
         10_000, ge=1, description="Jobs that may wait in one model's queue; more get 429 with Retry-After."
     )
+    prefix_route_wait_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=60.0,
+        description="How long a chat waits at the head of its queue for the worker that holds the KV "
+        "of its leading messages (a live worker with a free slot, at submission), before any worker may "
+        "take it; 0 turns routing by prefix off.",
+    )
     max_queued_tokens: int = Field(
         4_000_000,
         ge=1,

@@ -15,6 +15,7 @@ from common.apikeys import ANONYMOUS, Principal
 from common.error_codes import ErrorCode
 from common.guidance import Guidance
 from common.jobqueue import EpochChanged, NotReplicated, OwnerBusy, QueueFull, QueueLimits, Submitted
+from common.prefix_hints import preferred_worker
 from common.store_epoch import new_job_id
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
 from gateway import guidance_check
@@ -201,13 +202,14 @@ async def submit_job(
     )
     idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None
+    route = await _route(state, spec, now)
     try:
         try:
-            submitted = await _submit(state, spec, idem, principal, digest, epoch)
+            submitted = await _submit(state, spec, idem, principal, digest, epoch, route)
         except EpochChanged:  # the Redis lost its data since its epoch was read: note it, then go on
             epoch = await shard.watch.check_epoch()
             spec = spec.model_copy(update={"id": new_job_id(epoch)})
-            submitted = await _submit(state, spec, idem, principal, digest, epoch)
+            submitted = await _submit(state, spec, idem, principal, digest, epoch, route)
     except NotReplicated as e:
         raise ApiError(
             503,
@@ -231,8 +233,24 @@ async def submit_job(
     return SubmittedJob(submitted.job_id, submitted.created, model, now)
 
 
+async def _route(state: AppState, spec: JobSpec, now: float) -> tuple[str | None, int | None]:
+    """The worker that holds the KV of the chat's leading messages, and until when the job waits for it
+    (common/prefix_hints.py); none for a prompt, or with routing off."""
+    wait_s = state.settings.prefix_route_wait_s
+    if not spec.messages or wait_s <= 0:
+        return None, None
+    worker = await preferred_worker(state.shards.of_model(spec.model).redis, spec.model, spec.messages)
+    return (worker, int((now + wait_s) * 1000)) if worker else (None, None)
+
+
 async def _submit(
-    state: AppState, spec: JobSpec, idem: str | None, principal: Principal, digest: str | None, epoch: str
+    state: AppState,
+    spec: JobSpec,
+    idem: str | None,
+    principal: Principal,
+    digest: str | None,
+    epoch: str,
+    route: tuple[str | None, int | None],
 ) -> Submitted:
     return await state.shards.of_model(spec.model).queue.submit(
         spec,
@@ -246,4 +264,6 @@ async def _submit(
         replicas=state.settings.submit_replicas,
         replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,
         epoch=epoch,
+        preferred_worker=route[0],
+        preferred_until_ms=route[1],
     )

@@ -151,6 +151,8 @@ class Engine(Protocol):
     handles_stop_strings: bool  # the engine ends a request at its stop strings (else the job runner does)
     exposes_logits: bool  # the engine answers logprobs, presence and frequency penalties and logit_bias
     replays_guidance: bool  # a replay walks the request's grammar through the replayed tokens
+    # Prompts of at least this many tokens leave their KV for later requests to reuse (0: none do).
+    prefix_block_tokens: int
     eos_token_ids: frozenset[int]
     # Called in the event loop, with the cause, once the engine has failed and can run nothing more: it
     # has ended every request it held (see Finish.lost) and waits for `restart`.

@@ -85,6 +85,7 @@ class FakeEngine:
         only between batches and applies stop strings itself."""
         self.continuous_batching = continuous_batching
         self.exposes_logits = False
+        self.prefix_block_tokens = 0
         self.replays_guidance = False  # og's grammar starts again from its beginning
         self.handles_stop_strings = continuous_batching
         self.delay_s = delay_s

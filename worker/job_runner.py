@@ -423,6 +423,11 @@ class JobRun:
             final = error_entry(outcome.status, outcome.error or "the job failed", code.value)
         await self._write_final(record, final, publisher)
         self.outcome = outcome
+        if self.spec.messages and 0 < self._engine.prefix_block_tokens <= self.prompt_tokens:
+            try:  # only a hint: a job that does not find it prefills its prompt again
+                await self._queue.leave_prefix_hints(self.spec.model, self.spec.messages, self.worker_id)
+            except RedisError as e:
+                logger.warning("job %s: its prefix hints were not written (%s)", self.job_id, e)
 
     async def _write_final(
         self, record: RecordUpdate, final: dict[str, str], publisher: StreamPublisher

@@ -183,6 +183,7 @@ class OrtEngine(EngineThread):
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.exposes_logits = False
+        self.prefix_block_tokens = 0  # og.Engine's own prefix caching (paged models) is not reported
         self.replays_guidance = False  # og's grammar starts again from its beginning
         self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
         self.context_length = context_length(model_dir)

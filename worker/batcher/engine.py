@@ -135,6 +135,7 @@ class BatchingEngine(EngineThread):
         self.vocab_size = layout.vocab_size
         self._kv = self._new_kv()
         self._prefixes = PrefixCache(prefill_chunk) if prefix_cache else None
+        self.prefix_block_tokens = prefill_chunk if prefix_cache else 0
         self._grammar_tokenizer: LLTokenizer | None = None
         self._waiting: deque[_Row] = deque()
         self._prefilling: list[_Row] = []

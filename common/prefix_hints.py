@@ -1,0 +1,51 @@
+"""Which worker holds a conversation's prompt KV, so that its next turn can go there.
+
+A worker that keeps prompts for reuse (the batcher's prefix cache) leaves a hint for each leading run of
+a finished chat's messages (its first message, its first two, ...): the run's digest names the worker,
+for HINT_TTL_S. A gateway submitting a chat looks up the digests of its own leading runs, longest
+first; a live worker with a free slot that holds one becomes the job's preferred worker, and the claim
+lets it take the job first for a short while (ORTFLEET_PREFIX_ROUTE_WAIT_S). A hint is only a hint: the
+worker may have overwritten that prompt since, and then the job prefills it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from common import keys
+from common.wire import ChatMessage
+
+HINT_TTL_S = 600
+
+
+def hint_keys(model: str, messages: Sequence[ChatMessage]) -> list[str]:
+    """One key for each leading run of the messages, shortest first."""
+    digest = hashlib.sha256()
+    found = []
+    for message in messages:
+        digest.update(json.dumps([message.role, message.content]).encode())
+        found.append(keys.prefix_hint(model, digest.copy().hexdigest()[:32]))
+    return found
+
+
+async def leave_hints(redis: Redis, model: str, messages: Sequence[ChatMessage], worker_id: str) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in hint_keys(model, messages):
+            pipe.set(key, worker_id, ex=HINT_TTL_S)
+        await pipe.execute()
+
+
+async def preferred_worker(redis: Redis, model: str, messages: Sequence[ChatMessage]) -> str | None:
+    """The live worker, ready and with a free slot, that holds the longest leading run of the messages."""
+    holders: list[str | None] = await redis.mget(hint_keys(model, messages))
+    worker_id = next((holder for holder in reversed(holders) if holder), None)
+    if worker_id is None:
+        return None
+    state, in_flight, capacity = await redis.hmget(keys.worker(worker_id), ["state", "in_flight", "capacity"])  # type: ignore[misc]
+    if state != "ready" or in_flight is None or capacity is None:
+        return None
+    return worker_id if int(in_flight) < int(capacity) else None

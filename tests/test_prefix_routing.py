@@ -1,0 +1,64 @@
+"""Routing by prefix on real processes: a chat's next turn goes to the worker that holds the KV of its
+first turn (common/prefix_hints.py), and never waits for that worker longer than the setting says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.conftest import Fleet
+from tests.jobs_client import submit, wait_done
+
+DOCUMENT = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens on the tiny model
+
+
+def conversation(k: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Record {k}. {DOCUMENT}"}]
+
+
+async def run(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    job = await submit(client, {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "succeeded", done
+    return done
+
+
+def follow_up(messages: list[dict[str, str]], answer: str) -> list[dict[str, str]]:
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+
+
+async def test_a_next_turn_goes_to_the_worker_that_holds_its_first_turn(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    workers = [fleet.start_worker(model_name), fleet.start_worker(model_name)]
+    firsts = []
+    for k in range(4):  # first turns on each worker in turn: the other is stopped meanwhile
+        idle = workers[(k + 1) % 2]
+        idle.pause()
+        try:
+            firsts.append(await run(client, model_name, conversation(k)))
+        finally:
+            idle.resume()
+        assert str(workers[k % 2].process.pid) in firsts[-1]["worker"]
+        assert firsts[-1]["usage"]["prompt_tokens"] > 256
+    for k, first in enumerate(firsts):  # both workers free: each next turn finds its own
+        second = await run(client, model_name, follow_up(conversation(k), first["output"]))
+        assert second["worker"] == first["worker"]
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+
+
+async def test_a_next_turn_waits_for_a_stopped_worker_only_the_routing_wait(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    holder = fleet.start_worker(model_name)
+    first = await run(client, model_name, conversation(0))
+    other = fleet.start_worker(model_name)
+    holder.pause()  # registered, with free slots, but it claims nothing
+    try:
+        second = await run(client, model_name, follow_up(conversation(0), first["output"]))
+    finally:
+        holder.resume()
+    assert second["worker"] != first["worker"] and str(other.process.pid) in second["worker"]
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["timings"]["queue_wait_s"] >= 0.9  # it waited for the holder (1 s by default)
