@@ -3,6 +3,7 @@ the fleet from, and the console itself in headless Chromium against a real fleet
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import shutil
@@ -21,6 +22,12 @@ from gateway.app import build_app
 from gateway.console import ASSETS, asset_names
 from tests.conftest import LOGS, Fleet
 
+PET = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "pet": {"enum": ["cat", "dog"]}},
+    "required": ["name", "pet"],
+    "additionalProperties": False,
+}
 SCREENSHOT = Path(__file__).parent.parent / "docs" / "console.png"
 URL = re.compile(r"""(?:https?:)?//[A-Za-z0-9.-]+""")
 
@@ -242,8 +249,18 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     first_job = text_of(browser, "play-job")
     first = httpx.get(f"{gateway}/v1/jobs/{first_job}").json()
     assert first["status"] == "succeeded" and first["output"] == answer
+
+    # structured output: a JSON schema in its box gives an answer that follows it
+    fill(browser, "play-schema", json.dumps(PET))
+    fill(browser, "play-max-tokens", "64")
+    assert '"response_format"' in text_of(browser, "play-curl")
+    click(browser, "play-send")
+    wait_for(browser, "return document.getElementById('play-status').textContent.startsWith('done')", 120)
+    pet = json.loads(text_of(browser, "play-answer"))
+    assert set(pet) == {"name", "pet"} and pet["pet"] in ("cat", "dog")
     browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(str(SCREENSHOT))
+    fill(browser, "play-schema", "")
 
     # a long generation, stopped with the Stop button: its job ends cancelled
     fill(browser, "play-max-tokens", "400")
