@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from common.error_codes import ErrorCode
 from common.records import JobRecord
 from common.wire import JobRequest, JobStatus, Usage
 from gateway.errors import ApiError, envelope, validation_error
@@ -18,6 +19,7 @@ from gateway.openai_api.completions import CompletionFormat
 from gateway.openai_api.params import job_messages, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.serving import served_model
+from gateway.openai_api.tools import tool_plan
 from gateway.request_body import BodyRejected, JsonLimits, load_json
 from gateway.state import AppState
 
@@ -78,6 +80,19 @@ def custom_id_of(raw: str) -> str:
     return str(data.get("custom_id", "")) if isinstance(data, dict) else ""
 
 
+def _no_tool_calls(chat: ChatCompletionRequest) -> None:
+    """A batch line's answer is built from its job alone, which does not say what tools it had."""
+    plan = tool_plan(chat)
+    if plan is not None and plan.calls_allowed:
+        field = "functions" if plan.legacy else "tools"
+        raise ApiError(
+            400,
+            f"{field}: tool calls are not supported in batches; send them to /v1/chat/completions",
+            param=field,
+            code=ErrorCode.unsupported_parameter,
+        )
+
+
 async def line_job(state: AppState, raw: str, endpoint: str) -> JobRequest:
     """The job answering one line, parsed as the endpoint parses its requests; ApiError when it is bad."""
     body: dict[str, Any] = json.loads(raw)["body"]
@@ -85,6 +100,7 @@ async def line_job(state: AppState, raw: str, endpoint: str) -> JobRequest:
         if endpoint == CHAT:
             chat = ChatCompletionRequest.model_validate(body)
             reject_unsupported(chat)
+            _no_tool_calls(chat)
             _one_choice(chat.choices_per_prompt)
             model = await served_model(state, chat.model)
             return job_request(chat, model, 0, messages=job_messages(chat.messages))

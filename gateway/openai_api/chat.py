@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -12,6 +13,7 @@ from starlette.routing import Route
 
 from common.wire import Usage
 from gateway.auth import principal_of
+from gateway.errors import ApiError
 from gateway.openai_api.choices import ChoiceResult, Choices
 from gateway.openai_api.logprobs import TextOffsets, chat_logprobs
 from gateway.openai_api.params import job_messages, job_request, reject_unsupported
@@ -23,9 +25,16 @@ from gateway.openai_api.protocol import (
     ChatCompletionRequest,
     ChatMessageOut,
     Delta,
+    FunctionCall,
+    FunctionCallDelta,
     OpenAIFinishReason,
+    ToolCall,
+    ToolCallDelta,
 )
 from gateway.openai_api.serving import respond, served_model
+from gateway.openai_api.structured import response_format
+from gateway.openai_api.tool_calls import CallReader, read_answer
+from gateway.openai_api.tools import ToolPlan, check_schemas, tool_plan, with_tools
 from gateway.request_body import parse_body
 from gateway.sse import StreamEndpoint
 from gateway.state import app_state
@@ -38,6 +47,8 @@ class ChatFormat:
     model: str
     count: int
     logprobs: bool = False  # the request asked for logprobs
+    tools: ToolPlan | None = None  # the answer may be calls, read from its text
+    _readers: dict[int, CallReader] = field(default_factory=dict)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -60,21 +71,67 @@ class ChatFormat:
         return self._chunk([choice])
 
     def finish(self, index: int, reason: OpenAIFinishReason) -> ChatCompletionChunk:
+        reader = self._readers.get(index)
+        if reader is not None and reader.made_calls:
+            reason = self._calls_reason(reason, bool(reader.complete_calls()))
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
+
+    def read_text(self, index: int, text: str) -> Sequence[ChatCompletionChunk] | None:
+        if self.tools is None or not self.tools.calls_allowed:
+            return None
+        reader = self._readers.setdefault(index, CallReader())
+        plain, pieces = reader.feed(text)
+        chunks = [self.text(index, plain)] if plain else []
+        for piece in pieces:
+            if self.tools.legacy:
+                call = FunctionCallDelta(name=piece.name, arguments=piece.arguments)
+                delta = Delta(function_call=call)
+            else:
+                first = piece.name is not None
+                call_delta = ToolCallDelta(
+                    index=piece.index,
+                    id=piece.id if first else None,
+                    type="function" if first else None,
+                    function=FunctionCallDelta(name=piece.name, arguments=piece.arguments),
+                )
+                delta = Delta(tool_calls=[call_delta])
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
+        return chunks
+
+    def _calls_reason(self, reason: OpenAIFinishReason, complete: bool) -> OpenAIFinishReason:
+        if reason != "stop" or not complete:
+            return reason
+        return "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
+
+    def _message(self, result: ChoiceResult) -> tuple[ChatMessageOut, OpenAIFinishReason]:
+        if self.tools is None or not self.tools.calls_allowed:
+            return ChatMessageOut(content=result.text), result.finish_reason
+        reader = read_answer(result.text)
+        if not reader.made_calls:
+            return ChatMessageOut(content=reader.text), result.finish_reason
+        calls = reader.complete_calls()
+        reason = self._calls_reason(result.finish_reason, bool(calls))
+        functions = [FunctionCall(name=call.name, arguments=call.arguments) for call in calls]
+        if self.tools.legacy:
+            return ChatMessageOut(content=None, function_call=functions[0] if functions else None), reason
+        tool_calls = [ToolCall(id=call.id, function=f) for call, f in zip(calls, functions, strict=True)]
+        return ChatMessageOut(content=None, tool_calls=tool_calls or None), reason
 
     def usage(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
     def complete(self, results: list[ChoiceResult], usage: Usage) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatMessageOut(content=r.text),
-                logprobs=chat_logprobs(r.logprobs or []) if self.logprobs else None,
-                finish_reason=r.finish_reason,
+        choices = []
+        for i, r in enumerate(results):
+            message, reason = self._message(r)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=chat_logprobs(r.logprobs or []) if self.logprobs else None,
+                    finish_reason=reason,
+                )
             )
-            for i, r in enumerate(results)
-        ]
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
@@ -84,13 +141,23 @@ async def create_chat_completion(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, ChatCompletionRequest, invalid_status=400)
     reject_unsupported(body)
-    messages = job_messages(body.messages)
+    tools = tool_plan(body)
+    messages = with_tools(job_messages(body.messages), tools)
+    guided = None
+    if tools is not None and tools.calls_allowed:
+        if response_format(body) is not None:
+            raise ApiError(
+                400, "response_format: not with tool calls; leave it unset", param="response_format"
+            )
+        await check_schemas(tools)
+        guided = tools.response_format()
     model = await served_model(state, body.model)
     n = body.choices_per_prompt
-    jobs = [job_request(body, model, k, messages=messages) for k in range(n)]
+    jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]
     owner = principal_of(request.scope)
     choices = await Choices.submit(state, model, jobs, [0] * n, prompt_param="messages", owner=owner)
-    form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", int(time.time()), model, n, bool(body.logprobs))
+    created = int(time.time())
+    form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", created, model, n, bool(body.logprobs), tools)
     return await respond(
         request,
         choices,

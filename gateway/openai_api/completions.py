@@ -47,6 +47,9 @@ class CompletionFormat:
     def finish(self, index: int, reason: OpenAIFinishReason) -> Completion:
         return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
 
+    def read_text(self, index: int, text: str) -> None:
+        return None  # text goes out as it comes
+
     def usage(self, usage: Usage) -> Completion:
         return self._chunk([], usage)
 

@@ -12,6 +12,7 @@ from common.error_codes import ErrorCode
 from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.fleet import ModelState
+from gateway.openai_api.tools import TOOL_PROMPT
 from gateway.state import app_state
 
 
@@ -29,6 +30,7 @@ def model_entry(m: ModelState, tenant: bool = False) -> dict[str, Any]:
         "workers": m.workers,
         "capacity": m.capacity,
         "in_flight": m.in_flight,
+        "tool_prompt": TOOL_PROMPT,  # how tools reach the model (docs/api.md, Tool calling)
     }
     if tenant:
         del entry["in_flight"]

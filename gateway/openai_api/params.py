@@ -7,10 +7,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from common.error_codes import ErrorCode
+from common.guidance import ResponseFormat
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, GenerationParams
 from gateway.openai_api.structured import response_format
+from gateway.openai_api.tools import assistant_calls, result_text
 
 _SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
 
@@ -37,6 +39,7 @@ def job_request(
     *,
     prompt: str | None = None,
     messages: list[ChatMessage] | None = None,
+    guided: ResponseFormat | None = None,
 ) -> JobRequest:
     """The job of one choice; choice k of a seeded request samples with seed + k, so choices differ."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -55,7 +58,7 @@ def job_request(
         "repetition_penalty": body.repetition_penalty,
         "stop_token_ids": body.stop_token_ids,
         "include_stop_str_in_output": body.include_stop_str_in_output,
-        "response_format": response_format(body),
+        "response_format": guided or response_format(body),
         "priority": body.priority,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
@@ -73,18 +76,25 @@ def job_request(
 
 
 def job_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    """Chat messages as jobs take them: text only; `developer` is the newer name of `system`."""
-    converted = []
+    """Chat messages as jobs take them: text only; `developer` is the newer name of `system`. Calls an
+    assistant made and the tools' results are written in the tool prompt format (see tools.py); results
+    that follow one another go in one user message."""
+    converted: list[ChatMessage] = []
+    results: list[str] = []
     for i, message in enumerate(messages):
-        if message.role in ("tool", "function") or message.tool_calls or message.function_call:
-            raise ApiError(
-                400,
-                f"messages.{i}: tool calls and tool results are not supported by ortfleet",
-                param=f"messages.{i}",
-                code=ErrorCode.unsupported_parameter,
-            )
+        if message.role in ("tool", "function"):
+            results.append(result_text(_text(message, i)))
+            continue
+        if results:
+            converted.append(ChatMessage(role="user", content="\n".join(results)))
+            results = []
         role = "system" if message.role == "developer" else message.role
-        converted.append(ChatMessage.model_validate({"role": role, "content": _text(message, i)}))
+        content = _text(message, i)
+        if role == "assistant":
+            content = "\n".join([*([content] if content else []), *assistant_calls(message, i)])
+        converted.append(ChatMessage.model_validate({"role": role, "content": content}))
+    if results:
+        converted.append(ChatMessage(role="user", content="\n".join(results)))
     return converted
 
 

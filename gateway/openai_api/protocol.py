@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from common.wire import MAX_TOP_LOGPROBS, PriorityClass, Usage
 
@@ -124,8 +124,10 @@ class ChatMessageIn(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: Any = None
-    function_call: Any = None
+    name: str | None = None
+    tool_calls: Any = None  # an assistant's calls: [{"id", "type": "function", "function": {...}}]
+    function_call: Any = None  # the legacy form of one call
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(GenerationParams):
@@ -137,9 +139,12 @@ class ChatCompletionRequest(GenerationParams):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="With `logprobs`: the likeliest tokens at each step."
     )
+    # Tool calling (tools.py): checked there, so a malformed one is a 400 naming its field.
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = Field(None, description="Whether the answer may hold several calls.")
     functions: Any = None
+    function_call: Any = None
     audio: Any = None
     modalities: Any = None
 
@@ -155,9 +160,6 @@ class ChatCompletionRequest(GenerationParams):
     def _neutral(self) -> dict[str, Callable[[Any], bool]]:
         return {
             **super()._neutral(),
-            "tools": _empty,
-            "tool_choice": lambda v: v in (None, "none", "auto"),
-            "functions": _empty,
             "audio": _empty,
             "modalities": lambda v: v is None or v == ["text"],
         }
@@ -197,12 +199,61 @@ class CompletionRequest(GenerationParams):
 
 # Responses -----------------------------------------------------------------------------------------
 
-OpenAIFinishReason = Literal["stop", "length", "abort"]
+OpenAIFinishReason = Literal["stop", "length", "abort", "tool_calls", "function_call"]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        shown: dict[str, Any] = handler(self)
+        for key in ("tool_calls", "function_call"):
+            if shown.get(key) is None:
+                shown.pop(key, None)
+        return shown
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer
+    def _only_what_is_set(self) -> dict[str, str]:
+        return {
+            key: value
+            for key, value in (("name", self.name), ("arguments", self.arguments))
+            if value is not None
+        }
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a call: its first carries `id`, `type` and the name, the others arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer
+    def _only_what_is_set(self) -> dict[str, Any]:
+        shown: dict[str, Any] = {"index": self.index, "id": self.id, "type": self.type}
+        shown = {key: value for key, value in shown.items() if value is not None}
+        return {**shown, "function": self.function.model_dump()}
 
 
 class TopLogprob(BaseModel):
@@ -239,10 +290,16 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    function_call: FunctionCallDelta | None = None
 
     @model_serializer
-    def _only_what_is_set(self) -> dict[str, str]:
-        shown = {"role": self.role, "content": self.content}
+    def _only_what_is_set(self) -> dict[str, Any]:
+        shown: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            shown["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.function_call is not None:
+            shown["function_call"] = self.function_call.model_dump()
         return {key: value for key, value in shown.items() if value is not None}
 
 

@@ -38,6 +38,10 @@ class ResponseFormat(Protocol):
 
     def finish(self, index: int, reason: OpenAIFinishReason) -> BaseModel: ...
 
+    def read_text(self, index: int, text: str) -> Sequence[BaseModel] | None:
+        """The chunks for a piece of text when the format reads it (tool calls); None: send it as text."""
+        ...
+
     def usage(self, usage: Usage) -> BaseModel: ...
 
     def complete(self, results: list[ChoiceResult], usage: Usage) -> BaseModel: ...
@@ -108,7 +112,10 @@ class ChunkStream:
                 text = event.fields.get("text", "")
                 usages[event.index].completion_tokens += len(entry_token_ids(event.fields))
                 logprobs = event.logprobs
-                if logprobs is not None:
+                rewritten = form.read_text(event.index, text)
+                if rewritten is not None:
+                    out.extend(frame(chunk) for chunk in rewritten)
+                elif logprobs is not None:
                     chunk = form.tokens(event.index, text, logprobs, self._offsets[event.index])
                     if self._continuous_usage:
                         chunk = chunk.model_copy(update={"usage": self.choices.total_usage(usages)})

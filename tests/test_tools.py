@@ -1,0 +1,305 @@
+"""Tool calling on chat completions, through the official `openai` SDK on a real fleet. The tiny model's
+output is random: only the grammar that constrains its decoding makes its calls valid."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import Fleet, RedisServer
+
+# Small on purpose: the tiny model's context is 512 tokens of a few characters each.
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "time", "parameters": TIME}},
+]
+PING = {"type": "object", "properties": {}, "additionalProperties": False}  # what no parameters mean
+SCHEMAS = {"weather": WEATHER, "time": TIME, "ping": PING}
+# For `required` and `auto`, which show the model every tool.
+SMALL_TOOLS: list[Any] = [TOOLS[1], {"type": "function", "function": {"name": "ping"}}]
+
+
+def chat(content: str) -> list[Any]:
+    return [{"role": "user", "content": content}]
+
+
+def assert_valid_call(name: str, arguments: str) -> None:
+    assert name in SCHEMAS, name
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def streamed_calls(stream: Iterator[Any]) -> tuple[str, list[dict[str, str]], str | None]:
+    """The text, the calls (id, name, arguments) and the finish reason of a streamed chat choice."""
+    text, calls, finish = "", [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        for piece in choice.delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index == len(calls) and piece.type == "function"
+                calls.append({"id": piece.id, "name": piece.function.name, "arguments": ""})
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return text, calls, finish
+
+
+async def test_a_named_tool_call_follows_the_tools_schema(sdk: openai.OpenAI, served: str) -> None:
+    for temperature in (0.0, 1.0):
+        completion = sdk.chat.completions.create(
+            model=served,
+            messages=chat("Weather?"),
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "weather"}},
+            max_tokens=100,
+            temperature=temperature,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        calls = choice.message.tool_calls
+        assert calls is not None and len(calls) == 1
+        call = calls[0]
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name == "weather"
+        assert_valid_call(call.function.name, call.function.arguments)
+
+
+async def test_a_required_tool_call_is_one_of_the_tools_and_follows_its_schema(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    for seed in range(3):
+        completion = sdk.chat.completions.create(
+            model=served,
+            messages=chat("Call a tool."),
+            tools=SMALL_TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=80,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        assert_valid_call(call.function.name, call.function.arguments)
+
+
+async def test_parallel_calls_are_each_valid_and_have_their_own_ids(sdk: openai.OpenAI, served: str) -> None:
+    completion = sdk.chat.completions.create(
+        model=served,
+        messages=chat("Call the tools."),
+        tools=SMALL_TOOLS,
+        tool_choice="required",
+        max_tokens=60,
+        seed=7,
+    )
+    choice = completion.choices[0]
+    calls = choice.message.tool_calls or []
+    if choice.finish_reason == "tool_calls":
+        assert calls
+    else:  # the random model went on calling until max_tokens: the call it was writing is left out
+        assert choice.finish_reason == "length"
+    for call in calls:
+        assert_valid_call(call.function.name, call.function.arguments)
+    assert len({call.id for call in calls}) == len(calls)
+
+
+async def test_a_streamed_tool_call_comes_as_openai_streams_it(sdk: openai.OpenAI, served: str) -> None:
+    for choice in ({"type": "function", "function": {"name": "time"}}, "required"):
+        stream = sdk.chat.completions.create(
+            model=served,
+            messages=chat("Time?"),
+            tools=SMALL_TOOLS,
+            tool_choice=choice,  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+            max_tokens=80,  # a call is 50 to 60 of the tiny model's tokens
+            stream=True,
+        )
+        text, calls, finish = streamed_calls(stream)
+        assert text == "" and finish == "tool_calls" and len(calls) == 1
+        assert calls[0]["id"].startswith("call_")
+        assert_valid_call(calls[0]["name"], calls[0]["arguments"])
+        if choice != "required":
+            assert calls[0]["name"] == "time"
+
+
+async def test_auto_answers_with_text_or_a_valid_call(sdk: openai.OpenAI, served: str) -> None:
+    kinds = set()
+    for seed in range(6):
+        completion = sdk.chat.completions.create(
+            model=served, messages=chat("Hi"), tools=SMALL_TOOLS, max_tokens=30, seed=seed
+        )
+        choice = completion.choices[0]
+        if choice.message.tool_calls:
+            kinds.add("call")
+            assert choice.finish_reason in ("tool_calls", "length") and choice.message.content is None
+            for call in choice.message.tool_calls:
+                assert_valid_call(call.function.name, call.function.arguments)
+        else:
+            kinds.add("text")
+            assert choice.finish_reason in ("stop", "length")
+            assert choice.message.content is not None and not choice.message.content.startswith("<")
+    assert kinds
+    stream = sdk.chat.completions.create(
+        model=served, messages=chat("Hi"), tools=SMALL_TOOLS, tool_choice="auto", max_tokens=30, stream=True
+    )
+    text, calls, finish = streamed_calls(stream)
+    assert bool(text) != bool(calls) or (not text and not calls and finish == "length")
+    for call in calls:
+        if finish == "tool_calls":
+            assert_valid_call(call["name"], call["arguments"])
+
+
+async def test_an_agent_loop_of_call_result_and_answer_completes(sdk: openai.OpenAI, served: str) -> None:
+    messages: list[Any] = chat("Weather?")
+    first = sdk.chat.completions.create(
+        model=served, messages=messages, tools=SMALL_TOOLS, tool_choice="required", max_tokens=80, seed=1
+    )
+    calls = first.choices[0].message.tool_calls
+    assert calls
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    for call in calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'})
+    answer = sdk.chat.completions.create(
+        model=served, messages=messages, tools=SMALL_TOOLS, tool_choice="none", max_tokens=20, seed=1
+    )
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_a_model_says_how_tools_reach_it(sdk: openai.OpenAI, served: str) -> None:
+    model = sdk.models.retrieve(served)
+    assert (model.model_extra or {}).get("tool_prompt") == "ortfleet"
+
+
+async def test_tool_choice_none_with_tools_answers_in_text(sdk: openai.OpenAI, served: str) -> None:
+    completion = sdk.chat.completions.create(
+        model=served, messages=chat("Hi"), tools=TOOLS, tool_choice="none", max_tokens=10, seed=3
+    )
+    choice = completion.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content is not None
+    assert choice.finish_reason in ("stop", "length")
+
+
+async def test_legacy_functions_answer_with_a_function_call(sdk: openai.OpenAI, served: str) -> None:
+    completion = sdk.chat.completions.create(
+        model=served,
+        messages=chat("Time?"),
+        functions=[{"name": "time", "parameters": TIME}],
+        function_call={"name": "time"},
+        max_tokens=100,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "function_call"
+    assert choice.message.function_call is not None and choice.message.function_call.name == "time"
+    assert_valid_call("time", choice.message.function_call.arguments)
+
+
+async def test_bad_tools_are_refused_naming_the_field(sdk: openai.OpenAI, served: str) -> None:
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{"type": "function", "function": {"parameters": TIME}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "required": 3}},
+                    }
+                ]
+            },
+            "tools.0.function.parameters",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "response_format": {"type": "json_object"}, "tool_choice": "required"},
+            "response_format",
+        ),
+    ]
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as raised:
+            sdk.chat.completions.create(model=served, messages=chat("Hi"), extra_body=extra)
+        assert raised.value.param == param, (extra, raised.value.param, raised.value.message)
+        assert param in raised.value.message
+    bad_history: list[Any] = [
+        *chat("Hi"),
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{x"}}],
+        },
+    ]
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.chat.completions.create(model=served, messages=bad_history, tools=TOOLS)
+    assert raised.value.param == "messages.1.tool_calls.0.function.arguments"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tools(redis_server: RedisServer) -> Iterator[str]:
+    """A gateway and a worker serving the default model as "smollm2"; yields the gateway's URL."""
+    from common.settings import FleetSettings
+    from ortfleet.modelbuild.default import ensure_default_model
+
+    fleet = Fleet(redis_server.url, ensure_default_model(FleetSettings().model_cache))
+    try:
+        fleet.start_gateway()
+        fleet.start_worker("smollm2")
+        yield fleet.gateway_url
+    finally:
+        fleet.stop_all()
+
+
+@pytest.mark.default_model
+async def test_the_default_model_makes_a_named_call_that_follows_the_schema(smollm2_tools: str) -> None:
+    with openai.OpenAI(base_url=smollm2_tools + "/v1", api_key="unused", max_retries=0) as sdk:
+        completion = sdk.chat.completions.create(
+            model="smollm2",
+            messages=chat("What is the weather in Paris for the next 3 days, in celsius?"),
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "weather"}},
+            max_tokens=80,
+            temperature=0,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "weather"
+        assert_valid_call(call.function.name, call.function.arguments)
+        stream = sdk.chat.completions.create(
+            model="smollm2",
+            messages=chat("What is the weather in Paris for the next 3 days, in celsius?"),
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=0,
+            stream=True,
+        )
+        _, calls, finish = streamed_calls(stream)
+        assert finish == "tool_calls" and len(calls) == 1
+        assert_valid_call(calls[0]["name"], calls[0]["arguments"])
