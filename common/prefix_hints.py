@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 
 from common import keys
+from common.registry import live_workers
 from common.wire import ChatMessage
 
 HINT_TTL_S = 600
+BALANCE_SLACK = 2  # jobs the holder may run beyond the least busy worker and still be preferred
 
 
 def hint_keys(model: str, messages: Sequence[ChatMessage]) -> list[str]:
@@ -40,12 +42,22 @@ async def leave_hints(redis: Redis, model: str, messages: Sequence[ChatMessage],
 
 
 async def preferred_worker(redis: Redis, model: str, messages: Sequence[ChatMessage]) -> str | None:
-    """The live worker, ready and with a free slot, that holds the longest leading run of the messages."""
+    """The worker that holds the longest leading run of the messages, if it is live, ready, has a free
+    slot, and runs no more than BALANCE_SLACK jobs beyond the least busy ready worker of the model (as
+    cache-aware routers balance: a prefix is worth a short wait, not a queue behind one worker)."""
     holders: list[str | None] = await redis.mget(hint_keys(model, messages))
     worker_id = next((holder for holder in reversed(holders) if holder), None)
     if worker_id is None:
         return None
-    state, in_flight, capacity = await redis.hmget(keys.worker(worker_id), ["state", "in_flight", "capacity"])  # type: ignore[misc]
-    if state != "ready" or in_flight is None or capacity is None:
+    ready = {
+        entry["id"]: entry
+        for entry in await live_workers(redis)
+        if entry.get("model") == model and entry.get("state") == "ready"
+    }
+    holder = ready.get(worker_id)
+    if holder is None:
         return None
-    return worker_id if int(in_flight) < int(capacity) else None
+    load = int(holder.get("in_flight", "0"))
+    least = min(int(entry.get("in_flight", "0")) for entry in ready.values())
+    has_room = load < int(holder.get("capacity", "0"))
+    return worker_id if has_room and load <= least + BALANCE_SLACK else None
