@@ -19,6 +19,7 @@
   }
 
   const key = () => sessionStorage.getItem(KEY_ITEM);
+  let answeredWithoutKey = false; // a gateway without keys
 
   function headers(extra) {
     const h = Object.assign({}, extra || {});
@@ -48,6 +49,10 @@
     delete opts.quiet;
     const response = await fetch(path, opts);
     if (!response.ok) throw await failure(response, quiet);
+    if (!key() && !answeredWithoutKey) {
+      answeredWithoutKey = true;
+      showKeyState();
+    }
     if (response.status === 204) return null;
     return response.json();
   }
@@ -97,7 +102,7 @@
   // ---- key --------------------------------------------------------------------------------------
 
   function showKeyState() {
-    $("key-status").textContent = key() ? "key set for this tab" : "no key";
+    $("key-status").textContent = key() ? "key set for this tab" : answeredWithoutKey ? "no key needed" : "no key";
     $("key-forget").hidden = !key();
   }
 
