@@ -11,7 +11,12 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.openai_api.tool_calls import CallReader, read_answer
+from gateway.openai_api.tools import FunctionDef, ToolPlan
 from tests.conftest import Fleet, RedisServer
+from tests.test_batches import BatchFleet, batch_fleet, jsonl, line, until_status, upload
+
+__all__ = ["batch_fleet"]  # the fixture, shared with tests/test_batches.py
 
 # Small on purpose: the tiny model's context is 512 tokens of a few characters each.
 WEATHER = {
@@ -60,6 +65,63 @@ def streamed_calls(stream: Iterator[Any]) -> tuple[str, list[dict[str, str]], st
             calls[piece.index]["arguments"] += piece.function.arguments or ""
         finish = choice.finish_reason or finish
     return text, calls, finish
+
+
+TWO_CALLS = (
+    '<tool_call>{"name":"weather","arguments":{"city":"a}</tool_call>\\"b","days":2}}</tool_call>\n'
+    '<tool_call>{"name":"ping","arguments":{}}</tool_call>'
+)
+
+
+@pytest.mark.unit
+def test_calls_read_in_any_pieces_are_the_calls_read_whole() -> None:
+    whole = read_answer(TWO_CALLS)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.complete_calls()] == [
+        ("weather", {"city": 'a}</tool_call>"b', "days": 2}),
+        ("ping", {}),
+    ]
+    for size in (1, 2, 5, 13):
+        reader, names, arguments = CallReader(), [], ["", ""]
+        for start in range(0, len(TWO_CALLS), size):
+            text, pieces = reader.feed(TWO_CALLS[start : start + size])
+            assert text == ""
+            for piece in pieces:
+                if piece.name is not None:
+                    names.append(piece.name)
+                arguments[piece.index] += piece.arguments
+        assert names == ["weather", "ping"]
+        assert arguments == [c.arguments for c in whole.complete_calls()]
+
+
+@pytest.mark.unit
+def test_a_cut_call_is_not_complete_and_text_stays_text() -> None:
+    assert read_answer(TWO_CALLS[:40]).complete_calls() == []
+    assert read_answer(TWO_CALLS[:40]).made_calls
+    answer = read_answer("Sunny. <tool_call>")
+    assert not answer.made_calls and answer.text == "Sunny. <tool_call>"
+
+
+@pytest.mark.unit
+def test_the_grammar_allows_only_the_named_function_with_valid_arguments() -> None:
+    from llguidance import LLMatcher
+
+    from gateway.guidance_check import _tokenizer
+
+    functions = [FunctionDef.model_validate(t["function"]) for t in TOOLS]
+
+    def allows(plan: ToolPlan, text: str) -> bool:
+        matcher = LLMatcher(_tokenizer(), LLMatcher.grammar_from_lark(plan.grammar()), log_level=0)
+        return bool(matcher.consume_tokens(list(text.encode()))) and matcher.is_accepting()
+
+    named = ToolPlan(functions, "named", "time")
+    assert allows(named, '<tool_call>{"name":"time","arguments":{"zone":"UTC"}}</tool_call>')
+    assert not allows(named, '<tool_call>{"name":"time","arguments":{"zone":"EST"}}</tool_call>')
+    assert not allows(named, '<tool_call>{"name":"weather","arguments":{"city":"P","days":1}}</tool_call>')
+    assert not allows(named, "It is noon.")
+    auto = ToolPlan(functions, "auto")
+    assert allows(auto, "It is noon.")
+    assert allows(auto, '<tool_call>{"name":"weather","arguments":{"city":"P","days":1}}</tool_call>')
+    assert not allows(auto, '<tool_call>{"name":"weather","arguments":{"city":"P"}}</tool_call>')
 
 
 async def test_a_named_tool_call_follows_the_tools_schema(sdk: openai.OpenAI, served: str) -> None:
@@ -257,6 +319,24 @@ async def test_bad_tools_are_refused_naming_the_field(sdk: openai.OpenAI, served
     with pytest.raises(openai.BadRequestError) as raised:
         sdk.chat.completions.create(model=served, messages=bad_history, tools=TOOLS)
     assert raised.value.param == "messages.1.tool_calls.0.function.arguments"
+
+
+async def test_a_batch_line_with_tools_is_refused_naming_tools(
+    batch_fleet: BatchFleet, model_name: str
+) -> None:
+    _, sdk = batch_fleet()
+    lines = [
+        line("calls", model_name, "Time?", tools=SMALL_TOOLS),
+        line("no-calls", model_name, "Time?", tools=SMALL_TOOLS, tool_choice="none"),
+    ]
+    created = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = await until_status(sdk, created.id, "completed")
+    [error] = jsonl(sdk, batch.error_file_id)
+    assert error["custom_id"] == "calls" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "tools"
+    assert [o["custom_id"] for o in jsonl(sdk, batch.output_file_id)] == ["no-calls"]
 
 
 @pytest.fixture(scope="module")
