@@ -28,6 +28,12 @@ PET = {
     "required": ["name", "pet"],
     "additionalProperties": False,
 }
+ZONE = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 SCREENSHOT = Path(__file__).parent.parent / "docs" / "console.png"
 URL = re.compile(r"""(?:https?:)?//[A-Za-z0-9.-]+""")
 
@@ -220,6 +226,7 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     own_fleet: Fleet, model_name: str, browser: Any
 ) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     fleet = own_fleet
     fleet.start_worker(model_name, env={"ORTFLEET_STEP_DELAY_S": "0.05"})
@@ -261,6 +268,17 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
     browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(str(SCREENSHOT))
     fill(browser, "play-schema", "")
+
+    # tools: a required call, streamed, shown as the function's name and its arguments
+    tools = [{"type": "function", "function": {"name": "time", "parameters": ZONE}}]
+    fill(browser, "play-tools", json.dumps(tools))
+    Select(browser.find_element(By.ID, "play-tool-choice")).select_by_value("required")
+    click(browser, "play-send")
+    wait_for_text(browser, "play-status", "done (tool_calls)", 120)
+    call = text_of(browser, "play-answer")
+    assert call.startswith("→ time(") and call.endswith(")")
+    assert json.loads(call.removeprefix("→ time(")[:-1])["zone"] in ("UTC", "CET")
+    fill(browser, "play-tools", "")
 
     # a long generation, stopped with the Stop button: its job ends cancelled
     fill(browser, "play-max-tokens", "400")

@@ -314,11 +314,31 @@
     if (seed !== "") body.seed = Number(seed);
     const schemaText = $("play-schema").value.trim();
     if (schemaText) {
-      body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(schemaText) } };
+      body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: parsed("play-schema") } };
+    }
+    if ($("play-tools").value.trim()) {
+      body.tools = parsed("play-tools");
+      body.tool_choice = $("play-tool-choice").value;
     }
     body.stream = true;
     body.stream_options = { include_usage: true };
     return body;
+  }
+
+  class FieldError extends Error {
+    constructor(field, message) {
+      super(message);
+      this.field = field;
+    }
+  }
+
+  function parsed(id) {
+    try {
+      return JSON.parse($(id).value);
+    } catch (e) {
+      const label = document.querySelector('label[for="' + id + '"]').textContent;
+      throw new FieldError(id, label + ": not valid JSON (" + e.message + ")");
+    }
   }
 
   const shellQuote = (text) => "'" + text.replace(/'/g, "'\\''") + "'";
@@ -346,7 +366,7 @@
     try {
       body = requestBody();
     } catch (e) {
-      $("play-curl").textContent = $("play-python").textContent = "The JSON schema is not valid JSON: " + e.message;
+      $("play-curl").textContent = $("play-python").textContent = e.message;
       return;
     }
     const base = location.origin;
@@ -382,8 +402,8 @@
     try {
       body = requestBody();
     } catch (err) {
-      playStatus("the JSON schema is not valid JSON: " + err.message);
-      $("play-schema").focus();
+      playStatus(err.message);
+      if (err instanceof FieldError) $(err.field).focus();
       return;
     }
     const controller = new AbortController();
@@ -398,6 +418,12 @@
     let tokens = 0;
     let usage = null;
     let finish = null;
+    let text = "";
+    const calls = []; // streamed tool calls: {name, arguments}
+    const draw = () => {
+      const lines = calls.filter(Boolean).map((c) => "→ " + c.name + "(" + c.arguments + ")");
+      $("play-answer").textContent = [text, ...lines].filter(Boolean).join("\n");
+    };
     try {
       const response = await fetch("/v1/chat/completions", {
         method: "POST",
@@ -415,14 +441,21 @@
         if (chunk.error) throw new ApiFailure(500, chunk.error.message, chunk.error.code);
         if (chunk.usage) usage = chunk.usage;
         for (const choice of chunk.choices || []) {
-          const text = choice.delta && choice.delta.content;
-          if (text) {
+          const delta = choice.delta || {};
+          const piece = delta.content || "";
+          for (const call of delta.tool_calls || []) {
+            const known = calls[call.index] || (calls[call.index] = { name: "", arguments: "" });
+            if (call.function && call.function.name) known.name = call.function.name;
+            if (call.function && call.function.arguments) known.arguments += call.function.arguments;
+          }
+          if (piece || (delta.tool_calls && delta.tool_calls.length)) {
             if (first === null) {
               first = performance.now();
               $("play-ttft").textContent = ((first - started) / 1000).toFixed(3) + " s";
             }
             tokens += 1;
-            $("play-answer").textContent += text;
+            text += piece;
+            draw();
             showRate(first, tokens);
           }
           if (choice.finish_reason) finish = choice.finish_reason;
