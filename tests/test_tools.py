@@ -231,6 +231,25 @@ async def test_auto_answers_with_text_or_a_valid_call(sdk: openai.OpenAI, served
             assert_valid_call(call["name"], call["arguments"])
 
 
+async def test_streamed_text_beside_tools_carries_its_logprobs(sdk: openai.OpenAI, served: str) -> None:
+    for seed in range(4):
+        stream = sdk.chat.completions.create(
+            model=served,
+            messages=chat("Hi"),
+            tools=SMALL_TOOLS,
+            max_tokens=20,
+            seed=seed,
+            logprobs=True,
+            stream=True,
+        )
+        chunks = [chunk for chunk in stream if chunk.choices]
+        texts = [c for c in chunks if c.choices[0].delta.content]
+        if texts:
+            assert all(c.choices[0].logprobs and c.choices[0].logprobs.content for c in texts)
+            return
+    pytest.fail("the model called a tool on every seed")
+
+
 async def test_an_agent_loop_of_call_result_and_answer_completes(sdk: openai.OpenAI, served: str) -> None:
     messages: list[Any] = chat("Weather?")
     first = sdk.chat.completions.create(
@@ -298,6 +317,21 @@ async def test_bad_tools_are_refused_naming_the_field(sdk: openai.OpenAI, served
         ),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {  # each schema is fine, but together they make too long a grammar
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": f"t{i}",
+                            "parameters": {"type": "object", "properties": {"a": {"enum": ["x" * 600]}}},
+                        },
+                    }
+                    for i in range(100)
+                ]
+            },
+            "tools",
+        ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         (
             {"tools": TOOLS, "response_format": {"type": "json_object"}, "tool_choice": "required"},

@@ -76,12 +76,21 @@ class ChatFormat:
             reason = self._calls_reason(reason, bool(reader.complete_calls()))
         return self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
-    def read_text(self, index: int, text: str) -> Sequence[ChatCompletionChunk] | None:
+    def read_text(
+        self, index: int, text: str, logprobs: list[dict[str, Any]] | None
+    ) -> Sequence[ChatCompletionChunk] | None:
+        """With tools, each piece of text is read: text goes out as content (with its logprobs), calls as
+        `delta.tool_calls` (or the legacy `delta.function_call`)."""
         if self.tools is None or not self.tools.calls_allowed:
             return None
         reader = self._readers.setdefault(index, CallReader())
         plain, pieces = reader.feed(text)
-        chunks = [self.text(index, plain)] if plain else []
+        chunks = []
+        if plain and logprobs is not None:
+            chunk = ChatChunkChoice(index=index, delta=Delta(content=plain), logprobs=chat_logprobs(logprobs))
+            chunks.append(self._chunk([chunk]))
+        elif plain:
+            chunks.append(self.text(index, plain))
         for piece in pieces:
             if self.tools.legacy:
                 call = FunctionCallDelta(name=piece.name, arguments=piece.arguments)

@@ -47,7 +47,7 @@ class CompletionFormat:
     def finish(self, index: int, reason: OpenAIFinishReason) -> Completion:
         return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
 
-    def read_text(self, index: int, text: str) -> None:
+    def read_text(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> None:
         return None  # text goes out as it comes
 
     def usage(self, usage: Usage) -> Completion:

@@ -38,7 +38,9 @@ class ResponseFormat(Protocol):
 
     def finish(self, index: int, reason: OpenAIFinishReason) -> BaseModel: ...
 
-    def read_text(self, index: int, text: str) -> Sequence[BaseModel] | None:
+    def read_text(
+        self, index: int, text: str, logprobs: list[dict[str, Any]] | None
+    ) -> Sequence[BaseModel] | None:
         """The chunks for a piece of text when the format reads it (tool calls); None: send it as text."""
         ...
 
@@ -112,7 +114,7 @@ class ChunkStream:
                 text = event.fields.get("text", "")
                 usages[event.index].completion_tokens += len(entry_token_ids(event.fields))
                 logprobs = event.logprobs
-                rewritten = form.read_text(event.index, text)
+                rewritten = form.read_text(event.index, text, logprobs)
                 if rewritten is not None:
                     out.extend(frame(chunk) for chunk in rewritten)
                 elif logprobs is not None:

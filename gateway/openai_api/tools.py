@@ -35,6 +35,7 @@ CALL_SEPARATOR = "\n"
 RESULT_OPEN = "<tool_response>"
 RESULT_CLOSE = "</tool_response>"
 MAX_TOOLS = 128  # OpenAI's bound on `tools`
+MAX_GRAMMAR_CHARS = 65_536  # what a job's grammar may hold (common/guidance.py)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _COMPACT = {"whitespace_flexible": False}  # as common/guidance.py: no runs of whitespace to fill
 
@@ -113,9 +114,18 @@ class ToolPlan:
         return "\n".join([start, *text, calls, call, *rules]) + "\n"
 
     def response_format(self) -> ResponseFormat | None:
+        """The job's grammar; 400 naming the tools when their schemas make it longer than a job takes."""
         if not self.calls_allowed:
             return None
-        return ResponseFormat(type="grammar", grammar=self.grammar())
+        grammar = self.grammar()
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            field = "functions" if self.legacy else "tools"
+            message = (
+                f"{field}: the schemas make a grammar of {len(grammar)} characters, more than "
+                f"{MAX_GRAMMAR_CHARS}; send fewer or smaller tools"
+            )
+            raise ApiError(400, message, param=field)
+        return ResponseFormat(type="grammar", grammar=grammar)
 
 
 def _call_schema(function: FunctionDef) -> dict[str, Any]:
