@@ -124,6 +124,28 @@ def test_the_grammar_allows_only_the_named_function_with_valid_arguments() -> No
     assert not allows(auto, '<tool_call>{"name":"weather","arguments":{"city":"P"}}</tool_call>')
 
 
+@pytest.mark.unit
+def test_a_pydantic_tool_with_nested_models_keeps_its_definitions() -> None:
+    from llguidance import LLMatcher
+    from pydantic import BaseModel
+
+    from gateway.guidance_check import _tokenizer
+
+    class City(BaseModel):
+        name: str
+
+    class Trip(BaseModel):
+        to: City
+        days: int
+
+    tool: Any = openai.pydantic_function_tool(Trip)
+    assert "$defs" in tool["function"]["parameters"]
+    plan = ToolPlan([FunctionDef.model_validate(tool["function"])], "required")
+    matcher = LLMatcher(_tokenizer(), LLMatcher.grammar_from_lark(plan.grammar()), log_level=0)
+    call = '<tool_call>{"name":"Trip","arguments":{"to":{"name":"Nice"},"days":2}}</tool_call>'
+    assert matcher.consume_tokens(list(call.encode())) and matcher.is_accepting()
+
+
 async def test_a_named_tool_call_follows_the_tools_schema(sdk: openai.OpenAI, served: str) -> None:
     for temperature in (0.0, 1.0):
         completion = sdk.chat.completions.create(

@@ -129,11 +129,16 @@ class ToolPlan:
 
 
 def _call_schema(function: FunctionDef) -> dict[str, Any]:
+    """A call of the function as one JSON object. The arguments' definitions move to the root, where
+    their references (`#/$defs/...`, as pydantic writes them) point once the schema is nested."""
+    arguments = dict(function.arguments_schema())
+    definitions: dict[str, Any] = {k: arguments.pop(k) for k in ("$defs", "definitions") if k in arguments}
     return {
         "type": "object",
-        "properties": {"name": {"const": function.name}, "arguments": function.arguments_schema()},
+        "properties": {"name": {"const": function.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        **definitions,
         "x-guidance": _COMPACT,
     }
 
