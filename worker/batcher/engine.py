@@ -47,7 +47,7 @@ from worker.ort_engine import OrtTokenizer, context_length, vocab_size
 logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 8
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = 128
 
 
 @dataclass(eq=False)
