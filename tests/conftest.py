@@ -122,6 +122,19 @@ def _gateway_on(server: RedisServer, model_dir: Path) -> Iterator[Fleet]:
     fleet.stop_all()
 
 
+@pytest.fixture(scope="module")
+def smollm2(redis_server: RedisServer, default_model: Path) -> Iterator[str]:
+    """A gateway and a worker serving the default model as "smollm2", one fleet per test module; yields
+    the gateway's URL."""
+    fleet = Fleet(redis_server.url, default_model)
+    try:
+        fleet.start_gateway()
+        fleet.start_worker("smollm2")
+        yield fleet.gateway_url
+    finally:
+        fleet.stop_all()
+
+
 @pytest.fixture
 def fleet(redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
     """A gateway of its own; each test starts the workers it needs under model names of its own."""

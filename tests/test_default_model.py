@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 pytestmark = pytest.mark.default_model
-
-
-@pytest.fixture(scope="module")
-def smollm2(redis_server: RedisServer, default_model: Path) -> Iterator[str]:
-    """A gateway and a worker serving the default model as "smollm2"; yields the gateway's URL."""
-    fleet = Fleet(redis_server.url, default_model)
-    try:
-        fleet.start_gateway()
-        fleet.start_worker("smollm2")
-        yield fleet.gateway_url
-    finally:
-        fleet.stop_all()
 
 
 async def test_the_default_model_answers_that_the_capital_of_france_is_paris(smollm2: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,6 @@ import pytest
 from pydantic import BaseModel, Field
 from pydantic_core import from_json
 
-from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import submit, wait_done
 
 PERSON = {
@@ -191,21 +189,6 @@ async def test_a_malformed_or_unexpressible_structured_output_request_is_a_bad_r
             sdk.chat.completions.create(model=served, messages=chat("Hi"), extra_body=extra)
         assert raised.value.param == param, (extra, raised.value.param)
         assert param.split(".")[0] in raised.value.message, extra
-
-
-@pytest.fixture(scope="module")
-def smollm2(redis_server: RedisServer) -> Iterator[str]:
-    """A gateway and a worker serving the real default model as "smollm2"; yields the gateway's URL."""
-    from common.settings import FleetSettings
-    from ortfleet.modelbuild.default import ensure_default_model
-
-    fleet = Fleet(redis_server.url, ensure_default_model(FleetSettings().model_cache))
-    try:
-        fleet.start_gateway()
-        fleet.start_worker("smollm2")
-        yield fleet.gateway_url
-    finally:
-        fleet.stop_all()
 
 
 class City(BaseModel):

@@ -13,7 +13,6 @@ import pytest
 
 from gateway.openai_api.tool_calls import CallReader, read_answer
 from gateway.openai_api.tools import FunctionDef, ToolPlan
-from tests.conftest import Fleet, RedisServer
 from tests.test_batches import BatchFleet, batch_fleet, jsonl, line, until_status, upload
 
 __all__ = ["batch_fleet"]  # the fixture, shared with tests/test_batches.py
@@ -395,24 +394,9 @@ async def test_a_batch_line_with_tools_is_refused_naming_tools(
     assert [o["custom_id"] for o in jsonl(sdk, batch.output_file_id)] == ["no-calls"]
 
 
-@pytest.fixture(scope="module")
-def smollm2_tools(redis_server: RedisServer) -> Iterator[str]:
-    """A gateway and a worker serving the default model as "smollm2"; yields the gateway's URL."""
-    from common.settings import FleetSettings
-    from ortfleet.modelbuild.default import ensure_default_model
-
-    fleet = Fleet(redis_server.url, ensure_default_model(FleetSettings().model_cache))
-    try:
-        fleet.start_gateway()
-        fleet.start_worker("smollm2")
-        yield fleet.gateway_url
-    finally:
-        fleet.stop_all()
-
-
 @pytest.mark.default_model
-async def test_the_default_model_makes_a_named_call_that_follows_the_schema(smollm2_tools: str) -> None:
-    with openai.OpenAI(base_url=smollm2_tools + "/v1", api_key="unused", max_retries=0) as sdk:
+async def test_the_default_model_makes_a_named_call_that_follows_the_schema(smollm2: str) -> None:
+    with openai.OpenAI(base_url=smollm2 + "/v1", api_key="unused", max_retries=0) as sdk:
         completion = sdk.chat.completions.create(
             model="smollm2",
             messages=chat("What is the weather in Paris for the next 3 days, in celsius?"),

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 
 
@@ -165,21 +164,6 @@ async def test_tokenize_needs_a_key_on_a_keyed_gateway_and_health_does_not(
             headers={"Authorization": f"Bearer {key}"},
         )
         assert keyed.status_code == 200 and keyed.json()["count"] > 0
-
-
-@pytest.fixture(scope="module")
-def smollm2(redis_server: RedisServer) -> Iterator[str]:
-    """A gateway and a worker serving the real default model as "smollm2"; yields the gateway's URL."""
-    from common.settings import FleetSettings
-    from ortfleet.modelbuild.default import ensure_default_model
-
-    fleet = Fleet(redis_server.url, ensure_default_model(FleetSettings().model_cache))
-    try:
-        fleet.start_gateway()
-        fleet.start_worker("smollm2")
-        yield fleet.gateway_url
-    finally:
-        fleet.stop_all()
 
 
 @pytest.mark.default_model

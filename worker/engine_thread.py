@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+from collections.abc import Callable
 
 from worker.engine import GenerationRequest, GenerationStream
 
@@ -19,6 +20,7 @@ class EngineThread:
     _thread: threading.Thread
     _event_loop: asyncio.AbstractEventLoop | None
     _restarted: concurrent.futures.Future[None] | None
+    on_failure: Callable[[str], None] | None
 
     def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
         loop = self._event_loop = asyncio.get_running_loop()
@@ -33,6 +35,16 @@ class EngineThread:
     def close(self) -> None:
         self._commands.put(("stop", []))
         self._thread.join(timeout=10)
+
+    def _tell_failure(self, cause: str) -> None:
+        """From the engine's thread: the engine failed and can run nothing more (on_failure, in the event
+        loop)."""
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._report_failure, cause)
+
+    def _report_failure(self, cause: str) -> None:
+        if self.on_failure is not None:
+            self.on_failure(cause)
 
     async def restart(self) -> None:
         """A fresh engine on the same model, after a failure (on_failure); raises when none can be made."""

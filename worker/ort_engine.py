@@ -414,12 +414,7 @@ class OrtEngine(EngineThread):
         self._solo.clear()
         self._failed = cause
         deliver_all(updates)
-        if self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self._report_failure, cause)
-
-    def _report_failure(self, cause: str) -> None:
-        if self.on_failure is not None:
-            self.on_failure(cause)
+        self._tell_failure(cause)
 
     def _restart(self) -> None:
         restarted = self._restarted

@@ -429,12 +429,7 @@ class BatchingEngine(EngineThread):
         self._decoding.clear()
         self._failed = cause
         deliver_all([(row.stream, EngineUpdate([], Finish.lost, cause)) for row in rows])
-        if self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self._report_failure, cause)
-
-    def _report_failure(self, cause: str) -> None:
-        if self.on_failure is not None:
-            self.on_failure(cause)
+        self._tell_failure(cause)
 
     def _restart(self) -> None:
         restarted = self._restarted
