@@ -3,10 +3,13 @@ first turn (common/prefix_hints.py), and never waits for that worker longer than
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
+from redis.asyncio import Redis
 
+from common.registry import live_workers
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 
@@ -62,3 +65,23 @@ async def test_a_next_turn_waits_for_a_stopped_worker_only_the_routing_wait(
     assert second["worker"] != first["worker"] and str(other.process.pid) in second["worker"]
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert second["timings"]["queue_wait_s"] >= 0.9  # it waited for the holder (1 s by default)
+
+
+async def test_a_dead_workers_hints_are_ignored_once_its_heartbeat_runs_out(
+    fleet: Fleet, client: httpx.AsyncClient, redis: Redis, model_name: str
+) -> None:
+    holder = fleet.start_worker(model_name)
+    first = await run(client, model_name, conversation(0))
+    fleet.start_worker(model_name)
+    holder.kill()
+
+    async def holder_gone() -> bool:
+        return all(w["id"] != first["worker"] for w in await live_workers(redis))
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await holder_gone():  # its registry entry lives until its heartbeat runs out
+        assert asyncio.get_running_loop().time() < deadline, "the killed worker left the registry"
+        await asyncio.sleep(0.2)
+    second = await run(client, model_name, follow_up(conversation(0), first["output"]))
+    assert second["worker"] != first["worker"]
+    assert second["timings"]["queue_wait_s"] < 0.9  # not held for the dead holder
