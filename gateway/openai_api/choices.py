@@ -209,7 +209,11 @@ class Choices:
                     await self.cancel()
                     raise self.failure(event)
                 if (entries := event.logprobs) is not None:
-                    logprobs[event.index] = (logprobs[event.index] or []) + entries
+                    found = logprobs[event.index]
+                    if found is None:
+                        logprobs[event.index] = entries
+                    else:
+                        found.extend(entries)
         results = []
         for job_id, entries in zip(self.job_ids, logprobs, strict=True):
             record = await self.shard.queue.record(job_id)

@@ -44,7 +44,7 @@ class PrefixCache:
 
     def keep(self, slot: int, prompt_ids: Sequence[int]) -> None:
         """The slot's row ended with its whole prompt prefilled: its whole chunks stay for reuse."""
-        usable = len(prompt_ids) // self.chunk * self.chunk
+        usable = self.usable(prompt_ids)
         self._clock += 1
         if usable:
             self._entries[slot] = _Entry(np.asarray(prompt_ids[:usable], np.int64), self._clock)
@@ -53,7 +53,10 @@ class PrefixCache:
 
     def usable(self, prompt_ids: Sequence[int]) -> int:
         """How many tokens of this prompt a kept entry of it would hold."""
-        return len(prompt_ids) // self.chunk * self.chunk
+        return self._whole_chunks(len(prompt_ids))
+
+    def _whole_chunks(self, tokens: int) -> int:
+        return tokens // self.chunk * self.chunk
 
     def forget(self, slot: int) -> None:
         """The slot is taken (or its KV overwritten)."""
@@ -80,7 +83,7 @@ class PrefixCache:
             most = min(entry.tokens.size, prompt.size - 1)  # the last prompt token is always run
             same = entry.tokens[:most] == prompt[:most]
             common = most if bool(same.all()) else int(np.argmin(same))
-            reusable = common // self.chunk * self.chunk
+            reusable = self._whole_chunks(common)
             if reusable > best[1]:
                 best = (slot, reusable)
         if best[0] is not None:
