@@ -373,7 +373,9 @@ async def interference(url: str, model: str, target: int) -> dict[str, Any]:
             asyncio.create_task(stream(connection, model, i, INTERFERENCE_TOKENS, prompt=text))
             for i, (connection, (text, _, _)) in enumerate(zip(connections, prompts, strict=False))
         ]
-        await asyncio.sleep(INTERFERENCE_DELAY_S)
+        # asyncio's clock may wake a little early by perf_counter's: wait until the delay has passed by it
+        while (left := sent + INTERFERENCE_DELAY_S - time.perf_counter()) > 0:
+            await asyncio.sleep(left)
         short = await stream(connections[-1], model, INTERFERENCE_LONG, INTERFERENCE_TOKENS, chat=SHORT_CHAT)
         done = await asyncio.gather(*longs)
     finally:
