@@ -373,8 +373,9 @@ async def interference(url: str, model: str, target: int) -> dict[str, Any]:
             asyncio.create_task(stream(connection, model, i, INTERFERENCE_TOKENS, prompt=text))
             for i, (connection, (text, _, _)) in enumerate(zip(connections, prompts, strict=False))
         ]
-        # asyncio's clock may wake a little early by perf_counter's: wait until the delay has passed by it
-        while (left := sent + INTERFERENCE_DELAY_S - time.perf_counter()) > 0:
+        # uvloop's timers count whole milliseconds from a cached clock, so a sleep may end a little early:
+        # sleep again until the delay has passed by perf_counter (a deadline, not an event to wait for)
+        while (left := sent + INTERFERENCE_DELAY_S - time.perf_counter()) > 0:  # noqa: ASYNC110
             await asyncio.sleep(left)
         short = await stream(connections[-1], model, INTERFERENCE_LONG, INTERFERENCE_TOKENS, chat=SHORT_CHAT)
         done = await asyncio.gather(*longs)
