@@ -41,6 +41,8 @@ class Principal:
     requests_per_minute: int | None = None
     weight: float = 1.0
     max_class: str = "interactive"
+    max_prompt_tokens_in_flight: int | None = None  # estimated prompt tokens of its active jobs
+    tokenize_chars_per_s: int | None = None
 
 
 ANONYMOUS = Principal("")

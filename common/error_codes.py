@@ -17,6 +17,8 @@ class ErrorCode(str, Enum):
     invalid_api_key = "invalid_api_key"
     rate_limit_exceeded = "rate_limit_exceeded"
     too_many_active_jobs = "too_many_active_jobs"
+    too_many_prompt_tokens = "too_many_prompt_tokens"  # the key's queued and running prompts hold its limit
+    tokenize_rate_exceeded = "tokenize_rate_exceeded"  # the key tokenized its characters per second
     queue_full = "queue_full"
     model_not_found = "model_not_found"
     no_live_worker = "no_live_worker"

@@ -31,6 +31,21 @@ local function uncount(counter, rec)
 end
 """
 
+# A job is active for its owner (queued or running: the owner's active jobs) from its submission until it
+# ends, however it ends; the estimated prompt tokens it holds against its owner's limit (common/keys.py's
+# prompt_tokens_in_flight) leave with it, exactly once, in the script of the transition that ends it.
+_ACTIVE = """
+local function leave_active(active, held, id)
+  redis.call('ZREM', active, id)
+  local n = tonumber(redis.call('HGET', held, id) or '')
+  if n then
+    redis.call('HDEL', held, id)
+    redis.call('HINCRBY', held, ':total', 0 - n)  -- never -0, which Redis reads as no integer
+    if redis.call('HLEN', held) <= 1 then redis.call('DEL', held) end
+  end
+end
+"""
+
 # A job that ends without a worker (cancelled or expired while queued) counts in the model's recent
 # outcomes, as those a worker ends do (common/fleet_stats.py).
 _NOTE_OUTCOME = """
@@ -60,7 +75,7 @@ local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, cod
     'code', code)
   noticed[#noticed + 1] = job.events
   redis.call('DEL', job.arq)
-  redis.call('ZREM', job.active, id)
+  leave_active(job.active, job.held, id)
   redis.call('ZREM', deadlines, id)
   note_outcome(outcomes, 'failed', id, now, window_ms)
 end
@@ -90,34 +105,44 @@ end
 
 SUBMIT = (
     _PAIRS
+    + _ACTIVE
     + _FAIR
     + """
 -- KEYS: record, events, arq job, queue of its class, queued tokens, owner's active jobs, owner's jobs,
---       fair-share tags of its class, the Redis's epoch, queue deadlines, idempotency entry (only with an
---       idempotency key)
+--       fair-share tags of its class, the Redis's epoch, queue deadlines, owner's prompt tokens in
+--       flight, idempotency entry (only with an idempotency key)
 -- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
---       owner's max active jobs (0: no limit), owner, weight, n record fields, fields...,
---       n event fields, fields..., its queue deadline ms ('': none), the epoch the job id carries
---       ('': not checked)
--- Returns {outcome, detail}: created/duplicate and the job id, busy, full and which limit, or epoch
--- when the Redis's epoch is not the job id's (it lost its data since the caller read it).
+--       owner's max active jobs (0: no limit), owner, weight, its prompt tokens (estimated), owner's max
+--       prompt tokens in flight (0: no limit), n record fields, fields..., n event fields, fields...,
+--       its queue deadline ms ('': none), the epoch the job id carries ('': not checked)
+-- Returns {outcome, detail}: created/duplicate and the job id, busy, prompt_tokens and the prompt
+-- tokens the owner's active jobs hold, full and which limit, or epoch when the Redis's epoch is not the
+-- job id's (it lost its data since the caller read it). A job is over the prompt-token limit only when
+-- the owner has some in flight: a lone prompt of any length is taken.
 local epoch = ARGV[#ARGV]
 if epoch ~= '' and redis.call('GET', KEYS[9]) ~= epoch then return {'epoch', ''} end
-local idem = KEYS[11]
+local idem = KEYS[12]
 if idem then
   local existing = redis.call('GET', idem)
   if existing then return {'duplicate', existing} end
 end
 local horizon = tonumber(ARGV[3]) - tonumber(ARGV[2]) * 1000
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', horizon)
+for _, stale in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', horizon)) do
+  leave_active(KEYS[6], KEYS[11], stale)  -- its record expired long ago: nothing else ends it now
+end
 local max_active = tonumber(ARGV[9])
 if max_active > 0 and redis.call('ZCARD', KEYS[6]) >= max_active then return {'busy', ''} end
+local prompt, max_prompt = tonumber(ARGV[12]), tonumber(ARGV[13])
+local holding = tonumber(redis.call('HGET', KEYS[11], ':total') or '0')
+if max_prompt > 0 and holding > 0 and holding + prompt > max_prompt then
+  return {'prompt_tokens', tostring(holding)}
+end
 if redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[4]) then return {'full', 'jobs'} end
 local cost = tonumber(ARGV[7])
 local queued = tonumber(redis.call('GET', KEYS[5]) or '0')
 if queued > 0 and queued + cost > tonumber(ARGV[8]) then return {'full', 'tokens'} end
 local ttl = tonumber(ARGV[2])
-local rec, at = pairs_at(13)
+local rec, at = pairs_at(15)
 local tag = fair_tag(KEYS[8], ARGV[10], cost, tonumber(ARGV[11]))
 redis.call('EXPIRE', KEYS[8], ttl)
 redis.call('HSET', KEYS[1], 'tag', tag, unpack(rec))
@@ -132,6 +157,9 @@ redis.call('INCRBY', KEYS[5], cost)
 redis.call('EXPIRE', KEYS[5], ttl)
 redis.call('ZADD', KEYS[6], ARGV[3], ARGV[1])
 redis.call('EXPIRE', KEYS[6], ttl)
+redis.call('HSET', KEYS[11], ARGV[1], prompt)
+redis.call('HINCRBY', KEYS[11], ':total', prompt)
+redis.call('EXPIRE', KEYS[11], ttl)
 redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', horizon)
 redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
 redis.call('EXPIRE', KEYS[7], ttl)
@@ -147,11 +175,12 @@ return {'created', ARGV[1]}
 
 CANCEL = (
     _PAIRS
+    + _ACTIVE
     + _UNCOUNT
     + _NOTE_OUTCOME
     + """
 -- KEYS: record, queue of its class, events, arq job, queued tokens, owner's active jobs,
---       model's recent outcomes
+--       model's recent outcomes, owner's prompt tokens in flight
 -- ARGV: id, now_s, cancel channel, now_ms, outcome window ms, n event fields, fields..., stream notices
 --       channel
 -- Returns 'cancelled' (was queued), 'cancelling' (running: its worker is told), 'missing', or the
@@ -160,7 +189,7 @@ local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 'missing' end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'attempts') == '0' then uncount(KEYS[5], KEYS[1]) end
-  redis.call('ZREM', KEYS[6], ARGV[1])
+  leave_active(KEYS[6], KEYS[8], ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   redis.call('XADD', KEYS[3], '*', unpack((pairs_at(7))))
   redis.call('PUBLISH', ARGV[#ARGV], KEYS[3])
@@ -182,14 +211,15 @@ return st
 # was given (the only jobs whose keys it holds); a wider choice needs JobQueue._claim_candidates to
 # look further.
 CLAIM = (
-    _UNCOUNT
+    _ACTIVE
+    + _UNCOUNT
     + _NOTE_OUTCOME
     + _EXPIRE
     + _FAIR
     + """
 -- KEYS: leases, queued tokens, model's recent outcomes, queue deadlines, then per class (highest first):
---       its queue, its fair-share tags; then 4 keys per candidate job: record, events, arq job, its
---       owner's active jobs
+--       its queue, its fair-share tags; then 5 keys per candidate job: record, events, arq job, its
+--       owner's active jobs, its owner's prompt tokens in flight
 -- ARGV: now_ms, lease_ms, max jobs, worker id, outcome window ms, error code of an expired job,
 --       idle ('1': the worker runs nothing, so it may take a suspect job, alone),
 --       n classes, class names..., stream notices channel,
@@ -219,9 +249,9 @@ local notices, noticed = ARGV[9 + nclass], {}
 local candidates = {}
 local n = 0
 for i = 10 + nclass, #ARGV - 2, 3 do
-  local k = 4 + 2 * nclass + 4 * n
+  local k = 4 + 2 * nclass + 5 * n
   candidates[ARGV[i]] = {owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
-    events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4]}
+    events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4], held = KEYS[k + 5]}
   n = n + 1
 end
 
@@ -327,19 +357,20 @@ return out
 )
 
 EXPIRE_QUEUED = (
-    _UNCOUNT
+    _ACTIVE
+    + _UNCOUNT
     + _NOTE_OUTCOME
     + _EXPIRE
     + """
 -- KEYS: queue deadlines, queued tokens, model's recent outcomes, queue of its class, record, events,
---       arq job, owner's active jobs
+--       arq job, owner's active jobs, owner's prompt tokens in flight
 -- ARGV: id, now_ms, outcome window ms, error code of an expired job, owner, stream notices channel
 -- The gateways' sweep of the queue deadlines, for jobs no worker claims (none is live): the job fails as
 -- CLAIM fails it when still waiting for its first attempt past its deadline. A job that started, ended
 -- or is gone leaves the deadlines; one whose owner is not the caller's (it read the record before a
 -- purge and a new job) is left for the next sweep. Returns 1 when it expired the job, else 0.
 local id, now = ARGV[1], tonumber(ARGV[2])
-local job = {rec = KEYS[5], events = KEYS[6], arq = KEYS[7], active = KEYS[8]}
+local job = {rec = KEYS[5], events = KEYS[6], arq = KEYS[7], active = KEYS[8], held = KEYS[9]}
 if redis.call('EXISTS', job.rec) == 1 and (redis.call('HGET', job.rec, 'owner') or '') ~= ARGV[5] then
   return 0
 end
@@ -479,10 +510,11 @@ return out
 
 FINISH = (
     _PAIRS
+    + _ACTIVE
     + _FAIR
     + """
 -- KEYS: record, events, leases, arq job, owner's active jobs, fair-share tags of its class,
---       model's served tokens
+--       model's served tokens, owner's prompt tokens in flight
 -- ARGV: attempt, id, ttl_s, tokens served (prompt and generated; -1: unknown), its class,
 --       tokens the attempt streamed ('': not checked), n record fields, fields..., n event fields,
 --       fields..., stream notices channel
@@ -515,7 +547,7 @@ redis.call('XADD', KEYS[2], '*', unpack((pairs_at(at + 1))))
 redis.call('PUBLISH', ARGV[#ARGV], KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])
-redis.call('ZREM', KEYS[5], ARGV[2])
+leave_active(KEYS[5], KEYS[8], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
@@ -537,10 +569,11 @@ return 0
 """
 
 PURGE = (
-    _UNCOUNT
+    _ACTIVE
+    + _UNCOUNT
     + """
 -- KEYS: record, events, arq job, queue of its class, leases, queued tokens, owner's active jobs,
---       owner's jobs, idempotency entry (only when the record names one)
+--       owner's jobs, owner's prompt tokens in flight, idempotency entry (only when the record names one)
 -- ARGV: id, cancel channel
 -- Returns 1, or 0 when the job does not exist.
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -548,9 +581,10 @@ if not st then return 0 end
 if redis.call('ZREM', KEYS[4], ARGV[1]) == 1 and redis.call('HGET', KEYS[1], 'attempts') == '0' then
   uncount(KEYS[6], KEYS[1])
 end
-redis.call('ZREM', KEYS[7], ARGV[1])
+leave_active(KEYS[7], KEYS[9], ARGV[1])
 redis.call('ZREM', KEYS[8], ARGV[1])
-if KEYS[9] and redis.call('HGET', KEYS[1], 'idempotency_key') == KEYS[9] then redis.call('DEL', KEYS[9]) end
+local idem = KEYS[10]
+if idem and redis.call('HGET', KEYS[1], 'idempotency_key') == idem then redis.call('DEL', idem) end
 if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return 1

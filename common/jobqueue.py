@@ -151,11 +151,34 @@ class OwnerBusy(Exception):
         self.limit = limit
 
 
+class PromptTokensBusy(Exception):
+    """The key's active jobs hold prompt tokens such that this one's would pass its limit."""
+
+    def __init__(self, owner: str, limit: int, holding: int, asked: int) -> None:
+        super().__init__(
+            f"key {owner!r} has {holding} prompt tokens in queued and running jobs; this job's {asked} "
+            f"(estimated) would pass its limit of {limit}; wait for one to end"
+        )
+        self.owner = owner
+        self.limit = limit
+        self.holding = holding
+        self.asked = asked
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     max_jobs: int
     max_tokens: int  # prompt and generated tokens of the jobs waiting, estimated at submission
     max_wait_s: float  # a job still queued after this fails as expired; 0 waits forever
+
+
+@dataclass(frozen=True)
+class QueueAhead:
+    """What waits before a queued job: in higher classes, and before it in its own class's queue."""
+
+    jobs: int
+    tokens: float  # their estimated tokens (prompt and max_tokens); past the scan, at the mean of those read
+    typical: float  # the mean estimate of the jobs read at the heads of the queues (its class's included)
 
 
 @dataclass(frozen=True)
@@ -232,6 +255,35 @@ class JobQueue:
             *ahead, rank = await pipe.execute()
         return None if rank is None else int(rank) + sum(int(n) for n in ahead)
 
+    async def queue_ahead(
+        self, model: str, job_id: str, priority: PriorityClass = PriorityClass.interactive, scan: int = 128
+    ) -> QueueAhead | None:
+        """The jobs ahead of this one and their estimated tokens, read for up to `scan` jobs of each
+        class; None when it is not queued."""
+        classes = PRIORITY_ORDER[: PRIORITY_ORDER.index(priority) + 1]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for cls in classes:
+                pipe.zcard(keys.queue(model, cls.value))
+                pipe.zrange(keys.queue(model, cls.value), 0, scan - 1)
+            pipe.zrank(keys.queue(model, priority.value), job_id)
+            *replies, rank = await pipe.execute()
+        if rank is None:
+            return None
+        counts = [int(n) for n in replies[0::2]]
+        counts[-1] = int(rank)  # its own class: only those before it
+        heads: list[list[str]] = [list(ids) for ids in replies[1::2]]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job in (job for head in heads for job in head):
+                pipe.hget(keys.job(job), "cost")
+            costs = [int(cost or 0) for cost in await pipe.execute()]
+        tokens = 0.0
+        at = 0
+        for count, head in zip(counts, heads, strict=True):
+            before = costs[at : at + min(count, len(head))]
+            tokens += sum(before) * count / len(before) if before else 0.0
+            at += len(head)
+        return QueueAhead(sum(counts), tokens, sum(costs) / max(len(costs), 1))
+
     async def reserve_preemption(self, model: str, slots: int, waiting: int, hold_s: float) -> bool:
         """Whether a worker may free `slots` for the `waiting` interactive jobs: False when the slots
         other workers are freeing cover them already. Reservations lapse after `hold_s`."""
@@ -268,6 +320,8 @@ class JobQueue:
         owner: str = "",
         owner_max_active: int = 0,
         weight: float = 1.0,
+        prompt_tokens: int = 0,
+        owner_max_prompt_tokens: int = 0,
         request_digest: str | None = None,
         replicas: int = 0,
         replicas_timeout_ms: int = 1000,
@@ -275,7 +329,9 @@ class JobQueue:
         preferred_worker: str | None = None,
         preferred_until_ms: int | None = None,
     ) -> Submitted:
-        """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits. With
+        """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits, OwnerBusy
+        or PromptTokensBusy when its owner is at one of its own (`prompt_tokens`, the job's estimated
+        prompt, counts against `owner_max_prompt_tokens` until the job ends). With
         `replicas`, returns only once that many replicas confirm the writes (WAIT on the connection that
         ran the script), else raises NotReplicated. With `epoch` (the one the job id carries), raises
         EpochChanged when the Redis's is another."""
@@ -307,6 +363,8 @@ class JobQueue:
             str(owner_max_active),
             owner,
             repr(float(weight)),
+            str(prompt_tokens),
+            str(owner_max_prompt_tokens),
             *_flat(record.to_fields()),
             *_flat(status_entry(JobStatus.queued)),
             str(record.deadline_ms) if record.deadline_ms else "",
@@ -321,6 +379,7 @@ class JobQueue:
             keys.fair_tags(spec.model, spec.priority.value),
             keys.EPOCH,
             keys.QUEUE_DEADLINES,
+            keys.prompt_tokens_in_flight(owner),
             *([idempotency_key] if idempotency_key else []),
         ]
         if replicas <= 0:
@@ -335,6 +394,8 @@ class JobQueue:
             raise EpochChanged(f"the Redis of model {spec.model!r} lost its data")
         if outcome == "busy":
             raise OwnerBusy(owner, owner_max_active)
+        if outcome == "prompt_tokens":
+            raise PromptTokensBusy(owner, owner_max_prompt_tokens, int(detail), prompt_tokens)
         if outcome == "full":
             limit = f"{limits.max_jobs} jobs" if detail == "jobs" else f"{limits.max_tokens} queued tokens"
             raise QueueFull(spec.model, limit)
@@ -359,6 +420,7 @@ class JobQueue:
                 keys.queued_tokens(model),
                 keys.active_jobs(record.owner),
                 keys.finished(model),
+                keys.prompt_tokens_in_flight(record.owner),
             ],
             args=[
                 job_id,
@@ -385,6 +447,7 @@ class JobQueue:
                 keys.queued_tokens(model),
                 keys.active_jobs(record.owner),
                 keys.owner_jobs(record.owner),
+                keys.prompt_tokens_in_flight(record.owner),
                 *([record.idempotency_key] if record.idempotency_key else []),
             ],
             args=[job_id, keys.CANCEL_CHANNEL],
@@ -431,7 +494,11 @@ class JobQueue:
             args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER), keys.STREAM_NOTICES]
             for job_id in ids:
                 owner = owners.get(job_id)
-                script_keys += [*keys.job_keys(job_id), keys.active_jobs(owner or "")]
+                script_keys += [
+                    *keys.job_keys(job_id),
+                    keys.active_jobs(owner or ""),
+                    keys.prompt_tokens_in_flight(owner or ""),
+                ]
                 args += [job_id, owner or "", "1" if owner is not None else "0"]
             raw = await self._claim(keys=script_keys, args=args)
             taken = [
@@ -472,6 +539,7 @@ class JobQueue:
                 keys.queue(model, priority or PriorityClass.interactive.value),
                 *keys.job_keys(job_id),
                 keys.active_jobs(owner or ""),
+                keys.prompt_tokens_in_flight(owner or ""),
             ]
             window_ms = RECENT_WINDOW_S * 1000
             args = [job_id, str(now_ms), str(window_ms), _EXPIRED, owner or "", keys.STREAM_NOTICES]
@@ -581,6 +649,7 @@ class JobQueue:
                 keys.active_jobs(claim.owner),
                 keys.fair_tags(claim.model, priority),
                 keys.served_tokens(claim.model),
+                keys.prompt_tokens_in_flight(claim.owner),
             ],
             args=[
                 str(claim.attempt),

@@ -90,8 +90,19 @@ def request_rate(owner: str) -> str:
     return f"{PREFIX}rate:{owner}"
 
 
+def tokenize_budget(owner: str) -> str:
+    """string: when the key's /tokenize budget is full again (ms; the rate limit's theoretical arrival)."""
+    return f"{PREFIX}tokenize-budget:{owner}"
+
+
 def active_jobs(owner: str) -> str:
     return f"{PREFIX}active:{owner}"
+
+
+def prompt_tokens_in_flight(owner: str) -> str:
+    """hash: the estimated prompt tokens of each of the key's active jobs (those in active_jobs) by job id,
+    and ":total" their sum (common/job_scripts.py charges and releases it with the job's state)."""
+    return f"{PREFIX}prompt-tokens:{owner}"
 
 
 def owner_jobs(owner: str) -> str:
@@ -153,6 +164,11 @@ def owner_batches(owner: str) -> str:
 
 def response(response_id: str) -> str:
     return f"{PREFIX}response:{response_id}"
+
+
+def unstored_response(response_id: str) -> str:
+    """string: the owner of a response made with `store: false`, kept only to say it cannot be continued."""
+    return f"{PREFIX}response-unstored:{response_id}"
 
 
 def tokenizer_calls(model: str) -> str:

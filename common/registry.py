@@ -27,6 +27,7 @@ class WorkerInfo:
     state: str = "ready"  # ready | draining | recovering (its engine failed: it serves nothing until rebuilt)
     generated_tokens: int = 0  # since the worker started, running jobs included
     tokens_per_s: float = 0.0  # over the last few seconds
+    speed_tokens_per_s: float = 0.0  # prompt and generated tokens a second over its last 10 s of running jobs
     metrics_url: str = ""  # its Prometheus /metrics
 
 

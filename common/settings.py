@@ -146,6 +146,20 @@ class GatewaySettings(FleetSettings):
     key_max_concurrent_jobs: int = Field(
         64, ge=1, description="Active (queued or running) jobs a key may have, unless its own limit is set."
     )
+    key_max_prompt_tokens_in_flight: int = Field(
+        65_536,
+        ge=0,
+        description="Prompt tokens a key's active (queued or running) jobs may hold in all, estimated at "
+        "submission (about 4 characters a token, at most the model's context); a job that would pass it "
+        "gets 429 too_many_prompt_tokens, unless the key has nothing in flight. 0: no limit.",
+    )
+    key_tokenize_chars_per_s: int = Field(
+        200_000,
+        ge=0,
+        description="Characters a key may send to /tokenize per second, across all gateways, with a burst "
+        "of 10 seconds' worth (one call of any size passes when the key has used none); past it, 429 "
+        "tokenize_rate_exceeded. 0: no limit.",
+    )
     key_requests_per_minute: int = Field(
         1200,
         ge=1,

@@ -218,7 +218,9 @@ class JobView(BaseModel):
     priority: PriorityClass = PriorityClass.interactive
     queue_position: int | None = Field(None, description="Jobs ahead of this one while it is queued.")
     queue_eta_s: float | None = Field(
-        None, description="Seconds until it starts while queued, from the model's recent service rate."
+        None,
+        description="Seconds until it starts while queued: the estimated tokens ahead of it (prompts and "
+        "max_tokens) over the speed the model's workers measured while running jobs.",
     )
     preemptions: int = Field(0, description="Times batch work was paused for interactive jobs.")
     output: str | None = None

@@ -126,6 +126,8 @@ def build_app(
                 metrics_key=settings.metrics_api_key.get_secret_value() if settings.metrics_api_key else None,
                 default_requests_per_minute=settings.key_requests_per_minute,
                 default_max_concurrent_jobs=settings.key_max_concurrent_jobs,
+                default_max_prompt_tokens_in_flight=settings.key_max_prompt_tokens_in_flight,
+                default_tokenize_chars_per_s=settings.key_tokenize_chars_per_s,
                 stream_token_key=tokens.key_of if tokens is not None else None,
             ),
             Middleware(

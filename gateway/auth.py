@@ -56,6 +56,8 @@ class ApiKeyAuth:
         metrics_key: str | None,
         default_requests_per_minute: int,
         default_max_concurrent_jobs: int,
+        default_max_prompt_tokens_in_flight: int = 0,
+        default_tokenize_chars_per_s: int = 0,
         stream_token_key: Callable[[Scope], str | None] | None = None,
     ) -> None:
         """`stream_token_key`: the key name a request's stream token vouches for, STREAM_TOKEN_INVALID for
@@ -66,6 +68,8 @@ class ApiKeyAuth:
         self.metrics_key = metrics_key
         self.default_rpm = default_requests_per_minute
         self.default_jobs = default_max_concurrent_jobs
+        self.default_prompt_tokens = default_max_prompt_tokens_in_flight
+        self.default_tokenize_chars = default_tokenize_chars_per_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _is_console(scope["path"]):
@@ -108,6 +112,8 @@ class ApiKeyAuth:
             key.requests_per_minute or self.default_rpm,
             key.weight,
             key.max_class,
+            self.default_prompt_tokens or None,
+            self.default_tokenize_chars or None,
         )
         retry_after = await self._over_rate(scope, principal)
         if retry_after:

@@ -20,6 +20,7 @@ class ModelState:
     capacity: int
     in_flight: int
     ready: int = 0  # workers that can run jobs now: not those rebuilding a failed engine
+    speed_tokens_per_s: float = 0.0  # what its ready workers measured while running jobs (WorkerInfo's)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ class FleetView:
                 before.capacity + int(worker["capacity"]),
                 before.in_flight + int(worker.get("in_flight", "0")),
                 before.ready + int(serving(worker)),
+                before.speed_tokens_per_s + (_speed(worker) if serving(worker) else 0.0),
             )
             known.setdefault(name, before.context_length)
         return FleetSnapshot(known, live)
+
+
+def _speed(worker: dict[str, str]) -> float:
+    try:
+        return max(0.0, float(worker.get("speed_tokens_per_s", "0")))
+    except ValueError:
+        return 0.0

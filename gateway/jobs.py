@@ -13,7 +13,7 @@ from starlette.routing import Route
 from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.fleet_stats import service_rate
+from common.jobqueue import QueueAhead
 from common.records import JobRecord
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
@@ -58,19 +58,29 @@ async def find_job(state: AppState, job_id: str, principal: Principal) -> tuple[
 
 
 async def load_view(state: AppState, job_id: str, principal: Principal) -> JobView:
-    return await view_of(*await find_job(state, job_id, principal))
+    return await view_of(state, *await find_job(state, job_id, principal))
 
 
-async def view_of(shard: Shard, record: JobRecord) -> JobView:
+async def view_of(state: AppState, shard: Shard, record: JobRecord) -> JobView:
     """The job's view, with its place in the queue and an estimate of its wait while it is queued."""
     job_id = record.id
     position = eta = None
     if record.status is JobStatus.queued:
-        position = await shard.queue.queue_position(record.model, job_id, record.priority)
-        rate = await service_rate(shard.redis, record.model)
-        if position is not None and rate > 0:
-            eta = round((position + 1) / rate, 1)
+        ahead = await shard.queue.queue_ahead(record.model, job_id, record.priority)
+        model = (await state.fleet.snapshot()).live.get(record.model)
+        if ahead is not None:
+            position = ahead.jobs
+            eta = queue_eta_s(ahead, model.speed_tokens_per_s if model else 0.0)
     return record.view(links(job_id), position, eta)
+
+
+def queue_eta_s(ahead: QueueAhead, speed: float) -> float | None:
+    """Seconds until a queued job starts: the tokens ahead of it, and a typical job's more (the queue's
+    head starts when a running job ends), at the speed its model's workers measured while running jobs;
+    None before any worker has measured one."""
+    if speed <= 0:
+        return None
+    return round((ahead.tokens + ahead.typical) / speed, 2)
 
 
 def job_response(view: JobView, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -104,7 +114,7 @@ async def get_job(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     principal = principal_of(request.scope)
     shard, record = await find_job(state, job_id, principal)
-    view = await view_of(shard, record)
+    view = await view_of(state, shard, record)
     wait = _wait_seconds(request, state.settings.max_wait_s)
     if wait > 0 and view.status not in TERMINAL:
         with state.streams.slot(principal.name):  # a client that leaves frees its Redis connection at once

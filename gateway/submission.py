@@ -14,7 +14,15 @@ from common import keys
 from common.apikeys import ANONYMOUS, Principal
 from common.error_codes import ErrorCode
 from common.guidance import Guidance
-from common.jobqueue import EpochChanged, NotReplicated, OwnerBusy, QueueFull, QueueLimits, Submitted
+from common.jobqueue import (
+    EpochChanged,
+    NotReplicated,
+    OwnerBusy,
+    PromptTokensBusy,
+    QueueFull,
+    QueueLimits,
+    Submitted,
+)
 from common.prefix_hints import preferred_worker
 from common.store_epoch import new_job_id
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
@@ -112,13 +120,20 @@ def queue_limits(state: AppState) -> QueueLimits:
     return QueueLimits(settings.max_queued_jobs, settings.max_queued_tokens, settings.queue_timeout_s)
 
 
-def estimated_cost(spec: JobSpec) -> int:
-    """Tokens a job will occupy: its prompt (about 4 characters a token) plus what it may generate."""
+def estimated_prompt_tokens(spec: JobSpec, context_length: int) -> int:
+    """A job's prompt in tokens, as the gateway (which has no tokenizer) estimates it: about 4 characters
+    a token, each chat message with a few more for its template, and never past the model's context (a
+    longer prompt fails when its worker tokenizes it)."""
     if spec.messages is not None:
         prompt_chars = sum(len(m.content) + 16 for m in spec.messages)
     else:
         prompt_chars = len(spec.prompt or "")
-    return prompt_chars // 4 + 1 + (spec.sampling.max_tokens or 0)
+    return min(prompt_chars // 4 + 1, max(context_length, 1))
+
+
+def estimated_cost(spec: JobSpec, context_length: int) -> int:
+    """Tokens a job will occupy: its prompt plus what it may generate."""
+    return estimated_prompt_tokens(spec, context_length) + (spec.sampling.max_tokens or 0)
 
 
 def idempotency_redis_key(principal: Principal, idempotency_key: str) -> str:
@@ -205,11 +220,11 @@ async def submit_job(
     route = await _route(state, spec, now)
     try:
         try:
-            submitted = await _submit(state, spec, idem, principal, digest, epoch, route)
+            submitted = await _submit(state, spec, context_length, idem, principal, digest, epoch, route)
         except EpochChanged:  # the Redis lost its data since its epoch was read: note it, then go on
             epoch = await shard.watch.check_epoch()
             spec = spec.model_copy(update={"id": new_job_id(epoch)})
-            submitted = await _submit(state, spec, idem, principal, digest, epoch, route)
+            submitted = await _submit(state, spec, context_length, idem, principal, digest, epoch, route)
     except NotReplicated as e:
         raise ApiError(
             503,
@@ -224,6 +239,13 @@ async def submit_job(
         ) from e
     except OwnerBusy as e:
         raise ApiError(429, str(e), code=ErrorCode.too_many_active_jobs, headers={"Retry-After": "1"}) from e
+    except PromptTokensBusy as e:
+        raise ApiError(
+            429,
+            f"{e} (ORTFLEET_KEY_MAX_PROMPT_TOKENS_IN_FLIGHT)",
+            code=ErrorCode.too_many_prompt_tokens,
+            headers={"Retry-After": "1"},
+        ) from e
     except QueueFull as e:
         raise ApiError(429, str(e), code=ErrorCode.queue_full, headers={"Retry-After": "1"}) from e
     if submitted.created:
@@ -246,6 +268,7 @@ async def _route(state: AppState, spec: JobSpec, now: float) -> tuple[str | None
 async def _submit(
     state: AppState,
     spec: JobSpec,
+    context_length: int,
     idem: str | None,
     principal: Principal,
     digest: str | None,
@@ -255,11 +278,13 @@ async def _submit(
     return await state.shards.of_model(spec.model).queue.submit(
         spec,
         limits=queue_limits(state),
-        cost=estimated_cost(spec),
+        cost=estimated_cost(spec, context_length),
         idempotency_key=idem,
         owner=principal.name,
         owner_max_active=principal.max_concurrent_jobs or 0,
         weight=principal.weight,
+        prompt_tokens=estimated_prompt_tokens(spec, context_length),
+        owner_max_prompt_tokens=principal.max_prompt_tokens_in_flight or 0,
         request_digest=digest,
         replicas=state.settings.submit_replicas,
         replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,

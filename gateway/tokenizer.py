@@ -16,9 +16,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common import keys
+from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.tokenizer_calls import TokenizerCall, TokenizerReply
 from common.wire import ChatMessage
+from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.params import job_messages
 from gateway.openai_api.protocol import ChatMessageIn
@@ -27,6 +29,20 @@ from gateway.state import AppState, app_state
 from gateway.submission import resolve_model
 
 CALL_TIMEOUT_S = 10
+BURST_S = 10  # a key may tokenize this many seconds' worth of its rate at once
+
+# A generic cell rate: the key's budget is a time, pushed on by each call's characters / rate; a call that
+# would push it more than the burst past now waits, unless the budget is full (any one call passes then).
+# KEYS: the key's budget; ARGV: now ms, characters, characters per second, burst ms.
+# Returns 0 (taken) or the ms until the call would be.
+_BUDGET = """
+local now, burst = tonumber(ARGV[1]), tonumber(ARGV[4])
+local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
+local after = tat + tonumber(ARGV[2]) * 1000 / tonumber(ARGV[3])
+if tat > now and after - now > burst then return math.ceil(math.min(tat - now, after - now - burst)) end
+redis.call('SET', KEYS[1], string.format('%.0f', after), 'PX', math.ceil(after - now) + 1)
+return 0
+"""
 
 
 class TokenizeRequest(BaseModel):
@@ -51,6 +67,8 @@ async def tokenize(request: Request) -> Response:
         raise ApiError(400, "prompt: give exactly one of 'prompt' and 'messages'", param="prompt")
     messages: list[ChatMessage] | None = job_messages(body.messages) if body.messages else None
     model, context = await _model(state, body.model)
+    chars = len(body.prompt) if body.prompt is not None else sum(len(m.content) for m in messages or [])
+    await _charge(state, principal_of(request.scope), chars)
     reply = await _call(state, model, op="tokenize", prompt=body.prompt, messages=messages)
     tokens = reply.tokens or []
     return JSONResponse(
@@ -73,6 +91,27 @@ async def _model(state: AppState, requested: str | None) -> tuple[str, int]:
         if e.status != 422:
             raise
         raise ApiError(400, e.message, param=e.param, code=e.code) from e
+
+
+async def _charge(state: AppState, principal: Principal, chars: int) -> None:
+    """429 when the key has tokenized its characters per second (counted across gateways)."""
+    rate = principal.tokenize_chars_per_s
+    if not rate or chars <= 0:
+        return
+    budget = state.redis.register_script(_BUDGET)
+    now_ms = int(time.time() * 1000)
+    args = [str(now_ms), str(chars), str(rate), str(BURST_S * 1000)]
+    wait_ms = int(await budget(keys=[keys.tokenize_budget(principal.name)], args=args))
+    if wait_ms:
+        raise ApiError(
+            429,
+            f"key {principal.name!r} is over its /tokenize limit of {rate} characters per second "
+            f"(ORTFLEET_KEY_TOKENIZE_CHARS_PER_S, {BURST_S} s of it at once): these {chars} characters fit "
+            f"in {wait_ms / 1000:.1f} s",
+            param="prompt",
+            code=ErrorCode.tokenize_rate_exceeded,
+            headers={"Retry-After": str(max(1, -(-wait_ms // 1000)))},
+        )
 
 
 async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:

@@ -68,7 +68,11 @@ class WorkerService:
         self._failed_again: str | None = None
         engine.on_failure = self._engine_failed
         self._finished_tokens = 0
+        self._finished_prompt_tokens = 0
         self._throughput = Throughput(time.monotonic())
+        self._busy_s = 0.0  # a clock that runs only while the worker runs jobs: its speed's time base
+        self._speed = Throughput(0.0)
+        self._speed_sampled = (time.monotonic(), 0)  # when, and the tokens it had processed then
 
     @property
     def model(self) -> str:
@@ -353,6 +357,7 @@ class WorkerService:
                 await self._fail(run.claim, run.spec.model, "the worker failed while running the job")
         finally:
             self._finished_tokens += run.tokens_generated
+            self._finished_prompt_tokens += run.prompt_tokens
             self.runs.pop(run.job_id, None)
             if run.engine_done:
                 self._slot_freed.set()  # its slot was freed already; a draining worker counts runs
@@ -366,6 +371,23 @@ class WorkerService:
     def generated_tokens(self) -> int:
         """Tokens this worker generated since it started, running jobs included."""
         return self._finished_tokens + sum(run.tokens_generated for run in self.runs.values())
+
+    def processed_tokens(self) -> int:
+        """Prompt and generated tokens of every job this worker ran since it started, running jobs included
+        (a prompt counts once its job has it tokenized)."""
+        running = sum(run.prompt_tokens + run.tokens_generated for run in self.runs.values())
+        return self._finished_tokens + self._finished_prompt_tokens + running
+
+    def measure_speed(self, now: float) -> float:
+        """Prompt and generated tokens a second over the last 10 s the worker was running jobs: how fast it
+        works through a queue (idle time does not lower it). The gateways estimate queue waits with it."""
+        then, before = self._speed_sampled
+        processed = self.processed_tokens()
+        self._speed_sampled = (now, processed)
+        if self.runs or processed != before:
+            self._busy_s += now - then
+            self.info.speed_tokens_per_s = round(self._speed.update(processed, self._busy_s), 2)
+        return self.info.speed_tokens_per_s
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -385,6 +407,7 @@ class WorkerService:
             self.info.tokens_per_s = round(
                 self._throughput.update(self.info.generated_tokens, time.monotonic()), 2
             )
+            self.measure_speed(time.monotonic())
             try:
                 await asyncio.wait_for(self._beat(ttl), ttl / 2)
             except (RedisError, TimeoutError) as e:

@@ -130,7 +130,8 @@ class BatchDriver:
 
     def owner(self, batch: Batch) -> Principal:
         limit = batch.number("owner_max_jobs")
-        return Principal(batch.owner, limit or None)
+        prompt_tokens = batch.number("owner_max_prompt_tokens")
+        return Principal(batch.owner, limit or None, max_prompt_tokens_in_flight=prompt_tokens or None)
 
     async def validate(self, batch: Batch) -> None:
         errors: list[LineError] = []

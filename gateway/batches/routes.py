@@ -76,6 +76,7 @@ async def create_batch(request: Request) -> Response:
         "id": new_batch_id(),
         "owner": principal.name,
         "owner_max_jobs": str(principal.max_concurrent_jobs or 0),
+        "owner_max_prompt_tokens": str(principal.max_prompt_tokens_in_flight or 0),
         "status": BatchStatus.validating.value,
         "input_file_id": source.id,
         "endpoint": body.endpoint,
@@ -91,8 +92,11 @@ async def create_batch(request: Request) -> Response:
     }
     if body.metadata is not None:
         fields["metadata"] = json.dumps(body.metadata)
-    await files.keep_until(source.id, expires_at + state.settings.file_ttl_s)
     batch = await batch_state(request).create(fields, expires_at)
+    if batch is None:  # deleted since it was read
+        raise ApiError(
+            404, f"input_file_id: file {body.input_file_id!r} does not exist", param="input_file_id"
+        )
     state.batch_created.set()
     return JSONResponse(batch.view())
 
