@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import secrets
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +12,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from redis.asyncio import Redis
 
+from common import keys
+from gateway.batches.state import BatchState, new_batch_id
+from gateway.files.store import FileInUse, FileStore, new_file_id
 from tests.conftest import Fleet, RedisServer
 
 MAX_FILE = 300_000
@@ -148,3 +154,55 @@ async def test_paging_through_files_made_in_the_same_second_lists_each_once(
                 break
             after = page["last_id"]
         assert len(seen) == len(set(seen)) and made <= set(seen), limit
+
+
+async def _batch_input(redis: Redis, owner: str) -> tuple[FileStore, str]:
+    files = FileStore(redis, 600)
+    file_id = new_file_id()
+    await files.append_lines(file_id, [b'{"custom_id": "1"}\n'])
+    await files.register(file_id, owner, "batch", "in.jsonl", 19, 1)
+    return files, file_id
+
+
+def _batch_fields(file_id: str, owner: str) -> dict[str, str]:
+    now = time.time()
+    return {"id": new_batch_id(), "owner": owner, "input_file_id": file_id, "created_at": f"{now:.3f}"}
+
+
+@pytest.mark.unit
+async def test_a_file_whose_batch_starts_between_the_check_and_the_delete_is_refused(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner = "racer-" + secrets.token_hex(4)
+    files, file_id = await _batch_input(redis, owner)
+    batches = BatchState(redis, 600)
+    checked = FileStore.batch_reading
+    created: list[str] = []
+
+    async def batch_starts_after_the_check(store: FileStore, checked_id: str) -> str | None:
+        reader = await checked(store, checked_id)
+        if not created:  # another gateway creates a batch on the file right after this one looked
+            batch = await batches.create(_batch_fields(file_id, owner), time.time() + 60)
+            assert batch is not None
+            created.append(batch.id)
+        return reader
+
+    monkeypatch.setattr(FileStore, "batch_reading", batch_starts_after_the_check)
+    try:
+        with pytest.raises(FileInUse) as refused:
+            await files.delete(file_id, owner)
+        assert refused.value.batch_id == created[0]
+        assert await files.line_count(file_id) == 1 and await files.get(file_id, owner) is not None
+    finally:
+        await batches.retire(created[0])
+
+
+@pytest.mark.unit
+async def test_a_batch_is_not_created_on_a_file_deleted_since_it_was_read(redis: Redis) -> None:
+    owner = "racer-" + secrets.token_hex(4)
+    files, file_id = await _batch_input(redis, owner)
+    assert await files.get(file_id, owner) is not None  # what POST /v1/batches reads first
+    assert await files.delete(file_id, owner)
+
+    assert await BatchState(redis, 600).create(_batch_fields(file_id, owner), time.time() + 60) is None
+    assert not await redis.exists(keys.file(file_id))  # not brought back as a record without lines

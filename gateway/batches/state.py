@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from common import keys
 from gateway.owned import newest_after
@@ -210,18 +211,38 @@ class BatchState:
         self._started = redis.register_script(_STARTED)
         self._answer = redis.register_script(_ANSWER)
 
-    async def create(self, fields: dict[str, str], expires_at: float) -> Batch:
+    async def create(self, fields: dict[str, str], expires_at: float) -> Batch | None:
+        """Writes the batch and keeps its input file as long as the batch may read it, in one transaction
+        with the check that the file is still there (None when it is gone): a file deleted meanwhile
+        makes it look again, and FileStore.delete, which watches the active batches, refuses a file that
+        an active batch reads."""
         ttl = int(expires_at - time.time()) + self.ttl_s
         batch_id = fields["id"]
         owner = fields.get("owner", "")
+        source = keys.file(fields["input_file_id"])
+        source_lines = keys.file_lines(fields["input_file_id"])
+        created_ms = int(float(fields["created_at"]) * 1000)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.batch(batch_id), mapping=fields)
-            pipe.expire(keys.batch(batch_id), ttl)
-            pipe.zadd(keys.owner_batches(owner), {batch_id: int(float(fields["created_at"]) * 1000)})
-            pipe.expire(keys.owner_batches(owner), ttl)
-            pipe.zadd(keys.BATCHES_ACTIVE, {batch_id: int(float(fields["created_at"]) * 1000)})
-            await pipe.execute()
-        return Batch(fields)
+            while True:
+                try:
+                    await pipe.watch(source)
+                    if not await pipe.exists(source):
+                        return None
+                    held = [await pipe.ttl(source), await pipe.ttl(source_lines)]
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    for key, left in zip((source, source_lines), held, strict=True):
+                        if left < ttl:
+                            pipe.expire(key, ttl)
+                    pipe.hset(source, "expires_at", str(int(expires_at) + self.ttl_s))
+                    pipe.hset(keys.batch(batch_id), mapping=fields)
+                    pipe.expire(keys.batch(batch_id), ttl)
+                    pipe.zadd(keys.owner_batches(owner), {batch_id: created_ms})
+                    pipe.expire(keys.owner_batches(owner), ttl)
+                    pipe.zadd(keys.BATCHES_ACTIVE, {batch_id: created_ms})
+                    await pipe.execute()
+                    return Batch(fields)
+                except WatchError:
+                    continue
 
     async def load(self, batch_id: str) -> Batch | None:
         fields: dict[str, str] = await self.redis.hgetall(keys.batch(batch_id))  # type: ignore[misc]

@@ -12,7 +12,7 @@ from common import keys
 from common.error_codes import ErrorCode
 from gateway.auth import principal_of
 from gateway.errors import ApiError
-from gateway.files.store import PURPOSES, FileStore, StoredFile, new_file_id
+from gateway.files.store import PURPOSES, FileInUse, FileStore, StoredFile, new_file_id
 from gateway.files.upload import receive_upload
 from gateway.owned import OwnedKind, list_page, page_limit
 from gateway.state import app_state
@@ -77,16 +77,16 @@ async def get_file(request: Request) -> Response:
 
 async def delete_file(request: Request) -> Response:
     stored = await owned_file(request)
-    reader = await file_store(request).batch_reading(stored.id)
-    if reader is not None:
+    try:
+        deleted = await file_store(request).delete(stored.id, stored.owner)
+    except FileInUse as e:
         raise ApiError(
             409,
-            f"file {stored.id!r} is the input of batch {reader}, which has not ended; delete it once the "
-            "batch has ended (or cancel the batch first)",
+            f"{e}; delete it once the batch has ended (or cancel the batch first)",
             param="file_id",
             code=ErrorCode.file_in_use,
-        )
-    if not await file_store(request).delete(stored.id, stored.owner):
+        ) from e
+    if not deleted:
         raise FILE.not_found(stored.id)
     return JSONResponse({"id": stored.id, "object": "file", "deleted": True})
 

@@ -9,12 +9,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from common import keys
 from gateway.owned import newest_after
 
 READ_CHUNK_LINES = 1000
 PURPOSES = ("batch",)  # what clients may upload; batch_output is what batches write
+
+
+class FileInUse(Exception):
+    def __init__(self, file_id: str, batch_id: str) -> None:
+        super().__init__(f"file {file_id!r} is the input of batch {batch_id}, which has not ended")
+        self.file_id = file_id
+        self.batch_id = batch_id
 
 
 def new_file_id() -> str:
@@ -106,14 +114,6 @@ class FileStore:
             return None
         return StoredFile.from_fields(fields)
 
-    async def keep_until(self, file_id: str, expires_at: float) -> None:
-        """Keeps the file at least until `expires_at` (a batch reading it may run that long)."""
-        ttl = int(expires_at - time.time()) + 1
-        for key in (keys.file(file_id), keys.file_lines(file_id)):
-            if await self.redis.ttl(key) < ttl:
-                await self.redis.expire(key, ttl)
-        await self.redis.hset(keys.file(file_id), "expires_at", str(int(expires_at)))  # type: ignore[misc]
-
     async def list_files(
         self, owner: str, purpose: str | None, limit: int, after: str | None
     ) -> list[StoredFile]:
@@ -145,11 +145,24 @@ class FileStore:
         return next((b for b, source in zip(batch_ids, inputs, strict=True) if source == file_id), None)
 
     async def delete(self, file_id: str, owner: str) -> bool:
-        if await self.get(file_id, owner) is None:
-            return False
-        await self.redis.delete(keys.file(file_id), keys.file_lines(file_id))
-        await self.redis.zrem(keys.owner_files(owner), file_id)
-        return True
+        """Deletes the owner's file (False: it has none of that id); raises FileInUse while a batch that has
+        not ended reads it. The check and the delete are one transaction: a batch created or ended between
+        them (BatchState.create watches the file) makes it look again."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(keys.BATCHES_ACTIVE, keys.file(file_id))
+                    if await self.get(file_id, owner) is None:
+                        return False
+                    if (reader := await self.batch_reading(file_id)) is not None:
+                        raise FileInUse(file_id, reader)
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.delete(keys.file(file_id), keys.file_lines(file_id))
+                    pipe.zrem(keys.owner_files(owner), file_id)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
 
     async def line_count(self, file_id: str) -> int:
         count: int = await self.redis.llen(keys.file_lines(file_id))  # type: ignore[misc]
