@@ -19,6 +19,7 @@ from common.wire import JobSpec, Sampling
 from tests.conftest import RedisServer
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
+from tests.waiting import until
 from worker.fake_engine import FakeDecoder, FakeEngine, FakeTokenizer
 from worker.service import WorkerService, together_window
 
@@ -181,6 +182,21 @@ async def test_a_resumed_job_continues_from_the_published_tokens_without_gap_or_
     indexes = [int(e["index"]) for e in entries]
     assert indexes == sorted(set(indexes)) and indexes[0] == 0
     assert '"completion_tokens":10' in record["usage"]
+
+
+async def test_a_worker_whose_job_was_taken_over_frees_its_slot_at_once(
+    redis: Redis, start_worker: Started, model_name: str
+) -> None:
+    service = start_worker(model_name, FakeEngine(0.01, 1))  # 2,000 tokens: 20 s of generation
+    job_id = await submit(redis, model_name, "Hello", max_tokens=2000)
+    await wait_for_tokens(redis, job_id, 3)
+
+    await redis.hset(keys.job(job_id), "attempts", "2")  # as if another worker had claimed it
+    await until(lambda: not service.runs, "the taken-over job's slot freed", 2)
+
+    assert service.free_slots() == 1
+    later = await submit(redis, model_name, "Hi", max_tokens=2)
+    assert (await wait_final(redis, later))["status"] == "succeeded"
 
 
 async def test_a_worker_that_lost_its_lease_never_writes_into_the_job_again(

@@ -312,6 +312,10 @@ class JobRun:
         """Handles one engine update: its text goes to the publisher. Returns the outcome once the
         engine is done with the job."""
         assert self._stream is not None
+        if publisher.lost and not self._stream.cancel_requested:
+            # Another attempt owns the job, or its record is gone: nothing this one makes is written,
+            # so its engine slot is freed now rather than when the generation would have ended.
+            self._engine.cancel(self._stream)
         if decoding.stopped:  # what the engine made after the stop, until it stopped, is dropped
             return self._stopped(decoding) if update.finish is not None else None
         self.batch_peak = max(self.batch_peak, update.batch_rows)
