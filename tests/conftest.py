@@ -107,12 +107,18 @@ def fleet_log_dir() -> Path:
     return LOGS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', test)[-120:]}-{next(_FLEETS)}"
 
 
+# A test's worker, stopped, hands its running jobs back at once: with the default grace (30 s) a job still
+# generating at the end of a test held its teardown until the stop gave up and killed the worker. Tests of
+# the grace set ORTFLEET_SHUTDOWN_GRACE_S for their workers.
+TEST_FLEET_ENV = {"ORTFLEET_SHUTDOWN_GRACE_S": "0"}
+
+
 class Fleet(LocalFleet):
     """Gateways and workers against the test's Redis, logging to a folder of the test logs of their
     own (fleet_log_dir); stops what it started."""
 
     def __init__(self, redis_url: str, model_dir: Path, env: dict[str, str] | None = None) -> None:
-        super().__init__(redis_url, model_dir, env=env, log_dir=fleet_log_dir())
+        super().__init__(redis_url, model_dir, env={**TEST_FLEET_ENV, **(env or {})}, log_dir=fleet_log_dir())
 
 
 def _gateway_on(server: RedisServer, model_dir: Path) -> Iterator[Fleet]:
