@@ -19,9 +19,34 @@ from redis.asyncio import Redis
 from common.redis_client import connect
 from ortfleet.fleet.launcher import FleetProcess, LocalFleet
 from ortfleet.fleet.processes import free_port, start_redis, stop
+from tests.openai_schema import OpenAISchema, install
 
 # start_worker: fake-engine worker services; model: a model name of the test's own for jobs put on the queue
 pytest_plugins = ["tests.fake_workers", "tests.queued_jobs"]
+
+# Answers of OpenAI routes that do not match OpenAI's OpenAPI document, since the running test began.
+SCHEMA_MISMATCHES: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    install(OpenAISchema(), SCHEMA_MISMATCHES.append)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    SCHEMA_MISMATCHES.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Fails a test that read an answer of an OpenAI route which OpenAI's OpenAPI document refuses."""
+    yield
+    if SCHEMA_MISMATCHES:
+        seen = list(dict.fromkeys(SCHEMA_MISMATCHES))
+        SCHEMA_MISMATCHES.clear()
+        shown = "\n".join(seen[:10]) + (f"\n... and {len(seen) - 10} more" if len(seen) > 10 else "")
+        raise AssertionError(f"answers that do not match OpenAI's OpenAPI document:\n{shown}")
+
 
 LOGS = Path(os.environ.get("ORTFLEET_TEST_LOGS", tempfile.mkdtemp(prefix="ortfleet-test-logs-")))
 

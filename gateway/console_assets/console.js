@@ -463,7 +463,7 @@
       }
       if (usage) tokens = usage.completion_tokens;
       showRate(first, tokens);
-      playStatus(finish === "abort" ? "stopped" : "done" + (finish ? " (" + finish + ")" : ""));
+      playStatus("done" + (finish ? " (" + finish + ")" : ""));
     } catch (err) {
       playStatus(err.name === "AbortError" ? "stopped" : "failed: " + err.message);
     } finally {

@@ -22,11 +22,13 @@ from gateway.submission import submit_job
 
 JOB_ID_HEADER = "X-Ortfleet-Job-Id"  # the jobs behind a response, comma-separated in choice order
 
-_FINISH: dict[str, OpenAIFinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort"}
+_FINISH: dict[str, OpenAIFinishReason] = {"stop": "stop", "length": "length", "cancelled": "length"}
 
 
 def finish_reason(job_reason: str | None) -> OpenAIFinishReason:
-    """OpenAI's name for a job's finish reason; a job cancelled through the job API is vLLM's 'abort'."""
+    """OpenAI's name for a job's finish reason. A job cancelled through the job API was cut short: of
+    OpenAI's reasons, `length` is the one that says the text is incomplete (vLLM says `abort`, which
+    OpenAI's clients do not know)."""
     return _FINISH.get(job_reason or "", "stop")
 
 

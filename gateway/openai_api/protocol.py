@@ -199,7 +199,7 @@ class CompletionRequest(GenerationParams):
 
 # Responses -----------------------------------------------------------------------------------------
 
-OpenAIFinishReason = Literal["stop", "length", "abort", "tool_calls", "function_call"]
+OpenAIFinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 
 
 class FunctionCall(BaseModel):
@@ -216,6 +216,7 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: None = None  # OpenAI's field (required, null): ortfleet's models never refuse by schema
     tool_calls: list[ToolCall] | None = None
     function_call: FunctionCall | None = None
 
@@ -342,3 +343,10 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+    @model_serializer(mode="wrap")
+    def _usage_when_known(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        shown: dict[str, Any] = handler(self)
+        if shown.get("usage") is None:
+            shown.pop("usage", None)  # OpenAI's completion usage is an object or absent, never null
+        return shown
