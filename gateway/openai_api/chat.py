@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from common.guidance import ResponseFormat
 from common.wire import Usage
 from gateway.auth import principal_of
 from gateway.errors import ApiError
@@ -23,6 +24,7 @@ from gateway.openai_api.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessageIn,
     ChatMessageOut,
     Delta,
     FunctionCall,
@@ -38,6 +40,15 @@ from gateway.openai_api.tools import ToolPlan, check_schemas, tool_plan, with_to
 from gateway.request_body import parse_body
 from gateway.sse import StreamEndpoint
 from gateway.state import app_state
+
+# A text answer to a conversation that holds calls or results, when no call may follow (no tools, or
+# tool_choice "none"): it may not begin with "<", as auto's text may not, so that a weak model cannot
+# write the calls and results it sees there as its answer (tools.py renders them in tags).
+_TEXT_AFTER_TOOLS = ResponseFormat(type="regex", regex=r"[^<][\s\S]*")
+
+
+def _has_tool_turns(messages: list[ChatMessageIn]) -> bool:
+    return any(m.role in ("tool", "function") or m.tool_calls or m.function_call for m in messages)
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,8 @@ async def create_chat_completion(request: Request) -> Response:
             )
         await check_schemas(tools)
         guided = tools.response_format()
+    elif response_format(body) is None and _has_tool_turns(body.messages):
+        guided = _TEXT_AFTER_TOOLS
     model = await served_model(state, body.model)
     n = body.choices_per_prompt
     jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]
