@@ -147,6 +147,12 @@ class ChatCompletionRequest(GenerationParams):
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
+    # OpenAI's fields for its own models and platform: accepted at the values that change nothing here.
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
     def generated_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -162,6 +168,11 @@ class ChatCompletionRequest(GenerationParams):
             **super()._neutral(),
             "audio": _empty,
             "modalities": lambda v: v is None or v == ["text"],
+            "service_tier": lambda v: v in (None, "auto", "default"),  # no other tier to run on
+            "reasoning_effort": lambda v: v in (None, "none"),  # no reasoning model
+            "verbosity": lambda v: v in (None, "medium"),  # the default: the model's own length
+            "web_search_options": lambda v: v is None,  # no search
+            "moderation": lambda v: v is None,  # no moderation
         }
 
 

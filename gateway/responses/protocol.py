@@ -14,6 +14,8 @@ from gateway.metadata import Metadata
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
+_VERBOSE = (None, "medium")  # text.verbosity values that change nothing: the model's own length
+
 
 class ResponseRequest(BaseModel):
     """Body of `POST /v1/responses`."""
@@ -41,6 +43,11 @@ class ResponseRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
+    # OpenAI's fields for its own models and platform: accepted at the values that change nothing here.
+    service_tier: Any = None
+    truncation: Any = None
+    context_management: Any = None
+    moderation: Any = None
     include: Any = None
     text: Any = None
 
@@ -56,6 +63,11 @@ class ResponseRequest(BaseModel):
             "conversation": self.conversation is None,
             "prompt": self.prompt is None,
             "reasoning": self.reasoning is None,
+            "service_tier": self.service_tier in (None, "auto", "default"),  # no other tier to run on
+            "truncation": self.truncation in (None, "disabled"),  # a prompt past the context is a 400
+            "context_management": self.context_management is None,  # no compaction
+            "moderation": self.moderation is None,  # no moderation
+            "text.verbosity": not isinstance(self.text, dict) or self.text.get("verbosity") in _VERBOSE,
             "include": self.include in (None, []),
             "text": self.text is None or self.text in ({"format": {"type": "text"}}, {}),
         }
