@@ -178,7 +178,7 @@ class QueueAhead:
 
     jobs: int
     tokens: float  # their estimated tokens (prompt and max_tokens); past the scan, at the mean of those read
-    typical: float  # the mean estimate of the jobs read at the heads of the queues (its class's included)
+    typical: float  # the mean estimate of the jobs read at the heads of the model's queues
 
 
 @dataclass(frozen=True)
@@ -258,11 +258,11 @@ class JobQueue:
     async def queue_ahead(
         self, model: str, job_id: str, priority: PriorityClass = PriorityClass.interactive, scan: int = 128
     ) -> QueueAhead | None:
-        """The jobs ahead of this one and their estimated tokens, read for up to `scan` jobs of each
-        class; None when it is not queued."""
-        classes = PRIORITY_ORDER[: PRIORITY_ORDER.index(priority) + 1]
+        """The jobs ahead of this one and their estimated tokens, read for up to `scan` jobs at the head of
+        each class's queue; None when it is not queued."""
+        own = PRIORITY_ORDER.index(priority)
         async with self._redis.pipeline(transaction=False) as pipe:
-            for cls in classes:
+            for cls in PRIORITY_ORDER:
                 pipe.zcard(keys.queue(model, cls.value))
                 pipe.zrange(keys.queue(model, cls.value), 0, scan - 1)
             pipe.zrank(keys.queue(model, priority.value), job_id)
@@ -270,7 +270,8 @@ class JobQueue:
         if rank is None:
             return None
         counts = [int(n) for n in replies[0::2]]
-        counts[-1] = int(rank)  # its own class: only those before it
+        counts[own] = int(rank)  # its own class: only those before it
+        counts[own + 1 :] = [0] * (len(counts) - own - 1)
         heads: list[list[str]] = [list(ids) for ids in replies[1::2]]
         async with self._redis.pipeline(transaction=False) as pipe:
             for job in (job for head in heads for job in head):

@@ -3,6 +3,7 @@ jobs going back to their place; and how the waiting jobs show in `ortfleet statu
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import Counter
@@ -13,12 +14,24 @@ from redis.asyncio import Redis
 from common import keys
 from common.jobqueue import JobQueue, QueueLimits
 from common.records import RecordUpdate
+from common.registry import live_workers
 from common.wire import JobSpec, JobStatus, PriorityClass, Sampling, Usage
 from ortfleet.commands.status import read_status, render
 from tests.conftest import Fleet
 from tests.jobs_client import submit as submit_http
 from tests.jobs_client import wait_done
 from tests.queued_jobs import submit
+
+
+async def measured_speed(redis: Redis, model: str, within_s: float = 10) -> float:
+    """The speed the model's workers published (common/registry.py), once one has measured it."""
+    deadline = time.monotonic() + within_s
+    speed = 0.0
+    while time.monotonic() < deadline and speed <= 0:
+        await asyncio.sleep(0.2)
+        entries = [entry for entry in await live_workers(redis) if entry.get("model") == model]
+        speed = sum(float(entry.get("speed_tokens_per_s", "0")) for entry in entries)
+    return speed
 
 
 async def claim_owners(queue: JobQueue, model: str, count: int) -> list[str]:
@@ -188,25 +201,29 @@ async def test_status_shows_the_waiting_jobs_per_class_and_the_keys_waiting(redi
     assert "waiting keys: batch:bob (2), interactive:alice (1)" in render(status, "redis://x")
 
 
-async def test_a_queued_job_shows_its_position_and_an_eta_from_the_recent_service_rate(
-    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+async def test_a_queued_job_shows_its_position_and_an_eta_that_grows_with_the_tokens_ahead(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str, redis: Redis
 ) -> None:
     worker = fleet.start_worker(model_name)
-    body = {"model": model_name, "prompt": "Hi", "max_tokens": 2}
+    small = {"model": model_name, "prompt": "Hi", "max_tokens": 2}  # 3 tokens as estimated
     for _ in range(3):
-        await wait_done(client, (await submit_http(client, body))["id"])
+        await wait_done(client, (await submit_http(client, {**small, "max_tokens": 40}))["id"])
+    assert await measured_speed(redis, model_name) > 0
     worker.pause()
     try:
-        ids = [(await submit_http(client, body))["id"] for _ in range(2)]
-        batch = (await submit_http(client, {**body, "priority": "batch"}))["id"]
+        big = {"model": model_name, "prompt": "ab " * 100, "max_tokens": 200}  # 276 tokens as estimated
+        ids = [(await submit_http(client, body))["id"] for body in (big, small, small)]
+        batch = (await submit_http(client, {**small, "priority": "batch"}))["id"]
         views = [(await client.get(f"/v1/jobs/{job_id}")).json() for job_id in [*ids, batch]]
         metrics = (await client.get("/metrics")).text
     finally:
         worker.resume()
 
-    assert [v["queue_position"] for v in views] == [0, 1, 2]
+    assert [v["queue_position"] for v in views] == [0, 1, 2, 3]
     etas = [v["queue_eta_s"] for v in views]
     assert all(eta is not None and eta > 0 for eta in etas) and etas == sorted(etas)
-    assert views[2]["priority"] == "batch"
+    behind_big, behind_small = etas[1] - etas[0], etas[2] - etas[1]
+    assert behind_big > 0 and behind_big >= 5 * behind_small  # 276 tokens ahead against 3
+    assert views[3]["priority"] == "batch"
     assert f'ortfleet_queued_jobs{{model="{model_name}",priority="batch"}} 1.0' in metrics
     assert f'ortfleet_served_tokens_total{{model="{model_name}",priority="interactive"}}' in metrics
