@@ -62,6 +62,14 @@ class OpenAISchema:
         chunk = schemas[COMPLETION_CHUNK] = copy.deepcopy(schemas["CreateCompletionResponse"])
         reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
         reason["type"], reason["enum"] = [reason["type"], "null"], [*reason["enum"], None]
+        # The one place ortfleet answers other than the document says: an empty page of a list has no first
+        # or last id, and says so with null (the document wants strings; the SDK reads neither).
+        ends = {"first_id": {"type": "string"}, "last_id": {"type": "string"}}
+        for listing in ("ListFilesResponse", "ListBatchesResponse"):
+            for end in ends:
+                schemas[listing]["properties"][end]["type"] = ["string", "null"]
+            schemas[listing]["if"] = {"properties": {"data": {"minItems": 1}}}
+            schemas[listing]["then"] = {"properties": ends}
         self._registry: Registry[Any] = Registry().with_resource(
             BASE, DRAFT202012.create_resource(self.document)
         )

@@ -136,3 +136,12 @@ def test_answers_read_by_httpx_and_by_the_sdk_are_checked(wrong_server: str) -> 
         "POST /v1/chat/completions 200: CreateChatCompletionStreamResponse at /choices: "
         "'none' is not of type 'array'",
     ]
+
+
+def test_only_an_empty_page_of_a_list_may_have_null_first_and_last_ids() -> None:
+    empty = {"object": "list", "data": [], "has_more": False, "first_id": None, "last_id": None}
+    assert SCHEMA.mismatch("ListFilesResponse", empty) is None
+    batch = {"id": "batch_1", "object": "batch", "endpoint": "/v1/completions", "input_file_id": "file-1"}
+    page = {**empty, "data": [batch]}
+    problem = SCHEMA.mismatch("ListBatchesResponse", page)
+    assert problem is not None and "_id: None is not of type 'string'" in problem

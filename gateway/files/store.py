@@ -64,7 +64,6 @@ class StoredFile:
             "filename": self.filename,
             "purpose": self.purpose,
             "status": "processed",
-            "status_details": None,
         }
 
 
