@@ -164,7 +164,7 @@ class Batch:
         status = self.status
         ended = status in ENDED
         errors = json.loads(f["errors"]) if f.get("errors") else None
-        return {
+        shown = {
             "id": self.id,
             "object": "batch",
             "endpoint": self.endpoint,
@@ -190,6 +190,8 @@ class Batch:
             },
             "metadata": json.loads(f["metadata"]) if f.get("metadata") else None,
         }
+        # What has not happened (yet) is left out, as OpenAI's document has these fields: never null.
+        return {key: value for key, value in shown.items() if value is not None or key == "metadata"}
 
 
 def _flat(fields: dict[str, str]) -> list[str]:
