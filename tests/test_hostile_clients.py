@@ -24,7 +24,9 @@ from common.wire import ChatMessage, JobSpec, Sampling
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet, Proc, RedisServer
 from tests.jobs_client import read_events, submit, wait_done
+from tests.test_observability import value
 from tests.test_security import bearer, create_key
+from tests.waiting import until_seen
 
 LIMITS = {
     "ORTFLEET_HEADER_TIMEOUT_S": "1",
@@ -437,14 +439,20 @@ async def test_readers_of_a_purged_job_are_told_and_stop_waiting(fleet: Fleet, t
     fleet.start_worker(model, "--max-batch-size", "1", env={"ORTFLEET_STEP_DELAY_S": "0.2"})
     async with httpx.AsyncClient(base_url=url, headers=bearer(token), timeout=30) as client:
         job = await submit(client, {"model": model, "prompt": "Hi", "max_tokens": 200})
-        reader = asyncio.ensure_future(read_events(client, job["id"]))
+        connected = asyncio.Event()
+        reader = asyncio.ensure_future(read_events(client, job["id"], connected=connected))
         chat = asyncio.ensure_future(
             client.post(
                 "/v1/chat/completions",
                 json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200},
             )
         )
-        await asyncio.sleep(0.5)  # both are waiting (the chat call's job queued behind the first)
+
+        async def both_jobs_listed() -> bool:  # the chat call's job queued behind the first
+            return len((await client.get("/v1/jobs")).json()["data"]) == 2
+
+        await asyncio.wait_for(connected.wait(), 10)
+        await until_seen(both_jobs_listed, "the chat call's job submitted", 10)
         for job_id in [job["id"], *(j["id"] for j in (await client.get("/v1/jobs")).json()["data"])]:
             await client.delete(f"/v1/jobs/{job_id}", params={"purge": "true"})
         started = time.monotonic()
@@ -589,11 +597,20 @@ async def test_a_client_that_aborts_its_upload_is_not_counted_as_a_server_error(
                 b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: " + token.encode()
                 + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\""
             )  # fmt: skip
-            time.sleep(0.2)
+            time.sleep(0.2)  # the client's upload stalls halfway, then it goes away
 
-    await asyncio.to_thread(abort)
     async with httpx.AsyncClient(base_url=tenants.url, headers=tenants.alice, timeout=10) as client:
-        await asyncio.sleep(0.2)
+
+        async def submissions_counted() -> float:
+            text = (await client.get("/metrics")).text
+            return value(text, "ortfleet_http_requests_total", route="/v1/jobs", method="POST") or 0.0
+
+        async def abort_counted() -> bool:
+            return await submissions_counted() > before
+
+        before = await submissions_counted()
+        await asyncio.to_thread(abort)
+        await until_seen(abort_counted, "the aborted upload counted", 10)
         metrics = (await client.get("/metrics")).text
     assert 'status="500"' not in metrics
 

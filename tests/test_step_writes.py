@@ -61,32 +61,37 @@ async def test_a_step_write_skips_a_job_whose_attempt_lost_it_and_writes_the_oth
     assert await redis.hget(keys.job(lost), "first_token_at") is None
 
 
-class SlowFor(JobQueue):
-    """Writes that carry `job_id`'s entries take `delay_s` longer."""
+class HeldFor(JobQueue):
+    """Writes that carry `job_id`'s entries are held until `release` is set."""
 
-    def __init__(self, redis: Redis, job_id: str, delay_s: float) -> None:
+    def __init__(self, redis: Redis, job_id: str) -> None:
         super().__init__(redis, 3600)
-        self.job_id, self.delay_s = job_id, delay_s
+        self.job_id = job_id
+        self.held, self.release = asyncio.Event(), asyncio.Event()
 
     async def publish_step(
         self, writes: list[StepWrite], reply_after: asyncio.Event | None = None
     ) -> list[StepResult]:
         if any(write.job_id == self.job_id for write in writes):
-            await asyncio.sleep(self.delay_s)
+            self.held.set()
+            await self.release.wait()
         return await super().publish_step(writes, reply_after)
 
 
 async def test_a_jobs_first_token_never_waits_for_another_jobs_write_in_flight(redis: Redis) -> None:
     slow, fresh = "job_step_slow", "job_step_fresh"
     await fresh_jobs(redis, slow, fresh)
-    writer = StepWriter(SlowFor(redis, slow, 2.0), 64)
+    queue = HeldFor(redis, slow)
+    writer = StepWriter(queue, 64)
     busy, first = writer.publisher(slow, 1), writer.publisher(fresh, 1)
     busy.add(token_entry("a", [97], 0))
-    await asyncio.sleep(0.05)  # the slow job's write is out
+    await asyncio.wait_for(queue.held.wait(), 1.0)  # the slow job's write is out
     first.add(token_entry("b", [98], 0))
-    await asyncio.wait_for(first.drain(), 1.0)  # well before the slow write ends
+    await asyncio.wait_for(first.drain(), 1.0)  # while the slow write is still out
     assert await redis.xlen(keys.events(fresh)) == 1 and await redis.xlen(keys.events(slow)) == 0
-    await busy.drain()
+    queue.release.set()
+    await asyncio.wait_for(busy.drain(), 5.0)
+    assert await redis.xlen(keys.events(slow)) == 1
     await writer.close()
 
 
@@ -161,18 +166,24 @@ async def test_a_step_write_that_fails_for_a_fault_of_the_worker_is_tried_again(
 
 
 class NeverAnswers(JobQueue):
+    def __init__(self, redis: Redis) -> None:
+        super().__init__(redis, 3600)
+        self.write_out = asyncio.Event()
+
     async def publish_step(
         self, writes: list[StepWrite], reply_after: asyncio.Event | None = None
     ) -> list[StepResult]:
+        self.write_out.set()
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
 
 async def test_once_the_writer_is_closed_no_job_waits_for_its_unwritten_entries(redis: Redis) -> None:
-    writer = StepWriter(NeverAnswers(redis, 3600), 64)
+    queue = NeverAnswers(redis)
+    writer = StepWriter(queue, 64)
     out, later = writer.publisher("job_step_out", 1), writer.publisher("job_step_later", 1)
     out.add(token_entry("a", [97], 0))
-    await asyncio.sleep(0.05)  # its write is out, and never answered
+    await asyncio.wait_for(queue.write_out.wait(), 1.0)  # its write is out, and never answered
     await writer.close()
     later.add(token_entry("b", [98], 0))
     await asyncio.wait_for(asyncio.gather(out.close(), later.close()), 1.0)
