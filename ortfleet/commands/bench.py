@@ -23,7 +23,7 @@ def register(subparsers: Subparsers) -> None:
         "bench",
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {FLEET_HELP}. "
-        "Modes: fleet (the same), gateway, redis, pickup, sim, fairness, batching, serving, prefix.",
+        "Modes: fleet (the same), gateway, redis, pickup, eta, sim, fairness, batching, serving, prefix.",
     )
     _fleet_options(parser)
     parser.set_defaults(func=run_fleet)
@@ -101,6 +101,17 @@ def register(subparsers: Subparsers) -> None:
     )
     pickup.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     pickup.set_defaults(func=run_pickup)
+
+    eta = modes.add_parser(
+        "eta",
+        help="how close a queued job's queue_eta_s comes to when it starts",
+        description="A burst of jobs of mixed sizes (ignore_eos) on one worker: each job's queue_eta_s, read "
+        "right after the burst, against the wait it had until it started.",
+    )
+    eta.add_argument("--jobs", type=_positive, default=40, help="jobs in the burst (default 40)")
+    eta.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
+    eta.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    eta.set_defaults(func=run_eta)
 
     sim = modes.add_parser(
         "sim",
@@ -490,6 +501,13 @@ def run_pickup(args: argparse.Namespace) -> int:
     model = None if args.fake_engine else model_dir(args.model)
     figures = pickup.run(model, args.fake_engine, args.jobs)
     return _finish(figures, pickup.text(figures), args.json)
+
+
+def run_eta(args: argparse.Namespace) -> int:
+    from ortfleet.bench import eta
+
+    figures = eta.run(model_dir(args.model), args.jobs)
+    return _finish(figures, eta.text(figures), args.json)
 
 
 def run_sim(args: argparse.Namespace) -> int:
