@@ -78,12 +78,6 @@ async def queue_stats(redis: Redis, models: list[str], now: float | None = None)
     }
 
 
-async def service_rate(redis: Redis, model: str, now: float | None = None) -> float:
-    """Jobs of the model that succeeded or failed per second, over the last minute."""
-    done = (await recent_outcomes(redis, [model], now))[model]
-    return (done.finished - done.by_status["cancelled"]) / RECENT_WINDOW_S
-
-
 async def served_tokens(redis: Redis, model: str) -> dict[str, int]:
     """Tokens served (prompt and generated) by the model's finished jobs: per class, and per
     "<class>:<key>"."""
