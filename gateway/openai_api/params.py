@@ -12,7 +12,7 @@ from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, GenerationParams
 from gateway.openai_api.structured import response_format
-from gateway.openai_api.tools import assistant_calls, result_text
+from gateway.openai_api.tools import Conversation, assistant_calls
 
 _SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
 
@@ -77,25 +77,18 @@ def job_request(
 
 def job_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     """Chat messages as jobs take them: text only; `developer` is the newer name of `system`. Calls an
-    assistant made and the tools' results are written in the tool prompt format (see tools.py); results
-    that follow one another go in one user message."""
-    converted: list[ChatMessage] = []
-    results: list[str] = []
+    assistant made and the tools' results are written in the tool prompt format (see tools.py)."""
+    conversation = Conversation()
     for i, message in enumerate(messages):
         if message.role in ("tool", "function"):
-            results.append(result_text(_text(message, i)))
+            conversation.add_result(_text(message, i))
             continue
-        if results:
-            converted.append(ChatMessage(role="user", content="\n".join(results)))
-            results = []
         role = "system" if message.role == "developer" else message.role
         content = _text(message, i)
         if role == "assistant":
             content = "\n".join([*([content] if content else []), *assistant_calls(message, i)])
-        converted.append(ChatMessage.model_validate({"role": role, "content": content}))
-    if results:
-        converted.append(ChatMessage(role="user", content="\n".join(results)))
-    return converted
+        conversation.add(role, content)
+    return conversation.messages()
 
 
 def _text(message: ChatMessageIn, i: int) -> str:

@@ -1,6 +1,7 @@
 """Structured output as OpenAI and vLLM ask for it, turned into the job's `response_format`.
 
-OpenAI: `response_format` of type `text`, `json_object` or `json_schema`. vLLM: `guided_json`,
+OpenAI: `response_format` of type `text`, `json_object` or `json_schema` (on Responses, `text.format`,
+whose `json_schema` holds `name`, `schema` and `strict` beside its `type`). vLLM: `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (Lark syntax), or the newer `structured_outputs`
 object with `json`, `regex`, `choice`, `grammar` or `json_object`. At most one of them per request.
 """
@@ -90,12 +91,41 @@ def _schema(name: str, value: Any) -> Any:
     return value
 
 
+def text_format(text: Any) -> ResponseFormat | None:
+    """A Responses request's `text.format`: `text` (None), `json_object` or `json_schema`."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise ApiError(400, "text: must be an object with a 'format'", param="text")
+    value = text.get("format")
+    if value is None or value == {"type": "text"}:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, "text.format: must be an object with a 'type'", param="text.format")
+    kind = value.get("type")
+    if kind not in ("json_object", "json_schema"):
+        raise ApiError(
+            400,
+            f"text.format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+            param="text.format.type",
+        )
+    if kind == "json_object":
+        return _parse("text.format", value)
+    if "schema" not in value:
+        raise ApiError(400, "text.format.schema: required", param="text.format.schema")
+    inner = {k: v for k, v in value.items() if k != "type"}
+    return _parse("text.format", {"type": "json_schema", "json_schema": inner})
+
+
 def _parse(name: str, raw: dict[str, Any]) -> ResponseFormat:
     try:
         return ResponseFormat.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        param = f"{name}.{where}" if name == "response_format" and where else name
+        loc = [str(part) for part in first["loc"]]
+        if name == "text.format" and loc[:1] == ["json_schema"]:
+            loc = loc[1:]  # flat on Responses
+        where = ".".join(loc)
+        param = f"{name}.{where}" if name in ("response_format", "text.format") and where else name
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise ApiError(400, f"{param}: {message.removeprefix('Value error, ')}", param=param) from e

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.openai_api.tools import CALL_CLOSE, CALL_OPEN
@@ -20,7 +21,7 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\
 _DECODER = json.JSONDecoder()
 
 
-def call_id() -> str:
+def call_id(_index: int = 0) -> str:
     return "call_" + secrets.token_hex(12)
 
 
@@ -44,8 +45,10 @@ class CallPiece:
 
 @dataclass
 class CallReader:
-    """One choice's output, read as text or calls."""
+    """One choice's output, read as text or calls; `new_id` names the call of each index (chat's ids are
+    random, a response's follow from its id, so every reading of its job gives the same)."""
 
+    new_id: Callable[[int], str] = call_id
     text: str = ""  # the answer's text, when it is not calls
     calls: list[ReadCall] = field(default_factory=list)
     _mode: str | None = None  # "text" or "calls", from the first character
@@ -77,7 +80,7 @@ class CallReader:
                 if head is None:
                     return pieces
                 name = json.loads(f'"{head.group(1)}"')
-                current = ReadCall(call_id(), name)
+                current = ReadCall(self.new_id(len(self.calls)), name)
                 self.calls.append(current)
                 self._rest = rest[head.end() :]
                 pieces.append(CallPiece(len(self.calls) - 1, current.id, name, ""))
@@ -116,7 +119,7 @@ class CallReader:
         return [call for call in self.calls if call.complete]
 
 
-def read_answer(text: str) -> CallReader:
-    reader = CallReader()
+def read_answer(text: str, new_id: Callable[[int], str] = call_id) -> CallReader:
+    reader = CallReader(new_id)
     reader.feed(text)
     return reader

@@ -1,5 +1,10 @@
-"""Tool calling on chat completions: the request's tools, how the model is told about them, and the
-grammar that keeps its calls valid.
+"""Tool calling, for chat completions and Responses alike: the request's tools, how the model is told
+about them, the grammar that keeps its calls valid, and calls and results written back into the
+conversation.
+
+Chat nests a function in its tool (`{"type": "function", "function": {"name", ...}}`, a named choice
+`{"type": "function", "function": {"name"}}`); Responses writes it flat (`{"type": "function", "name",
+...}`, a named choice `{"type": "function", "name"}`). Both become one `ToolPlan`.
 
 ortfleet shows tools to the model in its own prompt format, the same for every model (docs/api.md,
 "Tool calling"): a system message lists the tools and the call syntax, a call is written
@@ -68,6 +73,7 @@ class ToolPlan:
     named: str | None = None  # the function a named choice forces
     parallel: bool = True
     legacy: bool = False  # `functions`/`function_call`: answered as `message.function_call`
+    flat: bool = False  # Responses' tools: `tools.N.parameters`, not `tools.N.function.parameters`
 
     @property
     def calls_allowed(self) -> bool:
@@ -154,7 +160,7 @@ def tool_plan(body: Any) -> ToolPlan | None:
         defs = _functions(functions, "functions")
         choice_field, choice = "function_call", body.function_call
     else:
-        defs = _tool_functions(tools)
+        defs = _tool_functions(tools, flat=False)
         choice_field, choice = "tool_choice", body.tool_choice
         if body.function_call is not None and body.function_call != "none":
             raise ApiError(400, "function_call: needs functions", param="function_call")
@@ -165,7 +171,16 @@ def tool_plan(body: Any) -> ToolPlan | None:
     return ToolPlan(defs, mode, named, parallel, legacy)
 
 
-def _tool_functions(tools: Any) -> list[FunctionDef]:
+def flat_tool_plan(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
+    """The tools and choice of a Responses request (flat function tools); None without tools."""
+    defs = _tool_functions(tools, flat=True)
+    mode, named = _choice(tool_choice, "tool_choice", defs, legacy=False, flat=True)
+    if not defs:
+        return None
+    return ToolPlan(defs, mode, named, parallel_tool_calls is not False, flat=True)
+
+
+def _tool_functions(tools: Any, *, flat: bool) -> list[FunctionDef]:
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -181,7 +196,10 @@ def _tool_functions(tools: Any) -> list[FunctionDef]:
                 param=f"tools.{i}.type",
                 code=ErrorCode.unsupported_value,
             )
-        functions.append(_function(tool.get("function"), f"tools.{i}.function"))
+        if flat:
+            functions.append(_function({k: v for k, v in tool.items() if k != "type"}, f"tools.{i}"))
+        else:
+            functions.append(_function(tool.get("function"), f"tools.{i}.function"))
     return _distinct(functions, "tools")
 
 
@@ -225,7 +243,7 @@ def _function(raw: Any, where: str) -> FunctionDef:
 
 
 def _choice(
-    choice: Any, field: str, functions: list[FunctionDef], legacy: bool
+    choice: Any, field: str, functions: list[FunctionDef], legacy: bool, flat: bool = False
 ) -> tuple[ToolMode, str | None]:
     names = {f.name for f in functions}
     if choice is None:
@@ -238,15 +256,17 @@ def _choice(
         return choice, None
     name = None
     if isinstance(choice, dict):
-        inner = choice if legacy else choice.get("function")
+        inner = choice if legacy or flat else choice.get("function")
         if (legacy or choice.get("type") == "function") and isinstance(inner, dict):
             name = inner.get("name")
     if not isinstance(name, str):
-        allowed = (
-            "'none', 'auto' or {\"name\": ...}"
-            if legacy
-            else ('\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}')
-        )
+        if legacy:
+            allowed = "'none', 'auto' or {\"name\": ...}"
+        elif flat:
+            allowed = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
+        else:
+            allowed = '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+
         raise ApiError(400, f"{field}: must be {allowed}", param=field)
     if name not in names:
         raise ApiError(400, f"{field}: no function named {name!r} among the tools", param=field)
@@ -306,6 +326,40 @@ def assistant_calls(message: Any, i: int) -> list[str]:
 
 def result_text(content: str) -> str:
     return f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"
+
+
+class Conversation:
+    """Chat messages as jobs take them, built in order: a tool's results that follow one another go in
+    one user message; calls (`call_text`) join the assistant message before them."""
+
+    def __init__(self) -> None:
+        self._messages: list[ChatMessage] = []
+        self._results: list[str] = []
+
+    def add(self, role: str, content: str) -> None:
+        self._flush()
+        self._messages.append(ChatMessage.model_validate({"role": role, "content": content}))
+
+    def add_calls(self, calls: list[str]) -> None:
+        self._flush()
+        last = self._messages[-1] if self._messages else None
+        if last is not None and last.role == "assistant":
+            joined = "\n".join([*([last.content] if last.content else []), *calls])
+            self._messages[-1] = ChatMessage(role="assistant", content=joined)
+        else:
+            self._messages.append(ChatMessage(role="assistant", content="\n".join(calls)))
+
+    def add_result(self, content: str) -> None:
+        self._results.append(result_text(content))
+
+    def _flush(self) -> None:
+        if self._results:
+            self._messages.append(ChatMessage(role="user", content="\n".join(self._results)))
+            self._results = []
+
+    def messages(self) -> list[ChatMessage]:
+        self._flush()
+        return list(self._messages)
 
 
 def with_tools(messages: list[ChatMessage], plan: ToolPlan | None) -> list[ChatMessage]:

@@ -1,130 +1,34 @@
-"""A response as OpenAI shows it, and its streaming events, derived from its job's record and stream.
+"""A response's streaming events, derived from its job's stream.
 
 The events are a pure function of the job's stream, so every gateway numbers them the same way and a
 reader resumes after any `sequence_number` by replaying the stream and skipping what it has seen.
+Text goes out as an assistant message's `output_text` deltas; when the request allowed tool calls and
+the model writes calls, each call is a `function_call` item whose arguments stream as they grow.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.events import is_failure
-from common.records import JobRecord
-from common.wire import EventType, FinishReason, JobStatus
+from common.events import entry_logprobs, is_failure
+from common.wire import EventType, JobStatus
+from gateway.openai_api.tool_calls import CallReader
+from gateway.responses.output import (
+    STATUS,
+    call_item,
+    call_item_id,
+    call_reader,
+    delta_logprobs,
+    message,
+    message_id,
+    part,
+    response_object,
+)
 from gateway.sse import Entry, json_bytes
 
-_STATUS = {
-    JobStatus.queued.value: "queued",
-    JobStatus.running.value: "in_progress",
-    JobStatus.succeeded.value: "completed",
-    JobStatus.failed.value: "failed",
-    JobStatus.cancelled.value: "cancelled",
-}
-
-
-def response_id(job_id: str) -> str:
-    return "resp_" + job_id.removeprefix("job_")
-
-
-def job_id_of(response_id: str) -> str:
-    return "job_" + response_id.removeprefix("resp_")
-
-
-def message_id(job_id: str) -> str:
-    return "msg_" + job_id.removeprefix("job_")
-
-
-def _usage(raw: str | None) -> dict[str, Any] | None:
-    if not raw:
-        return None
-    usage = json.loads(raw)
-    return {
-        "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        },
-        "output_tokens": usage.get("completion_tokens", 0),
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.get("total_tokens", 0),
-    }
-
-
-def _message(job_id: str, text: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "message",
-        "id": message_id(job_id),
-        "status": status,
-        "role": "assistant",
-        "content": [_part(text)],
-    }
-
-
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def response_object(
-    meta: dict[str, str],
-    status: str,
-    *,
-    text: str | None = None,
-    usage: str | None = None,
-    error: dict[str, str] | None = None,
-    truncated: bool = False,
-) -> dict[str, Any]:
-    """The response object; `meta` is the response's record (what the request asked for)."""
-    job_id = meta["job_id"]
-    if status == "completed" and truncated:
-        status = "incomplete"
-    output = []
-    if text is not None:
-        item_status = {"completed": "completed", "in_progress": "in_progress"}.get(status, "incomplete")
-        output.append(_message(job_id, text, item_status))
-    return {
-        "id": meta["id"],
-        "object": "response",
-        "created_at": int(float(meta["created_at"])),
-        "status": status,
-        "background": meta.get("background") == "1",
-        "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": meta.get("instructions") or None,
-        "max_output_tokens": int(meta["max_output_tokens"]) if meta.get("max_output_tokens") else None,
-        "model": meta["model"],
-        "output": output,
-        "parallel_tool_calls": False,
-        "temperature": float(meta["temperature"]) if meta.get("temperature") else None,
-        "top_p": float(meta["top_p"]) if meta.get("top_p") else None,
-        "tool_choice": "none",
-        "tools": [],
-        "text": {"format": {"type": "text"}},
-        "store": meta.get("store", "1") == "1",
-        "metadata": json.loads(meta["metadata"]) if meta.get("metadata") else {},
-        "usage": _usage(usage),
-    }
-
-
-def view_from_job(meta: dict[str, str], job: JobRecord | None) -> dict[str, Any]:
-    """The response as it stands, from its job's record."""
-    if job is None:
-        return response_object(meta, "failed", error={"code": "server_error", "message": "the job is gone"})
-    status = _STATUS[job.status.value]
-    text = job.output
-    error = None
-    if status == "failed":
-        code = job.error_code.value if job.error_code else "server_error"
-        error = {"code": code, "message": job.error or "failed"}
-    return response_object(
-        meta,
-        status,
-        text=text if text is not None or status == "completed" else None,
-        usage=job.usage.model_dump_json() if job.usage else None,
-        error=error,
-        truncated=job.finish_reason is FinishReason.length,
-    )
+__all__ = ["EventFrames", "EventNumbering", "response_object"]
 
 
 @dataclass
@@ -135,6 +39,13 @@ class EventNumbering:
     sequence: int = 0
     started: bool = False
     text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    _reader: CallReader | None = None
+    _message_open: bool = False
+    _calls_done: int = 0  # the calls whose done events went out
+
+    def __post_init__(self) -> None:
+        self._reader = call_reader(self.meta)
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -149,17 +60,75 @@ class EventNumbering:
         if self.started:
             return
         self.started = True
-        job_id = self.meta["job_id"]
         yield self._event("response.in_progress", response=response_object(self.meta, "in_progress"))
-        item = {**_message(job_id, "", "in_progress"), "content": []}
+        if self._reader is None:  # text only: the message opens at once
+            yield from self._open_message()
+
+    def _open_message(self) -> Iterator[dict[str, Any]]:
+        if self._message_open:
+            return
+        self._message_open = True
+        job_id = self.meta["job_id"]
+        item = {**message(job_id, "", "in_progress"), "content": []}
         yield self._event("response.output_item.added", output_index=0, item=item)
         yield self._event(
             "response.content_part.added",
             item_id=message_id(job_id),
             output_index=0,
             content_index=0,
-            part=_part(""),
+            part=part(""),
         )
+
+    def _text_delta(self, delta: str, logprobs: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
+        yield from self._open_message()
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        yield self._event(
+            "response.output_text.delta",
+            item_id=message_id(self.meta["job_id"]),
+            output_index=0,
+            content_index=0,
+            delta=delta,
+            logprobs=delta_logprobs(logprobs or []),
+        )
+
+    def _token(self, delta: str, logprobs: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
+        reader = self._reader
+        if reader is None:
+            yield from self._text_delta(delta, logprobs)
+            return
+        plain, pieces = reader.feed(delta)
+        if plain or (logprobs and self._message_open):
+            yield from self._text_delta(plain, logprobs)
+        job_id = self.meta["job_id"]
+        for piece in pieces:
+            if piece.name is not None:
+                item = call_item(job_id, piece.index, reader.calls[piece.index], "in_progress")
+                yield self._event(
+                    "response.output_item.added", output_index=piece.index, item={**item, "arguments": ""}
+                )
+            if piece.arguments:
+                yield self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=call_item_id(job_id, piece.index),
+                    output_index=piece.index,
+                    delta=piece.arguments,
+                )
+        while self._calls_done < len(reader.calls) and reader.calls[self._calls_done].complete:
+            index, call = self._calls_done, reader.calls[self._calls_done]
+            self._calls_done += 1
+            yield self._event(
+                "response.function_call_arguments.done",
+                item_id=call_item_id(job_id, index),
+                output_index=index,
+                name=call.name,
+                arguments=call.arguments,
+            )
+            yield self._event(
+                "response.output_item.done",
+                output_index=index,
+                item=call_item(job_id, index, call, "completed"),
+            )
 
     def entry(self, fields: dict[str, str]) -> Iterator[dict[str, Any]]:
         kind = fields.get("type")
@@ -168,52 +137,71 @@ class EventNumbering:
                 yield from self._start()
             return
         yield from self._start()
-        job_id = self.meta["job_id"]
-        item_id = message_id(job_id)
         if kind == EventType.token.value:
-            delta = fields.get("text", "")
-            if delta:
+            delta, logprobs = fields.get("text", ""), entry_logprobs(fields)
+            if delta or logprobs:
                 self.text.append(delta)
-                yield self._event(
-                    "response.output_text.delta",
-                    item_id=item_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=delta,
-                    logprobs=[],
-                )
+                yield from self._token(delta, logprobs)
             return
         text = "".join(self.text)
         if is_failure(fields):
             error = {"code": fields.get("code") or "server_error", "message": fields.get("message", "failed")}
-            yield self._event(
-                "response.failed", response=response_object(self.meta, "failed", text=text, error=error)
-            )
+            failed = response_object(self.meta, "failed", text=text, error=error, logprobs=self.logprobs)
+            yield self._event("response.failed", response=failed)
             return
         if kind != EventType.done.value:
             return
-        status = _STATUS.get(fields.get("status", ""), "completed")
+        status = STATUS.get(fields.get("status", ""), "completed")
         truncated = fields.get("finish_reason") == "length"
+        if self._reader is not None and self._reader.made_calls:
+            yield from self._unfinished_calls(self._reader)
+        else:
+            yield from self._close_message(text, status, truncated)
+        final = response_object(
+            self.meta,
+            status,
+            text=text,
+            usage=fields.get("usage"),
+            truncated=truncated,
+            logprobs=self.logprobs,
+        )
+        name = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            final["status"], "response.incomplete"
+        )
+        yield self._event(name, response=final)
+
+    def _close_message(self, text: str, status: str, truncated: bool) -> Iterator[dict[str, Any]]:
+        yield from self._open_message()
+        job_id = self.meta["job_id"]
+        item_id = message_id(job_id)
         item_status = "completed" if status == "completed" and not truncated else "incomplete"
+        logprobs = self.logprobs
         yield self._event(
             "response.output_text.done",
             item_id=item_id,
             output_index=0,
             content_index=0,
             text=text,
-            logprobs=[],
+            logprobs=delta_logprobs(logprobs),
         )
         yield self._event(
-            "response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=_part(text)
+            "response.content_part.done",
+            item_id=item_id,
+            output_index=0,
+            content_index=0,
+            part=part(text, logprobs),
         )
         yield self._event(
-            "response.output_item.done", output_index=0, item=_message(job_id, text, item_status)
+            "response.output_item.done", output_index=0, item=message(job_id, text, item_status, logprobs)
         )
-        final = response_object(self.meta, status, text=text, usage=fields.get("usage"), truncated=truncated)
-        name = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-            final["status"], "response.incomplete"
-        )
-        yield self._event(name, response=final)
+
+    def _unfinished_calls(self, reader: CallReader) -> Iterator[dict[str, Any]]:
+        """A call cut short (the token limit, a cancel) ends as an `incomplete` item."""
+        job_id = self.meta["job_id"]
+        for index in range(self._calls_done, len(reader.calls)):
+            item = call_item(job_id, index, reader.calls[index], "incomplete")
+            yield self._event("response.output_item.done", output_index=index, item=item)
+        self._calls_done = len(reader.calls)
 
 
 class EventFrames:

@@ -1,4 +1,4 @@
-"""OpenAI's Responses request (text only) and its translation into an ortfleet job request."""
+"""OpenAI's Responses request and its translation into an ortfleet job request."""
 
 from __future__ import annotations
 
@@ -7,12 +7,26 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.error_codes import ErrorCode
-from common.wire import ChatMessage, JobRequest
+from common.guidance import ResponseFormat
+from common.wire import MAX_TOP_LOGPROBS, ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.metadata import Metadata
+from gateway.openai_api.structured import text_format
+from gateway.openai_api.tools import ToolPlan, flat_tool_plan
 
-_TEXT_PARTS = ("input_text", "output_text", "text")
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# OpenAI's `include` values: only the logprobs change an answer of ortfleet's, which has none of the
+# items the others add to (searches, images, code interpreter outputs, reasoning).
+INCLUDABLE = (
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+)
+LOGPROBS = INCLUDABLE[0]
 
 _VERBOSE = (None, "medium")  # text.verbosity values that change nothing: the model's own length
 
@@ -23,7 +37,9 @@ class ResponseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Served model name; optional when one model is served.")
-    input: str | list[dict[str, Any]] = Field(..., description="A string, or a list of text messages.")
+    input: str | list[Any] = Field(
+        ..., description="A string, or a list of items: messages, function_call and function_call_output."
+    )
     instructions: str | None = Field(None, description="A system message put before the input.")
     max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; 0 is greedy.")
@@ -36,10 +52,27 @@ class ResponseRequest(BaseModel):
     metadata: Metadata | None = Field(
         None, description="Up to 16 string pairs; keys up to 64 characters, values up to 512."
     )
-    # OpenAI's parameters ortfleet cannot honour: accepted only unset (or at their neutral values).
-    tools: Any = None
-    tool_choice: Any = None
-    previous_response_id: Any = None
+    previous_response_id: str | None = Field(
+        None, description="A stored response this one continues: its input and output come before the input."
+    )
+    tools: Any = Field(
+        None, description="Function tools (`type` `function`, `name`, `parameters`, `strict`)."
+    )
+    tool_choice: Any = Field(
+        None, description="`none`, `auto` (default), `required` or {type: function, name}."
+    )
+    parallel_tool_calls: bool | None = Field(None, description="Whether the answer may hold several calls.")
+    text: Any = Field(
+        None, description="`format`: `text`, `json_object` or `json_schema` (name, schema, strict)."
+    )
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Logprobs of the likeliest tokens at each step (0 to 20).",
+    )
+    include: list[str] | None = Field(None, description="`message.output_text.logprobs` gives logprobs.")
+    # OpenAI's parameters ortfleet cannot honour: accepted only unset.
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
@@ -48,18 +81,18 @@ class ResponseRequest(BaseModel):
     truncation: Any = None
     context_management: Any = None
     moderation: Any = None
-    include: Any = None
-    text: Any = None
 
     @property
     def stored(self) -> bool:
         return self.store is not False
 
+    @property
+    def logprobs(self) -> bool:
+        """Logprobs were asked for: `include` names them, or `top_logprobs` is set."""
+        return LOGPROBS in (self.include or []) or self.top_logprobs is not None
+
     def unsupported_parameters(self) -> list[str]:
         neutral = {
-            "tools": self.tools in (None, []),
-            "tool_choice": self.tool_choice in (None, "none", "auto"),
-            "previous_response_id": self.previous_response_id is None,
             "conversation": self.conversation is None,
             "prompt": self.prompt is None,
             "reasoning": self.reasoning is None,
@@ -68,8 +101,6 @@ class ResponseRequest(BaseModel):
             "context_management": self.context_management is None,  # no compaction
             "moderation": self.moderation is None,  # no moderation
             "text.verbosity": not isinstance(self.text, dict) or self.text.get("verbosity") in _VERBOSE,
-            "include": self.include in (None, []),
-            "text": self.text is None or self.text in ({"format": {"type": "text"}}, {}),
         }
         return [name for name, ok in neutral.items() if not ok]
 
@@ -79,73 +110,72 @@ def check_supported(body: ResponseRequest) -> None:
     if names:
         raise ApiError(
             400,
-            f"{', '.join(names)}: not supported by ortfleet (text only); leave "
-            f"{'it' if len(names) == 1 else 'them'} unset",
+            f"{', '.join(names)}: not supported by ortfleet; leave {'it' if len(names) == 1 else 'them'} "
+            "unset",
             param=names[0],
             code=ErrorCode.unsupported_parameter,
         )
     if body.background and not body.stored:
         raise ApiError(400, "store: a background response must be stored (store=true)", param="store")
-
-
-def input_messages(body: ResponseRequest) -> list[ChatMessage]:
-    """The job's chat messages: the instructions as a system message, then the input."""
-    messages: list[ChatMessage] = []
-    if body.instructions:
-        messages.append(ChatMessage(role="system", content=body.instructions))
-    if isinstance(body.input, str):
-        messages.append(ChatMessage(role="user", content=body.input))
-        return messages
-    if not body.input:
-        raise ApiError(400, "input: must not be empty", param="input")
-    for i, item in enumerate(body.input):
-        kind = item.get("type", "message")
-        if kind != "message":
+    for i, value in enumerate(body.include or []):
+        if value not in INCLUDABLE:
             raise ApiError(
                 400,
-                f"input.{i}: items of type {kind!r} are not supported by ortfleet (text messages only)",
-                param=f"input.{i}",
+                f"include.{i}: {value!r} is not one of {', '.join(INCLUDABLE)}",
+                param=f"include.{i}",
                 code=ErrorCode.unsupported_value,
             )
-        role = _ROLES.get(str(item.get("role")))
-        if role is None:
-            raise ApiError(
-                400,
-                f"input.{i}.role: {item.get('role')!r} is not one of {sorted(_ROLES)}",
-                param=f"input.{i}.role",
-            )
-        messages.append(
-            ChatMessage.model_validate({"role": role, "content": _content(item.get("content"), i)})
-        )
-    return messages
 
 
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(
-            400, f"input.{i}.content: a string or a list of text parts", param=f"input.{i}.content"
-        )
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("text") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(text, str):
-            what = {"input_image": "images", "input_file": "files", "input_audio": "audio"}.get(
-                str(kind), repr(kind)
-            )
-            raise ApiError(
-                400,
-                f"input.{i}.content.{j}: {what} are not supported by ortfleet (text parts only)",
-                param=f"input.{i}.content.{j}",
-                code=ErrorCode.unsupported_value,
-            )
-        texts.append(text)
-    return "\n".join(texts)
+def tool_plan(body: ResponseRequest) -> ToolPlan | None:
+    return flat_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
-_JOB_FIELDS = {"max_tokens": "max_output_tokens"}  # the job request's names of the Responses fields
+def output_format(body: ResponseRequest, plan: ToolPlan | None) -> ResponseFormat | None:
+    """The job's grammar: the tools' calls, or `text.format` (not both)."""
+    requested = text_format(body.text)
+    if plan is None or not plan.calls_allowed:
+        return requested
+    if requested is not None:
+        raise ApiError(400, "text.format: not with tool calls; leave it unset or text", param="text.format")
+    return plan.response_format()
+
+
+def echoed_format(body: ResponseRequest) -> dict[str, Any]:
+    """`text.format` as the response shows it."""
+    requested = text_format(body.text)
+    if requested is None:
+        return {"type": "text"}
+    if requested.json_schema is None:
+        return {"type": requested.type}
+    schema = requested.json_schema
+    shown = {"type": "json_schema", "name": schema.name, "schema": schema.schema_, "strict": schema.strict}
+    if schema.description is not None:
+        shown["description"] = schema.description
+    return shown
+
+
+def echoed_tools(plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """The function tools as the response shows them."""
+    if plan is None:
+        return []
+    return [
+        {
+            "type": "function",
+            "name": f.name,
+            "description": f.description,
+            "parameters": f.parameters,
+            "strict": f.strict,
+        }
+        for f in plan.functions
+    ]
+
+
+_JOB_FIELDS = {  # the job request's names of the Responses fields
+    "max_tokens": "max_output_tokens",
+    "logprobs": "top_logprobs",
+    "response_format": "text.format",
+}
 
 
 def in_responses_terms(error: ApiError) -> ApiError:
@@ -157,13 +187,17 @@ def in_responses_terms(error: ApiError) -> ApiError:
     return ApiError(error.status, message, param=name, code=error.code, headers=error.headers)
 
 
-def response_job(body: ResponseRequest, model: str) -> JobRequest:
+def response_job(
+    body: ResponseRequest, model: str, messages: list[ChatMessage], guided: ResponseFormat | None
+) -> JobRequest:
     fields: dict[str, Any] = {
         "model": model,
-        "messages": input_messages(body),
+        "messages": messages,
         "max_tokens": body.max_output_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": body.top_p,
+        "response_format": guided,
+        "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
     }
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})

@@ -1,13 +1,14 @@
-"""OpenAI's Responses API (text only): create (foreground, streamed or background), retrieve (or replay
-its events after `starting_after`), cancel. A response is an ortfleet job underneath."""
+"""OpenAI's Responses API: create (foreground, streamed or background; continuing a stored response),
+retrieve (or replay its events after `starting_after`), list its input items, cancel, delete. A response
+is an ortfleet job underneath."""
 
 from __future__ import annotations
 
 import functools
 import json
 import re
+import secrets
 import time
-from typing import Any
 
 import anyio
 from starlette.requests import Request
@@ -15,7 +16,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.records import JobRecord
@@ -25,10 +25,22 @@ from gateway.departure import until_disconnect
 from gateway.errors import ApiError, ClientGone
 from gateway.openai_api.choices import as_openai_error, job_failure
 from gateway.openai_api.serving import served_model
-from gateway.owned import OwnedKind
+from gateway.openai_api.tools import check_schemas, with_tools
 from gateway.request_body import parse_body
-from gateway.responses.events import EventFrames, response_id, view_from_job
-from gateway.responses.protocol import ResponseRequest, check_supported, in_responses_terms, response_job
+from gateway.responses import store
+from gateway.responses.events import EventFrames
+from gateway.responses.items import conversation, normalized_input
+from gateway.responses.output import response_id, view_from_job
+from gateway.responses.protocol import (
+    ResponseRequest,
+    check_supported,
+    echoed_format,
+    echoed_tools,
+    in_responses_terms,
+    output_format,
+    response_job,
+    tool_plan,
+)
 from gateway.sse import JobEventsResponse, StreamEndpoint, wait_final
 from gateway.state import AppState, app_state
 from gateway.submission import submit_job
@@ -36,27 +48,8 @@ from gateway.submission import submit_job
 CANCEL_WAIT_S = 5.0
 
 
-RESPONSE = OwnedKind("response", "response_id", ErrorCode.response_not_found, "resp_")
 _SEQUENCE_NUMBER = re.compile(r"-1|[0-9]{1,18}", re.ASCII)
-
-
-async def load_meta(state: AppState, resp_id: str, owner: str) -> dict[str, str]:
-    meta: dict[str, str] = await state.redis.hgetall(keys.response(resp_id))  # type: ignore[misc]
-    if not meta or meta.get("owner", "") != owner or meta.get("store") != "1":
-        raise RESPONSE.not_found(resp_id)
-    return meta
-
-
-async def current_view(state: AppState, meta: dict[str, str]) -> dict[str, Any]:
-    return view_from_job(meta, await state.shards.of_model(meta["model"]).queue.record(meta["job_id"]))
-
-
-async def forget_unstored(state: AppState, meta: dict[str, str]) -> None:
-    """Deletes the job of a response created with `store: false` once it has been answered (or its
-    client left): as on OpenAI, such a response cannot be retrieved later, as a response or a job."""
-    if meta["store"] != "1":
-        with anyio.CancelScope(shield=True):
-            await state.shards.of_model(meta["model"]).queue.purge(meta["job_id"], meta["model"])
+MAX_ITEMS_PAGE = 100
 
 
 class ResponseEventStream(JobEventsResponse):
@@ -91,14 +84,23 @@ class ResponseEventStream(JobEventsResponse):
             if self._owned and not self.ended and self._meta["store"] == "1":
                 with anyio.CancelScope(shield=True):
                     await self._shard.queue.cancel(self._meta["job_id"], self._meta["model"])
-            await forget_unstored(self._state, self._meta)
+            await store.forget_unstored(self._state, self._meta)
 
 
 async def _submit(state: AppState, body: ResponseRequest, model: str, principal: Principal) -> dict[str, str]:
     """Submits the response's job and stores the response's record (unless `store` is false), which it
     returns."""
+    plan = tool_plan(body)
+    guided = output_format(body, plan)
+    if plan is not None and plan.calls_allowed:
+        await check_schemas(plan)
+    earlier = []
+    if body.previous_response_id is not None:
+        earlier = await store.earlier_items(state, body.previous_response_id, principal.name)
+    own = normalized_input(body.input, secrets.token_hex(12))
+    messages = with_tools(conversation(body.instructions, earlier, own), plan)
     try:
-        submitted = await submit_job(state, response_job(body, model), None, principal)
+        submitted = await submit_job(state, response_job(body, model, messages, guided), None, principal)
     except ApiError as e:
         raise in_responses_terms(as_openai_error(e)) from e
     resp_id = response_id(submitted.job_id)
@@ -115,10 +117,17 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
         "temperature": "" if body.temperature is None else str(body.temperature),
         "top_p": "" if body.top_p is None else str(body.top_p),
         "metadata": json.dumps(body.metadata or {}),
+        "previous_response_id": body.previous_response_id or "",
+        "input": json.dumps([*earlier, *own], ensure_ascii=False),
+        "tools": json.dumps(echoed_tools(plan)),
+        "tool_choice": json.dumps(body.tool_choice if body.tool_choice is not None else "auto"),
+        "parallel_tool_calls": "0" if body.parallel_tool_calls is False else "1",
+        "calls": "1" if plan is not None and plan.calls_allowed else "0",
+        "text_format": json.dumps(echoed_format(body)),
+        "logprobs": "1" if body.logprobs else "0",
+        "top_logprobs": "" if body.top_logprobs is None else str(body.top_logprobs),
     }
-    if body.stored:
-        await state.redis.hset(keys.response(resp_id), mapping=meta)  # type: ignore[misc]
-        await state.redis.expire(keys.response(resp_id), state.settings.job_ttl_s)
+    await store.save_meta(state, meta)
     return meta
 
 
@@ -145,17 +154,18 @@ async def create_response(request: Request) -> Response:
         await until_disconnect(request, _until_final(state, model, meta["job_id"]))
     except ClientGone:
         await state.shards.of_model(model).queue.cancel(meta["job_id"], model)
-        await forget_unstored(state, meta)
+        await store.forget_unstored(state, meta)
         return Response(status_code=499)
     finally:
         state.streams.give_back(principal.name)
     record = await state.shards.of_model(model).queue.record(meta["job_id"])
-    await forget_unstored(state, meta)
+    logprobs = await store.job_logprobs(state, meta) if record is not None else None
+    await store.forget_unstored(state, meta)
     if record is None:  # purged (or expired) meanwhile
         raise job_failure(meta["job_id"], "was purged", ErrorCode.job_purged, "input")
     if record.status is JobStatus.failed:  # a call that waited for its response is answered an error
-        raise job_failure(meta["job_id"], record.error, record.error_code, "input")
-    return JSONResponse(view_from_job(meta, record))
+        raise in_responses_terms(job_failure(meta["job_id"], record.error, record.error_code, "input"))
+    return JSONResponse(view_from_job(meta, record, logprobs))
 
 
 async def _until_final(state: AppState, model: str, job_id: str) -> None:
@@ -170,9 +180,9 @@ async def _until_final(state: AppState, model: str, job_id: str) -> None:
 async def get_response(request: Request) -> Response:
     state = app_state(request)
     resp_id = request.path_params["response_id"]
-    meta = await load_meta(state, resp_id, principal_of(request.scope).name)
+    meta = await store.load_meta(state, resp_id, principal_of(request.scope).name)
     if request.query_params.get("stream", "false").lower() not in ("true", "1"):
-        return JSONResponse(await current_view(state, meta))
+        return JSONResponse(await store.current_view(state, meta))
     raw = request.query_params.get("starting_after", "-1")
     if not _SEQUENCE_NUMBER.fullmatch(raw):
         message = f"starting_after: {raw[:100]!r} is not a sequence number (0 or more, or -1: every event)"
@@ -185,7 +195,7 @@ async def get_response(request: Request) -> Response:
 async def cancel_response(request: Request) -> Response:
     state = app_state(request)
     resp_id = request.path_params["response_id"]
-    meta = await load_meta(state, resp_id, principal_of(request.scope).name)
+    meta = await store.load_meta(state, resp_id, principal_of(request.scope).name)
     if meta.get("background") != "1":
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
     shard = state.shards.of_model(meta["model"])
@@ -197,11 +207,57 @@ async def cancel_response(request: Request) -> Response:
             record = await shard.queue.record(meta["job_id"])
             if record is None or record.status in TERMINAL:
                 break
-    return JSONResponse(await current_view(state, meta))
+    return JSONResponse(await store.current_view(state, meta))
+
+
+async def delete_response(request: Request) -> Response:
+    state = app_state(request)
+    resp_id = request.path_params["response_id"]
+    meta = await store.load_meta(state, resp_id, principal_of(request.scope).name)
+    await store.delete(state, meta)
+    return JSONResponse({"id": resp_id, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: Request) -> Response:
+    """The response's input items a page at a time, newest first unless `order=asc`, after the item
+    `after` (an id of the list)."""
+    state = app_state(request)
+    resp_id = request.path_params["response_id"]
+    meta = await store.load_meta(state, resp_id, principal_of(request.scope).name)
+    query = request.query_params
+    raw_limit = query.get("limit", "20")
+    if not raw_limit.isascii() or not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_ITEMS_PAGE:
+        raise ApiError(
+            400, f"limit: {raw_limit[:20]!r} is not a whole number from 1 to {MAX_ITEMS_PAGE}", param="limit"
+        )
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: {order[:20]!r} is not 'asc' or 'desc'", param="order")
+    items = store.stored_items(meta)
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"after: {after[:100]!r} is not an input item of {resp_id}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(raw_limit)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
 
 
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", StreamEndpoint(get_response), methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
 ]
