@@ -137,7 +137,8 @@ def paths() -> dict[str, Any]:
         },
         "/v1/responses": {
             "post": {
-                "summary": "Create a response (text only): foreground, streamed, or in the background",
+                "summary": "Create a response (text, function tools, structured text): foreground, streamed "
+                "or in the background; `previous_response_id` continues a stored one",
                 "requestBody": {"required": True, **_json(_ref(ResponseRequest))},
                 "responses": {
                     "200": {
@@ -161,6 +162,26 @@ def paths() -> dict[str, Any]:
                         "description": "the response, or its events as SSE",
                         "content": {"application/json": {"schema": _OBJECT}, **_SSE},
                     },
+                    **_errors(400, 404),
+                },
+            },
+            "delete": {
+                "summary": "Delete a stored response and its job",
+                "parameters": [response_id],
+                "responses": {"200": {"description": "deleted", **_json(_OBJECT)}, **_errors(404)},
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "A response's input items (its whole conversation), a page at a time",
+                "parameters": [
+                    response_id,
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+                    _query("order", {"enum": ["asc", "desc"]}),
+                    _query("after", _STRING),
+                ],
+                "responses": {
+                    "200": {"description": "input items", **_json(_list("input items"))},
                     **_errors(400, 404),
                 },
             }

@@ -11,7 +11,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.guidance import ResponseFormat
 from common.wire import Usage
 from gateway.auth import principal_of
 from gateway.errors import ApiError
@@ -36,15 +35,10 @@ from gateway.openai_api.protocol import (
 from gateway.openai_api.serving import respond, served_model
 from gateway.openai_api.structured import response_format
 from gateway.openai_api.tool_calls import CallReader, read_answer
-from gateway.openai_api.tools import ToolPlan, check_schemas, tool_plan, with_tools
+from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, check_schemas, tool_plan, with_tools
 from gateway.request_body import parse_body
 from gateway.sse import StreamEndpoint
 from gateway.state import app_state
-
-# A text answer to a conversation that holds calls or results, when no call may follow (no tools, or
-# tool_choice "none"): it may not begin with "<", as auto's text may not, so that a weak model cannot
-# write the calls and results it sees there as its answer (tools.py renders them in tags).
-_TEXT_AFTER_TOOLS = ResponseFormat(type="regex", regex=r"[^<][\s\S]*")
 
 
 def _has_tool_turns(messages: list[ChatMessageIn]) -> bool:
@@ -172,7 +166,7 @@ async def create_chat_completion(request: Request) -> Response:
         await check_schemas(tools)
         guided = tools.response_format()
     elif response_format(body) is None and _has_tool_turns(body.messages):
-        guided = _TEXT_AFTER_TOOLS
+        guided = TEXT_AFTER_TOOLS
     model = await served_model(state, body.model)
     n = body.choices_per_prompt
     jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]

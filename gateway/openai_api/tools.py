@@ -44,6 +44,11 @@ MAX_GRAMMAR_CHARS = 65_536  # what a job's grammar may hold (common/guidance.py)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _COMPACT = {"whitespace_flexible": False}  # as common/guidance.py: no runs of whitespace to fill
 
+# A text answer to a conversation that holds calls or results, when no call may follow (no tools, or
+# tool_choice "none"): it may not begin with "<", as auto's text may not, so that a weak model cannot
+# write the calls and results it sees there as its answer (they are rendered in tags).
+TEXT_AFTER_TOOLS = ResponseFormat(type="regex", regex=r"[^<][\s\S]*")
+
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 ToolMode = Literal["none", "auto", "required", "named"]

@@ -12,7 +12,7 @@ from common.wire import MAX_TOP_LOGPROBS, ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.metadata import Metadata
 from gateway.openai_api.structured import text_format
-from gateway.openai_api.tools import ToolPlan, flat_tool_plan
+from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, flat_tool_plan
 
 # OpenAI's `include` values: only the logprobs change an answer of ortfleet's, which has none of the
 # items the others add to (searches, images, code interpreter outputs, reasoning).
@@ -131,11 +131,12 @@ def tool_plan(body: ResponseRequest) -> ToolPlan | None:
     return flat_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
-def output_format(body: ResponseRequest, plan: ToolPlan | None) -> ResponseFormat | None:
-    """The job's grammar: the tools' calls, or `text.format` (not both)."""
+def output_format(body: ResponseRequest, plan: ToolPlan | None, tool_turns: bool) -> ResponseFormat | None:
+    """The job's grammar: the tools' calls, or `text.format` (not both); text that does not begin as a
+    call would when the conversation holds calls (`tool_turns`) and none may follow."""
     requested = text_format(body.text)
     if plan is None or not plan.calls_allowed:
-        return requested
+        return TEXT_AFTER_TOOLS if requested is None and tool_turns else requested
     if requested is not None:
         raise ApiError(400, "text.format: not with tool calls; leave it unset or text", param="text.format")
     return plan.response_format()

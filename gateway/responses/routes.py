@@ -91,13 +91,14 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
     """Submits the response's job and stores the response's record (unless `store` is false), which it
     returns."""
     plan = tool_plan(body)
-    guided = output_format(body, plan)
-    if plan is not None and plan.calls_allowed:
-        await check_schemas(plan)
     earlier = []
     if body.previous_response_id is not None:
         earlier = await store.earlier_items(state, body.previous_response_id, principal.name)
     own = normalized_input(body.input, secrets.token_hex(12))
+    tool_turns = any(item["type"] != "message" for item in [*earlier, *own])
+    guided = output_format(body, plan, tool_turns)
+    if plan is not None and plan.calls_allowed:
+        await check_schemas(plan)
     messages = with_tools(conversation(body.instructions, earlier, own), plan)
     try:
         submitted = await submit_job(state, response_job(body, model, messages, guided), None, principal)
