@@ -110,6 +110,12 @@ class GatewaySettings(FleetSettings):
         "of its leading messages (a live worker with a free slot, at submission), before any worker may "
         "take it; 0 turns routing by prefix off.",
     )
+    structured_output_prompt: bool = Field(
+        True,
+        description="Show a chat request's JSON schema (response_format json_schema, guided_json) to the "
+        "model in a system message, as OpenAI does; decoding is constrained to it either way. Off: the "
+        "messages reach the model as sent.",
+    )
     max_queued_tokens: int = Field(
         4_000_000,
         ge=1,

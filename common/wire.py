@@ -57,6 +57,14 @@ class ChatMessage(BaseModel):
     content: str
 
 
+def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
+    """The conversation with `text` at the end of its leading system message (one is put first if none)."""
+    if messages and messages[0].role == "system":
+        first = ChatMessage(role="system", content=messages[0].content + "\n\n" + text)
+        return [first, *messages[1:]]
+    return [ChatMessage(role="system", content=text), *messages]
+
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 TokenId = Annotated[int, Field(ge=0)]

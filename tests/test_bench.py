@@ -399,3 +399,36 @@ def test_the_prefix_bench_measures_second_turns_and_a_shared_system_prompt(
         system["saved"] >= 0.8,
     ]
     assert "second turn" in done.stdout and "goals" in done.stdout
+
+
+def test_the_structured_bench_counts_the_answers_that_come_back_whole(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from ortfleet.bench.structured import OBJECT_PROMPTS, PARSE_CASES
+
+    out = tmp_path / "structured.json"
+    done = bench(
+        "structured", "--model", str(tiny_model), "--parse-tokens", "24", "--object-tokens", "12",
+        "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert data["bench"] == "structured" and data["options"] == {"parse_tokens": 24, "object_tokens": 12}
+    parse, objects = data["parse"], data["json_object"]
+    assert [r["schema"] for r in parse["requests"]] == [schema.__name__ for schema, _ in PARSE_CASES]
+    assert [r["prompt"] for r in objects["requests"]] == OBJECT_PROMPTS
+    for (schema, _), record in zip(PARSE_CASES, parse["requests"], strict=True):
+        assert 0 < record["completion_tokens"] <= 24
+        if record["ok"]:  # whole: it ended on its own and validates
+            assert record["finish_reason"] == "stop"
+            schema.model_validate_json(record["text"])
+        else:
+            assert record["miss"]
+    for record in objects["requests"]:
+        assert 0 < record["completion_tokens"] <= 12
+        whole = record["finish_reason"] == "stop" and isinstance(json.loads(record["text"]), dict)
+        assert record["ok"] is whole and (whole or record["miss"])
+    assert parse["ok"] == sum(r["ok"] for r in parse["requests"]) and parse["of"] == 10
+    assert objects["ok"] == sum(r["ok"] for r in objects["requests"]) and objects["of"] == 10
+    assert [goal["pass"] for goal in data["goals"]] == [parse["ok"] >= 9, objects["ok"] >= 9]
+    assert "goals" in done.stdout and "json_object" in done.stdout

@@ -14,6 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 from pydantic_core import from_json
 
+from common.guidance import ResponseFormat
+from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 
 PERSON = {
@@ -55,6 +57,29 @@ async def test_a_strict_json_schema_response_format_gives_output_that_validates(
         )
         as_person(completion.choices[0].message.content)
         assert completion.choices[0].finish_reason == "stop"
+
+
+def test_the_schema_asked_for_is_shown_to_the_model_unless_a_setting_turns_it_off(
+    fleet: Fleet, sdk: openai.OpenAI, served: str
+) -> None:
+    _, as_sent_url = fleet.start_gateway({"ORTFLEET_STRUCTURED_OUTPUT_PROMPT": "false"})
+    asked = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    question = chat("Describe a person.")
+
+    def prompt_tokens(client: openai.OpenAI, **extra: Any) -> int:
+        done = client.chat.completions.create(model=served, messages=question, max_tokens=2, **extra)
+        assert done.usage is not None
+        return done.usage.prompt_tokens
+
+    told = ResponseFormat.model_validate(asked).prompt_text()
+    assert told is not None and json.dumps(PERSON, separators=(",", ":")) in told
+    with_system = httpx.post(
+        f"{fleet.gateway_url}/tokenize",
+        json={"model": served, "messages": [{"role": "system", "content": told}, *question]},
+    ).json()["count"]
+    assert prompt_tokens(sdk, response_format=asked) == with_system
+    with openai.OpenAI(base_url=as_sent_url + "/v1", api_key="unused", max_retries=0) as as_sent:
+        assert prompt_tokens(as_sent, response_format=asked) == prompt_tokens(as_sent) < with_system
 
 
 async def test_a_seeded_sampled_request_is_guided_too(sdk: openai.OpenAI, served: str) -> None:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.wire import Usage
+from common.wire import Usage, with_system_text
 from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.choices import ChoiceResult, Choices
@@ -165,8 +165,11 @@ async def create_chat_completion(request: Request) -> Response:
             )
         await check_schemas(tools)
         guided = tools.response_format()
-    elif response_format(body) is None and _has_tool_turns(body.messages):
-        guided = TEXT_AFTER_TOOLS
+    elif (asked := response_format(body)) is None:
+        if _has_tool_turns(body.messages):
+            guided = TEXT_AFTER_TOOLS
+    elif state.settings.structured_output_prompt and (text := asked.prompt_text()) is not None:
+        messages = with_system_text(messages, text)
     model = await served_model(state, body.model)
     n = body.choices_per_prompt
     jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]

@@ -28,8 +28,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.error_codes import ErrorCode
-from common.guidance import ResponseFormat
-from common.wire import ChatMessage
+from common.guidance import ResponseFormat, bounded_numbers
+from common.wire import ChatMessage, with_system_text
 from gateway import guidance_check
 from gateway.errors import ApiError
 
@@ -114,7 +114,8 @@ class ToolPlan:
         """The Lark grammar the answer must follow (for `auto`, `required` and a named function)."""
         functions = [f for f in self.functions if self.mode != "named" or f.name == self.named]
         rules = [
-            f"call_{i}: {json.dumps(CALL_OPEN)} %json {json.dumps(_call_schema(f))} {json.dumps(CALL_CLOSE)}"
+            f"call_{i}: {json.dumps(CALL_OPEN)} %json {json.dumps(bounded_numbers(_call_schema(f)))} "
+            f"{json.dumps(CALL_CLOSE)}"
             for i, f in enumerate(functions)
         ]
         call = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
@@ -371,8 +372,4 @@ def with_tools(messages: list[ChatMessage], plan: ToolPlan | None) -> list[ChatM
     """The conversation with the tools' system text in front (merged into a leading system message)."""
     if plan is None or not plan.calls_allowed:
         return messages
-    text = plan.system_text()
-    if messages and messages[0].role == "system":
-        first = ChatMessage(role="system", content=messages[0].content + "\n\n" + text)
-        return [first, *messages[1:]]
-    return [ChatMessage(role="system", content=text), *messages]
+    return with_system_text(messages, plan.system_text())

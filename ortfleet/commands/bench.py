@@ -23,7 +23,8 @@ def register(subparsers: Subparsers) -> None:
         "bench",
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {FLEET_HELP}. "
-        "Modes: fleet (the same), gateway, redis, pickup, eta, sim, fairness, batching, serving, prefix.",
+        "Modes: fleet (the same), gateway, redis, pickup, eta, sim, fairness, batching, serving, prefix, "
+        "structured.",
     )
     _fleet_options(parser)
     parser.set_defaults(func=run_fleet)
@@ -269,6 +270,35 @@ def register(subparsers: Subparsers) -> None:
     prefix.add_argument("--name", help="served model name at --url (default: its only model)")
     prefix.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     prefix.set_defaults(func=run_prefix)
+
+    structured = modes.add_parser(
+        "structured",
+        help="does constrained JSON come back whole: chat.completions.parse on ten schemas, json_object on "
+        "ten prompts; goals checked",
+        description="On a local fleet (Redis, a gateway, one worker on the model) or the OpenAI-compatible "
+        "server at --url: ten small pydantic models through the openai SDK's chat.completions.parse, greedy, "
+        "and ten json_object requests. Counts the answers that parse (ended on their own and validate), "
+        "with each answer's text and why a miss missed; then the goals.",
+    )
+    structured.add_argument(
+        "--model", type=Path, metavar="DIR", help="model folder (default: the default model)"
+    )
+    structured.add_argument(
+        "--parse-tokens", type=_positive, default=120, help="max_tokens of each parse request (default 120)"
+    )
+    structured.add_argument(
+        "--object-tokens",
+        type=_positive,
+        default=60,
+        help="max_tokens of each json_object request (default 60)",
+    )
+    structured.add_argument(
+        "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
+    )
+    structured.add_argument("--name", help="served model name at --url (default: its only model)")
+    structured.add_argument("--api-key", help="API key for --url (default: none)")
+    structured.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    structured.set_defaults(func=run_structured)
 
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
@@ -542,6 +572,26 @@ def run_prefix(args: argparse.Namespace) -> int:
     )
     figures = prefix.run(options)
     return _finish(figures, prefix.text(figures), args.json)
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ortfleet.bench import structured
+
+    if args.name and not args.url:
+        raise SystemExit("ortfleet bench structured: --name names a model at --url")
+    options = structured.StructuredOptions(
+        model_dir=None if args.url else model_dir(args.model),
+        parse_tokens=args.parse_tokens,
+        object_tokens=args.object_tokens,
+        url=args.url.rstrip("/") if args.url else None,
+        name=args.name,
+        api_key=args.api_key,
+        command_line=shlex.join(["ortfleet", *sys.argv[1:]]),
+    )
+    figures = structured.run(options)
+    return _finish(figures, structured.text(figures), args.json)
 
 
 def run_serving(args: argparse.Namespace) -> int:

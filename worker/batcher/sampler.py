@@ -1,7 +1,8 @@
 """A row's next token from its logits, as og.Generator picks it: repetition penalty over the prompt and
 what was generated, OpenAI's presence and frequency penalties over what was generated and its logit
 bias, end of sequence masked until min_tokens, the grammar's mask (structured output), then greedy, or
-temperature, top_k and top_p with the request's own seeded generator.
+temperature, top_k and top_p with the request's own seeded generator. In JSON, a token that would give
+an object a key it already has is passed over (json_keys.py).
 
 `choose` picks without changing the row's state (a replay compares the pick with the replayed token);
 `accept` records the token the row goes on with.
@@ -13,11 +14,13 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
+from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
 from worker.ort_engine import failure_cause
 
 SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
 ENGINE_SEEDS = 2**31  # a job's seed samples with seed mod 2**31, as on og.Engine
+_KEY_RETRIES = 64  # tokens passed over at one step for repeating a key, at most
 _NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be
 
 
@@ -57,11 +60,15 @@ class RowSampler:
         self._bias = np.fromiter((bias for _, bias in request.logit_bias), np.float32)
         self._matcher: LLMatcher | None = None
         self._bitmask: np.ndarray | None = None
+        self._keys: JsonKeys | None = None
         if request.guidance is not None:
             assert grammar_tokenizer is not None
             self._matcher = _matcher(grammar_tokenizer, *request.guidance)
             self._bitmask = allocate_token_bitmask(1, grammar_tokenizer.vocab_size)
             self._vocab_size = vocab_size
+            self._grammar_tokenizer = grammar_tokenizer
+            if request.guidance[0] == "json_schema":
+                self._keys = JsonKeys()
 
     def choose(self, logits: np.ndarray, produced: int) -> int:
         """The next token from this step's logits [vocab] (modified in place)."""
@@ -80,6 +87,17 @@ class RowSampler:
             logits[self._eos] = -np.inf
         if self._matcher is not None:
             self._mask(logits)
+        token = self._pick(logits)
+        if self._keys is not None:
+            # a token that would give an object a key it has: pass over it (the grammar leaves others)
+            for _ in range(_KEY_RETRIES):
+                if not self._keys.would_repeat(self._token_bytes(token)):
+                    break
+                logits[token] = -np.inf
+                token = self._pick(logits)
+        return token
+
+    def _pick(self, logits: np.ndarray) -> int:
         if not self.sampling:
             return int(np.argmax(logits))
         return self._sample(logits / self.request.temperature)
@@ -91,6 +109,11 @@ class RowSampler:
             self._counts[token] = self._counts.get(token, 0) + 1
         if self._matcher is not None and not self._matcher.consume_token(token):
             raise self._broken()
+        if self._keys is not None:
+            self._keys.feed(self._token_bytes(token))
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self._grammar_tokenizer.decode_bytes([token])
 
     @property
     def grammar_done(self) -> bool:
