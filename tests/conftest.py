@@ -167,8 +167,25 @@ def smollm2(redis_server: RedisServer, default_model: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def fleet(redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
-    """A gateway of its own; each test starts the workers it needs under model names of its own."""
+def fleet(request: pytest.FixtureRequest, redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
+    """A gateway of its own; each test starts the workers it needs under model names of its own.
+
+    In a module marked `module_fleet` the gateway is the module's (module_gateway), started once for all
+    of its tests, and what a test starts on this fleet (workers, gateways of other settings) stops when
+    the test ends."""
+    if request.node.get_closest_marker("module_fleet") is None:
+        yield from _gateway_on(redis_server, tiny_model)
+        return
+    shared: Fleet = request.getfixturevalue("module_gateway")
+    fleet = Fleet(shared.redis_url, tiny_model)
+    fleet.gateway_url = shared.gateway_url
+    yield fleet
+    fleet.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_gateway(redis_server: RedisServer, tiny_model: Path) -> Iterator[Fleet]:
+    """The gateway of a module marked `module_fleet`, for all of its tests (and the worker of `served`)."""
     yield from _gateway_on(redis_server, tiny_model)
 
 
@@ -185,10 +202,22 @@ async def client(fleet: Fleet) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-def served(fleet: Fleet, model_name: str) -> str:
-    """The test's model name, served by one worker on the tiny model."""
-    fleet.start_worker(model_name)
-    return model_name
+def served(request: pytest.FixtureRequest, fleet: Fleet, model_name: str) -> str:
+    """The test's model name, served by one worker on the tiny model; in a module marked `module_fleet`,
+    the module's model, served by one worker for all of its tests."""
+    if request.node.get_closest_marker("module_fleet") is None:
+        fleet.start_worker(model_name)
+        return model_name
+    name: str = request.getfixturevalue("module_served")
+    return name
+
+
+@pytest.fixture(scope="module")
+def module_served(module_gateway: Fleet, request: pytest.FixtureRequest) -> str:
+    """The model name of a module marked `module_fleet`, served by one worker behind its gateway."""
+    name = "tiny-module-" + request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    module_gateway.start_worker(name)
+    return name
 
 
 @pytest.fixture

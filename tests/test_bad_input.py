@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 
+pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
+
 
 def error_of(reply: httpx.Response) -> dict[str, str]:
     error: dict[str, str] = reply.json()["error"]

@@ -13,6 +13,8 @@ import pytest
 from tests.conftest import Fleet
 from tests.jobs_client import Event, read_events, submit, wait_done
 
+pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
+
 
 def chat(content: str) -> list[Any]:
     return [{"role": "user", "content": content}]

@@ -22,6 +22,9 @@ JOB_ID = "x-ortfleet-job-id"
 LONG = 480  # generated tokens that take the tiny model long enough to be interrupted (context: 512)
 
 
+pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
+
+
 @pytest.fixture
 async def async_sdk(fleet: Fleet) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
@@ -463,22 +466,23 @@ async def test_a_job_that_expires_in_the_queue_raises_a_retryable_server_error(
     worker = fleet.start_worker(model_name)
     _, url = fleet.start_gateway(env={"ORTFLEET_QUEUE_TIMEOUT_S": "0.2"})
     sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    worker.pause()  # the job waits past its queue deadline
+    worker.pause()  # the job waits past its queue deadline, and the gateways' sweep fails it
     try:
-        call = asyncio.create_task(sdk.chat.completions.create(model=model_name, messages=chat("Hi")))
-        await asyncio.sleep(0.5)
-        worker.resume()
         with pytest.raises(openai.InternalServerError) as raised:
-            await call
+            await asyncio.wait_for(sdk.chat.completions.create(model=model_name, messages=chat("Hi")), 10)
     finally:
         worker.resume()
         await sdk.close()
     assert raised.value.status_code == 503 and raised.value.code == "expired_in_queue"
 
 
-async def pause_when_running(worker: Proc, client: httpx.AsyncClient, job_id: str) -> None:
-    """Stops the worker process right after the job's first token."""
+async def pause_when_running(
+    worker: Proc, client: httpx.AsyncClient, job_id: str, connected: asyncio.Event
+) -> None:
+    """Stops the worker process right after the job's first token; `connected` is set once the gateway
+    has answered the event stream's request."""
     async with client.stream("GET", f"/v1/jobs/{job_id}/events") as events:
+        connected.set()
         async for line in events.aiter_lines():
             if line == "event: token":
                 worker.pause()
@@ -585,8 +589,9 @@ async def test_a_client_that_leaves_a_non_streaming_call_cancels_its_generation(
                     )
                 )
                 job_id = await next_message(submissions)
-                running = asyncio.create_task(pause_when_running(worker, client, job_id))
-                await asyncio.sleep(0.1)  # the event reader is connected
+                connected = asyncio.Event()
+                running = asyncio.create_task(pause_when_running(worker, client, job_id, connected))
+                await asyncio.wait_for(connected.wait(), 10)
                 worker.resume()
                 await running
                 if await far_from_done(redis, job_id):

@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 
+pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
+
 
 async def greedy_tokens(client: httpx.AsyncClient, model: str, prompt: str, n: int) -> tuple[str, list[int]]:
     job = await submit(client, {"model": model, "prompt": prompt, "max_tokens": n})
@@ -107,8 +109,9 @@ async def test_health_version_and_the_model_entry_look_like_vllms(
     assert model["root"] == served and model["max_model_len"] == model["context_length"] > 0
 
 
-async def test_health_is_unavailable_without_a_live_worker(client: httpx.AsyncClient) -> None:
-    assert (await client.get("/health")).status_code == 503
+async def test_health_is_unavailable_without_a_live_worker(own_fleet: Fleet) -> None:
+    async with httpx.AsyncClient(base_url=own_fleet.gateway_url, timeout=30) as client:
+        assert (await client.get("/health")).status_code == 503
 
 
 async def test_tokenize_and_detokenize_are_answered_by_a_worker_of_the_model(
