@@ -83,6 +83,13 @@ def test_the_schema_asked_for_is_shown_to_the_model_unless_a_setting_turns_it_of
     assert prompt_tokens(sdk, response_format=asked) == with_system
     with openai.OpenAI(base_url=as_sent_url + "/v1", api_key="unused", max_retries=0) as as_sent:
         assert prompt_tokens(as_sent, response_format=asked) == prompt_tokens(as_sent) < with_system
+        # Responses' text.format shows it the same way
+        text_format = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+        for client, expected in ((sdk, with_system), (as_sent, prompt_tokens(as_sent))):
+            response = client.responses.create(
+                model=served, input="Describe a person.", text=text_format, max_output_tokens=16
+            )
+            assert response.usage is not None and response.usage.input_tokens == expected
 
 
 async def test_a_seeded_sampled_request_is_guided_too(sdk: openai.OpenAI, served: str) -> None:

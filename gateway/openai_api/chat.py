@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from common.wire import Usage, with_system_text
+from common.wire import Usage
 from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.choices import ChoiceResult, Choices
@@ -33,7 +33,7 @@ from gateway.openai_api.protocol import (
     ToolCallDelta,
 )
 from gateway.openai_api.serving import respond, served_model
-from gateway.openai_api.structured import response_format
+from gateway.openai_api.structured import response_format, with_schema_shown
 from gateway.openai_api.tool_calls import CallReader, read_answer
 from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, check_schemas, tool_plan, with_tools
 from gateway.request_body import parse_body
@@ -168,8 +168,8 @@ async def create_chat_completion(request: Request) -> Response:
     elif (asked := response_format(body)) is None:
         if _has_tool_turns(body.messages):
             guided = TEXT_AFTER_TOOLS
-    elif state.settings.structured_output_prompt and (text := asked.prompt_text()) is not None:
-        messages = with_system_text(messages, text)
+    else:
+        messages = with_schema_shown(messages, asked, state.settings.structured_output_prompt)
     model = await served_model(state, body.model)
     n = body.choices_per_prompt
     jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]

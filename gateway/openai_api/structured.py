@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from common.error_codes import ErrorCode
 from common.guidance import ResponseFormat
+from common.wire import ChatMessage, with_system_text
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import GenerationParams
 
@@ -129,3 +130,13 @@ def _parse(name: str, raw: dict[str, Any]) -> ResponseFormat:
         param = f"{name}.{where}" if name in ("response_format", "text.format") and where else name
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise ApiError(400, f"{param}: {message.removeprefix('Value error, ')}", param=param) from e
+
+
+def with_schema_shown(
+    messages: list[ChatMessage], asked: ResponseFormat | None, shown: bool
+) -> list[ChatMessage]:
+    """The conversation with the JSON schema asked for told to the model in its system message, as OpenAI
+    does (`shown`: ORTFLEET_STRUCTURED_OUTPUT_PROMPT); as it is for other formats."""
+    if not shown or asked is None or (text := asked.prompt_text()) is None:
+        return messages
+    return with_system_text(messages, text)

@@ -25,6 +25,7 @@ from gateway.departure import until_disconnect
 from gateway.errors import ApiError, ClientGone
 from gateway.openai_api.choices import as_openai_error, job_failure
 from gateway.openai_api.serving import served_model
+from gateway.openai_api.structured import with_schema_shown
 from gateway.openai_api.tools import check_schemas, with_tools
 from gateway.request_body import parse_body
 from gateway.responses import store
@@ -100,6 +101,7 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
     if plan is not None and plan.calls_allowed:
         await check_schemas(plan)
     messages = with_tools(conversation(body.instructions, earlier, own), plan)
+    messages = with_schema_shown(messages, guided, state.settings.structured_output_prompt)
     try:
         submitted = await submit_job(state, response_job(body, model, messages, guided), None, principal)
     except ApiError as e:
