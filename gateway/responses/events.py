@@ -24,6 +24,7 @@ from gateway.responses.output import (
     message,
     message_id,
     part,
+    response_error,
     response_object,
 )
 from gateway.sse import Entry, json_bytes
@@ -145,7 +146,7 @@ class EventNumbering:
             return
         text = "".join(self.text)
         if is_failure(fields):
-            error = {"code": fields.get("code") or "server_error", "message": fields.get("message", "failed")}
+            error = response_error(fields.get("code"), fields.get("message", "failed"))
             failed = response_object(self.meta, "failed", text=text, error=error, logprobs=self.logprobs)
             yield self._event("response.failed", response=failed)
             return

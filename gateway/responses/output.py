@@ -49,6 +49,25 @@ def call_reader(meta: dict[str, str]) -> CallReader | None:
     return CallReader(lambda index: f"call_{hex_id}_{index}")
 
 
+# ortfleet's error codes a failed response reports as one of OpenAI's (its ResponseErrorCode enum): a
+# request the model cannot take is OpenAI's invalid_prompt; anything else is server_error.
+_PROMPT_ERRORS = {
+    "context_length_exceeded",
+    "invalid_prompt",
+    "invalid_response_format",
+    "unsupported_parameter",
+    "unsupported_value",
+}
+
+
+def response_error(code: str | None, message: str) -> dict[str, str]:
+    """A failed response's `error`, its code one of OpenAI's; ortfleet's own code leads the message."""
+    if not code or code == "server_error":
+        return {"code": "server_error", "message": message}
+    shown = "invalid_prompt" if code in _PROMPT_ERRORS else "server_error"
+    return {"code": shown, "message": message if code == shown else f"{code}: {message}"}
+
+
 def _usage(raw: str | None) -> dict[str, Any] | None:
     if not raw:
         return None
@@ -179,13 +198,12 @@ def view_from_job(
 ) -> dict[str, Any]:
     """The response as it stands, from its job's record (and the logprobs read from its stream)."""
     if job is None:
-        return response_object(meta, "failed", error={"code": "server_error", "message": "the job is gone"})
+        return response_object(meta, "failed", error=response_error(None, "the job is gone"))
     status = STATUS[job.status.value]
     text = job.output
     error = None
     if status == "failed":
-        code = job.error_code.value if job.error_code else "server_error"
-        error = {"code": code, "message": job.error or "failed"}
+        error = response_error(job.error_code.value if job.error_code else None, job.error or "failed")
     if text is None and status in ("completed", "cancelled"):
         text = ""
     return response_object(
