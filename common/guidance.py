@@ -20,9 +20,10 @@ _COMPACT_JSON = {"whitespace_flexible": False}
 
 # A number the model writes must be one a JSON parser holds exactly, or a weak model writes digits until
 # max_tokens. An integer is within ±(2**53 - 1), which every JSON parser holds exactly, JavaScript's
-# included (llguidance reads bounds as float64, so int64's own ends cannot be the bound). A number has at most 15 significant digits, which a float64 holds exactly (DBL_DIG), and no
-# exponent: up to 15 digits before the point, or up to 12, 9 or 6 with 3, 6 or 9 after it (each band a
-# range and a multipleOf, which llguidance turns into a regular expression).
+# included (llguidance reads bounds as float64, so int64's own ends cannot be the bound). A number has
+# at most 15 significant digits, which a float64 holds exactly (DBL_DIG), and no exponent: up to 15
+# digits before the point, or up to 12, 9 or 6 with 3, 6 or 9 after it (each band a range and a
+# multipleOf, which llguidance turns into a regular expression).
 INTEGER_RANGE = (-(2**53 - 1), 2**53 - 1)
 NUMBER_BANDS = ((1e15, 1), (1e12, 1e-3), (1e9, 1e-6), (1e6, 1e-9))
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
