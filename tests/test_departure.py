@@ -9,6 +9,8 @@ import pytest
 
 from gateway.departure import CancelledOnDeparture
 
+pytestmark = pytest.mark.unit  # no process: the first tier
+
 
 class Connection:
     """What the gateway's protocol does for DISCONNECT_EXTENSION: callbacks called once it closes."""

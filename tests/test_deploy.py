@@ -49,6 +49,7 @@ def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
     return devices
 
 
+@pytest.mark.unit
 def test_compose_has_the_fleet_topology() -> None:
     assert {"redis", "gateway", "worker-cpu", "prometheus", "grafana"} <= set(SERVICES)
     gpu_workers = [name for name, service in SERVICES.items() if gpu_devices(service)]
@@ -56,6 +57,7 @@ def test_compose_has_the_fleet_topology() -> None:
     assert all(name.startswith("worker-") for name in gpu_workers)
 
 
+@pytest.mark.unit
 def test_images_are_built_from_our_dockerfile_or_pinned() -> None:
     targets = dockerfile_targets()
     assert {"cpu", "cuda"} <= targets
@@ -97,6 +99,7 @@ def test_commands_and_their_flags_exist(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if ours(s)])
+@pytest.mark.unit
 def test_environment_names_only_settings_that_exist_with_valid_values(name: str) -> None:
     service = SERVICES[name]
     settings_class = SETTINGS[service["command"][0]]
@@ -113,6 +116,7 @@ def test_environment_names_only_settings_that_exist_with_valid_values(name: str)
         pytest.fail(f"{name}: {e}")
 
 
+@pytest.mark.unit
 def test_mounted_paths_exist_in_the_repo_and_named_volumes_are_declared() -> None:
     declared = set(COMPOSE.get("volumes", {}))
     for name, service in SERVICES.items():
@@ -125,6 +129,7 @@ def test_mounted_paths_exist_in_the_repo_and_named_volumes_are_declared() -> Non
                 assert source in declared, f"{name}: volume {source} is not declared"
 
 
+@pytest.mark.unit
 def test_each_gpu_worker_reserves_a_distinct_gpu() -> None:
     reserved: list[str] = []
     for name, service in SERVICES.items():
@@ -142,6 +147,7 @@ def test_each_gpu_worker_reserves_a_distinct_gpu() -> None:
     assert len(reserved) == len(set(reserved)) >= 2, reserved
 
 
+@pytest.mark.unit
 def test_a_worker_in_a_container_labels_its_metrics_with_the_hosts_gpu_index() -> None:
     assert host_gpu_index(0, {"NVIDIA_VISIBLE_DEVICES": "3"}) == "3"
     assert host_gpu_index(1, {"CUDA_VISIBLE_DEVICES": "2,5"}) == "5"
@@ -150,6 +156,7 @@ def test_a_worker_in_a_container_labels_its_metrics_with_the_hosts_gpu_index() -
     assert host_gpu_index(2, {}) == "2"
 
 
+@pytest.mark.unit
 def test_redis_keeps_an_append_only_file_on_a_volume() -> None:
     redis = SERVICES["redis"]
     command = " ".join(redis["command"])
@@ -158,6 +165,7 @@ def test_redis_keeps_an_append_only_file_on_a_volume() -> None:
     assert redis["healthcheck"]["test"]
 
 
+@pytest.mark.unit
 def test_the_gateway_scales_behind_a_health_check() -> None:
     gateway = SERVICES["gateway"]
     assert "container_name" not in gateway  # a fixed name would forbid replicas
@@ -192,6 +200,7 @@ def test_prometheus_config_is_valid_and_finds_every_gateway_and_worker() -> None
             assert service["environment"]["ORTFLEET_METRICS_HOST"] == "0.0.0.0", name
 
 
+@pytest.mark.unit
 def test_grafana_is_provisioned_from_the_repo_with_the_dashboard_and_its_datasource() -> None:
     grafana = SERVICES["grafana"]
     mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in grafana["volumes"]}
@@ -212,6 +221,7 @@ def test_grafana_is_provisioned_from_the_repo_with_the_dashboard_and_its_datasou
     assert home == f"{provider['options']['path']}/ortfleet.json"
 
 
+@pytest.mark.unit
 def test_dockerfile_copies_only_what_exists() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     for source in re.findall(r"^COPY\s+(?!--from)(.+)\s+\S+$", text, flags=re.MULTILINE):
@@ -236,6 +246,7 @@ def test_the_compose_gateway_starts_with_the_command_and_environment_compose_giv
         fleet.stop_all()
 
 
+@pytest.mark.unit
 def test_the_compose_gateway_is_published_on_loopback_only_while_it_has_no_api_keys() -> None:
     service = SERVICES["gateway"]
     keyed = {"ORTFLEET_API_KEYS", "ORTFLEET_API_KEYS_FILE"} & set(service["environment"])

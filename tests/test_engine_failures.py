@@ -44,6 +44,7 @@ def chat(content: str) -> list[Any]:
     return [{"role": "user", "content": content}]
 
 
+@pytest.mark.unit
 def test_the_gateways_check_passes_ordinary_structured_output_and_refuses_what_exceeds_the_limits() -> None:
     ordinary = [
         ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"schema": PERSON}}),

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from worker.engine import EngineUpdate, Finish, UpdateQueue
+
+pytestmark = pytest.mark.unit  # no process: the first tier
 
 
 async def test_get_waits_for_the_next_update_and_takes_them_in_order() -> None:

@@ -111,6 +111,7 @@ async def test_a_response_whose_job_fails_is_an_http_error_in_the_foreground_and
     assert not {"response.completed", "response.incomplete"} & {event.type for event in events}
 
 
+@pytest.mark.unit
 def test_a_done_event_whose_status_is_failed_reads_as_a_failure_too() -> None:
     final = {**done_entry(JobStatus.failed, "error", None), "message": "engine error FAILED"}
     meta = {"id": "resp_x", "job_id": "job_x", "model": "tiny", "created_at": "0"}

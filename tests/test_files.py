@@ -169,7 +169,6 @@ def _batch_fields(file_id: str, owner: str) -> dict[str, str]:
     return {"id": new_batch_id(), "owner": owner, "input_file_id": file_id, "created_at": f"{now:.3f}"}
 
 
-@pytest.mark.unit
 async def test_a_file_whose_batch_starts_between_the_check_and_the_delete_is_refused(
     redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -197,7 +196,6 @@ async def test_a_file_whose_batch_starts_between_the_check_and_the_delete_is_ref
         await batches.retire(created[0])
 
 
-@pytest.mark.unit
 async def test_a_batch_is_not_created_on_a_file_deleted_since_it_was_read(redis: Redis) -> None:
     owner = "racer-" + secrets.token_hex(4)
     files, file_id = await _batch_input(redis, owner)

@@ -18,6 +18,8 @@ from ortfleet.fleet.gpu_plan import (
     plan_workers,
 )
 
+pytestmark = pytest.mark.unit  # no process: the first tier
+
 
 def ports() -> Callable[[], int]:
     return itertools.count(9100).__next__

@@ -35,6 +35,7 @@ def voluntary_switches(thread: threading.Thread) -> int:
     return wakeups(os.getpid(), thread.native_id)
 
 
+@pytest.mark.unit
 def test_the_worker_metrics_thread_sleeps_until_a_scrape_comes_and_stops_at_once() -> None:
     registry = CollectorRegistry()
     Counter("ortfleet_idle_probe", "a metric to scrape", registry=registry).inc()
@@ -67,6 +68,7 @@ class CountedTicks(CalmServer):
         return await super().on_tick(counter)
 
 
+@pytest.mark.unit
 async def test_the_gateway_server_ticks_once_a_second_and_a_signal_stops_it_at_once() -> None:
     port = free_port()
     app = Starlette(routes=[Route("/", hello)])

@@ -138,6 +138,7 @@ async def test_a_claim_carries_what_the_worker_needs_to_end_the_job(redis: Redis
     assert await redis.zscore(keys.leases(model), job_id) is None
 
 
+@pytest.mark.unit
 def test_a_record_reads_back_as_it_was_written() -> None:
     record = JobRecord(
         id="job_1",
@@ -173,6 +174,7 @@ def test_a_record_reads_back_as_it_was_written() -> None:
     assert JobRecord.from_fields(record.to_fields()) == record
 
 
+@pytest.mark.unit
 def test_the_scripts_build_no_key_names() -> None:
     for name, script in SCRIPTS.items():
         assert keys.PREFIX not in script and keys.ARQ_JOB_PREFIX not in script, name
@@ -186,6 +188,7 @@ _VALUES |= {"missing", "cancelling", "prompt_tokens"}
 _VALUES |= {"reason", "worker_lost", "attempt"}  # the stream event of a worker's death
 
 
+@pytest.mark.unit
 def test_the_scripts_name_only_fields_of_the_record() -> None:
     record_fields = {f.name for f in fields(JobRecord)}
     assert record_fields >= SCRIPT_FIELDS

@@ -18,6 +18,7 @@ from tests.jobs_client import wait_done
 from tests.test_security import bearer, create_key
 
 
+@pytest.mark.unit
 def test_env_keys_carry_a_weight_and_a_class_ceiling() -> None:
     token = "k" * 20
     [plain, weighted] = parse_env_keys(f"a:{token},b:{token}:3:batch")

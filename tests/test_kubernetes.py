@@ -119,6 +119,7 @@ def test_every_rendered_object_validates_against_the_kubernetes_and_crd_schemas(
                 pytest.fail(f"{overlay}: {where}: {e.message} at {list(e.path)}")
 
 
+@pytest.mark.unit
 def test_a_crd_schema_check_catches_a_misspelt_field() -> None:
     scaled = objects("cpu", "ScaledObject")[0]
     broken = {**scaled, "spec": {**scaled["spec"], "minReplicas": 0}}
@@ -127,6 +128,7 @@ def test_a_crd_schema_check_catches_a_misspelt_field() -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.unit
 def test_every_command_and_setting_in_the_manifests_is_ortfleets(overlay: str) -> None:
     config = next(c for c in objects(overlay, "ConfigMap") if c["metadata"]["name"] == "ortfleet")
     every_setting = set(GatewaySettings.model_fields) | set(WorkerSettings.model_fields)
@@ -146,6 +148,7 @@ def test_every_command_and_setting_in_the_manifests_is_ortfleets(overlay: str) -
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.unit
 def test_processes_follow_the_sentinels_of_the_referenced_redis_chart(overlay: str) -> None:
     values = yaml.safe_load((KUBERNETES / "redis" / "values.yaml").read_text())
     assert values["architecture"] == "replication" and values["auth"]["enabled"]
@@ -160,6 +163,7 @@ def test_processes_follow_the_sentinels_of_the_referenced_redis_chart(overlay: s
         assert names.index("REDIS_PASSWORD") < names.index("ORTFLEET_REDIS_URL"), "$(VAR) needs VAR first"
 
 
+@pytest.mark.unit
 def test_the_gpu_overlay_gives_each_worker_one_gpu_and_the_cpu_overlay_none() -> None:
     for deployment in workers("gpu"):
         worker = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -173,6 +177,7 @@ def test_the_gpu_overlay_gives_each_worker_one_gpu_and_the_cpu_overlay_none() ->
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.unit
 def test_each_model_has_its_own_workers_budget_and_scaler(overlay: str) -> None:
     deployments = workers(overlay)
     assert deployments
@@ -201,6 +206,7 @@ def served_model(container: dict[str, Any]) -> str:
     return DEFAULT_MODEL_NAME
 
 
+@pytest.mark.unit
 def test_scale_to_zero_is_an_option_of_its_own() -> None:
     assert all(s["spec"]["minReplicaCount"] >= 1 for s in objects("gpu", "ScaledObject"))
     assert all(s["spec"]["minReplicaCount"] == 0 for s in objects("gpu-scale-to-zero", "ScaledObject"))
@@ -233,6 +239,7 @@ async def test_with_workers_scaled_to_zero_the_gateway_queues_jobs_until_a_worke
             assert (await wait_done(client, queued.json()["id"]))["status"] == "succeeded"
 
 
+@pytest.mark.unit
 def test_the_dashboard_config_map_is_the_grafana_dashboard() -> None:
     dashboard = (ROOT / "grafana" / "dashboards" / "ortfleet.json").read_text()
     maps = [c for c in objects("cpu", "ConfigMap") if "ortfleet.json" in c.get("data", {})]
@@ -241,6 +248,7 @@ def test_the_dashboard_config_map_is_the_grafana_dashboard() -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.unit
 def test_termination_grace_covers_the_workers_shutdown_grace(overlay: str) -> None:
     for deployment in workers(overlay):
         spec = deployment["spec"]["template"]["spec"]

@@ -182,6 +182,7 @@ def test_damaged_tiny_model_is_rebuilt(tiny_copy: Path) -> None:
     assert leftovers(tiny_copy.parent) == []
 
 
+@pytest.mark.unit
 def test_failed_build_leaves_nothing_behind(tmp_path: Path) -> None:
     def failing_build(work: Path, staged: Path) -> None:
         staged.mkdir()
@@ -208,6 +209,7 @@ def test_failed_rebuild_keeps_nothing_half_built_in_place(tiny_copy: Path) -> No
     assert leftovers(tiny_copy.parent) == []
 
 
+@pytest.mark.unit
 def test_concurrent_builds_of_one_model_run_once(tmp_path: Path) -> None:
     builds: list[int] = []
 
@@ -226,6 +228,7 @@ def test_concurrent_builds_of_one_model_run_once(tmp_path: Path) -> None:
     assert len(builds) == 1
 
 
+@pytest.mark.unit
 def test_build_with_a_new_recipe_replaces_the_old_one(tmp_path: Path) -> None:
     target = tmp_path / "model"
     install_model(target, fake_build({"genai_config.json": "old", "old.txt": "x"}), source="s", recipe="r/1")
@@ -238,6 +241,7 @@ def test_build_with_a_new_recipe_replaces_the_old_one(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.unit
 def test_leftovers_of_an_interrupted_build_are_cleared(tmp_path: Path) -> None:
     (tmp_path / ".model.partial-abc123" / "model").mkdir(parents=True)
 
@@ -246,6 +250,7 @@ def test_leftovers_of_an_interrupted_build_are_cleared(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.unit
 def test_build_refuses_to_replace_a_folder_that_is_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
 
@@ -269,10 +274,12 @@ def test_list_models_reports_size_and_completeness(tiny_model: Path, tmp_path: P
     assert 100_000 < models[0].size < 1_000_000
 
 
+@pytest.mark.unit
 def test_list_models_of_a_missing_cache_is_empty(tmp_path: Path) -> None:
     assert list_models(tmp_path / "missing") == []
 
 
+@pytest.mark.unit
 def test_default_cache_root_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
@@ -280,6 +287,7 @@ def test_default_cache_root_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("xdg", [None, "", "relative/cache"])
+@pytest.mark.unit
 def test_default_cache_root_falls_back_to_home(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, xdg: str | None
 ) -> None:
@@ -307,6 +315,7 @@ def test_default_gguf_is_found_without_importing_its_package() -> None:
     assert imported == "[]"
 
 
+@pytest.mark.unit
 def test_missing_gguf_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(default_module, "GGUF_PACKAGE", "ortfleet_no_such_package")
     monkeypatch.setattr(default_module, "GGUF_DISTRIBUTION", "ortfleet-no-such-package")
@@ -326,6 +335,7 @@ def test_builder_failure_carries_the_end_of_its_output(tmp_path: Path) -> None:
     assert caught.value.output_tail in str(caught.value)
 
 
+@pytest.mark.unit
 def test_stage_progress_numbers_stages_and_times_them() -> None:
     stream = io.StringIO()
     progress = StageProgress(2, stream=stream)
@@ -350,6 +360,7 @@ def test_model_tiny_command_prints_the_folder_last(
     assert capsys.readouterr().out.splitlines()[-1] == str(tiny_model)
 
 
+@pytest.mark.unit
 def test_model_tiny_command_reports_errors_without_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -52,6 +52,7 @@ def refuse_check(model_dir: Path) -> None:
     raise AssertionError("the generation check ran without CUDA")
 
 
+@pytest.mark.unit
 def test_phi3_mini_shape_is_phi3_minis_config() -> None:
     assert (PHI3_MINI.hidden_size, PHI3_MINI.num_layers, PHI3_MINI.num_heads) == (3072, 32, 32)
     assert (PHI3_MINI.intermediate_size, PHI3_MINI.vocab_size, PHI3_MINI.context_length) == (
@@ -62,6 +63,7 @@ def test_phi3_mini_shape_is_phi3_minis_config() -> None:
     assert (PHI3_MINI.rope_theta, PHI3_MINI.rms_norm_eps) == (10000.0, 1e-5)
 
 
+@pytest.mark.unit
 def test_resized_shape_keeps_vocab_heads_and_context() -> None:
     assert SMALL_PHI3 == Shape(
         name="phi3-mini",
@@ -81,11 +83,13 @@ def test_resized_shape_keeps_vocab_heads_and_context() -> None:
     ("layers", "hidden", "message"),
     [(0, None, "--layers must be from 1 to 32"), (33, None, "--layers"), (None, 256, "multiple of 512")],
 )
+@pytest.mark.unit
 def test_resizing_beyond_the_shape_is_rejected(layers: int | None, hidden: int | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PHI3_MINI.resized(layers=layers, hidden=hidden)
 
 
+@pytest.mark.unit
 def test_tokenizer_vocab_matches_the_model_and_round_trips_text() -> None:
     tokenizer = byte_pair_tokenizer(32064)
     assert len(tokenizer) == 32064
@@ -132,6 +136,7 @@ def test_model_synthetic_command_prints_the_folder_last(
     assert capsys.readouterr().out.splitlines()[-1] == str(synthetic_model)
 
 
+@pytest.mark.unit
 def test_model_synthetic_command_reports_a_bad_size_without_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -141,6 +146,7 @@ def test_model_synthetic_command_reports_a_bad_size_without_a_traceback(
     assert "ortfleet model: error: --hidden must be a multiple of 512" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_builder_command_passes_extra_options() -> None:
     paths = Path("hf"), Path("out"), Path("cache")
     command = builder_command(
@@ -153,6 +159,7 @@ def test_builder_command_passes_extra_options() -> None:
     assert "--extra_options" not in builder_command(*paths, precision="int4")
 
 
+@pytest.mark.unit
 def test_synthetic_cuda_build_is_fp16_paged_and_skips_its_check_without_cuda(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -174,6 +181,7 @@ def test_synthetic_cuda_build_is_fp16_paged_and_skips_its_check_without_cuda(
     assert "skipped the check" in caplog.text
 
 
+@pytest.mark.unit
 def test_default_cuda_model_is_fp16_paged_in_its_own_folder_and_skips_its_check_without_cuda(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -194,6 +202,7 @@ def test_default_cuda_model_is_fp16_paged_in_its_own_folder_and_skips_its_check_
     assert "skipped the check" in caplog.text
 
 
+@pytest.mark.unit
 def test_default_model_is_built_for_cpu_or_cuda_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cpu or cuda, not 'rocm'"):
         default_model_dir(tmp_path, "rocm")

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
@@ -34,6 +35,7 @@ def payloads(piece: bytes) -> list[dict[str, Any]]:
     return [json.loads(frame.removeprefix(b"data: ")) for frame in frames]
 
 
+@pytest.mark.unit
 async def test_each_read_of_the_jobs_streams_goes_out_as_one_piece_and_a_quiet_one_as_a_keep_alive() -> None:
     choices = Choices(None, "m", ["job_a"], [0], "messages")  # type: ignore[arg-type]  # needs no state here
     usage = Usage(prompt_tokens=3, completion_tokens=3, total_tokens=6)
@@ -56,6 +58,7 @@ async def test_each_read_of_the_jobs_streams_goes_out_as_one_piece_and_a_quiet_o
     assert payloads(pieces[4])[0]["usage"] == usage.model_dump() and pieces[4].endswith(DONE)
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(min_size=0, max_size=12), index=st.integers(min_value=0, max_value=3))
 def test_a_text_chunk_is_byte_for_byte_what_its_chunk_model_serializes_to(text: str, index: int) -> None:

@@ -38,6 +38,7 @@ from worker.publisher import StepWriter
 SERVICE = "ortfleet-main"
 
 
+@pytest.mark.unit
 def test_a_sentinel_url_names_its_sentinels_service_database_and_passwords() -> None:
     url = "redis+sentinel://:s3cret@10.0.0.1:26379,sentinel-b,[::1]:26380/main/2?sentinel_password=other"
     assert parse_sentinel_url(url) == SentinelUrl(
@@ -64,6 +65,7 @@ def test_a_sentinel_url_names_its_sentinels_service_database_and_passwords() -> 
         ("redis+sentinel://h1/main?sentinel_pasword=x", "unknown option(s) sentinel_pasword"),
     ],
 )
+@pytest.mark.unit
 def test_a_malformed_sentinel_url_is_refused_at_startup_naming_the_problem(url: str, problem: str) -> None:
     with pytest.raises(BadRedisUrl, match=problem.replace("(", r"\(").replace(")", r"\)")):
         parse_sentinel_url(url)
@@ -72,11 +74,13 @@ def test_a_malformed_sentinel_url_is_refused_at_startup_naming_the_problem(url: 
     assert problem in str(refused.value)
 
 
+@pytest.mark.unit
 def test_an_unknown_redis_url_scheme_is_refused_at_startup() -> None:
     with pytest.raises(ValidationError, match="scheme 'http' is not one of"):
         GatewaySettings(redis_url="http://127.0.0.1:6379/0")
 
 
+@pytest.mark.unit
 def test_passwords_in_sentinel_urls_are_masked() -> None:
     url = "redis+sentinel://app:s3cret@h1:26379,h2:26379/main/0?sentinel_password=other"
     assert mask_url(url) == "redis+sentinel://app:****@h1:26379,h2:26379/main/0?sentinel_password=****"

@@ -8,6 +8,8 @@ from pydantic_settings import BaseSettings
 from common.redis_url import mask_url
 from common.settings import FleetSettings, GatewaySettings, WorkerSettings
 
+pytestmark = pytest.mark.unit  # no process: the first tier
+
 ALL_SETTINGS: list[type[BaseSettings]] = [FleetSettings, GatewaySettings, WorkerSettings]
 
 

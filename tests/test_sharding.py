@@ -93,6 +93,7 @@ async def test_a_sharded_model_lives_on_its_own_redis_behind_the_same_gateway(
         fleet.stop_all()
 
 
+@pytest.mark.unit
 def test_the_shard_map_is_checked_at_startup_and_masked_when_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     from common.settings import effective_settings
 

@@ -73,6 +73,7 @@ async def test_min_tokens_masks_end_of_sequence(redis: Redis, start_worker: Star
     assert fixed_record["output"] == fake_text("Hi", 8) and fixed_record["finish_reason"] == "stop"
 
 
+@pytest.mark.unit
 async def test_min_tokens_above_max_tokens_is_refused() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         Sampling(max_tokens=4, min_tokens=5)
@@ -271,6 +272,7 @@ def claim_submitted_at(submitted_at: float) -> Claim:
     return Claim("job_window", 1, job_payload(spec, 0).decode(), "m", "owner")
 
 
+@pytest.mark.unit
 def test_a_static_batch_waits_for_jobs_submitted_together_only_until_a_tenth_of_its_window_has_passed() -> (
     None
 ):
