@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import re
@@ -9,6 +10,7 @@ import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -104,10 +106,38 @@ async def own_redis_client(own_redis: RedisServer) -> AsyncIterator[Redis]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, kept in pytest's cache between sessions (unless run with -p no:cacheprovider)
+    under a key of what its build depends on: a change to its builder or to a library it is built with
+    builds it again. tests/test_model_build.py builds it afresh."""
     from ortfleet.modelbuild.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    cache: pytest.Cache | None = getattr(request.config, "cache", None)
+    folder = cache.mkdir(f"tiny-model-{_tiny_build_key()}") if cache else tmp_path_factory.mktemp("models")
+    return build_tiny_model(folder / "tiny")
+
+
+def _tiny_build_key() -> str:
+    from ortfleet.modelbuild import cache, convert, tiny
+
+    digest = hashlib.sha256()
+    for module in (tiny, convert, cache):
+        digest.update(Path(module.__file__ or "").read_bytes())
+    for package in (
+        "onnxruntime-genai",
+        "onnxruntime-genai-cuda",
+        "torch",
+        "transformers",
+        "tokenizers",
+        "onnx-ir",
+        "onnxscript",
+        "onnxruntime",
+    ):
+        try:
+            digest.update(f"{package}=={metadata.version(package)}".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package} missing".encode())
+    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
@@ -215,7 +245,8 @@ def served(request: pytest.FixtureRequest, fleet: Fleet, model_name: str) -> str
 @pytest.fixture(scope="module")
 def module_served(module_gateway: Fleet, request: pytest.FixtureRequest) -> str:
     """The model name of a module marked `module_fleet`, served by one worker behind its gateway."""
-    name = "tiny-module-" + request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    module: str = request.module.__name__
+    name = "tiny-module-" + module.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
     module_gateway.start_worker(name)
     return name
 
