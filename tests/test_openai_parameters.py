@@ -59,7 +59,6 @@ REFUSED: dict[str, dict[str, tuple[Any, str]]] = {
         "moderation": ({"model": "omni-moderation-latest"}, "moderation"),
     },
     "/v1/completions": {
-        "echo": (True, "echo"),
         "suffix": ("!", "suffix"),
         "best_of": (2, "best_of"),
     },
