@@ -6,10 +6,13 @@ import secrets
 import time
 
 import httpx
+import pytest
 
 from gateway.stream_tokens import StreamTokens
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit
+
+pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests
 
 PAGE = "http://page.example"
 

@@ -24,11 +24,15 @@ FAILS = "fail-this-job"
 TOO_LONG = "The quick brown fox. " * 400  # far past the tiny model's context of 512 tokens
 
 
-@pytest.fixture
-def failing(fleet: Fleet, model_name: str) -> str:
-    """The test's model name, served by a worker that fails every job whose prompt holds FAILS."""
-    fleet.start_worker(model_name, env={"ORTFLEET_FAIL_MARKER": FAILS})
-    return model_name
+pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
+
+
+@pytest.fixture(scope="module")
+def failing(module_gateway: Fleet) -> str:
+    """A model name served, for the whole module, by a worker that fails every job whose prompt holds
+    FAILS."""
+    module_gateway.start_worker("tiny-fails-marked-jobs", env={"ORTFLEET_FAIL_MARKER": FAILS})
+    return "tiny-fails-marked-jobs"
 
 
 def call(
