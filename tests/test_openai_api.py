@@ -324,7 +324,6 @@ UNSUPPORTED_IN_CHAT: list[tuple[str, Any]] = [
     ("modalities", ["text", "audio"]),
 ]
 UNSUPPORTED_IN_COMPLETIONS: list[tuple[str, Any]] = [
-    ("echo", True),
     ("suffix", " the end"),
     ("best_of", 3),
 ]
