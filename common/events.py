@@ -32,6 +32,16 @@ def token_entry(
     return fields
 
 
+def prompt_entry(token_ids: list[int], logprobs: list[dict[str, Any]]) -> dict[str, str]:
+    """The prompt's tokens and their log-probabilities (token_entry's shape; the first token's logprob
+    and top_logprobs are null: nothing comes before it)."""
+    return {
+        "type": EventType.prompt.value,
+        "ids": ",".join(map(str, token_ids)),
+        "logprobs": json.dumps(logprobs, ensure_ascii=False, separators=(",", ":")),
+    }
+
+
 def entry_logprobs(fields: dict[str, str]) -> list[dict[str, Any]] | None:
     """A token entry's log-probabilities (see token_entry); None when the job did not ask for them."""
     raw = fields.get("logprobs")

@@ -129,6 +129,15 @@ class Sampling(BaseModel):
         "at its step (0: the token's own only), in the token events; from the model's distribution before "
         "penalties, bias, masks and temperature.",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Give each prompt token's log-probability (the first's is null) and those of this many "
+        "likeliest tokens at its place (0: the token's own only), in one `prompt` event before the first "
+        "token; as vLLM's prompt_logprobs. The prompt is then prefilled in whole, never from a cached "
+        "prefix.",
+    )
 
     @field_validator("min_tokens")
     @classmethod
@@ -262,6 +271,7 @@ class JobView(BaseModel):
 
 class EventType(str, Enum):
     status = "status"
+    prompt = "prompt"  # the prompt's tokens and their log-probabilities, when the job asked for them
     token = "token"
     done = "done"
     error = "error"

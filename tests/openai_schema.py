@@ -59,10 +59,16 @@ class OpenAISchema:
     def __init__(self, document: Path = DOCUMENT) -> None:
         self.document: dict[str, Any] = _nullable(json.loads(document.read_text()))
         schemas = self.document["components"]["schemas"]
+        # An echoed prompt's first token has no log-probability: null, as OpenAI's legacy completions
+        # and vLLM answer it (the document types every entry a number and an object).
+        choice = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]
+        listed = choice["logprobs"]["anyOf"][0]["properties"]
+        for field in ("token_logprobs", "top_logprobs"):
+            listed[field]["items"] = {"anyOf": [listed[field]["items"], {"type": "null"}]}
         chunk = schemas[COMPLETION_CHUNK] = copy.deepcopy(schemas["CreateCompletionResponse"])
         reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
         reason["type"], reason["enum"] = [reason["type"], "null"], [*reason["enum"], None]
-        # The one place ortfleet answers other than the document says: an empty page of a list has no first
+        # An empty page of a list has no first
         # or last id, and says so with null (the document wants strings; the SDK reads neither).
         ends = {"first_id": {"type": "string"}, "last_id": {"type": "string"}}
         for listing in ("ListFilesResponse", "ListBatchesResponse"):

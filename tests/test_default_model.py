@@ -49,3 +49,32 @@ async def test_the_default_model_answers_through_the_openai_sdk(smollm2: str) ->
     assert "Paris" in answer
     assert streamed == answer
     assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_echoed_prompts_logprobs_are_those_the_model_gave_when_it_wrote_those_tokens(smollm2: str) -> None:
+    """A prompt token's log-probability (from the prefill) is the one the model gave that token when it
+    generated it (one decode step at a time), alternatives included: the same tokens in the same order,
+    and log-probabilities within 0.25 (the int4 model's prefill and decode kernels round differently: up
+    to 0.16 apart here; a token one place off would be several units off)."""
+    with openai.OpenAI(base_url=smollm2 + "/v1", api_key="unused", max_retries=0) as sdk:
+        start = "The capital of France is"
+        written = sdk.completions.create(
+            model="smollm2", prompt=start, max_tokens=4, temperature=0, logprobs=3
+        )
+        generated = written.choices[0].logprobs
+        assert generated is not None and generated.tokens and generated.top_logprobs
+        again = sdk.completions.create(
+            model="smollm2", prompt=start + written.choices[0].text, max_tokens=1, echo=True, logprobs=3
+        )
+        assert again.usage is not None
+        echoed = again.choices[0].logprobs
+        assert echoed is not None and echoed.tokens and echoed.token_logprobs and echoed.top_logprobs
+        n = again.usage.prompt_tokens
+        assert echoed.tokens[n - 4 : n] == generated.tokens  # the text tokenizes back into the same tokens
+        assert echoed.token_logprobs[n - 4 : n] == pytest.approx(generated.token_logprobs, abs=0.25)
+        for prompt_top, generated_top in zip(
+            echoed.top_logprobs[n - 4 : n], generated.top_logprobs, strict=True
+        ):
+            assert prompt_top is not None and generated_top is not None
+            assert list(prompt_top) == list(generated_top)  # likeliest first, in both
+            assert list(prompt_top.values()) == pytest.approx(list(generated_top.values()), abs=0.25)

@@ -99,6 +99,61 @@ async def test_completion_logprobs_list_tokens_their_logprobs_alternatives_and_o
     assert offsets == found.text_offset
 
 
+async def test_echo_gives_the_prompt_back_with_its_tokens_logprobs_streamed_or_not(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    prompt = "Once upon a time"
+    plain = sdk.completions.create(model=served, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    echoed = sdk.completions.create(
+        model=served, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True
+    )
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    found, generated = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert found is not None and generated is not None and echoed.usage is not None
+    assert found.tokens and found.token_logprobs and found.top_logprobs and found.text_offset
+    n = echoed.usage.prompt_tokens
+    assert len(found.tokens) == n + 6
+    assert "".join(found.tokens[:n]) == prompt
+    assert found.token_logprobs[0] is None and found.top_logprobs[0] is None  # nothing comes before it
+    for logprob, alternatives in zip(found.token_logprobs[1:n], found.top_logprobs[1:n], strict=True):
+        assert logprob is not None and logprob <= 0
+        assert alternatives is not None and len(alternatives) == 2
+        assert max(alternatives.values()) >= logprob  # a prompt token need not be the likeliest
+    assert found.tokens[n:] == generated.tokens and found.token_logprobs[n:] == generated.token_logprobs
+    assert found.text_offset[n] == len(prompt) and found.text_offset == sorted(found.text_offset)
+
+    text, tokens = "", []
+    for chunk in sdk.completions.create(
+        model=served, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True, stream=True
+    ):
+        for part in chunk.choices:
+            text += part.text
+            tokens += part.logprobs.tokens or [] if part.logprobs is not None else []
+    assert (text, tokens) == (echoed.choices[0].text, found.tokens)
+    # without logprobs the prompt comes back as text alone, first
+    chunks = sdk.completions.create(
+        model=served, prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    texts = [part.text for chunk in chunks for part in chunk.choices if part.text]
+    assert texts[0] == prompt and "".join(texts) == echoed.choices[0].text
+
+
+async def test_a_job_asking_for_prompt_logprobs_gets_a_prompt_event_before_its_tokens(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    job = await submit(
+        client, {"model": served, "prompt": "Once upon a time", "max_tokens": 3, "prompt_logprobs": 1}
+    )
+    assert (await wait_done(client, job["id"]))["status"] == "succeeded"
+    events = [event for event in await read_events(client, job["id"]) if event.event in ("prompt", "token")]
+    assert [event.event for event in events].count("prompt") == 1 and events[0].event == "prompt"
+    prompt = events[0].data
+    assert len(prompt["logprobs"]) == len(prompt["token_ids"]) > 1
+    assert prompt["logprobs"][0]["logprob"] is None
+    assert all(len(entry["top_logprobs"]) == 1 for entry in prompt["logprobs"][1:])
+    assert all("logprobs" not in event.data for event in events[1:])  # only the prompt's were asked for
+
+
 async def test_the_job_api_streams_logprobs_with_each_token_event(
     client: httpx.AsyncClient, served: str
 ) -> None:
@@ -193,3 +248,9 @@ async def test_og_engine_refuses_what_needs_logits_by_name(fleet: Fleet, model_n
             assert "og.Engine" in raised.value.message
         ordinary = await sdk.chat.completions.create(model=model_name, messages=chat("Hi"), max_tokens=2)
         assert ordinary.choices[0].message.content is not None
+        # echo alone needs no logits: the prompt comes back on og.Engine too
+        echoed = await sdk.completions.create(model=model_name, prompt="Hi there", max_tokens=2, echo=True)
+        assert echoed.choices[0].text.startswith("Hi there")
+        with pytest.raises(openai.BadRequestError) as raised:
+            await sdk.completions.create(model=model_name, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
+        assert raised.value.param == "logprobs" and raised.value.code == "unsupported_parameter"

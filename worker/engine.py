@@ -46,12 +46,17 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+    # Log-probabilities of each prompt token after the first, and of the `prompt_logprobs` likeliest at its
+    # place, on the request's first update; the prompt is then prefilled whole (no cached prefix).
+    prompt_logprobs: int | None = None
 
     @property
     def needs_logits(self) -> str | None:
         """The first parameter set that only an engine exposing its logits can honour, if any."""
         if self.logprobs is not None:
             return "logprobs"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs"
         if self.presence_penalty:
             return "presence_penalty"
         if self.frequency_penalty:
@@ -74,6 +79,8 @@ class EngineUpdate:
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one for each of token_ids, when asked for
     # On a request's first update, from engines that reuse prompt KV: the prompt tokens it reused.
     cached_tokens: int | None = None
+    # On a request's first update, when it asked for them: one for each prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from common.error_codes import ErrorCode
-from common.events import done_entry, entry_token_ids, error_entry, status_entry, token_entry
+from common.events import done_entry, entry_token_ids, error_entry, prompt_entry, status_entry, token_entry
 from common.jobqueue import Claim, JobQueue, StreamGap
 from common.records import RecordUpdate
 from common.wire import EventType, FinishReason, JobSpec, JobStatus, PromptTokensDetails, Timings, Usage
@@ -100,7 +100,8 @@ class JobRun:
         self._queue = queue
         self._engine = engine
         self._tokenizer = tokenizer
-        self._logprob_entries = LogprobEntries(tokenizer) if spec.sampling.logprobs is not None else None
+        asked = spec.sampling.logprobs is not None or spec.sampling.prompt_logprobs is not None
+        self._logprob_entries = LogprobEntries(tokenizer) if asked else None
         self._writer = writer
         self._stream: GenerationStream | None = None
         self._cancelled = False
@@ -213,6 +214,7 @@ class JobRun:
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
             logit_bias=tuple(sorted((sampling.logit_bias or {}).items())),
+            prompt_logprobs=sampling.prompt_logprobs,
         )
         needed = request.needs_logits
         if needed is not None and not self._engine.exposes_logits:
@@ -321,6 +323,11 @@ class JobRun:
         self.batch_peak = max(self.batch_peak, update.batch_rows)
         if update.cached_tokens is not None:
             self.cached_tokens = update.cached_tokens
+        if update.prompt_logprobs is not None and not self.progress.token_ids and decoding.generated == 0:
+            # once per job: an attempt that resumes after tokens were written does not write it again
+            assert self._logprob_entries is not None and self._stream is not None
+            prompt = self._stream.request.prompt_ids
+            publisher.add(prompt_entry(prompt, self._logprob_entries.prompt(prompt, update.prompt_logprobs)))
         pieces = []
         hit_stop = False
         generated = index = decoding.generated  # index: of this step's first token

@@ -27,6 +27,12 @@ class LogprobEntries:
             for token, found in zip(token_ids, logprobs, strict=False)
         ]
 
+    def prompt(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+        """The prompt's entries: `logprobs` are those of every token after the first, whose logprob and
+        top_logprobs are null."""
+        first = {**self._entry(token_ids[0], 0.0), "logprob": None, "top_logprobs": None}
+        return [first, *self(token_ids[1:], logprobs)] if token_ids else []
+
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         known = self._tokens.get(token)
         if known is None:

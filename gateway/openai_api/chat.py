@@ -75,6 +75,9 @@ class ChatFormat:
         choice = ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=chat_logprobs(logprobs))
         return self._chunk([choice])
 
+    def prompt(self, index: int, logprobs: list[dict[str, Any]], offsets: TextOffsets) -> None:
+        return None  # chat never echoes
+
     def finish(self, index: int, reason: OpenAIFinishReason) -> ChatCompletionChunk:
         reader = self._readers.get(index)
         if reader is not None and reader.made_calls:

@@ -95,6 +95,10 @@ class ChoiceEvent:
     def logprobs(self) -> list[dict[str, Any]] | None:
         return entry_logprobs(self.fields) if self.kind == EventType.token.value else None
 
+    @property
+    def prompt_logprobs(self) -> list[dict[str, Any]] | None:
+        return entry_logprobs(self.fields) if self.kind == EventType.prompt.value else None
+
     def usage(self) -> Usage:
         raw = self.fields.get("usage")
         return Usage.model_validate_json(raw) if raw else Usage()
@@ -106,6 +110,7 @@ class ChoiceResult:
     finish_reason: OpenAIFinishReason
     usage: Usage
     logprobs: list[dict[str, Any]] | None = None  # one entry per token (common/events.py), when asked
+    prompt_logprobs: list[dict[str, Any]] | None = None  # one entry per prompt token, when asked
 
 
 class Choices:
@@ -205,11 +210,15 @@ class Choices:
     async def results(self, events: AsyncIterator[list[ChoiceEvent]]) -> list[ChoiceResult]:
         """Waits for every job to end and returns what each one generated."""
         logprobs: list[list[dict[str, Any]] | None] = [None] * len(self.job_ids)
+        prompts: list[list[dict[str, Any]] | None] = [None] * len(self.job_ids)
         async for read in events:
             for event in read:
                 if event.failed:
                     await self.cancel()
                     raise self.failure(event)
+                if (entries := event.prompt_logprobs) is not None:
+                    prompts[event.index] = entries  # an attempt that wrote it again wrote the same
+                    continue
                 if (entries := event.logprobs) is not None:
                     found = logprobs[event.index]
                     if found is None:
@@ -217,14 +226,14 @@ class Choices:
                     else:
                         found.extend(entries)
         results = []
-        for job_id, entries in zip(self.job_ids, logprobs, strict=True):
+        for job_id, entries, prompt in zip(self.job_ids, logprobs, prompts, strict=True):
             record = await self.shard.queue.record(job_id)
             if record is None:
                 results.append(ChoiceResult("", finish_reason(None), Usage()))
                 continue
             reason = record.finish_reason.value if record.finish_reason else None
             usage = record.usage or Usage()
-            results.append(ChoiceResult(record.output or "", finish_reason(reason), usage, entries))
+            results.append(ChoiceResult(record.output or "", finish_reason(reason), usage, entries, prompt))
         return results
 
     def failure(self, event: ChoiceEvent) -> ApiError:

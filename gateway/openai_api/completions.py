@@ -28,12 +28,21 @@ class CompletionFormat:
     created: int
     model: str
     logprobs: bool = False  # the request asked for logprobs
+    echoed: tuple[str, ...] | None = None  # each choice's prompt, when the request asked for it back
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def opening(self) -> list[Completion]:
-        return []
+        """The echoed prompts; with logprobs they come with their prompt events instead (`prompt`)."""
+        if self.echoed is None or self.logprobs:
+            return []
+        return [self.text(index, prompt) for index, prompt in enumerate(self.echoed)]
+
+    def prompt(self, index: int, logprobs: list[dict[str, Any]], offsets: TextOffsets) -> Completion | None:
+        if self.echoed is None:
+            return None
+        return self.tokens(index, self.echoed[index], logprobs, offsets)
 
     def text(self, index: int, text: str) -> Completion:
         return self._chunk([CompletionChoice(index=index, text=text, finish_reason=None)])
@@ -57,8 +66,10 @@ class CompletionFormat:
         choices = [
             CompletionChoice(
                 index=i,
-                text=r.text,
-                logprobs=completion_logprobs(r.logprobs or [], TextOffsets()) if self.logprobs else None,
+                text=r.text if self.echoed is None else self.echoed[i] + r.text,
+                logprobs=completion_logprobs([*(r.prompt_logprobs or []), *(r.logprobs or [])], TextOffsets())
+                if self.logprobs
+                else None,
                 finish_reason=r.finish_reason,
             )
             for i, r in enumerate(results)
@@ -78,7 +89,10 @@ async def create_completion(request: Request) -> Response:
     prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
     owner = principal_of(request.scope)
     choices = await Choices.submit(state, model, jobs, prompt_of, prompt_param="prompt", owner=owner)
-    form = CompletionFormat(f"cmpl-{choices.job_ids[0]}", int(time.time()), model, body.logprobs is not None)
+    echoed = tuple(prompts[i] for i in prompt_of) if body.echo else None
+    form = CompletionFormat(
+        f"cmpl-{choices.job_ids[0]}", int(time.time()), model, body.logprobs is not None, echoed
+    )
     return await respond(
         request,
         choices,

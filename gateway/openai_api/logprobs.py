@@ -36,6 +36,11 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=[entry["token"] for entry in entries],
         token_logprobs=[entry["logprob"] for entry in entries],
-        top_logprobs=[{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries],
+        top_logprobs=[
+            None
+            if entry["top_logprobs"] is None
+            else {top["token"]: top["logprob"] for top in entry["top_logprobs"]}
+            for entry in entries
+        ],
         text_offset=[offsets.next(entry["bytes"]) for entry in entries],
     )

@@ -64,6 +64,7 @@ def job_request(
         "frequency_penalty": body.frequency_penalty,
         "logit_bias": body.logit_bias,
         "logprobs": body.job_logprobs(),
+        "prompt_logprobs": body.job_prompt_logprobs(),
     }
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})

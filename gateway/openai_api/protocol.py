@@ -78,6 +78,10 @@ class GenerationParams(BaseModel):
         """How many likeliest tokens' log-probabilities the job gives with each token (None: none)."""
         return None
 
+    def job_prompt_logprobs(self) -> int | None:
+        """The same for each prompt token (None: none)."""
+        return None
+
     @property
     def choices_per_prompt(self) -> int:
         return self.n or 1
@@ -189,7 +193,9 @@ class CompletionRequest(GenerationParams):
         le=MAX_COMPLETION_LOGPROBS,
         description="Give each output token's log-probability and those of this many likeliest tokens.",
     )
-    echo: Any = None
+    echo: bool | None = Field(
+        False, description="Answer with the prompt before the completion (and its logprobs, when asked)."
+    )
     suffix: Any = None
     best_of: Any = None
 
@@ -199,10 +205,12 @@ class CompletionRequest(GenerationParams):
     def job_logprobs(self) -> int | None:
         return self.logprobs
 
+    def job_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def _neutral(self) -> dict[str, Callable[[Any], bool]]:
         return {
             **super()._neutral(),
-            "echo": _empty,
             "suffix": lambda v: v is None or v == "",
             "best_of": lambda v: v is None or v == self.choices_per_prompt,
         }
@@ -333,8 +341,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

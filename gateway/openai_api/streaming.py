@@ -36,6 +36,10 @@ class ResponseFormat(Protocol):
         """A text chunk with its tokens' log-probabilities; `offsets`: the choice's, so far."""
         ...
 
+    def prompt(self, index: int, logprobs: list[dict[str, Any]], offsets: TextOffsets) -> BaseModel | None:
+        """The chunk of a choice's echoed prompt with its tokens' log-probabilities, when it echoes."""
+        ...
+
     def finish(self, index: int, reason: OpenAIFinishReason) -> BaseModel: ...
 
     def read_text(
@@ -110,6 +114,9 @@ class ChunkStream:
         for event in read:
             if event.kind == EventType.status.value and "prompt_tokens" in event.fields:
                 usages[event.index].prompt_tokens = int(event.fields["prompt_tokens"])
+            elif (prompt := event.prompt_logprobs) is not None:
+                if (echoed := form.prompt(event.index, prompt, self._offsets[event.index])) is not None:
+                    out.append(frame(echoed))
             elif event.kind == EventType.token.value:
                 text = event.fields.get("text", "")
                 usages[event.index].completion_tokens += len(entry_token_ids(event.fields))

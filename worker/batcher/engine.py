@@ -40,7 +40,14 @@ from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.kv_slots import KvSlots
 from worker.batcher.prefix_cache import PrefixCache
 from worker.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
-from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
+from worker.engine import (
+    EngineUpdate,
+    Finish,
+    GenerationRequest,
+    GenerationStream,
+    TokenLogprobs,
+    deliver_all,
+)
 from worker.engine_thread import EngineThread
 from worker.ort_engine import OrtTokenizer, context_length, vocab_size
 
@@ -64,6 +71,7 @@ class _Row:
     decoding: bool = False
     first_update: bool = True
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asks for them
 
     @property
     def request(self) -> GenerationRequest:
@@ -274,7 +282,10 @@ class BatchingEngine(EngineThread):
         if self._prefixes is None:
             row.slot = max(free)
             return
-        slot, reused = self._prefixes.match(row.request.prompt_ids, free)
+        if row.request.prompt_logprobs is not None:  # every prompt position's logits are needed
+            slot, reused = None, 0
+        else:
+            slot, reused = self._prefixes.match(row.request.prompt_ids, free)
         self.counters.prefix_tokens_queried += len(row.request.prompt_ids)
         if slot is None:
             slot = self._prefixes.victim(free)
@@ -325,6 +336,11 @@ class BatchingEngine(EngineThread):
                 self._end(row)
                 iteration.updates.append((row.stream, EngineUpdate([], Finish.error, f"prefill failed: {e}")))
                 continue
+            if (top := row.request.prompt_logprobs) is not None:
+                prompt = row.request.prompt_ids
+                for position in range(start, min(stop, len(prompt) - 1)):  # each predicts the next token
+                    found = token_logprobs(logits[0, position - start], prompt[position + 1], top)
+                    row.prompt_logprobs.append(found)
             spent += stop - start
             self.counters.prefill_tokens += stop - start
             self.counters.prefill_runs += 1
@@ -414,8 +430,17 @@ class BatchingEngine(EngineThread):
         if raw is not None and tokens:
             logprobs = (token_logprobs(raw, token, request.logprobs or 0),)
         cached = row.cached if first else None
+        asked = first and request.prompt_logprobs is not None
+        prompt_logprobs = tuple(row.prompt_logprobs) if asked else None
         update = EngineUpdate(
-            tokens, finish, None, rows, replay_exact=exact, logprobs=logprobs, cached_tokens=cached
+            tokens,
+            finish,
+            None,
+            rows,
+            replay_exact=exact,
+            logprobs=logprobs,
+            cached_tokens=cached,
+            prompt_logprobs=prompt_logprobs,
         )
         iteration.updates.append((row.stream, update))
 
