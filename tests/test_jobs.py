@@ -6,11 +6,14 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from redis.asyncio import Redis
 
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
+
+pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers
 
 
 async def test_a_submitted_job_succeeds_with_output_usage_and_timings(
