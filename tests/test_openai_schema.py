@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.openai_api.choices import finish_reason
 from tests.openai_schema import OpenAISchema
 
 pytestmark = pytest.mark.unit
@@ -58,6 +59,11 @@ def test_vllms_abort_is_not_one_of_openais_finish_reasons() -> None:
     assert problem is not None and problem.startswith(
         "CreateChatCompletionStreamResponse at /choices/0/finish_reason"
     )
+
+
+def test_a_job_cancelled_through_the_job_api_finishes_with_length_as_openai_has_no_abort() -> None:
+    assert finish_reason("cancelled") == "length"
+    assert (finish_reason("stop"), finish_reason("length")) == ("stop", "length")
 
 
 def test_a_stream_event_is_checked_against_the_event_its_type_names() -> None:
