@@ -32,8 +32,7 @@ from ortfleet.bench.http import Connection, served_model
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import table
 from ortfleet.bench.serving import CHARS_PER_TOKEN, LOCAL_NAME, Served, count_tokens, stream
-from ortfleet.fleet.launcher import throwaway_fleet
-from ortfleet.fleet.processes import StartupError
+from ortfleet.fleet.launcher import serving_fleet
 
 GOAL_SECOND_TURN = 0.25  # median second-turn TTFT over the first's, at most
 GOAL_SYSTEM_SAVED = 0.8  # share of the shared-system-prompt requests' prompt tokens reused, at least
@@ -77,14 +76,7 @@ def run(options: PrefixOptions) -> dict[str, Any]:
         measured = aio.run(_measure(options, options.url, name))
     else:
         assert options.model_dir is not None
-        with throwaway_fleet() as fleet:
-            _, url = fleet.start_gateway()
-            for _ in range(options.workers):
-                worker = fleet.start_worker(LOCAL_NAME, model=options.model_dir, wait=False)
-            try:
-                fleet.wait_workers(LOCAL_NAME, options.workers)
-            except StartupError as e:
-                raise StartupError(f"{e}\n{worker.log_tail()}") from e
+        with serving_fleet(options.model_dir, LOCAL_NAME, options.workers) as url:
             name = LOCAL_NAME
             measured = aio.run(_measure(options, url, name))
     figures: dict[str, Any] = {

@@ -43,8 +43,7 @@ from ortfleet.bench.http import Connection, HttpError, served_model
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import table
 from ortfleet.bench.stats import summary
-from ortfleet.fleet.launcher import throwaway_fleet
-from ortfleet.fleet.processes import StartupError
+from ortfleet.fleet.launcher import serving_fleet
 
 LOCAL_NAME = "bench"
 INTERFERENCE_LONG = 3  # long prompts sent at once
@@ -154,13 +153,7 @@ def run(options: ServingOptions) -> dict[str, Any]:
             measured = aio.run(_measure_server(options, options.url, name, planned, bar))
         else:
             assert options.model_dir is not None
-            with throwaway_fleet() as fleet:
-                _, url = fleet.start_gateway()
-                worker = fleet.start_worker(LOCAL_NAME, model=options.model_dir, wait=False)
-                try:
-                    fleet.wait_workers(LOCAL_NAME, 1)
-                except StartupError as e:
-                    raise StartupError(f"{e}\n{worker.log_tail()}") from e
+            with serving_fleet(options.model_dir, LOCAL_NAME) as url:
                 name = LOCAL_NAME
                 measured = aio.run(_measure_server(options, url, name, planned, bar))
     levels, interference = measured

@@ -27,8 +27,7 @@ from ortfleet.bench.http import served_model
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import table
 from ortfleet.bench.serving import LOCAL_NAME
-from ortfleet.fleet.launcher import throwaway_fleet
-from ortfleet.fleet.processes import StartupError
+from ortfleet.fleet.launcher import serving_fleet
 
 GOAL_PARSED = 9  # of the ten parse requests, at least
 GOAL_OBJECTS = 9  # of the ten json_object requests, at least
@@ -138,13 +137,7 @@ def run(options: StructuredOptions) -> dict[str, Any]:
         measured = _measure(options, options.url, name)
     else:
         assert options.model_dir is not None
-        with throwaway_fleet() as fleet:
-            _, url = fleet.start_gateway()
-            worker = fleet.start_worker(LOCAL_NAME, model=options.model_dir, wait=False)
-            try:
-                fleet.wait_workers(LOCAL_NAME, 1)
-            except StartupError as e:
-                raise StartupError(f"{e}\n{worker.log_tail()}") from e
+        with serving_fleet(options.model_dir, LOCAL_NAME) as url:
             name = LOCAL_NAME
             measured = _measure(options, url, name)
     figures: dict[str, Any] = {

@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, SimpleQueue
@@ -295,3 +295,17 @@ def throwaway_fleet(env: Mapping[str, str] | None = None) -> LocalFleet:
     fleet = LocalFleet(env={"ORTFLEET_LOG_LEVEL": "warning", **(env or {})})
     fleet.start_redis(appendonly=False)
     return fleet
+
+
+@contextlib.contextmanager
+def serving_fleet(model_dir: Path, name: str, workers: int = 1) -> Iterator[str]:
+    """A throwaway fleet (a gateway and `workers` workers serving the model as `name`) once its workers
+    are ready; yields the gateway's URL. A worker that cannot start shows the end of its log."""
+    with throwaway_fleet() as fleet:
+        _, url = fleet.start_gateway()
+        started = [fleet.start_worker(name, model=model_dir, wait=False) for _ in range(workers)]
+        try:
+            fleet.wait_workers(name, workers)
+        except StartupError as e:
+            raise StartupError(f"{e}\n{started[-1].log_tail()}") from e
+        yield url
