@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import re
 import secrets
 import subprocess
@@ -18,21 +20,24 @@ from starlette.routing import Route
 
 from common import keys
 from common.apikeys import KeyFile
+from ortfleet.cli import build_parser
 from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, submit, wait_done
+
+pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers
 
 PUBLIC = {"/healthz", "/readyz", "/health", "/version"}
 CONSOLE = {"/", "/console/job_x"}  # the console's page and assets: no key, and no data in them
 
 
 def create_key(path: Path, name: str, *extra: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "ortfleet", "keys", "create", name, "--file", str(path), *extra],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return result.stdout.strip().splitlines()[-1]
+    """A new key in the keys file at `path`, made by `ortfleet keys create` run in this process (the
+    command as a process: test_keys_can_be_created_listed_and_revoked); the key."""
+    args = build_parser().parse_args(["keys", "create", name, "--file", str(path), *extra])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert not args.func(args)
+    return printed.getvalue().strip().splitlines()[-1]
 
 
 @pytest.fixture
@@ -242,15 +247,18 @@ async def test_a_purged_job_is_gone_from_redis(
 
 
 async def test_no_prompt_or_output_text_reaches_the_logs_at_the_default_level(
-    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+    fleet: Fleet, model_name: str
 ) -> None:
+    _, url = fleet.start_gateway()  # of this test's own: its log is read below
     fleet.start_worker(model_name)
     canary = "zebra-canary-7781"
-    job = await submit(client, {"model": model_name, "prompt": f"My password is {canary}", "max_tokens": 16})
-    done = await wait_done(client, job["id"])
-    bad = await client.post("/v1/jobs", json={"model": model_name, "prompt": canary, "temperature": 9})
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        body = {"model": model_name, "prompt": f"My password is {canary}", "max_tokens": 16}
+        done = await wait_done(client, (await submit(client, body))["id"])
+        bad = await client.post("/v1/jobs", json={"model": model_name, "prompt": canary, "temperature": 9})
     assert bad.status_code == 422
     fleet.stop_all()
+    assert [proc.role for proc in fleet.processes] == ["gateway", "worker"]
     for proc in fleet.processes:
         text = proc.log.read_text(errors="replace")
         assert canary not in text, proc.log
