@@ -299,6 +299,15 @@ class JobQueue:
             keys=[keys.preempting(model)], args=["-1", "0", str(int(hold_s * 1000))]
         )
 
+    async def head_owner(self, model: str, cls: PriorityClass) -> str | None:
+        """The owner of the job at the head of the class's queue (the next to be claimed); None when the
+        queue is empty."""
+        head = await self._redis.zrange(keys.queue(model, cls.value), 0, 0)
+        if not head:
+            return None
+        owner: str | None = await self._redis.hget(keys.job(head[0]), "owner")  # type: ignore[misc]
+        return owner if owner is not None else ""
+
     async def waiting(self, model: str) -> dict[PriorityClass, int]:
         """Jobs waiting in each class's queue of the model."""
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -576,13 +585,14 @@ class JobQueue:
             renewed += int(await self._renew(keys=script_keys, args=args))
         return renewed
 
-    async def release(self, claim: Claim, *, preempted: bool = False) -> bool:
+    async def release(self, claim: Claim, *, preempted: bool = False, behind: bool = False) -> bool:
         """Give a running job back to its queue, in its place (a stopping worker's unfinished job, or
-        batch work preempted for interactive work); False when the claim no longer holds it."""
+        batch work preempted for interactive work), or `behind` the job at the queue's head (a job
+        preempted for another key's); False when the claim no longer holds it."""
         queue = keys.queue(claim.model, claim_priority(claim).value)
         released = await self._release(
             keys=[queue, keys.leases(claim.model), keys.job(claim.job_id)],
-            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0"],
+            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0", "1" if behind else "0"],
         )
         if released:
             await self._redis.publish(keys.wake_channel(claim.model), claim.job_id)

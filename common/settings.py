@@ -413,6 +413,21 @@ class WorkerSettings(FleetSettings):
         description="How long interactive jobs wait (for a worker with a free slot) before a worker full "
         "of batch jobs preempts them.",
     )
+    preempt_for_keys: bool = Field(
+        True,
+        description="Keys share a worker's slots: when another key's interactive job has waited "
+        "ORTFLEET_PREEMPT_FOR_KEYS_AFTER_S at the head of the queue and no slot is free, a worker on "
+        "continuous batching sends back the latest-started interactive job of the key that holds the "
+        "most of its slots (at least two more than the waiting job's key). It resumes later from its "
+        "streamed tokens, behind the job it made room for (not an attempt).",
+    )
+    preempt_for_keys_after_s: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="How long another key's interactive job waits at the head of the queue before a "
+        "worker preempts for it (ORTFLEET_PREEMPT_FOR_KEYS); a preempted job prefills its prompt again.",
+    )
     metrics_port: int = Field(
         0,
         ge=0,

@@ -239,7 +239,9 @@ class JobView(BaseModel):
         description="Seconds until it starts while queued: the estimated tokens ahead of it (prompts and "
         "max_tokens) over the speed the model's workers measured while running jobs.",
     )
-    preemptions: int = Field(0, description="Times batch work was paused for interactive jobs.")
+    preemptions: int = Field(
+        0, description="Times the job was paused for interactive jobs (batch work) or another key's job."
+    )
     output: str | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None

@@ -4,6 +4,8 @@ interactive ones and resume them exactly, and a real worker process does the sam
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ from tests.jobs_client import read_events, wait_done
 from tests.jobs_client import submit as submit_http
 from tests.queued_jobs import submit
 from tests.redis_events import wait_final, wait_for_tokens
+from tests.test_security import bearer, create_key
 from worker.fake_engine import FakeEngine
 
 # Workers on the fake engine
@@ -113,6 +116,55 @@ async def test_a_preempted_job_is_not_failed_by_the_attempt_limit(
     assert record["status"] == "succeeded" and record["attempts"] == "4"
 
 
+async def test_a_key_holding_every_slot_yields_one_to_another_keys_job_which_runs_first(
+    redis: Redis, start_worker: Started, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    service = start_worker(model, FakeEngine(0.01, 2), preempt_for_keys_after_s=0.05)
+    hog = [await submit(queue, model, owner="alice", prompt=p, max_tokens=80) for p in ("ab", "xyz")]
+    for job_id in hog:
+        await wait_for_tokens(redis, job_id, 3)
+
+    other = await submit(queue, model, owner="bob", prompt="Hi", max_tokens=3)
+    quick = await wait_final(redis, other)
+    finals = [await wait_final(redis, job_id) for job_id in hog]
+
+    assert quick["status"] == "succeeded" and quick["output"] == fake_text("Hi", 3)
+    assert all(float(quick["finished_at"]) < float(r["finished_at"]) for r in finals)
+    assert service.preemptions == 1
+    [preempted] = [r for r in finals if r["preemptions"] == "1"]
+    assert preempted["id"] == hog[1]  # the latest started, which lost least
+    assert preempted["attempts"] == "2"
+    for job_id, prompt, record in zip(hog, ("ab", "xyz"), finals, strict=True):
+        assert record["status"] == "succeeded" and record["output"] == fake_text(prompt, 80)
+        await assert_exact_stream(redis, job_id, prompt, 80)
+
+
+async def test_slots_shared_evenly_are_not_preempted_for_another_key(
+    redis: Redis, start_worker: Started, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    service = start_worker(model, FakeEngine(0.01, 2), preempt_for_keys_after_s=0.05)
+    running = [await submit(queue, model, owner=o, max_tokens=40) for o in ("alice", "bob")]
+    for job_id in running:
+        await wait_for_tokens(redis, job_id, 2)
+    third = await submit(queue, model, owner="carol", max_tokens=2)
+    quick = await wait_final(redis, third)
+
+    # each key holds one slot: carol's job waits for one to end, none is sent back
+    assert json.loads(quick["timings"])["queue_wait_s"] >= 0.1
+    assert service.preemptions == 0
+    for job_id in running:
+        assert (await wait_final(redis, job_id))["preemptions"] == "0"
+    # a key's own jobs never preempt each other, nor does a worker told not to
+    again = start_worker(model + "-off", FakeEngine(0.01, 2), preempt_for_keys=False)
+    hog = [await submit(queue, model + "-off", owner="alice", max_tokens=40) for _ in range(2)]
+    for job_id in hog:
+        await wait_for_tokens(redis, job_id, 2)
+    await wait_final(redis, await submit(queue, model + "-off", owner="bob", max_tokens=2))
+    assert again.preemptions == 0
+
+
 # A real worker process on the tiny model: og.Engine's static scheduler, and ortfleet's batcher
 
 
@@ -186,3 +238,35 @@ async def test_on_the_batcher_a_preempted_structured_output_job_resumes_through_
     assert final["status"] == "succeeded" and final["preemptions"] == 1 and final["attempts"] == 2, final
     assert final["output"] == reference["output"]  # the grammar went on from the replayed tokens
     assert set(json.loads(final["output"])) == {"story"}
+
+
+async def test_a_real_worker_makes_room_for_another_keys_chat_when_one_key_holds_every_row(
+    fleet: Fleet, model_name: str, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "keys.json"
+    alice, bob = (bearer(create_key(key_file, name)) for name in ("alice", "bob"))
+    _, url = fleet.start_gateway({"ORTFLEET_API_KEYS_FILE": str(key_file)})
+    slow = {"ORTFLEET_STEP_DELAY_S": "0.01", "ORTFLEET_PREEMPT_FOR_KEYS_AFTER_S": "0.2"}
+    fleet.start_worker(model_name, "--max-batch-size", "2", "--scheduler", "batcher", env=slow)
+    long_body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 150, "min_tokens": 150}
+    async with (
+        httpx.AsyncClient(base_url=url, headers=alice, timeout=60) as hog,
+        httpx.AsyncClient(base_url=url, headers=bob, timeout=60) as other,
+    ):
+        reference = await wait_done(hog, (await submit_http(hog, long_body))["id"])
+        held = [(await submit_http(hog, long_body))["id"] for _ in range(2)]
+        for job_id in held:
+            await first_token(hog, job_id)
+        quick = await wait_done(
+            other, (await submit_http(other, {**long_body, "max_tokens": 2, "min_tokens": 0}))["id"]
+        )
+        finals = [await wait_done(hog, job_id) for job_id in held]
+
+    assert quick["status"] == "succeeded"
+    def ended(job: dict[str, Any]) -> float:
+        return float(job["created_at"]) + float(job["timings"]["total_s"])
+
+    assert all(ended(quick) < ended(final) for final in finals)
+    assert [final["preemptions"] for final in finals] == [0, 1]  # the later started gave way
+    for final in finals:
+        assert final["status"] == "succeeded" and final["output"] == reference["output"]  # exact resume

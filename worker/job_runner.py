@@ -108,6 +108,7 @@ class JobRun:
         self._abandoned = False
         self._preempting = False  # asked to stop for interactive work (see preempted)
         self.preempted = False  # stopped for interactive work: its worker gives it back to the queue
+        self.behind = False  # preempted for another key's job: back in the queue behind it
         self.lost = False  # the engine failed under it: its worker gives it back to the queue
         self.progress = Progress()
         self.started_at = time.time()
@@ -138,10 +139,12 @@ class JobRun:
     def preempt_requested(self) -> bool:
         return self._preempting
 
-    def preempt(self) -> None:
+    def preempt(self, *, behind: bool = False) -> None:
         """Stop generating for interactive work: unless it ends first, the job goes back to the queue
-        once its streamed tokens are written, and resumes from them."""
+        once its streamed tokens are written, and resumes from them; `behind` the job it makes room for
+        (another key's), else in its place."""
         self._preempting = True
+        self.behind = behind
         if self._stream is not None and not self._stream.cancel_requested:
             self._engine.cancel(self._stream)
 

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
@@ -344,7 +345,7 @@ class WorkerService:
     async def _execute(self, run: JobRun) -> None:
         try:
             await run.run()
-            if run.preempted and await self.queue.release(run.claim, preempted=True):
+            if run.preempted and await self.queue.release(run.claim, preempted=True, behind=run.behind):
                 self.preemptions += 1
             elif run.lost and not run.preempted and await self.queue.release(run.claim):
                 logger.info("job %s handed back to the queue: the engine failed under it", run.job_id)
@@ -440,6 +441,30 @@ class WorkerService:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    def _full(self) -> bool:
+        return self.free_slots() == 0 and any(not run.engine_done for run in self.runs.values())
+
+    async def _overshare(self) -> list[JobRun]:
+        """For the key of the job at the head of the interactive queue: the latest-started interactive
+        job of the key that holds the most of this worker's slots, when it holds at least two more."""
+        if not self._full():
+            return []
+        running = [
+            run
+            for run in self.runs.values()
+            if not run.engine_done
+            and not run.preempt_requested
+            and run.spec.priority is PriorityClass.interactive
+        ]
+        head = await self.queue.head_owner(self.model, PriorityClass.interactive)
+        held = Counter(run.claim.owner for run in running)
+        if head is None or not held:
+            return []
+        owner, most = held.most_common(1)[0]
+        if owner == head or most - held[head] < 2:
+            return []
+        return [max((run for run in running if run.claim.owner == owner), key=lambda run: run.started_at)]
+
     def _preemptable(self) -> list[JobRun]:
         """The batch jobs to stop when interactive jobs wait and no slot is free: on continuous
         batching any batch row (latest started first); on the static scheduler the whole batch, and
@@ -453,21 +478,26 @@ class WorkerService:
         return sorted(batch, key=lambda run: run.started_at, reverse=True)
 
     async def _preempt_loop(self) -> None:
-        """Batch yields to interactive: checked when jobs are submitted, and every claim poll."""
+        """Batch yields to interactive, and a key holding most slots to another key's waiting job:
+        checked when jobs are submitted, and every claim poll."""
         wait = self.settings.preempt_after_s
         while True:
             await wait_set(self._interactive_wake, self.settings.claim_poll_s)
             self._interactive_wake.clear()
-            if not self._preemptable():
+            for_keys = self.settings.preempt_for_keys and self.engine.continuous_batching
+            if not self._preemptable() and not (for_keys and self._full()):
                 continue
             try:
                 if not (await self.queue.waiting(self.model))[PriorityClass.interactive]:
                     continue
                 await asyncio.sleep(wait)  # a worker with a free slot may take them meanwhile
                 waiting = (await self.queue.waiting(self.model))[PriorityClass.interactive]
-                victims = self._preemptable()
+                victims, behind = self._preemptable(), False
                 if self.engine.continuous_batching:
                     victims = victims[:waiting]
+                if not victims and for_keys and waiting:
+                    await asyncio.sleep(max(0.0, self.settings.preempt_for_keys_after_s - wait))
+                    victims, behind = await self._overshare(), True
                 # Workers full of batch work all see the same waiting jobs: only as many slots are
                 # freed, fleet-wide, as jobs wait.
                 if not victims or not await self.queue.reserve_preemption(
@@ -482,8 +512,11 @@ class WorkerService:
                     with contextlib.suppress(RedisError):
                         await self.queue.end_preemption(self.model, self.settings.heartbeat_ttl_s)
                     continue
-                logger.info("job %s: batch work preempted for %d interactive jobs", run.job_id, waiting)
-                run.preempt()
+                if behind:
+                    logger.info("job %s: preempted for another key's waiting job", run.job_id)
+                else:
+                    logger.info("job %s: batch work preempted for %d interactive jobs", run.job_id, waiting)
+                run.preempt(behind=behind)
 
     async def _drain(self) -> None:
         """On stop: let running jobs finish within the grace period, then hand the rest back."""
