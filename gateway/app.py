@@ -39,9 +39,8 @@ from gateway.openai_api.choices import JOB_ID_HEADER
 from gateway.responses import routes as responses
 from gateway.shards import open_shards
 from gateway.state import AppState
-from gateway.stream_slots import StreamSlots
-from gateway.stream_tokens import StreamTokens
-from gateway.stream_tokens import routes as stream_tokens_routes
+from gateway.streaming.slots import StreamSlots
+from gateway.streaming.tokens import StreamTokens
 
 MULTIPART_OVERHEAD_BYTES = 65_536  # a file upload's form fields and part headers
 
@@ -94,7 +93,10 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with open_shards(settings) as shards:
             fleet = FleetView([shard.redis for shard in shards.all])
-            streams = StreamSlots(settings.key_max_open_streams, gateway_metrics)
+            streams = StreamSlots(
+                settings.key_max_open_streams,
+                lambda: gateway_metrics.rejected.labels("too_many_streams").inc(),
+            )
             app.state.ortfleet = AppState(settings, shards, fleet, gateway_metrics, streams)
             driver = asyncio.create_task(BatchDriver(app.state.ortfleet).run(), name="batch-driver")
             try:
@@ -105,7 +107,6 @@ def build_app(
     app = Starlette(
         routes=[
             *jobs.routes,
-            *stream_tokens_routes,
             *openai_api.routes,
             *files.routes,
             *batches.routes,

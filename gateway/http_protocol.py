@@ -13,8 +13,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from gateway.departure import DISCONNECT_EXTENSION
-from gateway.sse import DIRECT_BODY_EXTENSION
+from gateway.streaming.departure import DISCONNECT_EXTENSION
+from gateway.streaming.direct import DIRECT_BODY_EXTENSION
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -37,8 +37,8 @@ class _Pipeline(list[Any]):
 
 
 class DirectBody:
-    """DIRECT_BODY_EXTENSION (see gateway.sse.DirectBody): a started response's body chunks written to
-    the connection as uvicorn's own `send` writes them, without the ASGI send chain."""
+    """DIRECT_BODY_EXTENSION (see gateway.streaming.direct.DirectBody): a started response's body chunks
+    written to the connection as uvicorn's own `send` writes them, without the ASGI send chain."""
 
     __slots__ = ("_cycle",)
 
@@ -150,7 +150,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._arm(self.body_timeout_s, "the request body")
         extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
-        extensions[DISCONNECT_EXTENSION] = {"watch": self.watch_disconnect}  # see gateway.departure
+        extensions[DISCONNECT_EXTENSION] = {"watch": self.watch_disconnect}  # see gateway.streaming.departure
         previous = self.cycle
         super().on_headers_complete()
         if self.cycle is not None and self.cycle is not previous:  # a new request: its task has not run yet

@@ -17,12 +17,16 @@ from common.jobqueue import QueueAhead
 from common.records import JobRecord
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
-from gateway.departure import until_disconnect
 from gateway.errors import ApiError
 from gateway.request_body import parse_body
 from gateway.shards import Shard
-from gateway.sse import JobEventsResponse, StreamEndpoint, read_position, valid_entry_id, wait_final
 from gateway.state import AppState, app_state
+from gateway.streaming.departure import until_disconnect
+from gateway.streaming.ids import valid_entry_id
+from gateway.streaming.job_events import JobEventsResponse
+from gateway.streaming.reading import read_position, wait_final
+from gateway.streaming.sse import StreamEndpoint
+from gateway.streaming.tokens import QUERY_PARAM, StreamTokens
 from gateway.submission import submit_job
 
 
@@ -242,10 +246,28 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     return int(raw)
 
 
+async def create_stream_token(request: Request) -> Response:
+    state = app_state(request)
+    tokens: StreamTokens | None = request.app.state.stream_tokens
+    job_id = request.path_params["job_id"]
+    principal = principal_of(request.scope)
+    await load_view(state, job_id, principal)
+    if tokens is None:
+        raise ApiError(
+            501,
+            "stream tokens need ORTFLEET_STREAM_TOKEN_SECRET set on every gateway",
+            code=ErrorCode.stream_tokens_disabled,
+        )
+    token, expires = tokens.issue(job_id, principal.name)
+    events = f"/v1/jobs/{job_id}/events?{QUERY_PARAM}={token}"
+    return JSONResponse({"token": token, "expires_at": expires, "events_url": events}, 201)
+
+
 routes = [
     Route("/v1/jobs", create_job, methods=["POST"]),
     Route("/v1/jobs", list_jobs, methods=["GET"]),
     Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
     Route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"]),
     Route("/v1/jobs/{job_id}/events", StreamEndpoint(job_events), methods=["GET"]),
+    Route("/v1/jobs/{job_id}/stream-token", create_stream_token, methods=["POST"]),
 ]

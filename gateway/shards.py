@@ -27,8 +27,8 @@ from common.settings import GatewaySettings
 from common.store_watch import StoreWatch
 from common.wire import JobStatus
 from gateway.queue_sweep import sweep_queue_deadlines
-from gateway.relay import StreamRelay
-from gateway.sse import STORE_LOST
+from gateway.streaming.reading import STORE_LOST
+from gateway.streaming.relay import StreamRelay
 
 
 @dataclass(frozen=True)

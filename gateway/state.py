@@ -10,7 +10,7 @@ from common.settings import GatewaySettings
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.shards import Shards
-from gateway.stream_slots import StreamSlots
+from gateway.streaming.slots import StreamSlots
 
 
 @dataclass

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.events import is_final, token_entry
 from common.jobqueue import notice_streams
-from gateway.relay import StreamRelay
+from gateway.streaming.relay import StreamRelay
 
 
 async def fresh_jobs(redis: Redis, *job_ids: str, attempt: int = 1) -> None:

@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from common.events import done_entry
 from common.wire import JobStatus, Usage
-from gateway.relay import StreamRelay
+from gateway.streaming.relay import StreamRelay
 from tests.redis_events import add_entry, add_tokens, relay_reads_to_the_end
 from tests.waiting import until
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from gateway.stream_tokens import StreamTokens
+from gateway.streaming.tokens import StreamTokens
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit
 

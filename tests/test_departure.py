@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.departure import CancelledOnDeparture
+from gateway.streaming.departure import CancelledOnDeparture
 
 pytestmark = pytest.mark.unit  # no process: the first tier
 

@@ -114,6 +114,7 @@ def body(endpoint: str, model: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "input": "Hi", "max_output_tokens": 2, **extra}
 
 
+@pytest.mark.module_fleet
 @pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 async def test_each_parameter_is_refused_or_ignored_as_the_table_says(
     client: httpx.AsyncClient, served: str, endpoint: str

@@ -23,9 +23,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api.chat import ChatFormat
 from gateway.openai_api.choices import ChoiceEvent, Choices
 from gateway.openai_api.completions import CompletionFormat
-from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFrames, chunks, frame
-from gateway.relay import StreamRelay
-from gateway.sse import KEEPALIVE
+from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFrames, chunk_frame, chunks
+from gateway.streaming.relay import StreamRelay
+from gateway.streaming.sse import KEEPALIVE
 from tests.conftest import RedisServer
 from tests.stalled_client import TOKENS, USAGE, StallingBody, stall_mid_stream
 
@@ -67,7 +67,7 @@ def test_a_text_chunk_is_byte_for_byte_what_its_chunk_model_serializes_to(text: 
     for form in (ChatFormat("chatcmpl-1", 7, "m", 4), CompletionFormat("cmpl-1", 7, "m")):
         text_frame = TextFrames(form)
         text_frame(index, "warm")  # the template is made on a choice's first chunk: use it after
-        assert text_frame(index, text) == frame(form.text(index, text))
+        assert text_frame(index, text) == chunk_frame(form.text(index, text))
 
 
 def pushed_choices(relay: StreamRelay, redis: Redis, job_ids: list[str]) -> Choices:

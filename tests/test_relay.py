@@ -24,8 +24,9 @@ from common.settings import GatewaySettings
 from common.wire import JobStatus
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
-from gateway.relay import SWEEP_KEYS_PER_READ, Entry, Follower, StreamRelay
 from gateway.state import AppState
+from gateway.streaming.ids import KeyedEntry
+from gateway.streaming.relay import SWEEP_KEYS_PER_READ, Follower, StreamRelay
 from ortfleet.bench.capacity import xread_calls
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
@@ -173,8 +174,8 @@ async def relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
     await streams.close()
 
 
-async def read_until(follower: Follower, count: int) -> list[Entry]:
-    entries: list[Entry] = []
+async def read_until(follower: Follower, count: int) -> list[KeyedEntry]:
+    entries: list[KeyedEntry] = []
     while len(entries) < count:
         batch = await follower.next(10)
         assert batch, f"nothing within 10 s after {len(entries)} entries"

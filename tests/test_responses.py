@@ -19,9 +19,10 @@ from common.events import status_entry
 from common.jobqueue import stage_jobs
 from common.records import JobRecord
 from common.wire import JobStatus
-from gateway.relay import StreamRelay
 from gateway.responses.events import EventFrames
-from gateway.sse import JobStreamReading, PushedStream
+from gateway.streaming.job_events import PushedStream
+from gateway.streaming.reading import JobStreamReading
+from gateway.streaming.relay import StreamRelay
 from tests.conftest import Fleet, RedisServer
 from tests.redis_events import add_entry
 from tests.stalled_client import TOKENS, StallingBody, stall_mid_stream

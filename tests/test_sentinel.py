@@ -26,8 +26,8 @@ from common.records import RecordUpdate
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
 from common.settings import GatewaySettings
 from common.wire import JobStatus
-from gateway.relay import StreamRelay
-from gateway.sse import batches
+from gateway.streaming.reading import batches
+from gateway.streaming.relay import StreamRelay
 from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import Event, submit

@@ -37,8 +37,8 @@ from gateway.openai_api.structured import response_format, with_schema_shown
 from gateway.openai_api.tool_calls import CallReader, read_answer
 from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, check_schemas, tool_plan, with_tools
 from gateway.request_body import parse_body
-from gateway.sse import StreamEndpoint
 from gateway.state import app_state
+from gateway.streaming.sse import StreamEndpoint
 
 
 def _has_tool_turns(messages: list[ChatMessageIn]) -> bool:

@@ -14,10 +14,11 @@ from common.events import entry_logprobs, is_failure, is_final
 from common.wire import EventType, JobRequest, JobStatus, PromptTokensDetails, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
-from gateway.relay import Entry, Follower
 from gateway.shards import Shard
-from gateway.sse import PURGED, SentTokens, stream_exists
 from gateway.state import AppState
+from gateway.streaming.ids import KeyedEntry
+from gateway.streaming.reading import PURGED, SentTokens, stream_exists
+from gateway.streaming.relay import Follower
 from gateway.submission import submit_job
 
 JOB_ID_HEADER = "X-Ortfleet-Job-Id"  # the jobs behind a response, comma-separated in choice order
@@ -308,7 +309,7 @@ class ChoiceEvents:
     def rejoin(self) -> None:
         self._follower.rejoin()
 
-    def _fresh(self, entries: list[Entry]) -> list[ChoiceEvent]:
+    def _fresh(self, entries: list[KeyedEntry]) -> list[ChoiceEvent]:
         read = []
         for stream, _entry_id, fields in entries:
             if stream not in self._following or not self._sent[stream].fresh(fields):

@@ -18,8 +18,8 @@ from gateway.openai_api.params import check_choice_count, job_request, prompt_te
 from gateway.openai_api.protocol import Completion, CompletionChoice, CompletionRequest, OpenAIFinishReason
 from gateway.openai_api.serving import respond, served_model
 from gateway.request_body import parse_body
-from gateway.sse import StreamEndpoint
 from gateway.state import app_state
+from gateway.streaming.sse import StreamEndpoint
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.departure import until_disconnect
 from gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientGone
 from gateway.openai_api.choices import JOB_ID_HEADER, Choices, as_openai_error
 from gateway.openai_api.streaming import ChunkStream, JobStreamResponse, ResponseFormat
 from gateway.state import AppState
+from gateway.streaming.departure import until_disconnect
 from gateway.submission import resolve_model
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
@@ -13,12 +12,13 @@ from starlette.types import Receive, Scope, Send
 
 from common.events import entry_token_ids
 from common.wire import EventType, Usage
-from gateway.departure import CancelledOnDeparture, disconnect_watch
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceEvents, ChoiceResult, Choices, finish_reason
 from gateway.openai_api.logprobs import TextOffsets
 from gateway.openai_api.protocol import OpenAIFinishReason
-from gateway.sse import KEEPALIVE, DirectBody, EventStreamResponse, PushedWrites, direct_body
+from gateway.streaming.departure import disconnect_watch
+from gateway.streaming.direct import DirectBody, PushedWrites, direct_body, write_direct
+from gateway.streaming.sse import KEEPALIVE, EventStreamResponse, frame, json_bytes
 
 DONE = b"data: [DONE]\n\n"
 
@@ -53,18 +53,17 @@ class ResponseFormat(Protocol):
     def complete(self, results: list[ChoiceResult], usage: Usage) -> BaseModel: ...
 
 
-def frame(payload: BaseModel | dict[str, Any]) -> bytes:
+def chunk_frame(payload: BaseModel | dict[str, Any]) -> bytes:
+    """A chunk (or an in-stream error) as an event of OpenAI's stream: a data line alone."""
     if isinstance(payload, BaseModel):
-        data = payload.model_dump_json()
-    else:
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + data.encode() + b"\n\n"
+        return frame(payload.model_dump_json().encode())
+    return frame(json_bytes(payload))
 
 
 class TextFrames:
     """The frames of a format's text chunks, nearly all of a stream's: each choice's chunk is serialized
     once, around a marker, and a token's text goes where the marker was. The bytes are those of
-    `frame(form.text(index, text))`, without building and serializing a chunk model per token."""
+    `chunk_frame(form.text(index, text))`, without building and serializing a chunk model per token."""
 
     _MARK = "\x00ortfleet-text\x00"
 
@@ -74,12 +73,12 @@ class TextFrames:
 
     def __call__(self, index: int, text: str) -> bytes:
         if index not in self._halves:
-            marked = frame(self._form.text(index, self._MARK))
+            marked = chunk_frame(self._form.text(index, self._MARK))
             before, mark, after = marked.partition(orjson.dumps(self._MARK))
             self._halves[index] = (before, after) if mark else None
         halves = self._halves[index]
         if halves is None:
-            return frame(self._form.text(index, text))
+            return chunk_frame(self._form.text(index, text))
         return halves[0] + orjson.dumps(text) + halves[1]
 
 
@@ -99,7 +98,7 @@ class ChunkStream:
         self._usages = [Usage() for _ in choices.job_ids]
         self._offsets = [TextOffsets() for _ in choices.job_ids]  # for completions' text_offset
         self._text_frame = TextFrames(form)
-        self._opening = b"".join(frame(chunk) for chunk in form.opening())
+        self._opening = b"".join(chunk_frame(chunk) for chunk in form.opening())
         self.failure: ChoiceEvent | None = None
 
     def opening(self) -> bytes:
@@ -116,22 +115,24 @@ class ChunkStream:
                 usages[event.index].prompt_tokens = int(event.fields["prompt_tokens"])
             elif (prompt := event.prompt_logprobs) is not None:
                 if (echoed := form.prompt(event.index, prompt, self._offsets[event.index])) is not None:
-                    out.append(frame(echoed))
+                    out.append(chunk_frame(echoed))
             elif event.kind == EventType.token.value:
                 text = event.fields.get("text", "")
                 usages[event.index].completion_tokens += len(entry_token_ids(event.fields))
                 logprobs = event.logprobs
                 rewritten = form.read_text(event.index, text, logprobs)
                 if rewritten is not None:
-                    out.extend(frame(chunk) for chunk in rewritten)
+                    out.extend(chunk_frame(chunk) for chunk in rewritten)
                 elif logprobs is not None:
                     chunk = form.tokens(event.index, text, logprobs, self._offsets[event.index])
                     if self._continuous_usage:
                         chunk = chunk.model_copy(update={"usage": self.choices.total_usage(usages)})
-                    out.append(frame(chunk))
+                    out.append(chunk_frame(chunk))
                 elif text and self._continuous_usage:
                     chunk = form.text(event.index, text)
-                    out.append(frame(chunk.model_copy(update={"usage": self.choices.total_usage(usages)})))
+                    out.append(
+                        chunk_frame(chunk.model_copy(update={"usage": self.choices.total_usage(usages)}))
+                    )
                 elif text:
                     out.append(self._text_frame(event.index, text))
             elif event.failed:
@@ -139,20 +140,22 @@ class ChunkStream:
                 break
             elif event.kind == EventType.done.value:
                 usages[event.index] = event.usage()
-                out.append(frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason")))))
+                out.append(
+                    chunk_frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason"))))
+                )
         return b"".join(out)
 
     def failed(self) -> bytes:
         """The in-stream error for `failure`, and [DONE]."""
         assert self.failure is not None
         error = self.choices.failure(self.failure)
-        return frame(envelope(error.status, error.message, error.param, error.code)) + DONE
+        return chunk_frame(envelope(error.status, error.message, error.param, error.code)) + DONE
 
     def end(self) -> bytes:
         """The usage chunk (if asked for) and [DONE], once every job ended."""
         if not self._include_usage:
             return DONE
-        return frame(self._form.usage(self.choices.total_usage(self._usages))) + DONE
+        return chunk_frame(self._form.usage(self.choices.total_usage(self._usages))) + DONE
 
 
 async def chunks(
@@ -265,12 +268,11 @@ class JobStreamResponse(EventStreamResponse):
             if body is None or watch is None:
                 await super().__call__(scope, receive, send)
                 return
-            with CancelledOnDeparture(watch) as departure:
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+            async def write() -> None:
                 await PushedChunks(body, self._stream, self._events, self._keepalive_s).run(self._seen)
-                self.ended = True
-            if not departure.left:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+            self.ended = await write_direct(send, self.raw_headers, watch, write)
         finally:
             choices = self._stream.choices
             choices.release()

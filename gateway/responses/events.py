@@ -27,7 +27,8 @@ from gateway.responses.output import (
     response_error,
     response_object,
 )
-from gateway.sse import Entry, json_bytes
+from gateway.streaming.ids import Entry
+from gateway.streaming.sse import frame, json_bytes
 
 __all__ = ["EventFrames", "EventNumbering", "response_object"]
 
@@ -222,7 +223,7 @@ class EventFrames:
 
     def _frames(self, events: Iterable[dict[str, Any]]) -> bytes:
         return b"".join(
-            b"event: %b\ndata: %b\n\n" % (event["type"].encode(), json_bytes(event))
+            frame(json_bytes(event), event["type"])
             for event in events
             if event["sequence_number"] > self._after
         )

@@ -21,7 +21,6 @@ from common.error_codes import ErrorCode
 from common.records import JobRecord
 from common.wire import TERMINAL, JobStatus
 from gateway.auth import principal_of
-from gateway.departure import until_disconnect
 from gateway.errors import ApiError, ClientGone
 from gateway.openai_api.choices import as_openai_error, job_failure
 from gateway.openai_api.serving import served_model
@@ -42,8 +41,11 @@ from gateway.responses.protocol import (
     response_job,
     tool_plan,
 )
-from gateway.sse import JobEventsResponse, StreamEndpoint, wait_final
 from gateway.state import AppState, app_state
+from gateway.streaming.departure import until_disconnect
+from gateway.streaming.job_events import JobEventsResponse
+from gateway.streaming.reading import wait_final
+from gateway.streaming.sse import StreamEndpoint
 from gateway.submission import submit_job
 
 CANCEL_WAIT_S = 5.0

@@ -16,8 +16,8 @@ from common.wire import TERMINAL
 from gateway.errors import ApiError
 from gateway.owned import OwnedKind
 from gateway.responses.output import view_from_job
-from gateway.sse import SentTokens
 from gateway.state import AppState
+from gateway.streaming.reading import SentTokens
 
 RESPONSE = OwnedKind("response", "response_id", ErrorCode.response_not_found, "resp_")
 

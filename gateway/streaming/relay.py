@@ -38,19 +38,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common import keys
 from common.redis_client import connection_pool
 from common.store_epoch import epoch_of
+from gateway.streaming.ids import EntryId, KeyedEntry, parse_id
 
 logger = logging.getLogger(__name__)
 
 _EVENTS_PREFIX = keys.events("")
 SWEEP_KEYS_PER_READ = 100  # streams re-read by a sweep added to each read of notified streams
-
-Entry = tuple[str, str, dict[str, str]]  # stream key, entry id, fields
-EntryId = tuple[int, int]
-
-
-def parse_id(entry_id: str) -> EntryId:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class WakeableSleep:
@@ -122,7 +115,7 @@ class Follower:
         on_arrival: Callable[[], None] | None = None,
     ) -> None:
         self._relay = relay
-        self._buffer: list[Entry] = []  # a list: an empty deque alone takes 0.6 KB
+        self._buffer: list[KeyedEntry] = []  # a list: an empty deque alone takes 0.6 KB
         self._limit = buffer
         self._on_arrival = on_arrival
         self._sleep = WakeableSleep()  # `next` waiting for entries
@@ -130,7 +123,7 @@ class Follower:
         for tap in self._taps.values():
             relay.attach(tap)
 
-    def push(self, entry: Entry) -> bool:
+    def push(self, entry: KeyedEntry) -> bool:
         """Buffers an entry; False when the buffer is full (its tap stops until `rejoin`). With
         `on_arrival` the buffer is emptied after each read, so it holds one read's entries at most."""
         if self._on_arrival is None and len(self._buffer) >= self._limit:
@@ -155,7 +148,7 @@ class Follower:
         if self._buffer:
             on_arrival()
 
-    def take(self) -> list[Entry]:
+    def take(self) -> list[KeyedEntry]:
         """The entries buffered so far, in order per stream; the buffer is empty after."""
         entries, self._buffer = self._buffer, []
         return entries
@@ -172,7 +165,7 @@ class Follower:
                 tap.overflowed = True
                 self._relay.detach(tap)
 
-    async def next(self, timeout_s: float) -> list[Entry]:
+    async def next(self, timeout_s: float) -> list[KeyedEntry]:
         """What arrived since the last call; an empty list after `timeout_s` with nothing new."""
         if not self._buffer:
             self.rejoin()

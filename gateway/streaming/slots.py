@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from common.apikeys import ANONYMOUS
 from common.error_codes import ErrorCode
 from gateway.errors import ApiError
-from gateway.metrics import GatewayMetrics
 
 
 class StreamSlots:
-    """How many waiting requests each key has open on this gateway, and the cap on them."""
+    """How many waiting requests each key has open on this gateway, and the cap on them; `refused` is
+    called for each request refused for it."""
 
-    def __init__(self, per_key: int, metrics: GatewayMetrics) -> None:
+    def __init__(self, per_key: int, refused: Callable[[], None]) -> None:
         self.per_key = per_key
-        self.metrics = metrics
+        self.refused = refused
         self.open: dict[str, int] = {}
 
     def take(self, owner: str) -> None:
@@ -27,7 +27,7 @@ class StreamSlots:
             self.open[owner] = held + 1
             return
         if held >= self.per_key:
-            self.metrics.rejected.labels("too_many_streams").inc()
+            self.refused()
             raise ApiError(
                 429,
                 f"this key has {held} streams, long-polls and waiting calls open on this gateway, its limit; "

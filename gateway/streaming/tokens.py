@@ -1,12 +1,12 @@
 """Signed stream tokens: how a browser's EventSource, which cannot send an Authorization header, reads
 a job's events on a keyed gateway.
 
-The job's owner asks for a token with its key (`POST /v1/jobs/{id}/stream-token`) and puts it in the
-events URL (`?stream_token=...`). The token is an HMAC-SHA256, under ORTFLEET_STREAM_TOKEN_SECRET, of the
-job id, the key's name and an expiry: it opens that one job's events only, as that key, until it expires;
-revoking the key revokes its tokens. Every gateway sharing the secret accepts it, so a stream resumes
-(Last-Event-ID) on any replica or after a restart. A stream that is open when its token expires goes on;
-reconnecting needs a valid token.
+The job's owner asks for a token with its key (`POST /v1/jobs/{id}/stream-token`, in gateway/jobs.py)
+and puts it in the events URL (`?stream_token=...`). The token is an HMAC-SHA256, under
+ORTFLEET_STREAM_TOKEN_SECRET, of the job id, the key's name and an expiry: it opens that one job's
+events only, as that key, until it expires; revoking the key revokes its tokens. Every gateway sharing
+the secret accepts it, so a stream resumes (Last-Event-ID) on any replica or after a restart. A stream
+that is open when its token expires goes on; reconnecting needs a valid token.
 """
 
 from __future__ import annotations
@@ -17,16 +17,9 @@ import hmac
 import re
 import time
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 from starlette.types import Scope
 
-from common.error_codes import ErrorCode
-from gateway.auth import STREAM_TOKEN_INVALID, principal_of
-from gateway.errors import ApiError
-from gateway.jobs import load_view
-from gateway.state import app_state
+from gateway.auth import STREAM_TOKEN_INVALID
 
 QUERY_PARAM = "stream_token"
 EVENTS_PATH = re.compile(r"^/v1/jobs/(?P<job_id>[^/]+)/events$")
@@ -89,23 +82,3 @@ def presented_token(scope: Scope) -> tuple[str, str] | None:
         if name == QUERY_PARAM and value:
             return match["job_id"], value
     return None
-
-
-async def create_stream_token(request: Request) -> Response:
-    state = app_state(request)
-    tokens: StreamTokens | None = request.app.state.stream_tokens
-    job_id = request.path_params["job_id"]
-    principal = principal_of(request.scope)
-    await load_view(state, job_id, principal)
-    if tokens is None:
-        raise ApiError(
-            501,
-            "stream tokens need ORTFLEET_STREAM_TOKEN_SECRET set on every gateway",
-            code=ErrorCode.stream_tokens_disabled,
-        )
-    token, expires = tokens.issue(job_id, principal.name)
-    events = f"/v1/jobs/{job_id}/events?{QUERY_PARAM}={token}"
-    return JSONResponse({"token": token, "expires_at": expires, "events_url": events}, 201)
-
-
-routes = [Route("/v1/jobs/{job_id}/stream-token", create_stream_token, methods=["POST"])]
