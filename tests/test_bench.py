@@ -432,3 +432,26 @@ def test_the_structured_bench_counts_the_answers_that_come_back_whole(
     assert objects["ok"] == sum(r["ok"] for r in objects["requests"]) and objects["of"] == 10
     assert [goal["pass"] for goal in data["goals"]] == [parse["ok"] >= 9, objects["ok"] >= 9]
     assert "goals" in done.stdout and "json_object" in done.stdout
+
+
+def test_the_hog_bench_serves_another_keys_chats_while_one_key_holds_every_row(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "hog.json"
+    done = bench(
+        "hog", "--model", str(tiny_model), "--rows", "2", "--long", "2", "--long-words", "40",
+        "--short", "2", "--max-tokens", "4", "--delay", "0.2", "--json", str(out),
+    )  # fmt: skip
+
+    data = figures(out)
+    assert data["bench"] == "hog" and data["options"]["rows"] == 2
+    short, long = data["short"], data["long"]
+    assert len(short["requests"]) == 2 and len(long["requests"]) == 2
+    for request in short["requests"]:
+        assert request["status"] == 200 and request["total_s"] >= (request["ttft_s"] or 0) >= 0
+    assert short["answered_with_text"] == sum(1 for r in short["requests"] if r["text"])
+    for request in long["requests"]:
+        assert request["status"] == 200 and request["prompt_tokens"] > 40 and request["preemptions"] >= 0
+    assert long["succeeded"] == 2 and long["preemptions"] == sum(r["preemptions"] for r in long["requests"])
+    assert [goal["pass"] for goal in data["goals"]] == [short["answered_with_text"] == 2, True]
+    assert "goals" in done.stdout and "short" in done.stdout

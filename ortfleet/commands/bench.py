@@ -24,7 +24,7 @@ def register(subparsers: Subparsers) -> None:
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {FLEET_HELP}. "
         "Modes: fleet (the same), gateway, redis, pickup, eta, sim, fairness, batching, serving, prefix, "
-        "structured.",
+        "structured, hog.",
     )
     _fleet_options(parser)
     parser.set_defaults(func=run_fleet)
@@ -299,6 +299,28 @@ def register(subparsers: Subparsers) -> None:
     structured.add_argument("--api-key", help="API key for --url (default: none)")
     structured.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     structured.set_defaults(func=run_structured)
+
+    hog = modes.add_parser(
+        "hog",
+        help="one key's long prompts hold every row of a worker: are another key's chats served, how soon",
+        description="On a local fleet with API keys (Redis, a gateway, one worker of --rows rows): one key "
+        "sends --long chats of about --long-words words at once; --delay seconds later another key streams "
+        "--short chats one after another. Prints each short chat's status, text, TTFT and total time, and "
+        "each long chat's prompt tokens, total time and preemptions; then the goals.",
+    )
+    hog.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
+    hog.add_argument("--rows", type=_positive, default=8, help="the worker's batch rows (default 8)")
+    hog.add_argument("--long", type=_positive, default=8, help="the hog key's long chats (default 8)")
+    hog.add_argument(
+        "--long-words", type=_positive, default=5200, help="words of each long chat (default 5200)"
+    )
+    hog.add_argument("--short", type=_positive, default=10, help="the other key's chats (default 10)")
+    hog.add_argument("--max-tokens", type=_positive, default=16, help="tokens of every answer (default 16)")
+    hog.add_argument(
+        "--delay", type=float, default=2.0, help="seconds between the long chats and the first short one"
+    )
+    hog.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    hog.set_defaults(func=run_hog)
 
 
 def _fleet_options(parser: argparse.ArgumentParser) -> None:
@@ -592,6 +614,25 @@ def run_structured(args: argparse.Namespace) -> int:
     )
     figures = structured.run(options)
     return _finish(figures, structured.text(figures), args.json)
+
+
+def run_hog(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ortfleet.bench import hog
+
+    options = hog.HogOptions(
+        model_dir=model_dir(args.model),
+        rows=args.rows,
+        long_requests=args.long,
+        long_words=args.long_words,
+        short_requests=args.short,
+        max_tokens=args.max_tokens,
+        delay_s=args.delay,
+        command_line=shlex.join(["ortfleet", *sys.argv[1:]]),
+    )
+    figures = hog.run(options)
+    return _finish(figures, hog.text(figures), args.json)
 
 
 def run_serving(args: argparse.Namespace) -> int:

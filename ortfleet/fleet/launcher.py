@@ -298,12 +298,22 @@ def throwaway_fleet(env: Mapping[str, str] | None = None) -> LocalFleet:
 
 
 @contextlib.contextmanager
-def serving_fleet(model_dir: Path, name: str, workers: int = 1) -> Iterator[str]:
-    """A throwaway fleet (a gateway and `workers` workers serving the model as `name`) once its workers
-    are ready; yields the gateway's URL. A worker that cannot start shows the end of its log."""
-    with throwaway_fleet() as fleet:
+def serving_fleet(
+    model_dir: Path,
+    name: str,
+    workers: int = 1,
+    *,
+    env: Mapping[str, str] | None = None,
+    worker_args: tuple[str, ...] = (),
+) -> Iterator[str]:
+    """A throwaway fleet (a gateway and `workers` workers serving the model as `name`, every process with
+    `env`) once its workers are ready; yields the gateway's URL. A worker that cannot start shows the end
+    of its log."""
+    with throwaway_fleet(env) as fleet:
         _, url = fleet.start_gateway()
-        started = [fleet.start_worker(name, model=model_dir, wait=False) for _ in range(workers)]
+        started = [
+            fleet.start_worker(name, *worker_args, model=model_dir, wait=False) for _ in range(workers)
+        ]
         try:
             fleet.wait_workers(name, workers)
         except StartupError as e:
