@@ -6,9 +6,10 @@ attempt number and change nothing once the job's record counts another attempt.
 
 A script that adds entries to job streams publishes their keys, space-separated, on the stream
 notices channel (its last ARGV; CLAIM's after the class names) in one message: each gateway's relay
-reads just the streams it is told of (gateway/streaming/relay.py). The step write, which carries nearly all of a
-stream's entries, adds after a newline the entries themselves, as JSON: per stream `[key, the id of the
-entry before them, [[id, [field, value, ...]], ...]]`, which a relay hands out without reading them back.
+reads just the streams it is told of (gateway/streaming/relay.py). The step write, which carries nearly
+all of a stream's entries, adds after a newline the entries themselves, as JSON: per stream `[key, the
+id of the entry before them, [[id, [field, value, ...]], ...]]`, which a relay hands out without reading
+them back.
 A reader of the keys alone (split on whitespace) still finds every stream it follows.
 """
 
