@@ -20,19 +20,8 @@ from common.events import done_entry, status_entry, token_entry
 from common.wire import JobStatus
 from gateway.responses.events import EventNumbering
 from tests.conftest import Fleet, RedisServer
+from tests.test_tools import TIME, WEATHER
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 PING = {"type": "object", "properties": {}, "additionalProperties": False}  # what no parameters mean
 SCHEMAS = {"weather": WEATHER, "time": TIME, "ping": PING}
 TOOLS: list[Any] = [
