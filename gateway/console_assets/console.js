@@ -281,7 +281,7 @@
 
   // ---- playground -------------------------------------------------------------------------------
 
-  let running = null; // {controller, jobId}
+  let running = null; // {controller, jobId, stopped}
 
   function fillModelPicker(names) {
     const select = $("play-model");
@@ -407,7 +407,7 @@
       return;
     }
     const controller = new AbortController();
-    running = { controller, jobId: null };
+    running = { controller, jobId: null, stopped: false };
     $("play-send").disabled = true;
     $("play-stop").disabled = false;
     $("play-answer").textContent = "";
@@ -463,7 +463,8 @@
       }
       if (usage) tokens = usage.completion_tokens;
       showRate(first, tokens);
-      playStatus("done" + (finish ? " (" + finish + ")" : ""));
+      // a job the Stop button cancelled ends its stream as OpenAI ends a cut one (finish_reason length)
+      playStatus(running.stopped ? "stopped" : "done" + (finish ? " (" + finish + ")" : ""));
     } catch (err) {
       playStatus(err.name === "AbortError" ? "stopped" : "failed: " + err.message);
     } finally {
@@ -483,15 +484,18 @@
   // Stop cancels the job through the job API; the stream then ends by itself with what was generated.
   $("play-stop").addEventListener("click", async () => {
     if (!running) return;
-    const { controller, jobId } = running;
+    const current = running;
+    const { controller, jobId } = current;
     playStatus("stopping");
     if (!jobId) {
       controller.abort();
       return;
     }
     try {
+      current.stopped = true;
       await api("/v1/jobs/" + encodeURIComponent(jobId), { method: "DELETE" });
     } catch (err) {
+      current.stopped = false;
       playStatus("stop failed: " + err.message);
       controller.abort();
     }
