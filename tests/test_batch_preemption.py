@@ -145,10 +145,10 @@ async def test_slots_shared_evenly_are_not_preempted_for_another_key(
 ) -> None:
     queue = JobQueue(redis, 3600)
     service = start_worker(model, FakeEngine(0.01, 2), preempt_for_keys_after_s=0.05)
-    running = [await submit(queue, model, owner=o, max_tokens=40) for o in ("alice", "bob")]
+    running = [await submit(queue, model, owner=f"{o}-{model}", max_tokens=40) for o in ("alice", "bob")]
     for job_id in running:
         await wait_for_tokens(redis, job_id, 2)
-    third = await submit(queue, model, owner="carol", max_tokens=2)
+    third = await submit(queue, model, owner=f"carol-{model}", max_tokens=2)
     quick = await wait_final(redis, third)
 
     # each key holds one slot: carol's job waits for one to end, none is sent back
@@ -263,6 +263,7 @@ async def test_a_real_worker_makes_room_for_another_keys_chat_when_one_key_holds
         finals = [await wait_done(hog, job_id) for job_id in held]
 
     assert quick["status"] == "succeeded"
+
     def ended(job: dict[str, Any]) -> float:
         return float(job["created_at"]) + float(job["timings"]["total_s"])
 

@@ -325,7 +325,8 @@ def test_the_console_asks_a_keyed_gateway_for_a_key_and_keeps_it_in_the_tab_only
     from selenium.webdriver.common.keys import Keys
 
     key = "ofk_" + secrets.token_urlsafe(24)
-    gateway, url = fleet.start_gateway({"ORTFLEET_API_KEYS": f"carol:{key}"})
+    name = "carol-" + secrets.token_hex(4)  # a key of its own: other tests' jobs share the session's Redis
+    gateway, url = fleet.start_gateway({"ORTFLEET_API_KEYS": f"{name}:{key}"})
     try:
         fleet.start_worker(model_name)
         browser.get(url + "/")
