@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
+from typing import Any
 
 import httpx
 from redis.asyncio import Redis
@@ -21,6 +22,7 @@ from tests.conftest import Fleet
 from tests.jobs_client import submit as submit_http
 from tests.jobs_client import wait_done
 from tests.queued_jobs import submit
+from tests.waiting import until_seen
 
 
 async def measured_speed(redis: Redis, model: str, within_s: float = 10) -> float:
@@ -214,7 +216,13 @@ async def test_a_queued_job_shows_its_position_and_an_eta_that_grows_with_the_to
         big = {"model": model_name, "prompt": "ab " * 100, "max_tokens": 200}  # 276 tokens as estimated
         ids = [(await submit_http(client, body))["id"] for body in (big, small, small)]
         batch = (await submit_http(client, {**small, "priority": "batch"}))["id"]
-        views = [(await client.get(f"/v1/jobs/{job_id}")).json() for job_id in [*ids, batch]]
+        views: list[dict[str, Any]] = []
+
+        async def estimated() -> bool:  # once the gateway's view of the registry has the speed (0.5 s old)
+            views[:] = [(await client.get(f"/v1/jobs/{job_id}")).json() for job_id in [*ids, batch]]
+            return all(view["queue_eta_s"] is not None for view in views)
+
+        await until_seen(estimated, "an estimate for every queued job", 5)
         metrics = (await client.get("/metrics")).text
     finally:
         worker.resume()
