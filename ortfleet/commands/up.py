@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from ortfleet.commands import Subparsers
 
 STARTUP_TIMEOUT_S = 300.0
-# Past the workers' shutdown grace: time to hand back their jobs before they are killed.
-WORKER_STOP_MARGIN_S = 10.0
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
 
@@ -128,10 +126,8 @@ def run(args: argparse.Namespace) -> int:
     fleet = LocalFleet(output=console.child_line)
     signals = StopSignals(fleet)
     data_dir: Path | None = None
-    worker_stop_s = WORKER_STOP_MARGIN_S
     signals.install()
     try:
-        worker_stop_s += settings.shutdown_grace_s
         if not args.redis_url and shutil.which("redis-server") is None:
             raise StartupError(REDIS_MISSING)
         port = args.port or free_port()
@@ -168,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         try:
-            fleet.stop_all(worker_stop_s, say=console.say)
+            fleet.stop_all(say=console.say)
         finally:
             if data_dir is not None:
                 shutil.rmtree(data_dir, ignore_errors=True)

@@ -19,8 +19,11 @@ from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Literal
 
+from pydantic_settings import SettingsError
+
 from common import keys
 from common.redis_client import connect_blocking
+from common.settings import WorkerSettings
 from ortfleet.fleet.processes import (
     StartupError,
     child_env,
@@ -38,6 +41,9 @@ LineSink = Callable[[str, str], None]
 LOG_TAIL_LINES = 20
 GATEWAY_STOP_S = 15.0
 REDIS_STOP_S = 15.0
+# Past a worker's shutdown grace: time to hand back its jobs and exit before it is killed.
+WORKER_STOP_MARGIN_S = 10.0
+GRACE_VARIABLE = "ORTFLEET_SHUTDOWN_GRACE_S"
 
 
 @dataclass
@@ -51,6 +57,7 @@ class FleetProcess:
     log: Path | None
     url: str = ""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    grace_s: float = 0.0  # a worker's shutdown grace, as it reads its settings
 
     @property
     def pid(self) -> int:
@@ -166,6 +173,7 @@ class LocalFleet:
         model_dir = model or self.model_dir or Path(".")
         command = worker_command(model_dir, name=name, device=device, extra=extra)
         child = self._spawn(label or f"worker-{name}", "worker", command, env)
+        child.grace_s = worker_grace_s({**self.env, **(env or {})})
         if wait:
             self.wait_registered(child, timeout_s=timeout_s, url=self.redis_url_for(name, env))
         return child
@@ -221,19 +229,21 @@ class LocalFleet:
             with contextlib.suppress(Empty):
                 return self.exits.get(timeout=poll_s)
 
-    def stop_all(self, worker_timeout_s: float = 30.0, say: Callable[[str], None] | None = None) -> None:
-        """Gateways first, then every worker at once (each hands its running jobs back to the queue
-        within `worker_timeout_s`), then Redis."""
+    def stop_all(self, say: Callable[[str], None] | None = None) -> None:
+        """Gateways first, then every worker at once (each hands its running jobs back to the queue once
+        its shutdown grace has run out, and is killed `WORKER_STOP_MARGIN_S` after that), then Redis."""
         self.stopping = True
         for child in self.gateways:
             stop(child.process, GATEWAY_STOP_S)
         workers = [child for child in self.workers if child.alive()]
         if workers and say is not None:
             say(f"stopping {len(workers)} worker(s); running jobs are handed back to the queue")
+        signalled = time.monotonic()
         for child in workers:
             child.process.terminate()
         for child in workers:
-            stop(child.process, worker_timeout_s)
+            deadline = signalled + child.grace_s + WORKER_STOP_MARGIN_S
+            stop(child.process, max(0.0, deadline - time.monotonic()))
         for child in self._role("redis"):
             stop(child.process, REDIS_STOP_S)
         for thread in self._threads:
@@ -288,6 +298,17 @@ class LocalFleet:
 
     def _role(self, role: Role) -> list[FleetProcess]:
         return [child for child in self.processes if child.role == role]
+
+
+def worker_grace_s(overrides: Mapping[str, str]) -> float:
+    """The shutdown grace (ORTFLEET_SHUTDOWN_GRACE_S) of a worker started with `overrides` on top of this
+    process's environment: it reads its settings as this process would, from there, then the .env file."""
+    given = [value for name, value in overrides.items() if name.upper() == GRACE_VARIABLE]
+    try:
+        settings = WorkerSettings(shutdown_grace_s=float(given[-1])) if given else WorkerSettings()
+    except (ValueError, SettingsError):  # pydantic's ValidationError too; such a worker does not start
+        return float(WorkerSettings.model_fields["shutdown_grace_s"].default)
+    return settings.shutdown_grace_s
 
 
 def throwaway_fleet(env: Mapping[str, str] | None = None) -> LocalFleet:
