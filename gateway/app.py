@@ -15,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from common.aio import cancel_and_wait
 from common.apikeys import KeyRing, parse_env_keys
-from common.settings import GatewaySettings
+from common.gateway_settings import GatewaySettings
 from gateway import health, jobs, metrics, metrics_route, openai_api, openapi, tokenizer
 from gateway.auth import ApiKeyAuth
 from gateway.batches import routes as batches

@@ -20,9 +20,9 @@ from starlette.applications import Starlette
 from uvicorn.config import STARTUP_FAILURE
 
 from common.aio import wait_set
+from common.gateway_settings import GatewaySettings
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 from common.redis_url import URL_FORMAT, mask_url
-from common.settings import GatewaySettings
 from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
 from common.store_watch import quiet_out_of_memory_lines
 from gateway.app import build_app

@@ -19,11 +19,11 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.aio import cancel_and_wait
+from common.gateway_settings import GatewaySettings
 from common.jobqueue import JobQueue
 from common.records import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.redis_url import mask_url
-from common.settings import GatewaySettings
 from common.store_watch import StoreWatch
 from common.wire import JobStatus
 from gateway.queue_sweep import sweep_queue_deadlines

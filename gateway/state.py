@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from starlette.requests import Request
 
-from common.settings import GatewaySettings
+from common.gateway_settings import GatewaySettings
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.shards import Shards

@@ -14,7 +14,9 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from common.settings import FleetSettings, GatewaySettings, WorkerSettings
+from common.gateway_settings import GatewaySettings
+from common.settings import FleetSettings
+from common.worker_settings import WorkerSettings
 from gateway.main import build_parser as gateway_parser
 from worker.main import build_parser as worker_parser
 

@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common.registry import WorkerInfo
-from common.settings import WorkerSettings
+from common.worker_settings import WorkerSettings
 from tests.conftest import RedisServer
 from worker.fake_engine import FakeEngine
 from worker.service import WorkerService

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from common.settings import GatewaySettings
+from common.gateway_settings import GatewaySettings
 from gateway.app import build_app
 from gateway.console import ASSETS, asset_names
 from tests.conftest import LOGS, Fleet

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from common.settings import GatewaySettings, WorkerSettings
+from common.gateway_settings import GatewaySettings
+from common.worker_settings import WorkerSettings
 from tests.conftest import Fleet, RedisServer
 from worker.device import host_gpu_index
 

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 from starlette.routing import Mount, Route
 
 from common.error_codes import ErrorCode
-from common.settings import GatewaySettings, WorkerSettings
+from common.gateway_settings import GatewaySettings
+from common.worker_settings import WorkerSettings
 from gateway.app import build_app
 from gateway.metrics import GatewayMetrics
 from ortfleet import configuration_page

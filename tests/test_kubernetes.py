@@ -23,8 +23,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from common.gateway_settings import GatewaySettings
 from common.redis_url import parse_sentinel_url
-from common.settings import GatewaySettings, WorkerSettings
+from common.worker_settings import WorkerSettings
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_observability import StartPrometheus, start_prometheus, wait_for_targets  # noqa: F401 (a fixture)

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from common.settings import GatewaySettings
+from common.gateway_settings import GatewaySettings
 from gateway.app import build_app
 from ortfleet.fleet.processes import free_port
 from tests.conftest import RedisServer

@@ -17,10 +17,10 @@ from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
 from common import keys
+from common.gateway_settings import GatewaySettings
 from common.jobqueue import JobQueue, StepResult, StepWrite, notice_streams, stage_jobs
 from common.records import JobRecord
 from common.redis_client import gateway_client_name
-from common.settings import GatewaySettings
 from common.wire import JobStatus
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol

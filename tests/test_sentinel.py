@@ -21,10 +21,10 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import done_entry, token_entry
+from common.gateway_settings import GatewaySettings
 from common.jobqueue import Claim, JobQueue, StreamGap
 from common.records import RecordUpdate
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
-from common.settings import GatewaySettings
 from common.wire import JobStatus
 from gateway.streaming.reading import batches
 from gateway.streaming.relay import StreamRelay

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic_settings import BaseSettings
 
+from common.gateway_settings import GatewaySettings
 from common.redis_url import mask_url
-from common.settings import FleetSettings, GatewaySettings, WorkerSettings
+from common.settings import FleetSettings
+from common.worker_settings import WorkerSettings
 
 pytestmark = pytest.mark.unit  # no process: the first tier
 

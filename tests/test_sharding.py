@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from common import keys
-from common.settings import GatewaySettings
+from common.gateway_settings import GatewaySettings
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done

@@ -14,8 +14,8 @@ from common.events import token_entry
 from common.jobqueue import Claim, JobQueue, QueueLimits, job_payload
 from common.records import RecordUpdate
 from common.registry import live_workers
-from common.settings import WorkerSettings
 from common.wire import JobSpec, Sampling
+from common.worker_settings import WorkerSettings
 from tests.conftest import RedisServer
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens

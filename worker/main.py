@@ -20,9 +20,9 @@ from common.model_folder import GENAI_CONFIG, default_model_dir, is_complete, mi
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
 from common.redis_url import URL_FORMAT, mask_url
 from common.registry import WorkerInfo
-from common.settings import WorkerSettings
 from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
 from common.store_watch import StoreWatch, quiet_out_of_memory_lines
+from common.worker_settings import WorkerSettings
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
 from worker.service import EngineUnrecoverable, WorkerService

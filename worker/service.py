@@ -19,8 +19,8 @@ from common.aio import wait_set
 from common.error_codes import ErrorCode
 from common.jobqueue import Claim, JobQueue, MalformedJob, parse_job_payload
 from common.registry import WorkerInfo, deregister, heartbeat
-from common.settings import WorkerSettings
 from common.wire import PriorityClass
+from common.worker_settings import WorkerSettings
 from worker.engine import Engine, GenerationRequest, Tokenizer
 from worker.job_runner import GuidedResume, JobRun, NeedsLogits, PromptTooLong
 from worker.publisher import StepWriter

@@ -475,7 +475,7 @@ def run_batching(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    from common.settings import WorkerSettings
+    from common.worker_settings import WorkerSettings
     from ortfleet.bench import overhead, report
     from ortfleet.bench.pinning import Pinning
 

@@ -10,7 +10,9 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from common.settings import FleetSettings, GatewaySettings, WorkerSettings, effective_settings
+from common.gateway_settings import GatewaySettings
+from common.settings import FleetSettings, effective_settings
+from common.worker_settings import WorkerSettings
 from ortfleet import configuration_page
 from ortfleet.commands import Subparsers
 

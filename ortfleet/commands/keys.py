@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.apikeys import ApiKeyError, KeyFile
-from common.settings import GatewaySettings
+from common.gateway_settings import GatewaySettings
 
 if TYPE_CHECKING:
     from ortfleet.commands import Subparsers

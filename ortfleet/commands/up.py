@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from common.gateway_settings import GatewaySettings
 from common.redis_url import URL_FORMAT, mask_url
-from common.settings import GatewaySettings, WorkerSettings
 from common.startup import settings_error_lines
+from common.worker_settings import WorkerSettings
 from ortfleet.fleet.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers
 from ortfleet.fleet.launcher import LocalFleet
 from ortfleet.fleet.processes import (

@@ -23,7 +23,7 @@ from pydantic_settings import SettingsError
 
 from common import keys
 from common.redis_client import connect_blocking
-from common.settings import WorkerSettings
+from common.worker_settings import WorkerSettings
 from ortfleet.fleet.processes import (
     StartupError,
     child_env,

@@ -1,0 +1,156 @@
+"""The worker's settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from common.settings import FleetSettings
+
+
+class WorkerSettings(FleetSettings):
+    """Settings of a generation worker (command-line flags override them)."""
+
+    model: Path | None = Field(None, description="ORT-GenAI model folder to serve (--model).")
+    device: str = Field("auto", description="Device: auto, cpu, cuda or cuda:N (--device).")
+    name: str | None = Field(
+        None, description="Served model name (--name); defaults to the model folder's name."
+    )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Engine batch rows (requests generated together); default 8 on ortfleet's batcher, "
+        "else from genai_config (og.Engine's static scheduler's default is 4).",
+    )
+    scheduler: Literal["auto", "batcher", "og-engine"] = Field(
+        "auto",
+        description="What batches the requests: batcher (ortfleet's continuous batcher: requests join "
+        "and leave at every step, chunked prefill; CPU only), og-engine (ORT-GenAI's og.Engine: dynamic "
+        "batching where the model has paged attention, else its static scheduler) or auto (og.Engine "
+        "where the model has paged attention or the device is a GPU, the batcher elsewhere).",
+    )
+    kv_budget_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="On the batcher: tokens of KV cache the running requests may hold together (each "
+        "reserves its prompt plus max_tokens when it starts; requests wait for room). Default: batch "
+        "rows x the model's context. A token costs 2 x layers x KV heads x head size x 4 bytes "
+        "(46 KB on the default model).",
+    )
+    prefill_chunk_tokens: int = Field(
+        128,
+        ge=16,
+        le=8192,
+        description="On the batcher: the most prompt tokens prefilled between two decode steps; a "
+        "longer prompt is prefilled a chunk at a time, so the running requests keep generating (one "
+        "token per chunk while it prefills). Prompt prefixes are reused in whole chunks. Larger: long "
+        "prompts prefill a little faster; smaller: running requests stall less.",
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="On the batcher: a finished request's prompt KV stays in its free slot, and a request "
+        "whose prompt starts the same way (whole prefill chunks) prefills only the rest; its tokens are "
+        "the same as without the cache.",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Worker deaths a job may cause in quarantine (running alone on its worker, after a "
+        "first death made it suspect) before it fails as poison; stopped or drained workers never count.",
+    )
+    resume_mode: Literal["replay", "prefill"] = Field(
+        "replay",
+        description="How a job resumes from the tokens already streamed: replay (recompute them one "
+        "decode step each, as first computed: greedy text equals an uninterrupted run's) or prefill "
+        "(one prefill of prompt and tokens: faster, but the text may differ after the resume point).",
+    )
+    crash_marker: str = Field(
+        "",
+        description="Testing aid: a worker kills itself (SIGKILL) when it starts a job whose prompt "
+        "holds this text, as an engine crash would (a poison job); empty is off.",
+    )
+    fail_marker: str = Field(
+        "",
+        description="Testing aid: a worker fails a job whose prompt holds this text with error code "
+        "job_failed, as it fails a job its engine could not run; empty is off.",
+    )
+    claim_poll_s: float = Field(
+        1.0,
+        gt=0,
+        description="Fallback poll of the queue; new jobs wake idle workers at once through Redis pub/sub.",
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM, seconds running jobs get to finish before the rest are handed back "
+        "to the queue (they resume on another worker from the tokens already streamed).",
+    )
+    step_delay_s: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="Testing aid: pause this long after each engine step to act as a slower device "
+        "(fault drills, balancing experiments); 0 is off.",
+    )
+    static_batch_window_s: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="On the static scheduler (a batch runs to its end before it admits anyone): the "
+        "longest a worker waits for the jobs it expects (as many as its last batch had) before it "
+        "starts a batch with fewer; otherwise, for jobs submitted together with the first, until a tenth "
+        "of it has passed since that one's submission; 0 starts at once.",
+    )
+    publish_max_batch: int = Field(
+        64, ge=1, description="Most tokens written to a job's stream in one Redis round trip."
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="A job's tokens go to its stream this many at a time (its first token, and what is "
+        "left when it ends, at once). 1 streams every engine step's tokens as they come; more cuts the "
+        "fleet's CPU per token (Redis writes, relay reads and client writes per step) and makes streams "
+        "burstier: a client gets n tokens every n steps.",
+    )
+    preempt_batch: bool = Field(
+        True,
+        description="Batch jobs yield to interactive ones: when interactive jobs wait and no slot is free, "
+        "a worker sends batch jobs back to the queue (they resume later from their streamed tokens; "
+        "not an attempt). On the static scheduler this cuts the whole batch.",
+    )
+    preempt_after_s: float = Field(
+        0.01,
+        ge=0,
+        le=60,
+        description="How long interactive jobs wait (for a worker with a free slot) before a worker full "
+        "of batch jobs preempts them.",
+    )
+    preempt_for_keys: bool = Field(
+        True,
+        description="Keys share a worker's slots: when another key's interactive job has waited "
+        "ORTFLEET_PREEMPT_FOR_KEYS_AFTER_S at the head of the queue and no slot is free, a worker on "
+        "continuous batching sends back the latest-started interactive job of the key that holds the "
+        "most of its slots (at least two more than the waiting job's key). It resumes later from its "
+        "streamed tokens, behind the job it made room for (not an attempt).",
+    )
+    preempt_for_keys_after_s: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="How long another key's interactive job waits at the head of the queue before a "
+        "worker preempts for it (ORTFLEET_PREEMPT_FOR_KEYS); a preempted job prefills its prompt again.",
+    )
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the worker's Prometheus /metrics (--metrics-port); 0 picks a free one. The "
+        "URL is in the worker's registry entry (`ortfleet status` shows it).",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the worker's /metrics listens on; 0.0.0.0 to be scraped from other hosts.",
+    )
