@@ -1,5 +1,6 @@
-"""One module per `ortfleet` command. Each has `register(subparsers)`, which adds its parser with
-`set_defaults(func=handler)`; the handler takes the parsed arguments and returns the exit code."""
+"""One module per `ortfleet` command (`bench`: a package, one module per family of its modes). Each has
+`register(subparsers)`, which adds its parser with `set_defaults(func=handler)`; the handler takes the
+parsed arguments and returns the exit code."""
 
 from __future__ import annotations
 

@@ -1,0 +1,217 @@
+"""`ortfleet bench serving`, `prefix`, `structured` and `hog`: what a client of the server gets."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ortfleet.commands.bench.arguments import command_line, finish, int_list, lengths, model_dir, positive
+
+if TYPE_CHECKING:
+    from ortfleet.commands import Subparsers
+
+
+def add_modes(modes: Subparsers) -> None:
+    serving = modes.add_parser(
+        "serving",
+        help="what clients get: the engine alone, then ortfleet (or any OpenAI-compatible server) at "
+        "several concurrencies, and a short chat during long prefills; goals checked",
+        description="On one model folder and one fixed list of requests (mixed output lengths, end of "
+        "sequence ignored), in one run: one og.Generator per request in this process, requests one after "
+        "another (the engine alone); then a local fleet (Redis, a gateway, one worker on the model) or "
+        "the OpenAI-compatible server at --url (llama.cpp's llama-server, vLLM), streamed completions "
+        "from closed-loop clients at each concurrency: tokens/s, TTFT, ITL; then three long prompts at "
+        "once and a short chat request 0.5 s later: its TTFT. Then the goals against this run's figures.",
+    )
+    serving.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="model folder: the engine alone's and the local fleet's (default: the default model; with "
+        "--url, no engine alone unless given)",
+    )
+    serving.add_argument(
+        "--concurrency", type=int_list, default=[1, 4, 8], help="concurrent clients (default 1,4,8)"
+    )
+    serving.add_argument(
+        "--requests", type=positive, default=16, help="requests per concurrency (default 16)"
+    )
+    serving.add_argument(
+        "--lengths",
+        type=lengths,
+        default=(32, 224),
+        metavar="MIN:MAX",
+        help="output tokens of each request, drawn by a seeded random (default 32:224)",
+    )
+    serving.add_argument(
+        "--long-prompt-tokens",
+        type=positive,
+        default=3000,
+        help="prompt tokens of the interference run's long requests (default 3000)",
+    )
+    serving.add_argument("--no-interference", action="store_true", help="skip the prefill interference run")
+    serving.add_argument(
+        "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
+    )
+    serving.add_argument("--name", help="served model name at --url (default: its only model)")
+    serving.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    serving.set_defaults(func=run_serving)
+
+    prefix = modes.add_parser(
+        "prefix",
+        help="what prefix reuse saves: second turns of long conversations, and many users after one "
+        "system prompt; goals checked",
+        description="On a local fleet (Redis, a gateway, --workers workers on the model) or the "
+        "OpenAI-compatible server at --url, in one run: the first turns of several conversations about "
+        "long documents of their own, one after another, then their second turns: the median TTFT of each; "
+        "then many users' questions after one long system prompt: the share of their prompt tokens the "
+        "server reused (usage.prompt_tokens_details.cached_tokens). Then the goals against this run's "
+        "figures.",
+    )
+    prefix.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
+    prefix.add_argument("--workers", type=positive, default=1, help="workers of the local fleet (default 1)")
+    prefix.add_argument("--conversations", type=positive, default=6, help="conversations (default 6)")
+    prefix.add_argument(
+        "--document-tokens", type=positive, default=1500, help="tokens of each document (default 1500)"
+    )
+    prefix.add_argument(
+        "--users", type=positive, default=20, help="users after the system prompt (default 20)"
+    )
+    prefix.add_argument(
+        "--system-tokens", type=positive, default=1000, help="tokens of the system prompt (default 1000)"
+    )
+    prefix.add_argument("--max-tokens", type=positive, default=32, help="tokens of each answer (default 32)")
+    prefix.add_argument(
+        "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
+    )
+    prefix.add_argument("--name", help="served model name at --url (default: its only model)")
+    prefix.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    prefix.set_defaults(func=run_prefix)
+
+    structured = modes.add_parser(
+        "structured",
+        help="does constrained JSON come back whole: chat.completions.parse on ten schemas, json_object on "
+        "ten prompts; goals checked",
+        description="On a local fleet (Redis, a gateway, one worker on the model) or the OpenAI-compatible "
+        "server at --url: ten small pydantic models through the openai SDK's chat.completions.parse, greedy, "
+        "and ten json_object requests. Counts the answers that parse (ended on their own and validate), "
+        "with each answer's text and why a miss missed; then the goals.",
+    )
+    structured.add_argument(
+        "--model", type=Path, metavar="DIR", help="model folder (default: the default model)"
+    )
+    structured.add_argument(
+        "--parse-tokens", type=positive, default=120, help="max_tokens of each parse request (default 120)"
+    )
+    structured.add_argument(
+        "--object-tokens",
+        type=positive,
+        default=60,
+        help="max_tokens of each json_object request (default 60)",
+    )
+    structured.add_argument(
+        "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
+    )
+    structured.add_argument("--name", help="served model name at --url (default: its only model)")
+    structured.add_argument("--api-key", help="API key for --url (default: none)")
+    structured.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    structured.set_defaults(func=run_structured)
+
+    hog = modes.add_parser(
+        "hog",
+        help="one key's long prompts hold every row of a worker: are another key's chats served, how soon",
+        description="On a local fleet with API keys (Redis, a gateway, one worker of --rows rows): one key "
+        "sends --long chats of about --long-words words at once; --delay seconds later another key streams "
+        "--short chats one after another. Prints each short chat's status, text, TTFT and total time, and "
+        "each long chat's prompt tokens, total time and preemptions; then the goals.",
+    )
+    hog.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
+    hog.add_argument("--rows", type=positive, default=8, help="the worker's batch rows (default 8)")
+    hog.add_argument("--long", type=positive, default=8, help="the hog key's long chats (default 8)")
+    hog.add_argument(
+        "--long-words", type=positive, default=5200, help="words of each long chat (default 5200)"
+    )
+    hog.add_argument("--short", type=positive, default=10, help="the other key's chats (default 10)")
+    hog.add_argument("--max-tokens", type=positive, default=16, help="tokens of every answer (default 16)")
+    hog.add_argument(
+        "--delay", type=float, default=2.0, help="seconds between the long chats and the first short one"
+    )
+    hog.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    hog.set_defaults(func=run_hog)
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    from ortfleet.bench import serving
+
+    if args.name and not args.url:
+        raise SystemExit("ortfleet bench serving: --name names a model at --url")
+    options = serving.ServingOptions(
+        model_dir=None if args.url and args.model is None else model_dir(args.model),
+        concurrency=args.concurrency,
+        requests=args.requests,
+        lengths=args.lengths,
+        long_prompt_tokens=args.long_prompt_tokens,
+        interference=not args.no_interference,
+        url=args.url.rstrip("/") if args.url else None,
+        name=args.name,
+        command_line=command_line(),
+    )
+    figures = serving.run(options)
+    return finish(figures, serving.text(figures), args.json)
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    from ortfleet.bench import prefix
+
+    if args.name and not args.url:
+        raise SystemExit("ortfleet bench prefix: --name names a model at --url")
+    options = prefix.PrefixOptions(
+        model_dir=None if args.url else model_dir(args.model),
+        workers=args.workers,
+        conversations=args.conversations,
+        document_tokens=args.document_tokens,
+        users=args.users,
+        system_tokens=args.system_tokens,
+        max_tokens=args.max_tokens,
+        url=args.url.rstrip("/") if args.url else None,
+        name=args.name,
+        command_line=command_line(),
+    )
+    figures = prefix.run(options)
+    return finish(figures, prefix.text(figures), args.json)
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    from ortfleet.bench import structured
+
+    if args.name and not args.url:
+        raise SystemExit("ortfleet bench structured: --name names a model at --url")
+    options = structured.StructuredOptions(
+        model_dir=None if args.url else model_dir(args.model),
+        parse_tokens=args.parse_tokens,
+        object_tokens=args.object_tokens,
+        url=args.url.rstrip("/") if args.url else None,
+        name=args.name,
+        api_key=args.api_key,
+        command_line=command_line(),
+    )
+    figures = structured.run(options)
+    return finish(figures, structured.text(figures), args.json)
+
+
+def run_hog(args: argparse.Namespace) -> int:
+    from ortfleet.bench import hog
+
+    options = hog.HogOptions(
+        model_dir=model_dir(args.model),
+        rows=args.rows,
+        long_requests=args.long,
+        long_words=args.long_words,
+        short_requests=args.short,
+        max_tokens=args.max_tokens,
+        delay_s=args.delay,
+        command_line=command_line(),
+    )
+    figures = hog.run(options)
+    return finish(figures, hog.text(figures), args.json)
