@@ -78,3 +78,10 @@ def finish(figures: dict[str, Any], text: str, json_path: Path | None) -> int:
 def command_line() -> str:
     """The command as it was typed, for the figures."""
     return shlex.join(["ortfleet", *sys.argv[1:]])
+
+
+def server_url(args: argparse.Namespace, mode: str) -> str | None:
+    """The server at --url (None: a local fleet), without a trailing slash; --name needs one."""
+    if args.name and not args.url:
+        raise SystemExit(f"ortfleet bench {mode}: --name names a model at --url")
+    return args.url.rstrip("/") if args.url else None

@@ -6,7 +6,15 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ortfleet.commands.bench.arguments import command_line, finish, int_list, lengths, model_dir, positive
+from ortfleet.commands.bench.arguments import (
+    command_line,
+    finish,
+    int_list,
+    lengths,
+    model_dir,
+    positive,
+    server_url,
+)
 
 if TYPE_CHECKING:
     from ortfleet.commands import Subparsers
@@ -144,8 +152,7 @@ def add_modes(modes: Subparsers) -> None:
 def run_serving(args: argparse.Namespace) -> int:
     from ortfleet.bench import serving
 
-    if args.name and not args.url:
-        raise SystemExit("ortfleet bench serving: --name names a model at --url")
+    url = server_url(args, "serving")
     options = serving.ServingOptions(
         model_dir=None if args.url and args.model is None else model_dir(args.model),
         concurrency=args.concurrency,
@@ -153,7 +160,7 @@ def run_serving(args: argparse.Namespace) -> int:
         lengths=args.lengths,
         long_prompt_tokens=args.long_prompt_tokens,
         interference=not args.no_interference,
-        url=args.url.rstrip("/") if args.url else None,
+        url=url,
         name=args.name,
         command_line=command_line(),
     )
@@ -164,8 +171,7 @@ def run_serving(args: argparse.Namespace) -> int:
 def run_prefix(args: argparse.Namespace) -> int:
     from ortfleet.bench import prefix
 
-    if args.name and not args.url:
-        raise SystemExit("ortfleet bench prefix: --name names a model at --url")
+    url = server_url(args, "prefix")
     options = prefix.PrefixOptions(
         model_dir=None if args.url else model_dir(args.model),
         workers=args.workers,
@@ -174,7 +180,7 @@ def run_prefix(args: argparse.Namespace) -> int:
         users=args.users,
         system_tokens=args.system_tokens,
         max_tokens=args.max_tokens,
-        url=args.url.rstrip("/") if args.url else None,
+        url=url,
         name=args.name,
         command_line=command_line(),
     )
@@ -185,13 +191,12 @@ def run_prefix(args: argparse.Namespace) -> int:
 def run_structured(args: argparse.Namespace) -> int:
     from ortfleet.bench import structured
 
-    if args.name and not args.url:
-        raise SystemExit("ortfleet bench structured: --name names a model at --url")
+    url = server_url(args, "structured")
     options = structured.StructuredOptions(
         model_dir=None if args.url else model_dir(args.model),
         parse_tokens=args.parse_tokens,
         object_tokens=args.object_tokens,
-        url=args.url.rstrip("/") if args.url else None,
+        url=url,
         name=args.name,
         api_key=args.api_key,
         command_line=command_line(),
