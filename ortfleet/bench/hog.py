@@ -25,9 +25,8 @@ import httpx
 from tqdm import tqdm
 
 from ortfleet.bench.hostile import create_key
-from ortfleet.bench.machine import describe
 from ortfleet.bench.prefix import WORDS
-from ortfleet.bench.report import table
+from ortfleet.bench.report import figures_header, table
 from ortfleet.bench.serving import LOCAL_NAME
 from ortfleet.bench.stats import summary
 from ortfleet.fleet.launcher import serving_fleet
@@ -59,13 +58,12 @@ def run(options: HogOptions) -> dict[str, Any]:
             worker_args=("--max-batch-size", str(options.rows)),
         ) as url:
             measured = asyncio.run(_measure(options, url, hog, other))
-    figures: dict[str, Any] = {
-        "bench": "hog",
-        "command_line": options.command_line,
-        "machine": describe(),
-        "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
-        "model": str(options.model_dir),
-        "options": {
+    figures = figures_header(
+        "hog",
+        options.command_line,
+        load_at_start,
+        options.model_dir,
+        {
             "rows": options.rows,
             "long_requests": options.long_requests,
             "long_words": options.long_words,
@@ -73,8 +71,8 @@ def run(options: HogOptions) -> dict[str, Any]:
             "max_tokens": options.max_tokens,
             "delay_s": options.delay_s,
         },
-        **measured,
-    }
+    )
+    figures |= measured
     figures["goals"] = goals(figures)
     return figures
 

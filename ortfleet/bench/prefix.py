@@ -28,10 +28,10 @@ from typing import Any
 from tqdm import tqdm
 
 from common import aio
+from ortfleet.bench.completions import CHARS_PER_TOKEN, Served, count_tokens, stream
 from ortfleet.bench.http import Connection, served_model
-from ortfleet.bench.machine import describe
-from ortfleet.bench.report import table
-from ortfleet.bench.serving import CHARS_PER_TOKEN, LOCAL_NAME, Served, count_tokens, stream
+from ortfleet.bench.report import figures_header, table
+from ortfleet.bench.serving import LOCAL_NAME
 from ortfleet.fleet.launcher import serving_fleet
 
 GOAL_SECOND_TURN = 0.25  # median second-turn TTFT over the first's, at most
@@ -79,16 +79,12 @@ def run(options: PrefixOptions) -> dict[str, Any]:
         with serving_fleet(options.model_dir, LOCAL_NAME, options.workers) as url:
             name = LOCAL_NAME
             measured = aio.run(_measure(options, url, name))
-    figures: dict[str, Any] = {
-        "bench": "prefix",
-        "command_line": options.command_line,
-        "machine": describe(),
-        "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
-        "model": str(options.model_dir) if options.model_dir is not None else None,
-        "server": options.url
-        or f"local ortfleet fleet of {options.workers} worker(s) (started by the bench)",
-        "served_name": name,
-        "options": {
+    figures = figures_header(
+        "prefix",
+        options.command_line,
+        load_at_start,
+        options.model_dir,
+        {
             "workers": options.workers,
             "conversations": options.conversations,
             "document_tokens": options.document_tokens,
@@ -96,8 +92,10 @@ def run(options: PrefixOptions) -> dict[str, Any]:
             "system_tokens": options.system_tokens,
             "max_tokens": options.max_tokens,
         },
-        **measured,
-    }
+        server=options.url or f"local ortfleet fleet of {options.workers} worker(s) (started by the bench)",
+        served_name=name,
+    )
+    figures |= measured
     figures["goals"] = goals(figures)
     return figures
 

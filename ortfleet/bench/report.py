@@ -1,11 +1,39 @@
-"""Printing benchmark figures as tables, writing them as JSON, and plotting the fleet benchmark."""
+"""Benchmark figures: the header of a run's context, tables, JSON, and the fleet benchmark's plot."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ortfleet.bench.machine import describe
+
+
+def figures_header(
+    bench: str,
+    command_line: str,
+    load_at_start: tuple[float, float, float],
+    model_dir: Path | None,
+    options: dict[str, Any],
+    *,
+    server: str | None = None,
+    served_name: str | None = None,
+) -> dict[str, Any]:
+    """What the figures of a run against a server open with: the bench, its command line, the machine,
+    the load average at the start and now (the end), the model folder, the server and the name it
+    serves the model as (where the bench has one), and the bench's options."""
+    header: dict[str, Any] = {
+        "bench": bench,
+        "command_line": command_line,
+        "machine": describe(),
+        "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
+        "model": str(model_dir) if model_dir is not None else None,
+    }
+    if server is not None:
+        header |= {"server": server, "served_name": served_name}
+    return header | {"options": options}
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

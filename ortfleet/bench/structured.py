@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 from common import aio
 from ortfleet.bench.http import served_model
-from ortfleet.bench.machine import describe
-from ortfleet.bench.report import table
+from ortfleet.bench.report import figures_header, table
 from ortfleet.bench.serving import LOCAL_NAME
 from ortfleet.fleet.launcher import serving_fleet
 
@@ -140,17 +139,16 @@ def run(options: StructuredOptions) -> dict[str, Any]:
         with serving_fleet(options.model_dir, LOCAL_NAME) as url:
             name = LOCAL_NAME
             measured = _measure(options, url, name)
-    figures: dict[str, Any] = {
-        "bench": "structured",
-        "command_line": options.command_line,
-        "machine": describe(),
-        "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
-        "model": str(options.model_dir) if options.model_dir is not None else None,
-        "server": options.url or "local ortfleet fleet of 1 worker (started by the bench)",
-        "served_name": name,
-        "options": {"parse_tokens": options.parse_tokens, "object_tokens": options.object_tokens},
-        **measured,
-    }
+    figures = figures_header(
+        "structured",
+        options.command_line,
+        load_at_start,
+        options.model_dir,
+        {"parse_tokens": options.parse_tokens, "object_tokens": options.object_tokens},
+        server=options.url or "local ortfleet fleet of 1 worker (started by the bench)",
+        served_name=name,
+    )
+    figures |= measured
     figures["goals"] = goals(figures)
     return figures
 
