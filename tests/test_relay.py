@@ -25,8 +25,10 @@ from common.wire import JobStatus
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
 from gateway.state import AppState
+from gateway.streaming.follower import Follower
 from gateway.streaming.ids import KeyedEntry
-from gateway.streaming.relay import SWEEP_KEYS_PER_READ, Follower, StreamRelay
+from gateway.streaming.relay import StreamRelay
+from gateway.streaming.stream_reader import SWEEP_KEYS_PER_READ
 from ortfleet.bench.capacity import xread_calls
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer

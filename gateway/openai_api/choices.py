@@ -16,9 +16,9 @@ from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
 from gateway.shards import Shard
 from gateway.state import AppState
+from gateway.streaming.follower import Follower
 from gateway.streaming.ids import KeyedEntry
 from gateway.streaming.reading import PURGED, SentTokens, stream_exists
-from gateway.streaming.relay import Follower
 from gateway.submission import submit_job
 
 JOB_ID_HEADER = "X-Ortfleet-Job-Id"  # the jobs behind a response, comma-separated in choice order

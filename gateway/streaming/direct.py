@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from starlette.types import Send
 
 from gateway.streaming.departure import CancelledOnDeparture, DisconnectWatch
-from gateway.streaming.relay import WakeableSleep
+from gateway.streaming.follower import WakeableSleep
 
 DIRECT_BODY_EXTENSION = "ortfleet.direct_body"
 
