@@ -18,7 +18,9 @@ from queue import Empty, SimpleQueue
 
 import httpx
 import psutil
+import pytest
 
+from ortfleet.fleet.launcher import worker_grace_s
 from ortfleet.fleet.processes import REDIS_MISSING, free_port
 
 SECRET = "hunter2-s3cret"
@@ -189,3 +191,17 @@ def test_up_without_redis_server_prints_the_install_hint(tiny_model: Path) -> No
     assert result.returncode != 0
     assert REDIS_MISSING in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.unit
+def test_a_stopping_fleet_waits_for_each_worker_the_shutdown_grace_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ORTFLEET_SHUTDOWN_GRACE_S", raising=False)
+    assert worker_grace_s({}) == 30.0, "the default"
+    (tmp_path / ".env").write_text("ORTFLEET_SHUTDOWN_GRACE_S=12\n")
+    assert worker_grace_s({}) == 12.0, "the .env file the worker reads"
+    monkeypatch.setenv("ORTFLEET_SHUTDOWN_GRACE_S", "7")
+    assert worker_grace_s({}) == 7.0, "the environment it inherits"
+    assert worker_grace_s({"ORTFLEET_SHUTDOWN_GRACE_S": "0.5"}) == 0.5, "the environment it is given"
