@@ -10,6 +10,7 @@ from common.error_codes import ErrorCode
 from common.guidance import ResponseFormat
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
+from gateway.openai_api.content import parts_text
 from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, GenerationParams
 from gateway.openai_api.tools import Conversation, assistant_calls
 
@@ -100,18 +101,7 @@ def _text(message: ChatMessageIn, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        text = part.get("text")
-        if part.get("type") != "text" or not isinstance(text, str):
-            raise ApiError(
-                400,
-                f"messages.{i}.content.{j}: only text parts are supported (got type {part.get('type')!r})",
-                param=f"messages.{i}.content.{j}",
-                code=ErrorCode.unsupported_value,
-            )
-        texts.append(text)
-    return "\n".join(texts)
+    return parts_text(content, f"messages.{i}.content", ("text",))
 
 
 def prompt_texts(prompt: str | list[Any]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 from common.error_codes import ErrorCode
 from common.wire import ChatMessage
 from gateway.errors import ApiError
+from gateway.openai_api.content import parts_text
 from gateway.openai_api.tools import Conversation, call_text
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -112,22 +113,7 @@ def _content(content: Any, where: str, field: str = "content") -> str:
         return content
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.{field}: a string or a list of text parts", param=f"{where}.{field}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("text") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(text, str):
-            what = {"input_image": "images", "input_file": "files", "input_audio": "audio"}.get(
-                str(kind), repr(kind)
-            )
-            raise ApiError(
-                400,
-                f"{where}.{field}.{j}: {what} are not supported by ortfleet (text parts only)",
-                param=f"{where}.{field}.{j}",
-                code=ErrorCode.unsupported_value,
-            )
-        texts.append(text)
-    return "\n".join(texts)
+    return parts_text(content, f"{where}.{field}", _TEXT_PARTS)
 
 
 def item_text(item: dict[str, Any]) -> str:
