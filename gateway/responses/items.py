@@ -50,26 +50,13 @@ def _item(item: Any, i: int, suffix: str) -> dict[str, Any]:
         if not isinstance(arguments, str):
             raise ApiError(400, f"{where}.arguments: must be a JSON string", param=f"{where}.arguments")
         call_text(name, arguments, f"{where}.arguments")  # 400 unless JSON
-        item_id = item.get("id") if isinstance(item.get("id"), str) else f"fc_{suffix}"
-        return {
-            "type": "function_call",
-            "id": item_id,
-            "call_id": call_id,
-            "name": name,
-            "arguments": arguments,
-            "status": "completed",
-        }
+        return _stored(
+            item, kind, f"fc_{suffix}", call_id=call_id, name=name, arguments=arguments, status="completed"
+        )
     if kind == "function_call_output":
         call_id = _string(item, "call_id", where)
         output = _output(item.get("output"), f"{where}.output")
-        item_id = item.get("id") if isinstance(item.get("id"), str) else f"fco_{suffix}"
-        return {
-            "type": "function_call_output",
-            "id": item_id,
-            "call_id": call_id,
-            "output": output,
-            "status": "completed",
-        }
+        return _stored(item, kind, f"fco_{suffix}", call_id=call_id, output=output, status="completed")
     role = _ROLES.get(str(item.get("role")))
     if role is None:
         raise ApiError(
@@ -82,14 +69,15 @@ def _item(item: Any, i: int, suffix: str) -> dict[str, Any]:
         if assistant
         else {"type": "input_text", "text": text}
     )
-    item_id = item.get("id") if isinstance(item.get("id"), str) else f"msg_{suffix}"
-    return {
-        "type": "message",
-        "id": item_id,
-        "role": item.get("role"),
-        "status": "completed",
-        "content": [content],
-    }
+    return _stored(
+        item, "message", f"msg_{suffix}", role=item.get("role"), status="completed", content=[content]
+    )
+
+
+def _stored(item: dict[str, Any], kind: str, new_id: str, **fields: Any) -> dict[str, Any]:
+    """The item as stored: its type, its own `id` (`new_id` when it has none), then `fields`."""
+    given = item.get("id")
+    return {"type": kind, "id": given if isinstance(given, str) else new_id, **fields}
 
 
 def _string(item: dict[str, Any], name: str, where: str) -> str:
