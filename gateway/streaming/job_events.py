@@ -13,8 +13,9 @@ from starlette.types import Receive, Scope, Send
 from common import keys
 from gateway.streaming.departure import disconnect_watch
 from gateway.streaming.direct import DirectBody, PushedWrites, direct_body, write_direct
+from gateway.streaming.follower import Follower
 from gateway.streaming.reading import OUTAGE_LIMIT_S, JobStreamReading, batches
-from gateway.streaming.relay import Follower, StreamRelay
+from gateway.streaming.relay import StreamRelay
 from gateway.streaming.sse import KEEPALIVE, SSE_HEADERS, EventStreamResponse, Render, frames, nothing, relay
 
 
