@@ -35,12 +35,6 @@ _ENGINE_FAILURE = og.EngineErrorCode.ENGINE_EXECUTION_FAILURE
 # How the engine's llguidance says a request's grammar broke a step (the failure's cause).
 _GRAMMAR_FAILURES = ("Error committing tokens", "parser error", "lexer error", "grammar")
 
-# The seeds both of og's ways to sample take: GeneratorParams' random_seed is an int32 (-1: unseeded),
-# TurnOptions.set_seed an unsigned one. A job's seed (0 to 2**63 - 1) samples with seed mod 2**31, the
-# same on either scheduler.
-ENGINE_SEEDS = 2**31
-SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
-
 _FINISH = {
     og.FinishReason.EOS: Finish.eos,
     og.FinishReason.STOP_STRING: Finish.stop_string,
@@ -111,11 +105,10 @@ def vocab_size(model_dir: Path) -> int | None:
 
 
 def sampling_options(request: GenerationRequest, vocab: int | None) -> tuple[bool, int]:
-    """Whether the request samples, and its top_k as the engine takes it. A temperature below
-    SAMPLING_EPSILON is greedy (the engine holds it as a float32, where the tiniest are 0, and refuses
-    sampling options beside a temperature of 0); a top_k of at least the vocabulary is no bound (the
-    engine refuses one above it)."""
-    sampling = request.temperature >= SAMPLING_EPSILON and request.top_k != 1
+    """Whether the request samples (GenerationRequest.samples: the engine refuses sampling options
+    beside a temperature of 0), and its top_k as the engine takes it: a top_k of at least the vocabulary
+    is no bound (the engine refuses one above it)."""
+    sampling = request.samples
     top_k = request.top_k if vocab is None or request.top_k < vocab else 0
     return sampling, top_k
 
@@ -287,8 +280,8 @@ class OrtEngine(EngineThread):
                 options.set_top_p(request.top_p)
                 if top_k:
                     options.set_top_k(top_k)
-                if request.seed is not None:
-                    options.set_seed(request.seed % ENGINE_SEEDS)
+                if (seed := request.engine_seed) is not None:
+                    options.set_seed(seed)
             if request.stop and self.continuous_batching:
                 options.set_stop_strings(request.stop)
             if request.repetition_penalty != 1.0:
@@ -314,8 +307,8 @@ class OrtEngine(EngineThread):
         }
         if sampling:
             options.update(temperature=request.temperature, top_p=request.top_p)
-            if request.seed is not None:
-                options["random_seed"] = request.seed % ENGINE_SEEDS
+            if (seed := request.engine_seed) is not None:
+                options["random_seed"] = seed
             if top_k:
                 options["top_k"] = top_k
         if request.min_new_tokens:
