@@ -17,7 +17,7 @@ from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace
 
 from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
-from worker.ort_engine import failure_cause
+from worker.engine_errors import failure_cause
 
 _KEY_RETRIES = 64  # tokens passed over at one step for repeating a key, at most
 _NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be
