@@ -22,7 +22,8 @@ from common.registry import WorkerInfo
 from common.settings import WorkerSettings
 from worker.engine import Engine, GenerationRequest, Tokenizer
 from worker.heartbeat import Heartbeat
-from worker.job_runner import GuidedResume, JobRun, NeedsLogits, PromptTooLong
+from worker.job_request import GuidedResume, NeedsLogits, PromptTooLong
+from worker.job_runner import JobRun
 from worker.preemption import Preemption
 from worker.publisher import StepWriter
 from worker.static_batch import StaticBatches
