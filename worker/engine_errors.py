@@ -20,7 +20,17 @@ def grammar_errors(guidance: tuple[str, str] | None) -> Iterator[None]:
         if guidance is None or "grammar" not in str(e):
             raise
         detail = _one_line(str(e))
-        raise GuidanceRejected(f"response_format: the engine cannot use this {guidance[0]}: {detail}") from e
+        raise GuidanceRejected(grammar_refused(guidance[0], detail)) from e
+
+
+def grammar_refused(kind: str, detail: str) -> str:
+    """A job's error when the engine cannot compile its grammar (a json_schema, regex or lark_grammar)."""
+    return f"response_format: the engine cannot use this {kind}: {detail}"
+
+
+def grammar_broke(kind: str, cause: str) -> str:
+    """A job's error when its grammar broke the engine while generating."""
+    return f"response_format: the engine failed on this {kind} while generating ({cause})"
 
 
 def failure_cause(error: str) -> str:

@@ -15,7 +15,7 @@ import onnxruntime_genai as og
 from common.error_codes import ErrorCode
 from worker.device import Device
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
-from worker.engine_errors import GuidanceRejected, failure_cause, grammar_errors
+from worker.engine_errors import GuidanceRejected, failure_cause, grammar_broke, grammar_errors
 from worker.engine_thread import EngineThread, Updates
 from worker.genai_config import context_length, load_config, uses_dynamic_batching, vocab_size
 from worker.ort_solo import SoloRun, solo_generator
@@ -179,7 +179,7 @@ class OrtEngine(EngineThread):
                 return
         rows = len({e.request for e in events}) + len(self._solo)
         tokens: dict[Any, list[int]] = {}
-        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        updates: Updates = []
         for event in events:
             flags = int(event.flags.value)
             if flags & _TOKEN:
@@ -214,12 +214,12 @@ class OrtEngine(EngineThread):
         cause = failure_cause(error)
         logger.error("the engine failed and can run nothing more: %s", cause)
         guided = [stream for stream in failed if stream.request.guidance is not None]
-        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        updates: Updates = []
         if guided and any(marker in error for marker in _GRAMMAR_FAILURES):
             for stream in guided:
                 assert stream.request.guidance is not None
                 kind = stream.request.guidance[0]
-                message = f"response_format: the engine failed on this {kind} while generating ({cause})"
+                message = grammar_broke(kind, cause)
                 code = ErrorCode.invalid_response_format
                 updates.append((stream, EngineUpdate([], Finish.error, message, error_code=code)))
             culprits = guided
@@ -250,7 +250,7 @@ class OrtEngine(EngineThread):
 
     def _step_solo(self) -> None:
         rows = len(self._solo) + len(self._active)
-        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        updates: Updates = []
         for run in list(self._solo):
             try:
                 update = run.step(rows, self.eos_token_ids)

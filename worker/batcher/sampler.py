@@ -17,7 +17,7 @@ from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace
 
 from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
-from worker.engine_errors import failure_cause
+from worker.engine_errors import failure_cause, grammar_broke, grammar_refused
 
 _KEY_RETRIES = 64  # tokens passed over at one step for repeating a key, at most
 _NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be
@@ -141,7 +141,7 @@ class RowSampler:
         assert self._matcher is not None and self.request.guidance is not None
         cause = failure_cause(self._matcher.get_error())
         kind = self.request.guidance[0]
-        return GrammarError(f"response_format: the engine failed on this {kind} while generating ({cause})")
+        return GrammarError(grammar_broke(kind, cause))
 
     def _sample(self, logits: np.ndarray) -> int:
         probabilities = _softmax(logits)
@@ -195,8 +195,8 @@ def _matcher(tokenizer: LLTokenizer, kind: str, grammar: str) -> LLMatcher:
         else:
             compiled = LLMatcher.grammar_from_lark(grammar)
     except ValueError as e:
-        raise GrammarError(f"response_format: the engine cannot use this {kind}: {e}") from e
+        raise GrammarError(grammar_refused(kind, str(e))) from e
     matcher = LLMatcher(tokenizer, compiled, log_level=0)
     if matcher.is_error():
-        raise GrammarError(f"response_format: the engine cannot use this {kind}: {matcher.get_error()[:500]}")
+        raise GrammarError(grammar_refused(kind, matcher.get_error()[:500]))
     return matcher
