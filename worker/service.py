@@ -206,20 +206,18 @@ class WorkerService:
         for run in runs:
             if holds_marker(self.settings.fail_marker, run):
                 message = "the job failed on its worker (its prompt holds the fail marker, a testing aid)"
-                self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.job_failed))
-                del self.runs[run.job_id]
+                self._refuse(run, message, ErrorCode.job_failed)
                 continue
             try:
                 request = run.engine_request(run.prompt_ids())
             except (PromptTooLong, GuidedResume, NeedsLogits) as e:
-                self._spawn(self._fail(run.claim, run.spec.model, str(e), e.code))
-                del self.runs[run.job_id]
+                self._refuse(run, str(e), e.code)
                 continue
             except Exception as e:  # the job's content broke the tokenizer or the chat template
                 logger.warning("job %s: its prompt could not be prepared (%s)", run.job_id, type(e).__name__)
-                message = f"the prompt could not be prepared for the model: {e}"
-                self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.invalid_prompt))
-                del self.runs[run.job_id]
+                self._refuse(
+                    run, f"the prompt could not be prepared for the model: {e}", ErrorCode.invalid_prompt
+                )
                 continue
             started.append(run)
             if request is not None:
@@ -231,9 +229,7 @@ class WorkerService:
             except Exception as e:  # a request the engine refused: fail these jobs, keep the worker
                 logger.exception("the engine refused %d job(s)", len(requests))
                 for run in generating:
-                    message = f"the engine could not start the job: {e}"
-                    self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.invalid_prompt))
-                    self.runs.pop(run.job_id, None)
+                    self._refuse(run, f"the engine could not start the job: {e}", ErrorCode.invalid_prompt)
                     started.remove(run)
                 self._engine_released()
                 streams = []
@@ -243,6 +239,11 @@ class WorkerService:
         crash_on_marker(self.settings.crash_marker, generating)
         for run in started:
             self._spawn(self._execute(run))
+
+    def _refuse(self, run: JobRun, message: str, code: ErrorCode) -> None:
+        """The job fails before its run starts, and leaves this worker."""
+        self._spawn(self._fail(run.claim, run.spec.model, message, code))
+        self.runs.pop(run.job_id, None)
 
     async def _prepare(self, claim: Claim) -> JobRun | None:
         try:
