@@ -18,7 +18,7 @@ from gateway.app import build_app
 from gateway.metrics import GatewayMetrics
 from ortfleet import configuration_page
 from ortfleet.cli import build_parser
-from worker.batcher.engine import BatcherCounters
+from worker.batcher.counters import BatcherCounters
 from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit

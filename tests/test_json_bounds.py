@@ -123,3 +123,29 @@ def test_the_sampler_passes_over_a_token_that_repeats_a_key() -> None:
     assert row.choose(scores.copy(), 3) == ord("b")
     row.accept(ord("b"))
     assert row.choose(scores.copy(), 4) == ord('"')  # "ab" is a new key
+
+
+def test_the_sampler_reads_the_bytes_of_the_token_it_chose_once() -> None:
+    guidance = json_guidance(ANY_JSON_OBJECT)
+    request = GenerationRequest([1], 10, guidance=(guidance.kind, guidance.grammar))
+    row = RowSampler(request, frozenset({EOS}), BYTES.vocab_size, BYTES)
+    read: list[int] = []
+    real = row._token_bytes
+
+    def counted(token: int) -> bytes:
+        read.append(token)
+        return real(token)
+
+    row._token_bytes = counted  # type: ignore[method-assign]
+    for token in BYTES.tokenize_str('{"a":1,"'):
+        row.accept(token)  # replayed: not chosen, so read when accepted
+    assert len(read) == len('{"a":1,"')
+    read.clear()
+    scores = np.zeros(BYTES.vocab_size, np.float32)
+    scores[ord("b")] = 5.0
+    token = row.choose(scores.copy(), 8)
+    row.accept(token)
+    assert read == [ord("b")]
+    row.choose(scores.copy(), 9)
+    row.accept(ord("c"))  # a replay going on with another token than the one chosen
+    assert read == [ord("b"), ord("b"), ord("c")]

@@ -21,7 +21,8 @@ from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
 from tests.waiting import until
 from worker.fake_engine import FakeDecoder, FakeEngine, FakeTokenizer
-from worker.service import WorkerService, together_window
+from worker.service import WorkerService
+from worker.static_batch import together_window
 
 
 def fake_text(prompt: str, count: int) -> str:
@@ -289,7 +290,7 @@ async def test_a_stopping_worker_leaves_the_registry_after_a_heartbeat_still_in_
     redis: Redis, start_worker: Started, model_name: str
 ) -> None:
     service = start_worker(model_name)
-    real_beat = service._beat
+    real_beat = service.heartbeat.beat
     in_flight = asyncio.Event()
     beats: list[asyncio.Task[None]] = []
 
@@ -302,7 +303,7 @@ async def test_a_stopping_worker_leaves_the_registry_after_a_heartbeat_still_in_
         in_flight.set()
         await asyncio.shield(beats[-1])  # cancelling the heartbeat does not take back a sent write
 
-    service._beat = slow_redis_beat  # type: ignore[method-assign]
+    service.heartbeat.beat = slow_redis_beat  # type: ignore[method-assign]
     await asyncio.wait_for(in_flight.wait(), 5)
     service.stop()
     await asyncio.wait_for(start_worker.run_of(service), 5)

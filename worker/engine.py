@@ -11,6 +11,12 @@ from typing import Protocol
 
 from common.error_codes import ErrorCode
 
+SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
+# The seeds both of og's ways to sample take: GeneratorParams' random_seed is an int32 (-1: unseeded),
+# TurnOptions.set_seed an unsigned one. A job's seed (0 to 2**63 - 1) samples with seed mod 2**31, the
+# same on every engine.
+ENGINE_SEEDS = 2**31
+
 
 class Finish(str, Enum):
     eos = "eos"
@@ -49,6 +55,17 @@ class GenerationRequest:
     # Log-probabilities of each prompt token after the first, and of the `prompt_logprobs` likeliest at its
     # place, on the request's first update; the prompt is then prefilled whole (no cached prefix).
     prompt_logprobs: int | None = None
+
+    @property
+    def samples(self) -> bool:
+        """Whether the request samples rather than picks greedily: a temperature below SAMPLING_EPSILON
+        is greedy (og holds it as a float32, where the tiniest are 0), and so is a top_k of 1."""
+        return self.temperature >= SAMPLING_EPSILON and self.top_k != 1
+
+    @property
+    def engine_seed(self) -> int | None:
+        """The seed the engine samples with (ENGINE_SEEDS)."""
+        return None if self.seed is None else self.seed % ENGINE_SEEDS
 
     @property
     def needs_logits(self) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -12,10 +11,12 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from common.error_codes import ErrorCode
-from common.events import done_entry, entry_token_ids, error_entry, prompt_entry, status_entry, token_entry
-from common.jobqueue import Claim, JobQueue, StreamGap
+from common.events import entry_token_ids, prompt_entry, token_entry
+from common.jobqueue import Claim, JobQueue
 from common.records import RecordUpdate
-from common.wire import EventType, FinishReason, JobSpec, JobStatus, PromptTokensDetails, Timings, Usage
+from common.wire import EventType, FinishReason, JobSpec, JobStatus
+from worker import job_request
+from worker.attempt_writes import Outcome, final_writes, running_writes, write_final
 from worker.engine import (
     Engine,
     EngineUpdate,
@@ -32,23 +33,6 @@ from worker.stop_strings import StopMatcher
 logger = logging.getLogger(__name__)
 
 
-class PromptTooLong(ValueError):
-    code = ErrorCode.context_length_exceeded
-
-
-class GuidedResume(ValueError):
-    """A structured-output job cannot go on from tokens an earlier attempt streamed on og.Engine, whose
-    grammar would start again from its beginning (ortfleet's batcher replays them through it)."""
-
-    code = ErrorCode.structured_output_not_resumable
-
-
-class NeedsLogits(ValueError):
-    """The job asks for logprobs, penalties or a logit bias, and the engine exposes no logits."""
-
-    code = ErrorCode.unsupported_parameter
-
-
 @dataclass
 class Progress:
     """What earlier attempts of the job already published (empty on a first attempt)."""
@@ -56,16 +40,6 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
-
-
-@dataclass
-class Outcome:
-    status: JobStatus
-    finish_reason: FinishReason | None
-    text: str
-    generated: int
-    error: str | None = None
-    error_code: ErrorCode | None = None
 
 
 @dataclass
@@ -170,74 +144,23 @@ class JobRun:
             self.progress.text += fields.get("text", "")
 
     def prompt_ids(self) -> list[int]:
-        if self.spec.messages is not None:
-            messages = json.dumps([m.model_dump() for m in self.spec.messages])
-            text = self._tokenizer.apply_chat_template(messages)
-        else:
-            assert self.spec.prompt is not None
-            text = self.spec.prompt
-        return self._tokenizer.encode(text)
+        return job_request.prompt_ids(self.spec, self._tokenizer)
 
     def engine_request(self, prompt_ids: list[int]) -> GenerationRequest | None:
-        """What to ask the engine for; None when nothing is left to generate (or the job was cancelled)."""
+        """What to ask the engine for (job_request.py); None when nothing is left to generate."""
         self.prompt_tokens = len(prompt_ids)
-        context = self._engine.context_length
-        if len(prompt_ids) >= context:
-            raise PromptTooLong(
-                f"the prompt is {len(prompt_ids)} tokens, but model {self.spec.model!r} has a context of "
-                f"{context} tokens (prompt and generated tokens together)"
-            )
-        sampling = self.spec.sampling
-        wanted = (sampling.max_tokens or context) - len(self.progress.token_ids)
-        self._room = context - len(prompt_ids) - len(self.progress.token_ids)
-        self._max_new = max(0, min(wanted, self._room))
-        if self._cancelled or self._max_new == 0:
-            return None
-        guidance = self.spec.guidance
-        if guidance is not None and self.progress.token_ids and not self._resumes_guidance:
-            raise GuidedResume(
-                f"the worker running this structured-output job stopped after {len(self.progress.token_ids)} "
-                "tokens, and structured output cannot resume from them; submit the job again"
-            )
         done = self.progress.token_ids
-        fewest = self._max_new if sampling.ignore_eos else sampling.min_tokens - len(done)
-        request = GenerationRequest(
-            prompt_ids=prompt_ids if self._replay else prompt_ids + done,
-            replay_ids=tuple(done) if self._replay else (),
-            max_new_tokens=self._max_new,
-            min_new_tokens=max(0, min(fewest, self._max_new)),
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=sampling.seed,
-            stop=None if sampling.include_stop_str_in_output else sampling.stop,  # kept: matched here
-            repetition_penalty=sampling.repetition_penalty,
-            guidance=(guidance.kind, guidance.grammar) if guidance is not None else None,
-            logprobs=sampling.logprobs,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            logit_bias=tuple(sorted((sampling.logit_bias or {}).items())),
-            prompt_logprobs=sampling.prompt_logprobs,
+        return job_request.engine_request(
+            self.spec, prompt_ids, done, self._engine, replay=self._replay, cancelled=self._cancelled
         )
-        needed = request.needs_logits
-        if needed is not None and not self._engine.exposes_logits:
-            raise NeedsLogits(
-                f"{needed}: the workers of model {self.spec.model!r} run og.Engine, which exposes no logits; "
-                "only workers running ortfleet's batcher (ORTFLEET_SCHEDULER) honour logprobs, "
-                "presence_penalty, frequency_penalty and logit_bias"
-            )
-        return request
-
-    @property
-    def _resumes_guidance(self) -> bool:
-        return self._replay and self._engine.replays_guidance
 
     def attach(self, stream: GenerationStream) -> None:
         self._stream = stream
 
     async def run(self) -> None:
         publisher = self._writer.publisher(self.job_id, self.claim.attempt, len(self.progress.token_ids))
-        publisher.add(self._running_entry(), self._running_record())
+        resumed_from = len(self.progress.token_ids)
+        publisher.add(*running_writes(self.claim, self.worker_id, self.prompt_tokens, resumed_from))
         try:
             outcome = await self._generate(publisher)
             self._release_engine()  # the slot is free while the last writes go out
@@ -253,25 +176,6 @@ class JobRun:
             return
         if not self._abandoned and not self.lost:
             await self._finish(outcome, publisher)
-
-    def _running_entry(self) -> dict[str, str]:
-        """The attempt's first event: a resumed attempt says from which token, a quarantined one says so."""
-        resumed = len(self.progress.token_ids) if self.claim.attempt > 1 else None
-        return status_entry(
-            JobStatus.running,
-            attempt=self.claim.attempt,
-            worker=self.worker_id,
-            prompt_tokens=self.prompt_tokens,
-            resumed_from=resumed,
-            quarantined="true" if self.claim.quarantined else None,
-        )
-
-    def _running_record(self) -> dict[str, str] | None:
-        if self.claim.attempt == 1:
-            return None
-        return RecordUpdate(
-            resumed_from=len(self.progress.token_ids), resumes=self.claim.attempt - 1
-        ).to_fields()
 
     def _release_engine(self) -> None:
         self.engine_done = True
@@ -399,71 +303,21 @@ class JobRun:
         return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated)
 
     async def _finish(self, outcome: Outcome, publisher: StreamPublisher) -> None:
-        now = time.time()
-        submitted = self.spec.submitted_at
-        usage = Usage(
+        record, final = final_writes(
+            outcome,
+            submitted_at=self.spec.submitted_at,
+            started_at=self.started_at,
+            first_token_at=self.progress.first_token_at,
+            token_times=self._token_times,
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=outcome.generated,
-            total_tokens=self.prompt_tokens + outcome.generated,
-            prompt_tokens_details=None
-            if self.cached_tokens is None
-            else PromptTokensDetails(cached_tokens=self.cached_tokens),
+            cached_tokens=self.cached_tokens,
+            batch_peak=self.batch_peak,
+            now=time.time(),
         )
-        first = self.progress.first_token_at
-        times = self._token_times
-        timings = Timings(
-            queue_wait_s=round(self.started_at - submitted, 6),
-            ttft_s=round(first - submitted, 6) if first else None,
-            time_per_output_token_s=round((times[-1] - times[0]) / (outcome.generated - 1), 6)
-            if len(times) > 1 and outcome.generated > 1
-            else None,
-            total_s=round(now - submitted, 6),
-        )
-        record = RecordUpdate(
-            status=outcome.status,
-            output=outcome.text,
-            usage=usage,
-            timings=timings,
-            finished_at=now,
-            engine_batch_peak=self.batch_peak,
-            finish_reason=outcome.finish_reason,
-            error=outcome.error or None,
-            error_code=outcome.error_code,
-        )
-        reason = outcome.finish_reason.value if outcome.finish_reason else None
-        final = done_entry(outcome.status, reason, usage.model_dump_json())
-        if outcome.status is JobStatus.failed:  # as every failed job: an error event with its code
-            code = outcome.error_code or ErrorCode.job_failed
-            final = error_entry(outcome.status, outcome.error or "the job failed", code.value)
-        await self._write_final(record, final, publisher)
+        await write_final(self._queue, self.claim, record, final, publisher)
         self.outcome = outcome
         if self.spec.messages and 0 < self._engine.prefix_block_tokens <= self.prompt_tokens:
             try:  # only a hint: a job that does not find it prefills its prompt again
                 await self._queue.leave_prefix_hints(self.spec.model, self.spec.messages, self.worker_id)
             except RedisError as e:
                 logger.warning("job %s: its prefix hints were not written (%s)", self.job_id, e)
-
-    async def _write_final(
-        self, record: RecordUpdate, final: dict[str, str], publisher: StreamPublisher
-    ) -> None:
-        """Retries through a Redis outage: a finished job is never lost (writes stay fenced). After a
-        failover that lost the newest token entries, writes them again before the final one."""
-        delay = 0.1
-        while True:
-            streamed = None if publisher.unfillable else publisher.streamed_to
-            try:
-                await self._queue.finish(self.claim, record, final, streamed=streamed)
-                return
-            except StreamGap:
-                logger.warning(
-                    "job %s: its stream lacks tokens written before (a failover?); writing them again",
-                    self.job_id,
-                )
-                try:
-                    await publisher.fill_gap()
-                except LeaseLost:
-                    return
-            except RedisError as e:
-                logger.warning("job %s: writing the result failed (%s); retrying", self.job_id, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)

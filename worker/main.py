@@ -159,7 +159,7 @@ def load_engine(
 def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
     """Whether ortfleet's batcher runs the model (ORTFLEET_SCHEDULER): it runs on CPU only, and `auto`
     keeps og.Engine where it batches continuously itself (paged attention) or runs on a GPU."""
-    from worker.ort_engine import uses_dynamic_batching
+    from worker.genai_config import uses_dynamic_batching
 
     if scheduler == "og-engine":
         return False

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
-import json
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnxruntime_genai as og
@@ -21,10 +15,11 @@ import onnxruntime_genai as og
 from common.error_codes import ErrorCode
 from worker.device import Device
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
-from worker.engine_thread import EngineThread
-
-if TYPE_CHECKING:
-    from llguidance import LLTokenizer
+from worker.engine_errors import GuidanceRejected, failure_cause, grammar_broke, grammar_errors
+from worker.engine_thread import EngineThread, Updates
+from worker.genai_config import context_length, load_config, uses_dynamic_batching, vocab_size
+from worker.ort_solo import SoloRun, solo_generator
+from worker.ort_tokenizer import OrtTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +29,6 @@ _FAILED = og.EngineEventFlags.FAILED.value
 _ENGINE_FAILURE = og.EngineErrorCode.ENGINE_EXECUTION_FAILURE
 # How the engine's llguidance says a request's grammar broke a step (the failure's cause).
 _GRAMMAR_FAILURES = ("Error committing tokens", "parser error", "lexer error", "grammar")
-
-# The seeds both of og's ways to sample take: GeneratorParams' random_seed is an int32 (-1: unseeded),
-# TurnOptions.set_seed an unsigned one. A job's seed (0 to 2**63 - 1) samples with seed mod 2**31, the
-# same on either scheduler.
-ENGINE_SEEDS = 2**31
-SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
 
 _FINISH = {
     og.FinishReason.EOS: Finish.eos,
@@ -51,127 +40,13 @@ _FINISH = {
 }
 
 
-class GuidanceRejected(ValueError):
-    """The engine could not compile a request's structured-output grammar."""
-
-
-def guide_turn(options: og.TurnOptions, guidance: tuple[str, str] | None) -> None:
-    """Constrains a turn to the request's grammar (compiled when the turn begins: see grammar_errors)."""
-    if guidance is not None:
-        options.set_guidance(*guidance)
-
-
-@contextlib.contextmanager
-def grammar_errors(guidance: tuple[str, str] | None) -> Iterator[None]:
-    """Turns the engine's refusal of a request's grammar into GuidanceRejected, naming what it is."""
-    try:
-        yield
-    except Exception as e:
-        if guidance is None or "grammar" not in str(e):
-            raise
-        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
-        raise GuidanceRejected(f"response_format: the engine cannot use this {guidance[0]}: {detail}") from e
-
-
-def failure_cause(error: str) -> str:
-    """The engine's failure in one line: its cause, without llguidance's parser state."""
-    cause = error.split("<state>")[0].split("Cause:", 1)[-1]
-    return " ".join(line.strip() for line in cause.splitlines() if line.strip())[:500]
-
-
-def load_config(model_dir: Path, device: Device, max_batch_size: int | None) -> og.Config:
-    config = og.Config(str(model_dir))
-    config.clear_providers()
-    if device.kind == "cuda":
-        config.append_provider("cuda")
-        config.set_provider_option("cuda", "device_id", str(device.index or 0))
-    if max_batch_size is not None:
-        section = "dynamic_batching" if uses_dynamic_batching(model_dir) else "static_batching"
-        config.overlay(json.dumps({"engine": {section: {"max_batch_size": max_batch_size}}}))
-    return config
-
-
-def uses_dynamic_batching(model_dir: Path) -> bool:
-    genai = json.loads((model_dir / "genai_config.json").read_text())
-    return "dynamic_batching" in genai.get("engine", {})
-
-
-def context_length(model_dir: Path) -> int:
-    genai = json.loads((model_dir / "genai_config.json").read_text())
-    try:
-        return int(genai["model"]["context_length"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{model_dir}/genai_config.json has no model.context_length") from e
-
-
-def vocab_size(model_dir: Path) -> int | None:
-    genai = json.loads((model_dir / "genai_config.json").read_text())
-    size = genai.get("model", {}).get("vocab_size")
-    return int(size) if isinstance(size, int) else None
-
-
 def sampling_options(request: GenerationRequest, vocab: int | None) -> tuple[bool, int]:
-    """Whether the request samples, and its top_k as the engine takes it. A temperature below
-    SAMPLING_EPSILON is greedy (the engine holds it as a float32, where the tiniest are 0, and refuses
-    sampling options beside a temperature of 0); a top_k of at least the vocabulary is no bound (the
-    engine refuses one above it)."""
-    sampling = request.temperature >= SAMPLING_EPSILON and request.top_k != 1
+    """Whether the request samples (GenerationRequest.samples: the engine refuses sampling options
+    beside a temperature of 0), and its top_k as the engine takes it: a top_k of at least the vocabulary
+    is no bound (the engine refuses one above it)."""
+    sampling = request.samples
     top_k = request.top_k if vocab is None or request.top_k < vocab else 0
     return sampling, top_k
-
-
-class OrtTokenizer:
-    def __init__(self, source: og.Model | og.Config, vocab: int | None, model_dir: Path) -> None:
-        self._tokenizer = og.Tokenizer(source)
-        self._vocab_size = vocab
-        self._model_dir = model_dir
-        self._byte_tokenizer: LLTokenizer | None = None
-
-    def token_bytes(self, token: int) -> bytes:
-        """The token's own bytes (a byte-level token can hold part of a character), read from the model
-        folder's tokenizer.json by llguidance the first time it is asked."""
-        if self._byte_tokenizer is None:
-            from llguidance import LLTokenizer
-
-            self._byte_tokenizer = LLTokenizer(str(self._model_dir / "tokenizer.json"))
-        return self._byte_tokenizer.decode_bytes([token])
-
-    @property
-    def vocab_size(self) -> int | None:
-        return self._vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self._tokenizer.encode(text)]
-
-    def apply_chat_template(self, messages_json: str) -> str:
-        return str(self._tokenizer.apply_chat_template(messages_json, add_generation_prompt=True))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer.decode(np.asarray(token_ids, dtype=np.int32)))
-
-    def stream_decoder(self) -> og.TokenizerStream:
-        return self._tokenizer.create_stream()
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset(int(t) for t in self._tokenizer.eos_token_ids)
-
-
-@dataclass
-class _SoloRun:
-    """A request on a generator of its own, outside og.Engine's batch: a seeded sampling request on the
-    static scheduler (which cannot seed a turn), and a resumed request, whose replay needs the
-    generator's one-token steps."""
-
-    stream: GenerationStream
-    generator: og.Generator
-    produced: int = 0  # tokens after the replayed ones
-    replayed: int = 0
-    exact: bool = True
-
-    @property
-    def replaying(self) -> bool:
-        return self.replayed < len(self.stream.request.replay_ids)
 
 
 class OrtEngine(EngineThread):
@@ -180,6 +55,7 @@ class OrtEngine(EngineThread):
     def __init__(
         self, model_dir: Path, device: Device, max_batch_size: int | None = None, step_delay_s: float = 0.0
     ) -> None:
+        super().__init__("ort-engine")
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.exposes_logits = False
@@ -188,7 +64,6 @@ class OrtEngine(EngineThread):
         self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
         self.context_length = context_length(model_dir)
         self._vocab_size = vocab_size(model_dir)
-        self._commands: queue.SimpleQueue[tuple[str, list[GenerationStream]]] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._model_dir = model_dir
@@ -197,12 +72,6 @@ class OrtEngine(EngineThread):
         self.capacity = 0
         self.eos_token_ids: frozenset[int] = frozenset()
         self.tokenizer: OrtTokenizer
-        # Called in the event loop when og.Engine fails and can run nothing more (see restart).
-        self.on_failure: Callable[[str], None] | None = None
-        self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._failed: str | None = None  # the engine thread's: why og.Engine is unusable
-        self._restarted: concurrent.futures.Future[None] | None = None
-        self._thread = threading.Thread(target=self._main, name="ort-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._startup_error is not None:
@@ -233,7 +102,7 @@ class OrtEngine(EngineThread):
 
     def _loop(self) -> None:
         self._active: dict[Any, tuple[GenerationStream, int]] = {}
-        self._solo: list[_SoloRun] = []
+        self._solo: list[SoloRun] = []
         while True:
             busy = not self._failed and (self._engine.has_pending_requests() or bool(self._solo))
             if not self._drain_commands(block=not busy):
@@ -247,34 +116,13 @@ class OrtEngine(EngineThread):
             if self._step_delay_s and busy:
                 time.sleep(self._step_delay_s)
 
-    def _drain_commands(self, *, block: bool) -> bool:
-        try:
-            command, streams = self._commands.get(block=block)
-        except queue.Empty:
-            return True
-        while True:
-            if command == "stop":
-                return False
-            if command == "restart":
-                self._restart()
-            for stream in streams:
-                if command == "submit" and self._failed:
-                    stream.deliver(EngineUpdate([], Finish.lost, self._failed))
-                elif command == "submit":
-                    self._start(stream)
-                else:
-                    self._stop(stream)
-            try:
-                command, streams = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _start(self, stream: GenerationStream) -> None:
+    def _start(self, stream: GenerationStream, updates: Updates) -> None:
         request = stream.request
         sampling, top_k = sampling_options(request, self._vocab_size)
         try:
             if request.replay_ids or (sampling and request.seed is not None and not self.continuous_batching):
-                self._solo.append(_SoloRun(stream, self._solo_generator(request, sampling, top_k)))
+                generator = solo_generator(self._model, request, sampling, top_k, self.context_length)
+                self._solo.append(SoloRun(stream, generator))
                 return
             og_request = self._engine.create_request()
             options = og.TurnOptions(og_request)
@@ -287,51 +135,26 @@ class OrtEngine(EngineThread):
                 options.set_top_p(request.top_p)
                 if top_k:
                     options.set_top_k(top_k)
-                if request.seed is not None:
-                    options.set_seed(request.seed % ENGINE_SEEDS)
+                if (seed := request.engine_seed) is not None:
+                    options.set_seed(seed)
             if request.stop and self.continuous_batching:
                 options.set_stop_strings(request.stop)
             if request.repetition_penalty != 1.0:
                 options.set_repetition_penalty(request.repetition_penalty)
-            guide_turn(options, request.guidance)
+            if request.guidance is not None:  # compiled when the turn begins
+                options.set_guidance(*request.guidance)
             with grammar_errors(request.guidance):
                 turn = og_request.begin_turn(np.asarray(request.prompt_ids, dtype=np.int32), options)
         except GuidanceRejected as e:
-            stream.deliver(
-                EngineUpdate([], Finish.error, str(e), error_code=ErrorCode.invalid_response_format)
-            )
+            code = ErrorCode.invalid_response_format
+            updates.append((stream, EngineUpdate([], Finish.error, str(e), error_code=code)))
             return
         except Exception as e:
-            stream.deliver(EngineUpdate([], Finish.error, f"the engine refused the request: {e}"))
+            updates.append((stream, EngineUpdate([], Finish.error, f"the engine refused the request: {e}")))
             return
         self._active[og_request] = (stream, int(turn))
 
-    def _solo_generator(self, request: GenerationRequest, sampling: bool, top_k: int) -> og.Generator:
-        before = len(request.prompt_ids) + len(request.replay_ids)
-        options: dict[str, Any] = {
-            "do_sample": sampling,
-            "max_length": min(self.context_length, before + request.max_new_tokens),
-        }
-        if sampling:
-            options.update(temperature=request.temperature, top_p=request.top_p)
-            if request.seed is not None:
-                options["random_seed"] = request.seed % ENGINE_SEEDS
-            if top_k:
-                options["top_k"] = top_k
-        if request.min_new_tokens:
-            options["min_length"] = before + request.min_new_tokens
-        if request.repetition_penalty != 1.0:
-            options["repetition_penalty"] = request.repetition_penalty
-        params = og.GeneratorParams(self._model)
-        params.set_search_options(**options)
-        with grammar_errors(request.guidance):
-            if request.guidance is not None:
-                params.set_guidance(*request.guidance)
-            generator = og.Generator(self._model, params)
-            generator.append_tokens(np.asarray(request.prompt_ids, dtype=np.int32))
-        return generator
-
-    def _stop(self, stream: GenerationStream) -> None:
+    def _cancel(self, stream: GenerationStream, updates: Updates) -> None:
         for og_request, (active, turn) in self._active.items():
             if active is stream:
                 og_request.cancel_turn(turn)
@@ -339,7 +162,7 @@ class OrtEngine(EngineThread):
         for run in self._solo:
             if run.stream is stream:
                 self._solo.remove(run)
-                stream.deliver(EngineUpdate([], Finish.cancelled))
+                updates.append((stream, EngineUpdate([], Finish.cancelled)))
                 return
 
     def _step(self) -> None:
@@ -356,7 +179,7 @@ class OrtEngine(EngineThread):
                 return
         rows = len({e.request for e in events}) + len(self._solo)
         tokens: dict[Any, list[int]] = {}
-        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        updates: Updates = []
         for event in events:
             flags = int(event.flags.value)
             if flags & _TOKEN:
@@ -391,12 +214,12 @@ class OrtEngine(EngineThread):
         cause = failure_cause(error)
         logger.error("the engine failed and can run nothing more: %s", cause)
         guided = [stream for stream in failed if stream.request.guidance is not None]
-        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        updates: Updates = []
         if guided and any(marker in error for marker in _GRAMMAR_FAILURES):
             for stream in guided:
                 assert stream.request.guidance is not None
                 kind = stream.request.guidance[0]
-                message = f"response_format: the engine failed on this {kind} while generating ({cause})"
+                message = grammar_broke(kind, cause)
                 code = ErrorCode.invalid_response_format
                 updates.append((stream, EngineUpdate([], Finish.error, message, error_code=code)))
             culprits = guided
@@ -416,29 +239,21 @@ class OrtEngine(EngineThread):
         deliver_all(updates)
         self._tell_failure(cause)
 
-    def _restart(self) -> None:
-        restarted = self._restarted
-        assert restarted is not None
-        if self._failed is None:  # nothing to replace
-            restarted.set_result(None)
-            return
+    def _renew(self) -> None:
+        self._engine = self._buffer = None  # the failed engine goes first, on its own thread
         try:
-            self._engine = self._buffer = None  # the failed engine goes first, on its own thread
             self._new_engine()
-        except Exception as e:
+        except Exception:
             logger.exception("a new og.Engine could not be made")
-            restarted.set_exception(e)
-            return
-        self._failed = None
+            raise
         logger.info("a new og.Engine serves the model")
-        restarted.set_result(None)
 
     def _step_solo(self) -> None:
         rows = len(self._solo) + len(self._active)
-        updates: list[tuple[GenerationStream, EngineUpdate]] = []
+        updates: Updates = []
         for run in list(self._solo):
             try:
-                update = self._replay_step(run) if run.replaying else self._solo_step(run, rows)
+                update = run.step(rows, self.eos_token_ids)
             except Exception as e:
                 update = EngineUpdate([], Finish.error, f"generation failed: {e}", rows)
             if update is None:
@@ -447,30 +262,3 @@ class OrtEngine(EngineThread):
                 self._solo.remove(run)
             updates.append((run.stream, update))
         deliver_all(updates)
-
-    @staticmethod
-    def _replay_step(run: _SoloRun) -> None:
-        """One decode step of a replay: the step that first computed the replayed token, computed again.
-        Should it give another token (a different batch, another device), the replayed token is put in
-        its place, so the job continues from what its stream already holds."""
-        generator = run.generator
-        expected = run.stream.request.replay_ids[run.replayed]
-        generator.generate_next_token()
-        if int(generator.get_next_tokens()[0]) != expected:
-            generator.rewind_to(generator.token_count() - 1)
-            generator.append_tokens(np.asarray([expected], dtype=np.int32))
-            run.exact = False
-        run.replayed += 1
-        return None
-
-    def _solo_step(self, run: _SoloRun, rows: int) -> EngineUpdate:
-        replayed = bool(run.stream.request.replay_ids) and run.produced == 0
-        exact = run.exact if replayed else None
-        run.generator.generate_next_token()
-        token = int(run.generator.get_next_tokens()[0])
-        run.produced += 1
-        if token in self.eos_token_ids:
-            return EngineUpdate([], Finish.eos, None, rows, replay_exact=exact)
-        if run.produced >= run.stream.request.max_new_tokens or run.generator.is_done():
-            return EngineUpdate([token], Finish.length, None, rows, replay_exact=exact)
-        return EngineUpdate([token], None, None, rows, replay_exact=exact)

@@ -1,4 +1,5 @@
-"""The worker's job loop: claim jobs while engine slots are free, run them, keep leases alive."""
+"""The worker's job loop: claim jobs while engine slots are free, start them and see them end, get a new
+engine after a failure, drain on stop."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
@@ -18,13 +18,15 @@ from common import keys
 from common.aio import wait_set
 from common.error_codes import ErrorCode
 from common.jobqueue import Claim, JobQueue, MalformedJob, parse_job_payload
-from common.registry import WorkerInfo, deregister, heartbeat
-from common.wire import PriorityClass
+from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, GenerationRequest, Tokenizer
-from worker.job_runner import GuidedResume, JobRun, NeedsLogits, PromptTooLong
+from worker.heartbeat import Heartbeat
+from worker.job_request import GuidedResume, NeedsLogits, PromptTooLong
+from worker.job_runner import JobRun
+from worker.preemption import Preemption
 from worker.publisher import StepWriter
-from worker.throughput import Throughput
+from worker.static_batch import StaticBatches
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +54,11 @@ class WorkerService:
         self.runs: dict[str, JobRun] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
-        self._interactive_wake = asyncio.Event()  # a job was submitted: maybe batch work must yield
         self._slot_freed = asyncio.Event()
-        self._last_batch = 0  # jobs in the last static batch
-        self._batch_ended_at = 0.0  # when the worker last ran out of jobs
         self._stopping = asyncio.Event()
-        self._leaving = asyncio.Event()  # drained: the heartbeat ends, then the entry is removed
+        self.heartbeat = Heartbeat(settings, redis, self.queue, info, self.runs)
+        self.preemption = Preemption(settings, self.queue, engine, info.model, self.runs, self.free_slots)
+        self.static_batches = StaticBatches(settings, self.queue, info.model, info.id, self._wake)
         self._suspect_waiting = False  # a suspect job waits for this worker to run nothing else
         self.on_job_done: Callable[[JobRun], Awaitable[None] | None] | None = None
         # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
@@ -68,12 +69,6 @@ class WorkerService:
         self.unrecoverable: BaseException | None = None  # why the engine could not be rebuilt
         self._failed_again: str | None = None
         engine.on_failure = self._engine_failed
-        self._finished_tokens = 0
-        self._finished_prompt_tokens = 0
-        self._throughput = Throughput(time.monotonic())
-        self._busy_s = 0.0  # a clock that runs only while the worker runs jobs: its speed's time base
-        self._speed = Throughput(0.0)
-        self._speed_sampled = (time.monotonic(), 0)  # when, and the tokens it had processed then
 
     @property
     def model(self) -> str:
@@ -94,7 +89,7 @@ class WorkerService:
 
     def _engine_released(self) -> None:
         if all(run.engine_done for run in self.runs.values()):
-            self._batch_ended_at = time.time()
+            self.static_batches.all_ended()
         self._slot_freed.set()
 
     async def warm_up(self) -> int:
@@ -111,12 +106,11 @@ class WorkerService:
         return widest
 
     async def run(self) -> None:
-        lease = self.settings.heartbeat_ttl_s
-        await heartbeat(self.redis, self.info, lease, self.settings.job_ttl_s)
-        beating = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        await self.heartbeat.register()
+        beating = asyncio.create_task(self.heartbeat.run(), name="heartbeat")
         background = [asyncio.create_task(self._listen(), name="listen")]
         if self.settings.preempt_batch:
-            background.append(asyncio.create_task(self._preempt_loop(), name="preempt"))
+            background.append(asyncio.create_task(self.preemption.run(), name="preempt"))
         try:
             await self._claim_loop()
             await self._drain()
@@ -125,29 +119,12 @@ class WorkerService:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.writer.close()
-            await self._leave(beating)
+            await self.heartbeat.leave(beating)
         if self.unrecoverable is not None:
             raise EngineUnrecoverable(
                 f"the engine failed and no new one could be made ({self.unrecoverable}); the worker stops "
                 "so that its supervisor starts it again"
             ) from self.unrecoverable
-
-    async def _leave(self, beating: asyncio.Task[None]) -> None:
-        """Out of the registry. The heartbeat ends first, a beat in flight included (it is bounded by its
-        own timeout), so that no beat lands after the entry is removed and makes it live again."""
-        self._leaving.set()
-        with contextlib.suppress(Exception):  # its errors were logged as they came
-            await asyncio.wait_for(asyncio.shield(beating), self.settings.heartbeat_ttl_s)
-        beating.cancel()
-        try:
-            await deregister(self.redis, self.info.id)
-        except RedisError as e:
-            logger.warning(
-                "leaving the registry failed (%s): the worker counts as live until its heartbeat runs out, "
-                "in %.0f s",
-                e,
-                self.settings.heartbeat_ttl_s,
-            )
 
     def _engine_failed(self, cause: str) -> None:
         if self._recovery is not None:
@@ -162,7 +139,7 @@ class WorkerService:
         whose engine cannot be made again stops, and exits nonzero for its supervisor to restart it."""
         logger.error("the engine failed (%s): the worker takes no job until it has a new one", cause)
         self.info.state = "recovering"
-        await self._beat_now()
+        await self.heartbeat.beat_now()
         while any(not run.engine_done for run in self.runs.values()):
             self._slot_freed.clear()
             await self._slot_freed.wait()
@@ -179,19 +156,10 @@ class WorkerService:
         self.engine_restarts += 1
         self.info.state = "ready"
         self._recovery = None
-        await self._beat_now()
+        await self.heartbeat.beat_now()
         logger.info("the worker serves again on a new engine (%d restarts)", self.engine_restarts)
         self._slot_freed.set()
         self._wake.set()
-
-    async def _beat_now(self) -> None:
-        """The registry entry, with the worker's state, written now rather than at the next beat."""
-        try:
-            await asyncio.wait_for(
-                self._beat(self.settings.heartbeat_ttl_s), self.settings.heartbeat_ttl_s / 2
-            )
-        except (RedisError, TimeoutError) as e:
-            logger.warning("heartbeat failed (%s)", e or "Redis did not answer in time")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -220,45 +188,10 @@ class WorkerService:
             if claims:
                 quarantined = any(claim.quarantined for claim in claims)
                 if not self.engine.continuous_batching and not quarantined:
-                    if len(claims) < slots:
-                        claims += await self._fill_static_batch(claims, slots)
-                    self._last_batch = len(claims)
+                    claims = await self.static_batches.gather(claims, slots)
                 await self._start(claims)
                 continue
             await wait_set(self._wake, self.settings.claim_poll_s)
-
-    def _static_target(self, claims: list[Claim], slots: int) -> int:
-        """How many jobs to gather before a static batch starts (it admits no one until it ends): as
-        many as the last batch had, since its clients tend to come back, plus the claimed jobs that
-        were submitted while it ran (they could not join it, and would otherwise run one by one)."""
-        missed = sum(1 for claim in claims if _submitted_at(claim) < self._batch_ended_at)
-        return min(slots, max(len(claims), self._last_batch + missed))
-
-    async def _fill_static_batch(self, claims: list[Claim], slots: int) -> list[Claim]:
-        """More jobs for a static batch, claimed as they are submitted: those it expects, for up to
-        static_batch_window_s; otherwise the rest of a tenth of that after the first job's submission,
-        for jobs submitted together with it. A wait that ends with no job submitted claims nothing."""
-        loop = asyncio.get_running_loop()
-        room, target = slots - len(claims), self._static_target(claims, slots)
-        window = self.settings.static_batch_window_s
-        expecting = target > len(claims)
-        deadline = loop.time() + (window if expecting else together_window(window, claims, time.time()))
-        enough = target - len(claims) if expecting else room
-        more: list[Claim] = []
-        while len(more) < enough and (left := deadline - loop.time()) > 0:
-            try:
-                await asyncio.wait_for(self._wake.wait(), left)
-            except TimeoutError:
-                break  # no job was submitted meanwhile: none to claim
-            self._wake.clear()  # before claiming: a job submitted meanwhile wakes the next round
-            try:
-                more += await self.queue.claim(
-                    self.model, self.info.id, room - len(more), self.settings.heartbeat_ttl_s, idle=False
-                )
-            except RedisError as e:
-                logger.warning("claiming jobs failed (%s)", e)
-                break
-        return more
 
     async def _start(self, claims: list[Claim]) -> None:
         runs: list[JobRun] = []
@@ -273,20 +206,18 @@ class WorkerService:
         for run in runs:
             if holds_marker(self.settings.fail_marker, run):
                 message = "the job failed on its worker (its prompt holds the fail marker, a testing aid)"
-                self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.job_failed))
-                del self.runs[run.job_id]
+                self._refuse(run, message, ErrorCode.job_failed)
                 continue
             try:
                 request = run.engine_request(run.prompt_ids())
             except (PromptTooLong, GuidedResume, NeedsLogits) as e:
-                self._spawn(self._fail(run.claim, run.spec.model, str(e), e.code))
-                del self.runs[run.job_id]
+                self._refuse(run, str(e), e.code)
                 continue
             except Exception as e:  # the job's content broke the tokenizer or the chat template
                 logger.warning("job %s: its prompt could not be prepared (%s)", run.job_id, type(e).__name__)
-                message = f"the prompt could not be prepared for the model: {e}"
-                self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.invalid_prompt))
-                del self.runs[run.job_id]
+                self._refuse(
+                    run, f"the prompt could not be prepared for the model: {e}", ErrorCode.invalid_prompt
+                )
                 continue
             started.append(run)
             if request is not None:
@@ -298,9 +229,7 @@ class WorkerService:
             except Exception as e:  # a request the engine refused: fail these jobs, keep the worker
                 logger.exception("the engine refused %d job(s)", len(requests))
                 for run in generating:
-                    message = f"the engine could not start the job: {e}"
-                    self._spawn(self._fail(run.claim, run.spec.model, message, ErrorCode.invalid_prompt))
-                    self.runs.pop(run.job_id, None)
+                    self._refuse(run, f"the engine could not start the job: {e}", ErrorCode.invalid_prompt)
                     started.remove(run)
                 self._engine_released()
                 streams = []
@@ -310,6 +239,11 @@ class WorkerService:
         crash_on_marker(self.settings.crash_marker, generating)
         for run in started:
             self._spawn(self._execute(run))
+
+    def _refuse(self, run: JobRun, message: str, code: ErrorCode) -> None:
+        """The job fails before its run starts, and leaves this worker."""
+        self._spawn(self._fail(run.claim, run.spec.model, message, code))
+        self.runs.pop(run.job_id, None)
 
     async def _prepare(self, claim: Claim) -> JobRun | None:
         try:
@@ -357,8 +291,7 @@ class WorkerService:
             with contextlib.suppress(RedisError):
                 await self._fail(run.claim, run.spec.model, "the worker failed while running the job")
         finally:
-            self._finished_tokens += run.tokens_generated
-            self._finished_prompt_tokens += run.prompt_tokens
+            self.heartbeat.count_finished(run)
             self.runs.pop(run.job_id, None)
             if run.engine_done:
                 self._slot_freed.set()  # its slot was freed already; a draining worker counts runs
@@ -369,55 +302,10 @@ class WorkerService:
             if result is not None:
                 await result
 
-    def generated_tokens(self) -> int:
-        """Tokens this worker generated since it started, running jobs included."""
-        return self._finished_tokens + sum(run.tokens_generated for run in self.runs.values())
-
-    def processed_tokens(self) -> int:
-        """Prompt and generated tokens of every job this worker ran since it started, running jobs included
-        (a prompt counts once its job has it tokenized)."""
-        running = sum(run.prompt_tokens + run.tokens_generated for run in self.runs.values())
-        return self._finished_tokens + self._finished_prompt_tokens + running
-
-    def measure_speed(self, now: float) -> float:
-        """Prompt and generated tokens a second over the last 10 s the worker was running jobs: how fast it
-        works through a queue (idle time does not lower it). The gateways estimate queue waits with it."""
-        then, before = self._speed_sampled
-        processed = self.processed_tokens()
-        self._speed_sampled = (now, processed)
-        if self.runs or processed != before:
-            self._busy_s += now - then
-            self.info.speed_tokens_per_s = round(self._speed.update(processed, self._busy_s), 2)
-        return self.info.speed_tokens_per_s
-
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _heartbeat_loop(self) -> None:
-        ttl = self.settings.heartbeat_ttl_s
-        late = False
-        while True:
-            # A beat that took long (Redis stalled) is followed by another at once.
-            if await wait_set(self._leaving, 0 if late else ttl / 4):
-                return
-            began = time.monotonic()
-            self.info.in_flight = len(self.runs)
-            self.info.generated_tokens = self.generated_tokens()
-            self.info.tokens_per_s = round(
-                self._throughput.update(self.info.generated_tokens, time.monotonic()), 2
-            )
-            self.measure_speed(time.monotonic())
-            try:
-                await asyncio.wait_for(self._beat(ttl), ttl / 2)
-            except (RedisError, TimeoutError) as e:
-                logger.warning("heartbeat failed (%s)", e or "Redis did not answer in time")
-            late = time.monotonic() - began > ttl / 4
-
-    async def _beat(self, ttl: float) -> None:
-        await heartbeat(self.redis, self.info, ttl, self.settings.job_ttl_s)
-        await self.queue.renew_leases([run.claim for run in self.runs.values()], ttl)
 
     async def _listen(self) -> None:
         wake = keys.wake_channel(self.model)
@@ -429,7 +317,7 @@ class WorkerService:
                 async for message in pubsub.listen():
                     if message["channel"] == wake:
                         self._wake.set()
-                        self._interactive_wake.set()
+                        self.preemption.job_submitted()
                     else:
                         run = self.runs.get(message["data"])
                         if run is not None:
@@ -440,83 +328,6 @@ class WorkerService:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
-
-    def _full(self) -> bool:
-        return self.free_slots() == 0 and any(not run.engine_done for run in self.runs.values())
-
-    async def _overshare(self) -> list[JobRun]:
-        """For the key of the job at the head of the interactive queue: the latest-started interactive
-        job of the key that holds the most of this worker's slots, when it holds at least two more."""
-        if not self._full():
-            return []
-        running = [
-            run
-            for run in self.runs.values()
-            if not run.engine_done
-            and not run.preempt_requested
-            and run.spec.priority is PriorityClass.interactive
-        ]
-        head = await self.queue.head_owner(self.model, PriorityClass.interactive)
-        held = Counter(run.claim.owner for run in running)
-        if head is None or not held:
-            return []
-        owner, most = held.most_common(1)[0]
-        if owner == head or most - held[head] < 2:
-            return []
-        return [max((run for run in running if run.claim.owner == owner), key=lambda run: run.started_at)]
-
-    def _preemptable(self) -> list[JobRun]:
-        """The batch jobs to stop when interactive jobs wait and no slot is free: on continuous
-        batching any batch row (latest started first); on the static scheduler the whole batch, and
-        only when every job in it is batch work."""
-        busy = [run for run in self.runs.values() if not run.engine_done and not run.preempted]
-        if not busy or self.free_slots() > 0:
-            return []
-        batch = [run for run in busy if run.spec.priority is PriorityClass.batch]
-        if not self.engine.continuous_batching:
-            return batch if len(batch) == len(busy) else []
-        return sorted(batch, key=lambda run: run.started_at, reverse=True)
-
-    async def _preempt_loop(self) -> None:
-        """Batch yields to interactive, and a key holding most slots to another key's waiting job:
-        checked when jobs are submitted, and every claim poll."""
-        wait = self.settings.preempt_after_s
-        while True:
-            await wait_set(self._interactive_wake, self.settings.claim_poll_s)
-            self._interactive_wake.clear()
-            for_keys = self.settings.preempt_for_keys and self.engine.continuous_batching
-            if not self._preemptable() and not (for_keys and self._full()):
-                continue
-            try:
-                if not (await self.queue.waiting(self.model))[PriorityClass.interactive]:
-                    continue
-                await asyncio.sleep(wait)  # a worker with a free slot may take them meanwhile
-                waiting = (await self.queue.waiting(self.model))[PriorityClass.interactive]
-                victims, behind = self._preemptable(), False
-                if self.engine.continuous_batching:
-                    victims = victims[:waiting]
-                if not victims and for_keys and waiting:
-                    await asyncio.sleep(max(0.0, self.settings.preempt_for_keys_after_s - wait))
-                    victims, behind = await self._overshare(), True
-                # Workers full of batch work all see the same waiting jobs: only as many slots are
-                # freed, fleet-wide, as jobs wait.
-                if not victims or not await self.queue.reserve_preemption(
-                    self.model, len(victims), waiting, self.settings.heartbeat_ttl_s
-                ):
-                    continue
-            except RedisError as e:
-                logger.warning("reading the queue failed (%s)", e)
-                continue
-            for run in victims:
-                if run.preempt_requested or run.engine_done:  # reserved, and ended on its own
-                    with contextlib.suppress(RedisError):
-                        await self.queue.end_preemption(self.model, self.settings.heartbeat_ttl_s)
-                    continue
-                if behind:
-                    logger.info("job %s: preempted for another key's waiting job", run.job_id)
-                else:
-                    logger.info("job %s: batch work preempted for %d interactive jobs", run.job_id, waiting)
-                run.preempt(behind=behind)
 
     async def _drain(self) -> None:
         """On stop: let running jobs finish within the grace period, then hand the rest back."""
@@ -554,19 +365,3 @@ def holds_marker(marker: str, run: JobRun) -> bool:
         return False
     spec = run.spec
     return marker in (spec.prompt or "".join(m.model_dump_json() for m in spec.messages or []))
-
-
-def together_window(window_s: float, claims: list[Claim], now: float) -> float:
-    """How much longer a static batch waits for jobs submitted together with the first of `claims`:
-    a tenth of the window after that job's submission (none once that has passed: such jobs would be
-    in the queue by now, and claimed with it). A submission time ahead of this clock (another host's)
-    counts as now."""
-    first = min(_submitted_at(claim) for claim in claims)
-    return max(0.0, window_s / 10 - max(0.0, now - first))
-
-
-def _submitted_at(claim: Claim) -> float:
-    try:
-        return parse_job_payload(claim.payload).submitted_at
-    except MalformedJob:
-        return 0.0

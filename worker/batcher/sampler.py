@@ -5,7 +5,8 @@ temperature, top_k and top_p with the request's own seeded generator. In JSON, a
 an object a key it already has is passed over (json_keys.py).
 
 `choose` picks without changing the row's state (a replay compares the pick with the replayed token);
-`accept` records the token the row goes on with.
+`accept` records the token the row goes on with (its bytes, decoded by `choose` for the key check, are
+read once).
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace
 
 from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
-from worker.ort_engine import failure_cause
+from worker.engine_errors import failure_cause, grammar_broke, grammar_refused
 
-SAMPLING_EPSILON = 1e-5  # a lower temperature samples greedily, as in vLLM
-ENGINE_SEEDS = 2**31  # a job's seed samples with seed mod 2**31, as on og.Engine
 _KEY_RETRIES = 64  # tokens passed over at one step for repeating a key, at most
 _NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be
 
@@ -42,10 +41,9 @@ class RowSampler:
     ) -> None:
         self.request = request
         self._eos = np.fromiter(sorted(t for t in eos_token_ids if t < vocab_size), np.int64)
-        self.sampling = request.temperature >= SAMPLING_EPSILON and request.top_k != 1
+        self.sampling = request.samples
         self._top_k = request.top_k if 0 < request.top_k < vocab_size else 0
-        seed = None if request.seed is None else request.seed % ENGINE_SEEDS
-        self._random = np.random.default_rng(seed)
+        self._random = np.random.default_rng(request.engine_seed)
         self._penalized: set[int] = set()
         if request.repetition_penalty != 1.0:
             self._penalized.update(request.prompt_ids)
@@ -61,6 +59,7 @@ class RowSampler:
         self._matcher: LLMatcher | None = None
         self._bitmask: np.ndarray | None = None
         self._keys: JsonKeys | None = None
+        self._chosen: tuple[int, bytes] | None = None  # the token `choose` gave, and its bytes
         if request.guidance is not None:
             assert grammar_tokenizer is not None
             self._matcher = _matcher(grammar_tokenizer, *request.guidance)
@@ -72,6 +71,7 @@ class RowSampler:
 
     def choose(self, logits: np.ndarray, produced: int) -> int:
         """The next token from this step's logits [vocab] (modified in place)."""
+        self._chosen = None
         if self._penalized:
             ids = np.fromiter(self._penalized, np.int64)
             scores = logits[ids]
@@ -89,12 +89,19 @@ class RowSampler:
             self._mask(logits)
         token = self._pick(logits)
         if self._keys is not None:
-            # a token that would give an object a key it has: pass over it (the grammar leaves others)
-            for _ in range(_KEY_RETRIES):
-                if not self._keys.would_repeat(self._token_bytes(token)):
-                    break
-                logits[token] = -np.inf
-                token = self._pick(logits)
+            token = self._new_key(logits, token)
+        return token
+
+    def _new_key(self, logits: np.ndarray, token: int) -> int:
+        """A token that would give an object a key it has is passed over (the grammar leaves others)."""
+        assert self._keys is not None
+        for _ in range(_KEY_RETRIES):
+            piece = self._token_bytes(token)
+            if not self._keys.would_repeat(piece):
+                self._chosen = (token, piece)
+                break
+            logits[token] = -np.inf
+            token = self._pick(logits)
         return token
 
     def _pick(self, logits: np.ndarray) -> int:
@@ -109,8 +116,10 @@ class RowSampler:
             self._counts[token] = self._counts.get(token, 0) + 1
         if self._matcher is not None and not self._matcher.consume_token(token):
             raise self._broken()
-        if self._keys is not None:
-            self._keys.feed(self._token_bytes(token))
+        chosen, self._chosen = self._chosen, None
+        if self._keys is not None:  # the bytes `choose` read, unless a replay goes on with another token
+            piece = chosen[1] if chosen is not None and chosen[0] == token else self._token_bytes(token)
+            self._keys.feed(piece)
 
     def _token_bytes(self, token: int) -> bytes:
         return self._grammar_tokenizer.decode_bytes([token])
@@ -132,7 +141,7 @@ class RowSampler:
         assert self._matcher is not None and self.request.guidance is not None
         cause = failure_cause(self._matcher.get_error())
         kind = self.request.guidance[0]
-        return GrammarError(f"response_format: the engine failed on this {kind} while generating ({cause})")
+        return GrammarError(grammar_broke(kind, cause))
 
     def _sample(self, logits: np.ndarray) -> int:
         probabilities = _softmax(logits)
@@ -186,8 +195,8 @@ def _matcher(tokenizer: LLTokenizer, kind: str, grammar: str) -> LLMatcher:
         else:
             compiled = LLMatcher.grammar_from_lark(grammar)
     except ValueError as e:
-        raise GrammarError(f"response_format: the engine cannot use this {kind}: {e}") from e
+        raise GrammarError(grammar_refused(kind, str(e))) from e
     matcher = LLMatcher(tokenizer, compiled, log_level=0)
     if matcher.is_error():
-        raise GrammarError(f"response_format: the engine cannot use this {kind}: {matcher.get_error()[:500]}")
+        raise GrammarError(grammar_refused(kind, matcher.get_error()[:500]))
     return matcher

@@ -1,0 +1,42 @@
+"""What the worker reads from an ORT-GenAI model folder's genai_config.json, and the og.Config it loads
+the model with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnxruntime_genai as og
+
+from worker.device import Device
+
+
+def load_config(model_dir: Path, device: Device, max_batch_size: int | None) -> og.Config:
+    config = og.Config(str(model_dir))
+    config.clear_providers()
+    if device.kind == "cuda":
+        config.append_provider("cuda")
+        config.set_provider_option("cuda", "device_id", str(device.index or 0))
+    if max_batch_size is not None:
+        section = "dynamic_batching" if uses_dynamic_batching(model_dir) else "static_batching"
+        config.overlay(json.dumps({"engine": {section: {"max_batch_size": max_batch_size}}}))
+    return config
+
+
+def uses_dynamic_batching(model_dir: Path) -> bool:
+    genai = json.loads((model_dir / "genai_config.json").read_text())
+    return "dynamic_batching" in genai.get("engine", {})
+
+
+def context_length(model_dir: Path) -> int:
+    genai = json.loads((model_dir / "genai_config.json").read_text())
+    try:
+        return int(genai["model"]["context_length"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{model_dir}/genai_config.json has no model.context_length") from e
+
+
+def vocab_size(model_dir: Path) -> int | None:
+    genai = json.loads((model_dir / "genai_config.json").read_text())
+    size = genai.get("model", {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
