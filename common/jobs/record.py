@@ -1,7 +1,7 @@
 """A job's record: its typed model and its Redis encoding (a hash of strings at keys.job(id)).
 
-The gateway writes the record when it queues the job; the state machine's Lua scripts in
-common/jobqueue.py read and set the fields named in SCRIPT_FIELDS; a worker writes RecordUpdates,
+The gateway writes the record when it queues the job; the state machine's Lua scripts
+(common/jobs/scripts/) read and set the fields named in SCRIPT_FIELDS; a worker writes RecordUpdates,
 fenced by its attempt number. Everything else reads the record through JobRecord.
 """
 
@@ -67,9 +67,11 @@ def _encode(values: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _with_resume_exact(out: dict[str, str], exact: bool | None) -> dict[str, str]:
-    """resume_exact keeps False ("0"): an inexact resume is news, unlike a flag left unset."""
-    if exact is False:
+def _to_fields(record: JobRecord | RecordUpdate) -> dict[str, str]:
+    """The dataclass's fields as hash fields; resume_exact keeps False ("0"): an inexact resume is news,
+    unlike a flag left unset."""
+    out = _encode({f.name: getattr(record, f.name) for f in fields(record)})
+    if record.resume_exact is False:
         out["resume_exact"] = "0"
     return out
 
@@ -125,9 +127,7 @@ class JobRecord:
     preferred_until_ms: int | None = None
 
     def to_fields(self) -> dict[str, str]:
-        return _with_resume_exact(
-            _encode({f.name: getattr(self, f.name) for f in fields(self)}), self.resume_exact
-        )
+        return _to_fields(self)
 
     @classmethod
     def from_fields(cls, raw: dict[str, str]) -> JobRecord:
@@ -219,9 +219,7 @@ class RecordUpdate:
     resume_exact: bool | None = None
 
     def to_fields(self) -> dict[str, str]:
-        return _with_resume_exact(
-            _encode({f.name: getattr(self, f.name) for f in fields(self)}), self.resume_exact
-        )
+        return _to_fields(self)
 
 
 async def load_record(redis: Redis, job_id: str) -> JobRecord | None:
