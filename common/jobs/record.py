@@ -84,8 +84,22 @@ def _int(raw: str | None) -> int | None:
     return int(raw) if raw else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobOutcome:
+    """The fields of what a job gave, which its worker writes: in the record and in a RecordUpdate."""
+
+    output: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+    error_code: ErrorCode | None = None
+    engine_batch_peak: int | None = None
+    finished_at: float | None = None
+
+
 @dataclass(frozen=True)
-class JobRecord:
+class JobRecord(JobOutcome):
     id: str
     model: str
     status: JobStatus
@@ -101,14 +115,6 @@ class JobRecord:
     started_at: float | None = None
     first_token_at: float | None = None
     cancel_requested: bool = False
-    output: str | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: str | None = None
-    error_code: ErrorCode | None = None
-    engine_batch_peak: int | None = None
-    finished_at: float | None = None
     weight: float = 1.0  # the owner's weight when it was submitted
     tag: int | None = None  # its score in its class's queue: its place (set by the submit script)
     preemptions: int = 0  # times it went back to the queue for interactive work: not attempts
@@ -201,19 +207,11 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
-class RecordUpdate:
+class RecordUpdate(JobOutcome):
     """Fields a worker sets on the record while it runs the job or when it ends it."""
 
     status: JobStatus | None = None
     first_token_at: float | None = None
-    output: str | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: str | None = None
-    error_code: ErrorCode | None = None
-    engine_batch_peak: int | None = None
-    finished_at: float | None = None
     resumed_from: int | None = None
     resumes: int | None = None
     resume_exact: bool | None = None
