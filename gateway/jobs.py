@@ -13,8 +13,9 @@ from starlette.routing import Route
 from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.jobqueue import QueueAhead
-from common.records import JobRecord
+from common.jobs.cancellation import CancelOutcome
+from common.jobs.reads import QueueAhead
+from common.jobs.record import JobRecord
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
 from gateway.errors import ApiError
@@ -185,10 +186,10 @@ async def cancel_job(request: Request) -> Response:
             raise await missing(state, job_id)
         return Response(status_code=204)
     outcome = await shard.queue.cancel(job_id, record.model)
-    if outcome == "missing":
+    if outcome is CancelOutcome.missing:
         raise await missing(state, job_id)
     view = await load_view(state, job_id, principal)
-    return job_response(view, 202 if outcome == "cancelling" else 200)
+    return job_response(view, 202 if outcome is CancelOutcome.cancelling else 200)
 
 
 async def list_jobs(request: Request) -> Response:

@@ -18,7 +18,8 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import JobQueue, QueueLimits
+from common.jobs.queue import JobQueue
+from common.jobs.submission import QueueLimits
 from common.settings import GatewaySettings
 from common.wire import ChatMessage, JobSpec, Sampling
 from ortfleet.fleet.processes import free_port, start_redis, stop

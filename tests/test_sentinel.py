@@ -21,8 +21,10 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import done_entry, token_entry
-from common.jobqueue import Claim, JobQueue, StreamGap
-from common.records import RecordUpdate
+from common.jobs.claims import Claim
+from common.jobs.queue import JobQueue
+from common.jobs.record import RecordUpdate
+from common.jobs.writes import StreamGap
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
 from common.settings import GatewaySettings
 from common.wire import JobStatus

@@ -18,7 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.records import JobRecord
+from common.jobs.cancellation import CancelOutcome
+from common.jobs.record import JobRecord
 from common.wire import TERMINAL, JobStatus
 from gateway.auth import principal_of
 from gateway.errors import ApiError, ClientGone
@@ -205,7 +206,7 @@ async def cancel_response(request: Request) -> Response:
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
     shard = state.shards.of_model(meta["model"])
     outcome = await shard.queue.cancel(meta["job_id"], meta["model"])
-    if outcome == "cancelling":
+    if outcome is CancelOutcome.cancelling:
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
             await wait_final(shard.relay, shard.redis, meta["job_id"], deadline - time.monotonic())
