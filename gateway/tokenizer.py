@@ -24,6 +24,7 @@ from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.params import job_messages
 from gateway.openai_api.protocol import ChatMessageIn
+from gateway.operations import OBJECT, Operation, Reply
 from gateway.request_body import parse_body
 from gateway.state import AppState, app_state
 from gateway.submission import resolve_model
@@ -60,6 +61,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., max_length=1_000_000)
 
 
+@Operation(
+    "vLLM's: a prompt or chat messages as the model's token ids, answered by a worker of the model",
+    request=TokenizeRequest,
+    responses={200: Reply("ok", OBJECT)},
+    errors=(400, 404, 503, 504),
+)
 async def tokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, TokenizeRequest, invalid_status=400)
@@ -76,6 +83,12 @@ async def tokenize(request: Request) -> Response:
     )
 
 
+@Operation(
+    "vLLM's: token ids as text, answered by a worker of the model",
+    request=DetokenizeRequest,
+    responses={200: Reply("ok", OBJECT)},
+    errors=(400, 404, 503, 504),
+)
 async def detokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest, invalid_status=400)
