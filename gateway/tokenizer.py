@@ -61,12 +61,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., max_length=1_000_000)
 
 
-@Operation(
-    "vLLM's: a prompt or chat messages as the model's token ids, answered by a worker of the model",
-    request=TokenizeRequest,
-    responses={200: Reply("ok", OBJECT)},
-    errors=(400, 404, 503, 504),
-)
+def _answered_by_a_worker(summary: str, request: type[BaseModel]) -> Operation:
+    return Operation(
+        f"{summary}, answered by a worker of the model",
+        request=request,
+        responses={200: Reply("ok", OBJECT)},
+        errors=(400, 404, 503, 504),
+    )
+
+
+@_answered_by_a_worker("vLLM's: a prompt or chat messages as the model's token ids", TokenizeRequest)
 async def tokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, TokenizeRequest, invalid_status=400)
@@ -83,12 +87,7 @@ async def tokenize(request: Request) -> Response:
     )
 
 
-@Operation(
-    "vLLM's: token ids as text, answered by a worker of the model",
-    request=DetokenizeRequest,
-    responses={200: Reply("ok", OBJECT)},
-    errors=(400, 404, 503, 504),
-)
+@_answered_by_a_worker("vLLM's: token ids as text", DetokenizeRequest)
 async def detokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest, invalid_status=400)
