@@ -64,7 +64,7 @@ class ErrorDetail(BaseModel):
 
 
 class Error(BaseModel):
-    """The error envelope, the body of every error answer (`Error` in `GET /openapi.json`)."""
+    """The error envelope (OpenAI's shape): the body of every error answer."""
 
     error: ErrorDetail
 
