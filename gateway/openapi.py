@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaValue, models_json_schema
-from starlette.convertors import FloatConvertor, IntegerConvertor
+from starlette.convertors import Convertor, FloatConvertor, IntegerConvertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -23,19 +24,18 @@ Mode = Literal["validation", "serialization"]
 Refs = dict[tuple[Any, Mode], JsonSchemaValue]  # a model and mode: its `$ref`
 
 KEYED_ERRORS = (401, 429)  # what every route that needs a key may answer besides its own errors
-_CONVERTOR = re.compile(r"{([^}:]+):[^}]+}")
+_CONVERTOR = re.compile(r"{([^}:]+):[^}]+}")  # `{model_id:path}` is `{model_id}` in the document
+_PATH_TYPES: dict[type[Convertor[Any]], str] = {IntegerConvertor: "integer", FloatConvertor: "number"}
 
 
+@dataclass(frozen=True)
 class Documented:
     """One method of a served route and its operation."""
 
-    def __init__(self, route: Route, method: str, operation: Operation) -> None:
-        self.path = _CONVERTOR.sub(r"{\1}", route.path)
-        self.method = method.lower()
-        self.operation = operation
-        self.path_params = [
-            _path_param(name, route.param_convertors[name]) for name in route.param_convertors
-        ]
+    path: str
+    method: str
+    operation: Operation
+    path_params: list[dict[str, Any]]
 
 
 def documented(routes: Sequence[BaseRoute]) -> Iterator[Documented]:
@@ -47,9 +47,11 @@ def documented(routes: Sequence[BaseRoute]) -> Iterator[Documented]:
         operation = operation_of(handler)
         if operation is None:
             raise ValueError(f"route {route.path} has no Operation; declare one on {route.name}")
+        path = _CONVERTOR.sub(r"{\1}", route.path)
+        params = [_path_param(name, convertor) for name, convertor in route.param_convertors.items()]
         for method in sorted(route.methods or ()):
             if method != "HEAD":  # Starlette answers HEAD wherever GET is
-                yield Documented(route, method, operation)
+                yield Documented(path, method.lower(), operation, params)
 
 
 def build_spec(routes: Sequence[BaseRoute], version: str) -> dict[str, Any]:
@@ -153,9 +155,8 @@ def _param(name: str, where: str, schema: Schema) -> dict[str, Any]:
     return {"name": name, "in": where, "schema": schema}
 
 
-def _path_param(name: str, convertor: object) -> dict[str, Any]:
-    kind = "integer" if isinstance(convertor, IntegerConvertor) else "number"
-    schema = {"type": kind if isinstance(convertor, IntegerConvertor | FloatConvertor) else "string"}
+def _path_param(name: str, convertor: Convertor[Any]) -> dict[str, Any]:
+    schema = {"type": _PATH_TYPES.get(type(convertor), "string")}
     return {**_param(name, "path", schema), "required": True}
 
 
