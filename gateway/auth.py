@@ -66,10 +66,13 @@ class ApiKeyAuth:
         self.stream_token_key = stream_token_key
         self.keyring = keyring
         self.metrics_key = metrics_key
-        self.default_rpm = default_requests_per_minute
-        self.default_jobs = default_max_concurrent_jobs
-        self.default_prompt_tokens = default_max_prompt_tokens_in_flight
-        self.default_tokenize_chars = default_tokenize_chars_per_s
+        self.defaults = Principal(  # the limits of a key that sets none of its own
+            "",
+            default_max_concurrent_jobs,
+            default_requests_per_minute,
+            max_prompt_tokens_in_flight=default_max_prompt_tokens_in_flight or None,
+            tokenize_chars_per_s=default_tokenize_chars_per_s or None,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or _is_console(scope["path"]):
@@ -106,14 +109,15 @@ class ApiKeyAuth:
         if key is None:
             await _reject(send, 401, "the API key is not valid (unknown or revoked)")
             return
+        defaults = self.defaults
         principal = Principal(
             key.name,
-            key.max_concurrent_jobs or self.default_jobs,
-            key.requests_per_minute or self.default_rpm,
+            key.max_concurrent_jobs or defaults.max_concurrent_jobs,
+            key.requests_per_minute or defaults.requests_per_minute,
             key.weight,
             key.max_class,
-            self.default_prompt_tokens or None,
-            self.default_tokenize_chars or None,
+            defaults.max_prompt_tokens_in_flight,
+            defaults.tokenize_chars_per_s,
         )
         retry_after = await self._over_rate(scope, principal)
         if retry_after:

@@ -133,6 +133,14 @@ class ModelFigures:
     served: dict[str, int]  # tokens served per "<class>" and "<class>:<key>"
 
 
+def _gauge(name: str, documentation: str, *labels: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{NAMESPACE}_{name}", documentation, labels=list(labels))
+
+
+def _counter(name: str, documentation: str, *labels: str) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{NAMESPACE}_{name}", documentation, labels=list(labels))
+
+
 class FleetFigures:
     """Queue depth, oldest wait, live workers and served tokens per model, as last read from Redis; by
     priority class, and by key only when the operator allows it (one series per key and class)."""
@@ -142,38 +150,35 @@ class FleetFigures:
         self.per_key = per_key
 
     def collect(self) -> Iterable[Metric]:
-        waiting = GaugeMetricFamily(
-            f"{NAMESPACE}_num_requests_waiting", "Jobs waiting in the model's queue.", labels=["model"]
+        waiting = _gauge("num_requests_waiting", "Jobs waiting in the model's queue.", "model")
+        oldest = _gauge(
+            "queue_oldest_wait_seconds", "How long the oldest job in the model's queue has waited.", "model"
         )
-        oldest = GaugeMetricFamily(
-            f"{NAMESPACE}_queue_oldest_wait_seconds",
-            "How long the oldest job in the model's queue has waited.",
-            labels=["model"],
+        workers = _gauge("workers_live", "Workers serving the model with a live heartbeat.", "model")
+        by_class = _gauge(
+            "queued_jobs", "Jobs waiting in the model's queue, by priority class.", "model", "priority"
         )
-        workers = GaugeMetricFamily(
-            f"{NAMESPACE}_workers_live", "Workers serving the model with a live heartbeat.", labels=["model"]
-        )
-        by_class = GaugeMetricFamily(
-            f"{NAMESPACE}_queued_jobs",
-            "Jobs waiting in the model's queue, by priority class.",
-            labels=["model", "priority"],
-        )
-        served = CounterMetricFamily(
-            f"{NAMESPACE}_served_tokens",
+        served = _counter(
+            "served_tokens",
             "Tokens served (prompt and generated) by the model's finished jobs, by priority class.",
-            labels=["model", "priority"],
+            "model",
+            "priority",
         )
         families: list[Metric] = [waiting, oldest, workers, by_class, served]
         if self.per_key:
-            waiting_keys = GaugeMetricFamily(
-                f"{NAMESPACE}_queued_jobs_by_key",
+            waiting_keys = _gauge(
+                "queued_jobs_by_key",
                 "Jobs near the head of the model's queue, by class and API key.",
-                labels=["model", "priority", "key"],
+                "model",
+                "priority",
+                "key",
             )
-            served_keys = CounterMetricFamily(
-                f"{NAMESPACE}_served_tokens_by_key",
+            served_keys = _counter(
+                "served_tokens_by_key",
                 "Tokens served by the model's finished jobs, by priority class and API key.",
-                labels=["model", "priority", "key"],
+                "model",
+                "priority",
+                "key",
             )
             families += [waiting_keys, served_keys]
         for name, figures in self.models.items():

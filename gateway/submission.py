@@ -225,34 +225,34 @@ async def submit_job(
             epoch = await shard.watch.check_epoch()
             spec = spec.model_copy(update={"id": new_job_id(epoch)})
             submitted = await _submit(state, spec, context_length, idem, principal, digest, epoch, route)
-    except NotReplicated as e:
-        raise ApiError(
-            503,
-            f"{e}, fewer than the {e.wanted} required: the job may exist but could be lost if the Redis "
-            "primary fails now; retry with the same Idempotency-Key, which returns this job if it exists",
-            code=ErrorCode.not_replicated,
-            headers={"Retry-After": "1"},
-        ) from e
-    except EpochChanged as e:  # lost again, at once
-        raise ApiError(
-            503, f"{e}; retry shortly", code=ErrorCode.store_lost, headers={"Retry-After": "1"}
-        ) from e
-    except OwnerBusy as e:
-        raise ApiError(429, str(e), code=ErrorCode.too_many_active_jobs, headers={"Retry-After": "1"}) from e
-    except PromptTokensBusy as e:
-        raise ApiError(
-            429,
-            f"{e} (ORTFLEET_KEY_MAX_PROMPT_TOKENS_IN_FLIGHT)",
-            code=ErrorCode.too_many_prompt_tokens,
-            headers={"Retry-After": "1"},
-        ) from e
-    except QueueFull as e:
-        raise ApiError(429, str(e), code=ErrorCode.queue_full, headers={"Retry-After": "1"}) from e
+    except (NotReplicated, EpochChanged, OwnerBusy, PromptTokensBusy, QueueFull) as e:
+        raise _refused(e) from e
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
     else:
         await check_same_request(state, submitted.job_id, digest, idempotency_key or "")
     return SubmittedJob(submitted.job_id, submitted.created, model, now)
+
+
+def _refused(e: NotReplicated | EpochChanged | OwnerBusy | PromptTokensBusy | QueueFull) -> ApiError:
+    """The answer to the queue's refusal of a job: each passes, so the client may retry in a second."""
+    match e:
+        case NotReplicated():
+            status, code = 503, ErrorCode.not_replicated
+            message = (
+                f"{e}, fewer than the {e.wanted} required: the job may exist but could be lost if the Redis "
+                "primary fails now; retry with the same Idempotency-Key, which returns this job if it exists"
+            )
+        case EpochChanged():  # the Redis lost its data again, at once
+            status, code, message = 503, ErrorCode.store_lost, f"{e}; retry shortly"
+        case OwnerBusy():
+            status, code, message = 429, ErrorCode.too_many_active_jobs, str(e)
+        case PromptTokensBusy():
+            status, code = 429, ErrorCode.too_many_prompt_tokens
+            message = f"{e} (ORTFLEET_KEY_MAX_PROMPT_TOKENS_IN_FLIGHT)"
+        case QueueFull():
+            status, code, message = 429, ErrorCode.queue_full, str(e)
+    return ApiError(status, message, code=code, headers={"Retry-After": "1"})
 
 
 async def _route(state: AppState, spec: JobSpec, now: float) -> tuple[str | None, int | None]:

@@ -8,7 +8,6 @@ import re
 import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -311,7 +310,7 @@ def test_the_console_shows_the_fleet_streams_an_answer_stops_a_generation_and_fi
 
     # phone width: nothing wider than the screen but the tables' own scrolling boxes
     browser.set_window_size(390, 844)
-    time.sleep(0.3)
+    wait_for(browser, "return window.innerWidth < 500", 10)  # resized from 1280
     assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
 
     severe = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]

@@ -83,9 +83,19 @@ def test_setup_prints_nothing_on_stdout_while_apt_and_uv_do(tmp_path: Path) -> N
     assert "Reading package lists" in done.stderr
 
 
-def test_scripts_test_installs_a_hidden_package_and_runs_the_environment_s_tools(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("arguments", "pytest_runs"),
+    [
+        (["-k", "something"], ["python -m pytest -q --durations=25 -k something"]),
+        ([], ["python -m pytest -q -m unit", "python -m pytest -q --durations=25 -m not unit"]),
+    ],
+    ids=["arguments", "unit-tier-first"],
+)
+def test_scripts_test_installs_a_hidden_package_and_runs_the_environment_s_tools(
+    tmp_path: Path, arguments: list[str], pytest_runs: list[str]
+) -> None:
     env = _machine(tmp_path, hidden={"redis-sentinel"})
-    done = _run(["bash", "scripts/test", "-k", "something"], env)
+    done = _run(["bash", "scripts/test", *arguments], env)
     assert done.returncode == 0, done.stderr
     assert "sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-sentinel" in _log(
         env, "APT_LOG"
@@ -93,17 +103,19 @@ def test_scripts_test_installs_a_hidden_package_and_runs_the_environment_s_tools
     assert "apt-get install -y -q redis-sentinel" in _log(env, "APT_LOG")
     tools = _log(env, "TOOLS_LOG")
     assert tools[0] == "uv sync --frozen --inexact --extra model --extra dev --extra clients --quiet"
-    assert tools[-4:] == [
+    assert tools[-4 - len(pytest_runs) :] == [
         "ruff check .",
+        "ruff format --check .",
         "mypy ",
         "lint-imports ",
-        "python -m pytest -q --durations=25 -k something",
+        *pytest_runs,
     ]
     assert done.stdout.splitlines() == [
         "ruff is done",
+        "ruff is done",
         "mypy is done",
         "lint-imports is done",
-        "python is done",
+        *["python is done"] * len(pytest_runs),
     ]
     assert os.path.isdir(env["ORTFLEET_VENV"])
 

@@ -284,24 +284,11 @@ class BatchDriver:
         fresh = await self.batches.load(batch.id)
         if fresh is None:
             return
-        if fresh.number("completed"):
-            await self.files.register(
-                fresh.output_file_id,
-                fresh.owner,
-                "batch_output",
-                f"{fresh.id}_output.jsonl",
-                fresh.number("output_bytes"),
-                fresh.number("completed"),
-            )
-        if fresh.number("failed"):
-            await self.files.register(
-                fresh.error_file_id,
-                fresh.owner,
-                "batch_output",
-                f"{fresh.id}_error.jsonl",
-                fresh.number("error_bytes"),
-                fresh.number("failed"),
-            )
+        written = ((fresh.output_file_id, "output", "completed"), (fresh.error_file_id, "error", "failed"))
+        for file_id, kind, counted in written:  # each file that has a line
+            if lines := fresh.number(counted):
+                name, size = f"{fresh.id}_{kind}.jsonl", fresh.number(f"{kind}_bytes")
+                await self.files.register(file_id, fresh.owner, "batch_output", name, size, lines)
         moved = await self.batches.move(
             batch.id,
             {BatchStatus.finalizing, BatchStatus.cancelling},

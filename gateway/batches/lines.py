@@ -19,6 +19,7 @@ from gateway.openai_api.completions import CompletionFormat
 from gateway.openai_api.params import job_messages, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.serving import served_model
+from gateway.openai_api.structured import response_format
 from gateway.openai_api.tools import tool_plan
 from gateway.request_body import BodyRejected, JsonLimits, load_json
 from gateway.state import AppState
@@ -103,13 +104,14 @@ async def line_job(state: AppState, raw: str, endpoint: str) -> JobRequest:
             _no_tool_calls(chat)
             _one_choice(chat.choices_per_prompt)
             model = await served_model(state, chat.model)
-            return job_request(chat, model, 0, messages=job_messages(chat.messages))
+            messages = job_messages(chat.messages)
+            return job_request(chat, model, 0, messages=messages, guided=response_format(chat))
         completion = CompletionRequest.model_validate(body)
         reject_unsupported(completion)
         prompts = prompt_texts(completion.prompt)
         _one_choice(completion.choices_per_prompt * len(prompts))
         model = await served_model(state, completion.model)
-        return job_request(completion, model, 0, prompt=prompts[0])
+        return job_request(completion, model, 0, prompt=prompts[0], guided=response_format(completion))
     except ValidationError as e:
         raise validation_error(e, 400) from e
 

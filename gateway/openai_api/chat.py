@@ -12,9 +12,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.wire import Usage
-from gateway.auth import principal_of
 from gateway.errors import ApiError
-from gateway.openai_api.choices import ChoiceResult, Choices
+from gateway.openai_api.choices import ChoiceResult
 from gateway.openai_api.logprobs import TextOffsets, chat_logprobs
 from gateway.openai_api.params import job_messages, job_request, reject_unsupported
 from gateway.openai_api.protocol import (
@@ -32,7 +31,7 @@ from gateway.openai_api.protocol import (
     ToolCall,
     ToolCallDelta,
 )
-from gateway.openai_api.serving import completion_operation, respond, served_model
+from gateway.openai_api.serving import completion_operation, respond, served_model, submit_choices
 from gateway.openai_api.structured import response_format, with_schema_shown
 from gateway.openai_api.tool_calls import CallReader, read_answer
 from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, check_schemas, tool_plan, with_tools
@@ -163,15 +162,16 @@ async def create_chat_completion(request: Request) -> Response:
     reject_unsupported(body)
     tools = tool_plan(body)
     messages = with_tools(job_messages(body.messages), tools)
-    guided = None
+    asked = response_format(body)
+    guided = asked
     if tools is not None and tools.calls_allowed:
-        if response_format(body) is not None:
+        if asked is not None:
             raise ApiError(
                 400, "response_format: not with tool calls; leave it unset", param="response_format"
             )
         await check_schemas(tools)
         guided = tools.response_format()
-    elif (asked := response_format(body)) is None:
+    elif asked is None:
         if _has_tool_turns(body.messages):
             guided = TEXT_AFTER_TOOLS
     else:
@@ -179,18 +179,10 @@ async def create_chat_completion(request: Request) -> Response:
     model = await served_model(state, body.model)
     n = body.choices_per_prompt
     jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]
-    owner = principal_of(request.scope)
-    choices = await Choices.submit(state, model, jobs, [0] * n, prompt_param="messages", owner=owner)
+    choices = await submit_choices(request, model, jobs, [0] * n, "messages")
     created = int(time.time())
     form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", created, model, n, bool(body.logprobs), tools)
-    return await respond(
-        request,
-        choices,
-        form,
-        stream=body.streaming,
-        include_usage=body.include_usage,
-        continuous_usage=body.continuous_usage,
-    )
+    return await respond(request, choices, form, body)
 
 
 routes = [Route("/v1/chat/completions", StreamEndpoint(create_chat_completion), methods=["POST"])]

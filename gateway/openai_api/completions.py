@@ -11,12 +11,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from common.wire import Usage
-from gateway.auth import principal_of
-from gateway.openai_api.choices import ChoiceResult, Choices
+from gateway.openai_api.choices import ChoiceResult
 from gateway.openai_api.logprobs import TextOffsets, completion_logprobs
 from gateway.openai_api.params import check_choice_count, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import Completion, CompletionChoice, CompletionRequest, OpenAIFinishReason
-from gateway.openai_api.serving import completion_operation, respond, served_model
+from gateway.openai_api.serving import completion_operation, respond, served_model, submit_choices
+from gateway.openai_api.structured import response_format
 from gateway.request_body import parse_body
 from gateway.state import app_state
 from gateway.streaming.sse import StreamEndpoint
@@ -86,22 +86,15 @@ async def create_completion(request: Request) -> Response:
     n = body.choices_per_prompt
     check_choice_count(len(prompts) * n)
     model = await served_model(state, body.model)
-    jobs = [job_request(body, model, k, prompt=prompt) for prompt in prompts for k in range(n)]
+    guided = response_format(body)
+    jobs = [job_request(body, model, k, prompt=prompt, guided=guided) for prompt in prompts for k in range(n)]
     prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
-    owner = principal_of(request.scope)
-    choices = await Choices.submit(state, model, jobs, prompt_of, prompt_param="prompt", owner=owner)
+    choices = await submit_choices(request, model, jobs, prompt_of, "prompt")
     echoed = tuple(prompts[i] for i in prompt_of) if body.echo else None
     form = CompletionFormat(
         f"cmpl-{choices.job_ids[0]}", int(time.time()), model, body.logprobs is not None, echoed
     )
-    return await respond(
-        request,
-        choices,
-        form,
-        stream=body.streaming,
-        include_usage=body.include_usage,
-        continuous_usage=body.continuous_usage,
-    )
+    return await respond(request, choices, form, body)
 
 
 routes = [Route("/v1/completions", StreamEndpoint(create_completion), methods=["POST"])]

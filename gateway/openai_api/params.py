@@ -10,8 +10,8 @@ from common.error_codes import ErrorCode
 from common.guidance import ResponseFormat
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
+from gateway.openai_api.content import parts_text
 from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, GenerationParams
-from gateway.openai_api.structured import response_format
 from gateway.openai_api.tools import Conversation, assistant_calls
 
 _SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
@@ -39,9 +39,10 @@ def job_request(
     *,
     prompt: str | None = None,
     messages: list[ChatMessage] | None = None,
-    guided: ResponseFormat | None = None,
+    guided: ResponseFormat | None,
 ) -> JobRequest:
-    """The job of one choice; choice k of a seeded request samples with seed + k, so choices differ."""
+    """The job of one choice; choice k of a seeded request samples with seed + k, so choices differ.
+    `guided`: the job's output format, as the request's structured-output fields and tools make it."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     fields: dict[str, Any] = {
         "model": model,
@@ -58,7 +59,7 @@ def job_request(
         "repetition_penalty": body.repetition_penalty,
         "stop_token_ids": body.stop_token_ids,
         "include_stop_str_in_output": body.include_stop_str_in_output,
-        "response_format": guided or response_format(body),
+        "response_format": guided,
         "priority": body.priority,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
@@ -100,18 +101,7 @@ def _text(message: ChatMessageIn, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        text = part.get("text")
-        if part.get("type") != "text" or not isinstance(text, str):
-            raise ApiError(
-                400,
-                f"messages.{i}.content.{j}: only text parts are supported (got type {part.get('type')!r})",
-                param=f"messages.{i}.content.{j}",
-                code=ErrorCode.unsupported_value,
-            )
-        texts.append(text)
-    return "\n".join(texts)
+    return parts_text(content, f"messages.{i}.content", ("text",))
 
 
 def prompt_texts(prompt: str | list[Any]) -> list[str]:

@@ -2,13 +2,15 @@
 
 Unknown fields are ignored, as OpenAI clients expect. Fields OpenAI defines that ortfleet cannot
 honour are declared loosely typed, so a request that sets one to anything but its neutral value is
-answered with a 400 naming it (`unsupported_parameters`), never silently dropped.
+answered with a 400 naming it (`unsupported_parameters`), never silently dropped: each such field is
+marked `Neutral`, with the values that change nothing here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -18,6 +20,41 @@ MAX_CHOICES = 128
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a text completion's logprobs
 
 
+@dataclass(frozen=True)
+class Neutral:
+    """Marks a field OpenAI defines that ortfleet cannot honour: a request may set it only to a value
+    `accepts` allows."""
+
+    accepts: Callable[[Any], bool]
+
+
+def neutral(*values: Any) -> Neutral:
+    """Accepts null and `values`."""
+    return Neutral(lambda value: value is None or value in values)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value is False or value == {} or value == []
+
+
+Unset = Annotated[Any, neutral()]
+ServiceTier = Annotated[Any, neutral("auto", "default")]  # no other tier to run on
+
+
+class OpenAIRequest(BaseModel):
+    """A request body of OpenAI's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    def unsupported_parameters(self) -> list[str]:
+        """The parameters set to something ortfleet cannot do, in declaration order."""
+        return [
+            name
+            for name, field in type(self).model_fields.items()
+            if any(isinstance(m, Neutral) and not m.accepts(getattr(self, name)) for m in field.metadata)
+        ]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -25,10 +62,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage so far in every chunk.")
 
 
-class GenerationParams(BaseModel):
+class GenerationParams(OpenAIRequest):
     """What chat and text completions share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Served model name; optional when one model is served.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
@@ -106,22 +141,6 @@ class GenerationParams(BaseModel):
         """The field the client used for the limit on generated tokens."""
         return "max_tokens"
 
-    def unsupported_parameters(self) -> list[str]:
-        """The parameters set to something ortfleet cannot do, in declaration order."""
-        neutral = self._neutral()
-        return [name for name, is_neutral in neutral.items() if not is_neutral(getattr(self, name))]
-
-    def _neutral(self) -> dict[str, Callable[[Any], bool]]:
-        return {}
-
-
-def _zero(value: Any) -> bool:
-    return value is None or value == 0
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value is False or value == {} or value == []
-
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -149,14 +168,14 @@ class ChatCompletionRequest(GenerationParams):
     parallel_tool_calls: bool | None = Field(None, description="Whether the answer may hold several calls.")
     functions: Any = None
     function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
+    audio: Annotated[Any, Neutral(_empty)] = None
+    modalities: Annotated[Any, neutral(["text"])] = None
     # OpenAI's fields for its own models and platform: accepted at the values that change nothing here.
-    service_tier: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
+    service_tier: ServiceTier = None
+    reasoning_effort: Annotated[Any, neutral("none")] = None  # no reasoning model
+    verbosity: Annotated[Any, neutral("medium")] = None  # the default: the model's own length
+    web_search_options: Unset = None  # no search
+    moderation: Unset = None  # no moderation
 
     def generated_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -166,18 +185,6 @@ class ChatCompletionRequest(GenerationParams):
 
     def job_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def _neutral(self) -> dict[str, Callable[[Any], bool]]:
-        return {
-            **super()._neutral(),
-            "audio": _empty,
-            "modalities": lambda v: v is None or v == ["text"],
-            "service_tier": lambda v: v in (None, "auto", "default"),  # no other tier to run on
-            "reasoning_effort": lambda v: v in (None, "none"),  # no reasoning model
-            "verbosity": lambda v: v in (None, "medium"),  # the default: the model's own length
-            "web_search_options": lambda v: v is None,  # no search
-            "moderation": lambda v: v is None,  # no moderation
-        }
 
 
 class CompletionRequest(GenerationParams):
@@ -196,8 +203,8 @@ class CompletionRequest(GenerationParams):
     echo: bool | None = Field(
         False, description="Answer with the prompt before the completion (and its logprobs, when asked)."
     )
-    suffix: Any = None
-    best_of: Any = None
+    suffix: Annotated[Any, neutral("")] = None
+    best_of: Any = None  # accepted only as the number of choices
 
     def generated_limit(self) -> int | None:
         return self.max_tokens or 16
@@ -208,12 +215,9 @@ class CompletionRequest(GenerationParams):
     def job_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
-    def _neutral(self) -> dict[str, Callable[[Any], bool]]:
-        return {
-            **super()._neutral(),
-            "suffix": lambda v: v is None or v == "",
-            "best_of": lambda v: v is None or v == self.choices_per_prompt,
-        }
+    def unsupported_parameters(self) -> list[str]:
+        one_each = self.best_of is None or self.best_of == self.choices_per_prompt
+        return [*super().unsupported_parameters(), *([] if one_each else ["best_of"])]
 
 
 # Responses -----------------------------------------------------------------------------------------
@@ -291,6 +295,15 @@ class ChatLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class OpenAIObject(BaseModel):
+    """What OpenAI's completions and their chunks begin with (`object` names the kind)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
@@ -298,11 +311,8 @@ class ChatChoice(BaseModel):
     finish_reason: OpenAIFinishReason
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(OpenAIObject):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -330,11 +340,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: OpenAIFinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(OpenAIObject):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -353,13 +360,10 @@ class CompletionChoice(BaseModel):
     finish_reason: OpenAIFinishReason | None
 
 
-class Completion(BaseModel):
+class Completion(OpenAIObject):
     """A text completion, and also each chunk of a streamed one (OpenAI uses one shape for both)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

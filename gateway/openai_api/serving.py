@@ -7,11 +7,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from common.wire import JobRequest
+from gateway.auth import principal_of
 from gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientGone
 from gateway.openai_api.choices import JOB_ID_HEADER, Choices, as_openai_error
+from gateway.openai_api.protocol import GenerationParams
 from gateway.openai_api.streaming import ChunkStream, JobStreamResponse, ResponseFormat
 from gateway.operations import Events, Operation, Reply
-from gateway.state import AppState
+from gateway.state import AppState, app_state
 from gateway.streaming.departure import until_disconnect
 from gateway.submission import resolve_model
 
@@ -38,16 +41,19 @@ async def served_model(state: AppState, requested: str | None) -> str:
     return model
 
 
+async def submit_choices(
+    request: Request, model: str, jobs: list[JobRequest], prompt_of: list[int], prompt_param: str
+) -> Choices:
+    """Queues the jobs of a request's choices, owned by its caller."""
+    owner = principal_of(request.scope)
+    state = app_state(request)
+    return await Choices.submit(state, model, jobs, prompt_of, prompt_param=prompt_param, owner=owner)
+
+
 async def respond(
-    request: Request,
-    choices: Choices,
-    form: ResponseFormat,
-    *,
-    stream: bool,
-    include_usage: bool,
-    continuous_usage: bool = False,
+    request: Request, choices: Choices, form: ResponseFormat, body: GenerationParams
 ) -> Response:
-    """The whole response once every job ended, or (stream) SSE chunks as they generate.
+    """The whole response once every job ended, or (when `body` streams) SSE chunks as they generate.
 
     A streamed response is held back until every job has started, for at most the SSE keep-alive
     interval, so a job that fails before it starts still gets a proper HTTP error. A client that
@@ -57,7 +63,7 @@ async def respond(
     hold_s = choices.state.settings.sse_keepalive_s
     events = choices.events(hold_s)
     try:
-        if stream:
+        if body.streaming:
             seen = await until_disconnect(request, choices.wait_started(events, hold_s))
         else:
             results = await until_disconnect(request, choices.results(events))
@@ -70,8 +76,8 @@ async def respond(
         choices.release()
         await events.aclose()
         raise
-    if stream:
-        chunks = ChunkStream(choices, form, include_usage, continuous_usage)
+    if body.streaming:
+        chunks = ChunkStream(choices, form, body.include_usage, body.continuous_usage)
         return JobStreamResponse(chunks, seen, events, hold_s, headers)  # releases the slot when it ends
     choices.release()
     await events.aclose()

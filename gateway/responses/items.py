@@ -14,6 +14,7 @@ from typing import Any
 from common.error_codes import ErrorCode
 from common.wire import ChatMessage
 from gateway.errors import ApiError
+from gateway.openai_api.content import parts_text
 from gateway.openai_api.tools import Conversation, call_text
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -49,26 +50,13 @@ def _item(item: Any, i: int, suffix: str) -> dict[str, Any]:
         if not isinstance(arguments, str):
             raise ApiError(400, f"{where}.arguments: must be a JSON string", param=f"{where}.arguments")
         call_text(name, arguments, f"{where}.arguments")  # 400 unless JSON
-        item_id = item.get("id") if isinstance(item.get("id"), str) else f"fc_{suffix}"
-        return {
-            "type": "function_call",
-            "id": item_id,
-            "call_id": call_id,
-            "name": name,
-            "arguments": arguments,
-            "status": "completed",
-        }
+        return _stored(
+            item, kind, f"fc_{suffix}", call_id=call_id, name=name, arguments=arguments, status="completed"
+        )
     if kind == "function_call_output":
         call_id = _string(item, "call_id", where)
         output = _output(item.get("output"), f"{where}.output")
-        item_id = item.get("id") if isinstance(item.get("id"), str) else f"fco_{suffix}"
-        return {
-            "type": "function_call_output",
-            "id": item_id,
-            "call_id": call_id,
-            "output": output,
-            "status": "completed",
-        }
+        return _stored(item, kind, f"fco_{suffix}", call_id=call_id, output=output, status="completed")
     role = _ROLES.get(str(item.get("role")))
     if role is None:
         raise ApiError(
@@ -81,14 +69,15 @@ def _item(item: Any, i: int, suffix: str) -> dict[str, Any]:
         if assistant
         else {"type": "input_text", "text": text}
     )
-    item_id = item.get("id") if isinstance(item.get("id"), str) else f"msg_{suffix}"
-    return {
-        "type": "message",
-        "id": item_id,
-        "role": item.get("role"),
-        "status": "completed",
-        "content": [content],
-    }
+    return _stored(
+        item, "message", f"msg_{suffix}", role=item.get("role"), status="completed", content=[content]
+    )
+
+
+def _stored(item: dict[str, Any], kind: str, new_id: str, **fields: Any) -> dict[str, Any]:
+    """The item as stored: its type, its own `id` (`new_id` when it has none), then `fields`."""
+    given = item.get("id")
+    return {"type": kind, "id": given if isinstance(given, str) else new_id, **fields}
 
 
 def _string(item: dict[str, Any], name: str, where: str) -> str:
@@ -112,22 +101,7 @@ def _content(content: Any, where: str, field: str = "content") -> str:
         return content
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.{field}: a string or a list of text parts", param=f"{where}.{field}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("text") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(text, str):
-            what = {"input_image": "images", "input_file": "files", "input_audio": "audio"}.get(
-                str(kind), repr(kind)
-            )
-            raise ApiError(
-                400,
-                f"{where}.{field}.{j}: {what} are not supported by ortfleet (text parts only)",
-                param=f"{where}.{field}.{j}",
-                code=ErrorCode.unsupported_value,
-            )
-        texts.append(text)
-    return "\n".join(texts)
+    return parts_text(content, f"{where}.{field}", _TEXT_PARTS)
 
 
 def item_text(item: dict[str, Any]) -> str:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from common.error_codes import ErrorCode
 from common.guidance import ResponseFormat
 from common.wire import MAX_TOP_LOGPROBS, ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.metadata import Metadata
+from gateway.openai_api.protocol import OpenAIRequest, ServiceTier, Unset, neutral
 from gateway.openai_api.structured import text_format
 from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, flat_tool_plan
 
@@ -31,10 +32,8 @@ LOGPROBS = INCLUDABLE[0]
 _VERBOSE = (None, "medium")  # text.verbosity values that change nothing: the model's own length
 
 
-class ResponseRequest(BaseModel):
+class ResponseRequest(OpenAIRequest):
     """Body of `POST /v1/responses`."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Served model name; optional when one model is served.")
     input: str | list[Any] = Field(
@@ -73,14 +72,14 @@ class ResponseRequest(BaseModel):
     )
     include: list[str] | None = Field(None, description="`message.output_text.logprobs` gives logprobs.")
     # OpenAI's parameters ortfleet cannot honour: accepted only unset.
-    conversation: Any = None
-    prompt: Any = None
-    reasoning: Any = None
+    conversation: Unset = None
+    prompt: Unset = None
+    reasoning: Unset = None
     # OpenAI's fields for its own models and platform: accepted at the values that change nothing here.
-    service_tier: Any = None
-    truncation: Any = None
-    context_management: Any = None
-    moderation: Any = None
+    service_tier: ServiceTier = None
+    truncation: Annotated[Any, neutral("disabled")] = None  # a prompt past the context is a 400
+    context_management: Unset = None  # no compaction
+    moderation: Unset = None  # no moderation
 
     @property
     def stored(self) -> bool:
@@ -92,17 +91,8 @@ class ResponseRequest(BaseModel):
         return LOGPROBS in (self.include or []) or self.top_logprobs is not None
 
     def unsupported_parameters(self) -> list[str]:
-        neutral = {
-            "conversation": self.conversation is None,
-            "prompt": self.prompt is None,
-            "reasoning": self.reasoning is None,
-            "service_tier": self.service_tier in (None, "auto", "default"),  # no other tier to run on
-            "truncation": self.truncation in (None, "disabled"),  # a prompt past the context is a 400
-            "context_management": self.context_management is None,  # no compaction
-            "moderation": self.moderation is None,  # no moderation
-            "text.verbosity": not isinstance(self.text, dict) or self.text.get("verbosity") in _VERBOSE,
-        }
-        return [name for name, ok in neutral.items() if not ok]
+        verbose = not isinstance(self.text, dict) or self.text.get("verbosity") in _VERBOSE
+        return [*super().unsupported_parameters(), *([] if verbose else ["text.verbosity"])]
 
 
 def check_supported(body: ResponseRequest) -> None:

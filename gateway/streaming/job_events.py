@@ -4,6 +4,7 @@ from the relay's callback behind the gateway's own protocol, by generators behin
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from starlette.responses import StreamingResponse
@@ -13,57 +14,41 @@ from common import keys
 from gateway.streaming.departure import disconnect_watch
 from gateway.streaming.direct import DirectBody, PushedWrites, direct_body, write_direct
 from gateway.streaming.reading import OUTAGE_LIMIT_S, JobStreamReading, batches
-from gateway.streaming.relay import StreamRelay
+from gateway.streaming.relay import Follower, StreamRelay
 from gateway.streaming.sse import KEEPALIVE, SSE_HEADERS, EventStreamResponse, Render, frames, nothing, relay
 
 
+@dataclass(slots=True, eq=False)
 class PushedStream:
     """A job's stream written to the connection from the relay's callback as each read hands its
     entries over (as `render` makes them into bytes): the stream's task wakes only for a keep-alive, a
     client that reads too slowly, and the end."""
 
-    __slots__ = (
-        "_body",
-        "_ended",
-        "_follower",
-        "_keepalive_s",
-        "_on_pause",
-        "_reading",
-        "_render",
-        "_writes",
-    )
-
-    def __init__(
-        self,
-        body: DirectBody,
-        reading: JobStreamReading,
-        keepalive_s: float,
-        on_pause: Callable[[], None],
-        render: Render = frames,
-    ) -> None:
-        self._body = body
-        self._on_pause = on_pause
-        self._reading = reading
-        self._keepalive_s = keepalive_s
-        self._render = render
-        self._ended = False
+    body: DirectBody
+    reading: JobStreamReading
+    keepalive_s: float
+    on_pause: Callable[[], None]
+    render: Render = frames
+    _ended: bool = field(default=False, init=False)
+    _follower: Follower = field(init=False)
+    _writes: PushedWrites = field(init=False)
 
     async def run(self, streams: StreamRelay, after: str, opening: bytes = b"") -> None:
         """Writes `opening`, then the stream after `after`, up to its final entry."""
         # the relay hands entries over from its next read, never within this call
-        self._follower = streams.follower({keys.events(self._reading.job_id): after}, self._arrived)
-        self._writes = writes = PushedWrites(self._body, self._follower, self._keepalive_s, self._on_pause)
+        self._follower = streams.follower({keys.events(self.reading.job_id): after}, self._arrived)
+        self._writes = writes = PushedWrites(self.body, self._follower, self.keepalive_s, self.on_pause)
         try:
             writes.write(opening)
             while not self._ended:
                 if not await writes.idle():
                     continue
-                last = await self._reading.quiet()
+                last = await self.reading.quiet()
                 if last is None:
                     writes.write(KEEPALIVE)
                     continue
                 if last:
-                    writes.write(self._render(last))
+                    writes.write(self.render(last))
                 return
         finally:
             self._follower.close()
@@ -72,9 +57,9 @@ class PushedStream:
         entries = self._follower.take()
         if self._ended:
             return
-        batch, self._ended = self._reading.to_send(entries)
+        batch, self._ended = self.reading.to_send(entries)
         if batch:
-            self._writes.write(self._render(batch))
+            self._writes.write(self.render(batch))
         if self._ended:
             self._writes.wake()
 
