@@ -25,6 +25,7 @@ from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.params import job_messages
 from gateway.openai_api.protocol import ChatMessageIn
+from gateway.operations import OBJECT, Operation, Reply
 from gateway.request_body import parse_body
 from gateway.state import AppState, app_state
 from gateway.submission import resolve_model
@@ -48,6 +49,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., max_length=1_000_000)
 
 
+def _answered_by_a_worker(summary: str, request: type[BaseModel]) -> Operation:
+    return Operation(
+        f"{summary}, answered by a worker of the model",
+        request=request,
+        responses={200: Reply("ok", OBJECT)},
+        errors=(400, 404, 503, 504),
+    )
+
+
+@_answered_by_a_worker("vLLM's: a prompt or chat messages as the model's token ids", TokenizeRequest)
 async def tokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, TokenizeRequest, invalid_status=400)
@@ -64,6 +75,7 @@ async def tokenize(request: Request) -> Response:
     )
 
 
+@_answered_by_a_worker("vLLM's: token ids as text", DetokenizeRequest)
 async def detokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest, invalid_status=400)
