@@ -1,7 +1,7 @@
 """Every Redis key and channel ortfleet names, and the functions that derive them.
 
-The Lua scripts of common/jobqueue.py build no key names: their callers derive every key here and
-pass it in KEYS.
+The Lua scripts (common/jobs/scripts/, gateway/) build no key names: their wrappers derive every key
+here and pass it in KEYS.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PREFIX = "ortfleet:"
 WORKERS = PREFIX + "workers"  # zset: worker id -> heartbeat expiry (ms)
 MODELS = PREFIX + "models"  # hash: model name -> JSON of what its workers last reported
 CANCEL_CHANNEL = PREFIX + "cancel"  # pub/sub: job ids whose running generation must stop
-STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to (common/job_scripts.py)
+STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to (common/jobs/)
 EPOCH = PREFIX + "epoch"  # string: this Redis's data epoch (common/store_epoch.py); job TTL, renewed by reads
 QUEUE_DEADLINES = PREFIX + "queue-deadlines"  # zset: queued job id -> its queue deadline (ms); job TTL
 LOST_EPOCHS = PREFIX + "lost-epochs"  # set: epochs whose data this Redis lost (restarted empty); job TTL
@@ -48,8 +48,8 @@ def job_keys(job_id: str) -> JobKeys:
 
 
 def queue(model: str, priority: str = "interactive") -> str:
-    """zset: the model's waiting jobs of one priority class -> their fair-share tag (_FAIR in
-    common/job_scripts.py)."""
+    """zset: the model's waiting jobs of one priority class -> their fair-share tag
+    (common/jobs/scripts/fair.lua)."""
     if priority == "interactive":
         return f"{PREFIX}queue:{model}"
     return f"{PREFIX}queue:{model}:{priority}"
@@ -57,7 +57,7 @@ def queue(model: str, priority: str = "interactive") -> str:
 
 def fair_tags(model: str, priority: str) -> str:
     """hash: per key of a model's priority class, the finish tag of its last job; ":v" the class's
-    virtual time, ":seq" its submission counter (_FAIR in common/job_scripts.py)."""
+    virtual time, ":seq" its submission counter (common/jobs/scripts/fair.lua)."""
     return f"{PREFIX}fair:{model}:{priority}"
 
 
@@ -101,7 +101,7 @@ def active_jobs(owner: str) -> str:
 
 def prompt_tokens_in_flight(owner: str) -> str:
     """hash: the estimated prompt tokens of each of the key's active jobs (those in active_jobs) by job id,
-    and ":total" their sum (common/job_scripts.py charges and releases it with the job's state)."""
+    and ":total" their sum (the job scripts charge and release it with the job's state)."""
     return f"{PREFIX}prompt-tokens:{owner}"
 
 

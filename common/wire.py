@@ -1,5 +1,5 @@
 """The wire formats shared by gateway and workers: job requests and specs, the job as the API shows it,
-stream event types. The job's record in Redis is common/records.py's."""
+stream event types. The job's record in Redis is common/jobs/record.py's."""
 
 from __future__ import annotations
 

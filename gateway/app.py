@@ -148,5 +148,5 @@ def build_app(
     )
     app.state.version = package_version()
     app.state.stream_tokens = tokens
-    app.state.openapi = openapi.build_spec(app.state.version)
+    app.state.openapi = openapi.build_spec(app.routes, app.state.version)
     return app

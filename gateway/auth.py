@@ -8,10 +8,11 @@ import secrets
 import time
 from collections.abc import Callable
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common import keys
+from common import keys, lua
 from common.apikeys import ANONYMOUS, KeyRing, Principal
 from common.error_codes import ErrorCode
 from gateway.errors import envelope
@@ -23,19 +24,6 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
 METRICS_PATH = "/metrics"
 FLEET_PATH = "/v1/fleet"  # also open to the metrics key, which sees the fleet's load there
 CONSOLE_PREFIX = "/console/"  # the console's page and assets hold no data: the page asks for a key
-
-# A sliding minute: one sorted-set entry per request; answers the seconds to wait, 0 when allowed.
-_RATE = """
-local now = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return math.max(1, math.ceil((tonumber(oldest[2]) + 60000 - now) / 1000))
-end
-redis.call('ZADD', KEYS[1], now, ARGV[3])
-redis.call('PEXPIRE', KEYS[1], 60000)
-return 0
-"""
 
 
 def principal_of(scope: Scope) -> Principal:
@@ -139,11 +127,20 @@ class ApiKeyAuth:
         state = scope["app"].state.ortfleet
         member = f"{now_ms}-{secrets.token_hex(4)}"
         try:
-            wait = await state.redis.eval(_RATE, 1, keys.request_rate(principal.name), now_ms, limit, member)
+            return await request_rate_wait(
+                state.redis, key_name=principal.name, now_ms=now_ms, per_minute=limit, member=member
+            )
         except RedisError as e:
             logger.warning("request rate of %s not counted: %s", principal.name, e)
             return 0
-        return int(wait)
+
+
+async def request_rate_wait(redis: Redis, *, key_name: str, now_ms: int, per_minute: int, member: str) -> int:
+    """scripts/request_rate.lua: counts the request in the key's sliding minute and answers 0, or, the key
+    being at its limit, counts nothing and answers the seconds until it may call again."""
+    script = lua.register(redis, __name__, "request_rate.lua")
+    wait = await script(keys=[keys.request_rate(key_name)], args=[now_ms, per_minute, member])
+    return int(wait)
 
 
 def _is_console(path: str) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
@@ -56,17 +56,25 @@ class ClientGone(Exception):
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left; nobody receives it
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: ErrorCode | None = None
+
+
+class Error(BaseModel):
+    """The error envelope (OpenAI's shape): the body of every error answer."""
+
+    error: ErrorDetail
+
+
 def envelope(
     status: int, message: str, param: str | None = None, code: ErrorCode | None = None
 ) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "param": param,
-            "code": code.value if code else None,
-        }
-    }
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    detail = ErrorDetail(message=message, type=kind, param=param, code=code)
+    return Error(error=detail).model_dump(mode="json")
 
 
 def validation_error(error: ValidationError, status: int = 422) -> ApiError:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from common.fleet_stats import known_models, queue_stats, recent_outcomes
 from common.registry import live_workers, serving
 from gateway.auth import principal_of
+from gateway.operations import OBJECT, Operation, Reply
 from gateway.state import app_state
 
 LOAD_FIELDS = ("in_flight", "tokens_per_s", "generated_tokens")
@@ -75,6 +76,10 @@ async def _models_of(redis: Redis, names: list[str], workers: list[dict[str, Any
     return models
 
 
+@Operation(
+    "Models, live workers, queues and Redis problems; load figures only without keys or with the metrics key",
+    responses={200: Reply("the fleet", OBJECT)},
+)
 async def fleet_overview(request: Request) -> Response:
     state = app_state(request)
     now = time.time()

@@ -8,13 +8,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.operations import Operation, Reply
 from gateway.state import app_state
 
 
+@Operation("Liveness", responses={200: Reply("alive")})
 async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@Operation(
+    "vLLM's and TGI's health check: 200, empty, while a worker serves",
+    responses={200: Reply("serving"), 503: Reply("not serving")},
+)
 async def health(request: Request) -> Response:
     """vLLM's and TGI's check: 200 with an empty body while a worker serves; 503 otherwise."""
     reply = await readyz(request)
@@ -23,10 +29,15 @@ async def health(request: Request) -> Response:
     return reply
 
 
+@Operation("ortfleet's version", responses={200: Reply("ok")})
 async def version(request: Request) -> Response:
     return JSONResponse({"version": request.app.state.version})
 
 
+@Operation(
+    "Readiness: Redis reachable and a live worker",
+    responses={200: Reply("ready"), 503: Reply("not ready")},
+)
 async def readyz(request: Request) -> Response:
     state = app_state(request)
     try:

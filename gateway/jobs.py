@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -13,11 +15,13 @@ from starlette.routing import Route
 from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.jobqueue import QueueAhead
-from common.records import JobRecord
+from common.jobs.cancellation import CancelOutcome
+from common.jobs.reads import QueueAhead
+from common.jobs.record import JobRecord
 from common.wire import TERMINAL, JobLinks, JobRequest, JobStatus, JobView
 from gateway.auth import principal_of
 from gateway.errors import ApiError
+from gateway.operations import OBJECT, STRING, Operation, Param, Reply, header
 from gateway.request_body import parse_body
 from gateway.shards import Shard
 from gateway.state import AppState, app_state
@@ -28,6 +32,17 @@ from gateway.streaming.reading import read_position, wait_final
 from gateway.streaming.sse import StreamEndpoint
 from gateway.streaming.tokens import QUERY_PARAM, StreamTokens
 from gateway.submission import submit_job
+
+
+class JobPage(BaseModel):
+    """A page of the caller's jobs; `next_cursor` is the next page's `after`."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+    object: Literal["list"] = "list"
+    data: list[JobView]
+    has_more: bool
+    next_cursor: str | None
 
 
 def links(job_id: str) -> JobLinks:
@@ -91,6 +106,13 @@ def job_response(view: JobView, status: int = 200, headers: dict[str, str] | Non
     return JSONResponse(view.model_dump(mode="json"), status, headers)
 
 
+@Operation(
+    "Submit a generation job",
+    request=JobRequest,
+    responses={202: Reply("queued", JobView)},
+    errors=(400, 404, 413, 422, 429, 503),
+    params=(header("Idempotency-Key"),),
+)
 async def create_job(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, JobRequest)
@@ -113,6 +135,12 @@ async def create_job(request: Request) -> Response:
     return job_response(view, 202, headers)
 
 
+@Operation(
+    "A job's status and result; `wait` long-polls until it ends",
+    responses={200: Reply("the job", JobView)},
+    errors=(404, 422, 503),
+    params=(Param("wait", {"type": "number", "minimum": 0}),),
+)
 async def get_job(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
@@ -154,6 +182,15 @@ def _wait_seconds(request: Request, limit: float) -> float:
     return wait
 
 
+@Operation(
+    "SSE: status, token, done/error events; resumable by Last-Event-ID or after",
+    responses={200: Reply("event stream", stream=STRING)},
+    errors=(404, 422, 503),
+    params=(
+        Param("after", {"type": "string", "pattern": r"^[0-9]{1,20}-[0-9]{1,20}$"}),
+        header("Last-Event-ID"),
+    ),
+)
 async def job_events(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
@@ -175,6 +212,16 @@ async def job_events(request: Request) -> Response:
     )
 
 
+@Operation(
+    "Cancel a job; with purge=true, also delete all of its data at once",
+    responses={
+        200: Reply("cancelled (or already ended)", JobView),
+        202: Reply("running; it stops within one engine step", JobView),
+        204: Reply("purged"),
+    },
+    errors=(404, 503),
+    params=(Param("purge", {"type": "boolean"}),),
+)
 async def cancel_job(request: Request) -> Response:
     state = app_state(request)
     job_id = request.path_params["job_id"]
@@ -185,12 +232,21 @@ async def cancel_job(request: Request) -> Response:
             raise await missing(state, job_id)
         return Response(status_code=204)
     outcome = await shard.queue.cancel(job_id, record.model)
-    if outcome == "missing":
+    if outcome is CancelOutcome.missing:
         raise await missing(state, job_id)
     view = await load_view(state, job_id, principal)
-    return job_response(view, 202 if outcome == "cancelling" else 200)
+    return job_response(view, 202 if outcome is CancelOutcome.cancelling else 200)
 
 
+@Operation(
+    "The caller's jobs, newest first, a page at a time",
+    responses={200: Reply("a page of jobs", JobPage)},
+    errors=(422,),
+    params=(
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+        Param("after", {"type": "string", "pattern": r"^[0-9]+\.[A-Za-z0-9_-]+$"}),
+    ),
+)
 async def list_jobs(request: Request) -> Response:
     """The caller's jobs, newest first; `after` is the `next_cursor` of the page before."""
     state = app_state(request)
@@ -213,10 +269,11 @@ async def list_jobs(request: Request) -> Response:
     for _score, job_id, shard in page:
         record = await shard.queue.record(job_id)
         if record is not None and record.owner == principal.name:
-            views.append(record.view(links(job_id)).model_dump(mode="json"))
+            views.append(record.view(links(job_id)))
     has_more = len(entries) > limit
     cursor_out = f"{int(page[-1][0])}.{page[-1][1]}" if has_more and page else None
-    return JSONResponse({"object": "list", "data": views, "has_more": has_more, "next_cursor": cursor_out})
+    listed = JobPage(data=views, has_more=has_more, next_cursor=cursor_out)
+    return JSONResponse(listed.model_dump(mode="json"))
 
 
 async def _page(
@@ -246,6 +303,11 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     return int(raw)
 
 
+@Operation(
+    "A signed token that opens the job's events from a browser's EventSource",
+    responses={201: Reply("token, expires_at and events_url", OBJECT)},
+    errors=(404, 501),
+)
 async def create_stream_token(request: Request) -> Response:
     state = app_state(request)
     tokens: StreamTokens | None = request.app.state.stream_tokens

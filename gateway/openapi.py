@@ -1,221 +1,75 @@
-"""`GET /openapi.json`: the HTTP surface, with schemas generated from the wire models."""
+"""`GET /openapi.json`: rendered from the app's routes, the `Operation` declared on each route's handler,
+and the JSON schemas of the models those name (requests as validated, answers as serialized)."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaValue, models_json_schema
+from starlette.convertors import Convertor, FloatConvertor, IntegerConvertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from common.wire import JobRequest, JobView
-from gateway import async_spec
-from gateway.openai_api import spec as openai_spec
+from gateway.auth import PUBLIC_PATHS
+from gateway.errors import Error
+from gateway.operations import Body, Events, Operation, Reply, Schema, operation_of
+from gateway.streaming.sse import StreamEndpoint
 
-_ERROR = {"$ref": "#/components/schemas/Error"}
-_ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-_PUBLIC = {"/healthz", "/readyz", "/health", "/version"}
-_JOB_PAGE = {
-    "type": "object",
-    "required": ["object", "data", "has_more", "next_cursor"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {"type": "array", "items": {"$ref": "#/components/schemas/JobView"}},
-        "has_more": {"type": "boolean"},
-        "next_cursor": {"type": ["string", "null"]},
-    },
-}
-_JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+Mode = Literal["validation", "serialization"]
+Refs = dict[tuple[Any, Mode], JsonSchemaValue]  # a model and mode: its `$ref`
+
+KEYED_ERRORS = (401, 429)  # what every route that needs a key may answer besides its own errors
+_CONVERTOR = re.compile(r"{([^}:]+):[^}]+}")  # `{model_id:path}` is `{model_id}` in the document
+_PATH_TYPES: dict[type[Convertor[Any]], str] = {IntegerConvertor: "integer", FloatConvertor: "number"}
 
 
-def _json(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"content": {"application/json": {"schema": schema}}}
+@dataclass(frozen=True)
+class Documented:
+    """One method of a served route and its operation."""
+
+    path: str
+    method: str
+    operation: Operation
+    path_params: list[dict[str, Any]]
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {str(code): {"description": "error", **_json(_ERROR)} for code in codes}
-
-
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-
-def _tokenizer_operation(summary: str) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary + ", answered by a worker of the model",
-            "requestBody": {"required": True, **_json({"type": "object"})},
-            "responses": {
-                "200": {"description": "ok", **_json({"type": "object"})},
-                **_errors(400, 404, 503, 504),
-            },
-        }
-    }
-
-
-def build_spec(version: str) -> dict[str, Any]:
-    _, defs = models_json_schema(
-        [
-            (JobRequest, "validation"),
-            (JobView, "serialization"),
-            *openai_spec.SCHEMA_MODELS,
-            *async_spec.SCHEMA_MODELS,
-        ],
-        ref_template="#/components/schemas/{model}",
-    )
-    schemas: dict[str, Any] = {**defs.get("$defs", {}), "Error": _ERROR_SCHEMA}
-    job = _ref(JobView)
-    paths: dict[str, Any] = {
-        "/v1/jobs": {
-            "post": {
-                "summary": "Submit a generation job",
-                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
-                "requestBody": {"required": True, **_json(_ref(JobRequest))},
-                "responses": {
-                    "202": {"description": "queued", **_json(job)},
-                    **_errors(400, 404, 413, 422, 429, 503),
-                },
-            },
-            "get": {
-                "summary": "The caller's jobs, newest first, a page at a time",
-                "parameters": [
-                    {
-                        "name": "limit",
-                        "in": "query",
-                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
-                    },
-                    {
-                        "name": "after",
-                        "in": "query",
-                        "schema": {"type": "string", "pattern": r"^[0-9]+\.[A-Za-z0-9_-]+$"},
-                    },
-                ],
-                "responses": {"200": {"description": "a page of jobs", **_json(_JOB_PAGE)}, **_errors(422)},
-            },
-        },
-        "/v1/jobs/{job_id}": {
-            "get": {
-                "summary": "A job's status and result; `wait` long-polls until it ends",
-                "parameters": [
-                    _JOB_ID,
-                    {"name": "wait", "in": "query", "schema": {"type": "number", "minimum": 0}},
-                ],
-                "responses": {"200": {"description": "the job", **_json(job)}, **_errors(404, 422, 503)},
-            },
-            "delete": {
-                "summary": "Cancel a job; with purge=true, also delete all of its data at once",
-                "parameters": [_JOB_ID, {"name": "purge", "in": "query", "schema": {"type": "boolean"}}],
-                "responses": {
-                    "200": {"description": "cancelled (or already ended)", **_json(job)},
-                    "202": {"description": "running; it stops within one engine step", **_json(job)},
-                    "204": {"description": "purged"},
-                    **_errors(404, 503),
-                },
-            },
-        },
-        "/v1/jobs/{job_id}/events": {
-            "get": {
-                "summary": "SSE: status, token, done/error events; resumable by Last-Event-ID or after",
-                "parameters": [
-                    _JOB_ID,
-                    {
-                        "name": "after",
-                        "in": "query",
-                        "schema": {"type": "string", "pattern": r"^[0-9]{1,20}-[0-9]{1,20}$"},
-                    },
-                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}},
-                ],
-                "responses": {
-                    "200": {
-                        "description": "event stream",
-                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                    },
-                    **_errors(404, 422, 503),
-                },
-            }
-        },
-        "/v1/models": {
-            "get": {
-                "summary": "Models served by live workers",
-                "responses": {"200": {"description": "models"}},
-            }
-        },
-        "/v1/fleet": {
-            "get": {
-                "summary": "Models, live workers, queues and Redis problems; load figures only without keys "
-                "or with the metrics key",
-                "responses": {"200": {"description": "the fleet", **_json({"type": "object"})}},
-            }
-        },
-        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
-        "/readyz": {
-            "get": {
-                "summary": "Readiness: Redis reachable and a live worker",
-                "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
-            }
-        },
-        "/v1/jobs/{job_id}/stream-token": {
-            "post": {
-                "summary": "A signed token that opens the job's events from a browser's EventSource",
-                "parameters": [_JOB_ID],
-                "responses": {
-                    "201": {"description": "token, expires_at and events_url", **_json({"type": "object"})},
-                    **_errors(404, 501),
-                },
-            }
-        },
-        "/health": {
-            "get": {
-                "summary": "vLLM's and TGI's health check: 200, empty, while a worker serves",
-                "responses": {"200": {"description": "serving"}, "503": {"description": "not serving"}},
-            }
-        },
-        "/version": {"get": {"summary": "ortfleet's version", "responses": {"200": {"description": "ok"}}}},
-        "/tokenize": _tokenizer_operation("vLLM's: a prompt or chat messages as the model's token ids"),
-        "/detokenize": _tokenizer_operation("vLLM's: token ids as text"),
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics of this gateway, and queue depth per model from Redis",
-                "responses": {
-                    "200": {
-                        "description": "Prometheus text exposition format",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                },
-            }
-        },
-    }
-    paths.update(openai_spec.paths())
-    paths.update(async_spec.paths())
-    for path, operations in paths.items():
-        if path in _PUBLIC:
+def documented(routes: Sequence[BaseRoute]) -> Iterator[Documented]:
+    """Every method of every route in the schema; a route without an `Operation` is an error."""
+    for route in routes:
+        if not isinstance(route, Route) or not route.include_in_schema:
             continue
-        for operation in operations.values():
-            operation["security"] = [{"apiKey": []}]
-            operation["responses"].update(_errors(401, 429))
+        handler = route.endpoint.handler if isinstance(route.endpoint, StreamEndpoint) else route.endpoint
+        operation = operation_of(handler)
+        if operation is None:
+            raise ValueError(f"route {route.path} has no Operation; declare one on {route.name}")
+        path = _CONVERTOR.sub(r"{\1}", route.path)
+        params = [_path_param(name, convertor) for name, convertor in route.param_convertors.items()]
+        for method in sorted(route.methods or ()):
+            if method != "HEAD":  # Starlette answers HEAD wherever GET is
+                yield Documented(path, method.lower(), operation, params)
+
+
+def build_spec(routes: Sequence[BaseRoute], version: str) -> dict[str, Any]:
+    operations = list(documented(routes))
+    refs, defs = models_json_schema(_models(operations), ref_template="#/components/schemas/{model}")
+    paths: dict[str, Any] = {}
+    for found in operations:
+        rendered = _operation(found, refs)
+        if found.path not in PUBLIC_PATHS:
+            rendered["security"] = [{"apiKey": []}]
+            rendered["responses"].update(_errors(KEYED_ERRORS, refs))
+        paths.setdefault(found.path, {})[found.method] = rendered
     return {
         "openapi": "3.1.0",
         "info": {"title": "ortfleet", "version": version},
         "paths": paths,
         "components": {
-            "schemas": schemas,
+            "schemas": defs.get("$defs", {}),
             "securitySchemes": {
                 "apiKey": {
                     "type": "http",
@@ -225,6 +79,85 @@ def build_spec(version: str) -> dict[str, Any]:
             },
         },
     }
+
+
+def _models(operations: list[Documented]) -> list[tuple[type[BaseModel], Mode]]:
+    """Each model the operations name, once per mode: requests as validated, everything else as sent."""
+    models: dict[tuple[type[BaseModel], Mode], None] = {(Error, "serialization"): None}
+    for found in operations:
+        operation = found.operation
+        if isinstance(operation.request, type):
+            models[operation.request, "validation"] = None
+        for reply in operation.responses.values():
+            if isinstance(reply.body, type):
+                models[reply.body, "serialization"] = None
+            if isinstance(reply.stream, Events) and reply.stream.model is not None:
+                models[reply.stream.model, "serialization"] = None
+    return list(models)
+
+
+def _operation(found: Documented, refs: Refs) -> dict[str, Any]:
+    operation = found.operation
+    rendered: dict[str, Any] = {"summary": operation.summary}
+    params = [*found.path_params, *(_param(p.name, p.where, p.schema) for p in operation.params)]
+    if params:
+        rendered["parameters"] = params
+    if operation.request is not None:
+        schema = _schema(operation.request, "validation", refs)
+        rendered["requestBody"] = {
+            "required": True,
+            "content": {operation.request_media_type: {"schema": schema}},
+        }
+    responses = {str(status): _reply(reply, refs) for status, reply in operation.responses.items()}
+    rendered["responses"] = {**responses, **_errors(operation.errors, refs)}
+    return rendered
+
+
+def _reply(reply: Reply, refs: Refs) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"description": reply.description}
+    if reply.headers:
+        rendered["headers"] = {
+            name: {"description": about, "schema": {"type": "string"}}
+            for name, about in reply.headers.items()
+        }
+    content: dict[str, Any] = {}
+    if reply.body is not None:
+        content[reply.media_type] = {"schema": _schema(reply.body, "serialization", refs)}
+    if reply.stream is not None:
+        stream = _event(reply.stream) if isinstance(reply.stream, Events) else reply.stream
+        content["text/event-stream"] = {"schema": stream}
+    if content:
+        rendered["content"] = content
+    return rendered
+
+
+def _event(events: Events) -> Schema:
+    """One server-sent event (OpenAPI 3.1 has a stream's `schema` describe each event)."""
+    properties: Schema = {"data": {"type": "string", "description": events.data}}
+    if events.named:
+        properties = {"event": {"type": "string"}, **properties}
+    event: Schema = {"type": "object", "required": ["data"], "properties": properties}
+    if events.about is not None:
+        event["description"] = events.about
+    return event
+
+
+def _errors(statuses: Sequence[int], refs: Refs) -> dict[str, Any]:
+    error = {"content": {"application/json": {"schema": refs[Error, "serialization"]}}}
+    return {str(status): {"description": "error", **error} for status in statuses}
+
+
+def _schema(body: Body, mode: Mode, refs: Refs) -> Schema:
+    return refs[body, mode] if isinstance(body, type) else body
+
+
+def _param(name: str, where: str, schema: Schema) -> dict[str, Any]:
+    return {"name": name, "in": where, "schema": schema}
+
+
+def _path_param(name: str, convertor: Convertor[Any]) -> dict[str, Any]:
+    schema = {"type": _PATH_TYPES.get(type(convertor), "string")}
+    return {**_param(name, "path", schema), "required": True}
 
 
 async def openapi(request: Request) -> Response:

@@ -11,7 +11,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from common.jobqueue import JobQueue
+from common.jobs.queue import JobQueue
 
 logger = logging.getLogger(__name__)
 

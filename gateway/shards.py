@@ -20,8 +20,8 @@ from redis.asyncio import Redis
 from common import keys
 from common.aio import cancel_and_wait
 from common.gateway_settings import GatewaySettings
-from common.jobqueue import JobQueue
-from common.records import JobRecord
+from common.jobs.queue import JobQueue
+from common.jobs.record import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.redis_url import mask_url
 from common.store_watch import StoreWatch

@@ -14,7 +14,7 @@ from common import keys
 from common.apikeys import ANONYMOUS, Principal
 from common.error_codes import ErrorCode
 from common.guidance import Guidance
-from common.jobqueue import (
+from common.jobs.submission import (
     EpochChanged,
     NotReplicated,
     OwnerBusy,

@@ -11,11 +11,12 @@ import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common import keys
+from common import keys, lua
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.tokenizer_calls import TokenizerCall, TokenizerReply
@@ -24,25 +25,13 @@ from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.openai_api.params import job_messages
 from gateway.openai_api.protocol import ChatMessageIn
+from gateway.operations import OBJECT, Operation, Reply
 from gateway.request_body import parse_body
 from gateway.state import AppState, app_state
 from gateway.submission import resolve_model
 
 CALL_TIMEOUT_S = 10
 BURST_S = 10  # a key may tokenize this many seconds' worth of its rate at once
-
-# A generic cell rate: the key's budget is a time, pushed on by each call's characters / rate; a call that
-# would push it more than the burst past now waits, unless the budget is full (any one call passes then).
-# KEYS: the key's budget; ARGV: now ms, characters, characters per second, burst ms.
-# Returns 0 (taken) or the ms until the call would be.
-_BUDGET = """
-local now, burst = tonumber(ARGV[1]), tonumber(ARGV[4])
-local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
-local after = tat + tonumber(ARGV[2]) * 1000 / tonumber(ARGV[3])
-if tat > now and after - now > burst then return math.ceil(math.min(tat - now, after - now - burst)) end
-redis.call('SET', KEYS[1], string.format('%.0f', after), 'PX', math.ceil(after - now) + 1)
-return 0
-"""
 
 
 class TokenizeRequest(BaseModel):
@@ -60,6 +49,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., max_length=1_000_000)
 
 
+def _answered_by_a_worker(summary: str, request: type[BaseModel]) -> Operation:
+    return Operation(
+        f"{summary}, answered by a worker of the model",
+        request=request,
+        responses={200: Reply("ok", OBJECT)},
+        errors=(400, 404, 503, 504),
+    )
+
+
+@_answered_by_a_worker("vLLM's: a prompt or chat messages as the model's token ids", TokenizeRequest)
 async def tokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, TokenizeRequest, invalid_status=400)
@@ -76,6 +75,7 @@ async def tokenize(request: Request) -> Response:
     )
 
 
+@_answered_by_a_worker("vLLM's: token ids as text", DetokenizeRequest)
 async def detokenize(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest, invalid_status=400)
@@ -98,10 +98,9 @@ async def _charge(state: AppState, principal: Principal, chars: int) -> None:
     rate = principal.tokenize_chars_per_s
     if not rate or chars <= 0:
         return
-    budget = state.redis.register_script(_BUDGET)
-    now_ms = int(time.time() * 1000)
-    args = [str(now_ms), str(chars), str(rate), str(BURST_S * 1000)]
-    wait_ms = int(await budget(keys=[keys.tokenize_budget(principal.name)], args=args))
+    wait_ms = await tokenize_budget_wait(
+        state.redis, key_name=principal.name, now_ms=int(time.time() * 1000), chars=chars, chars_per_s=rate
+    )
     if wait_ms:
         raise ApiError(
             429,
@@ -112,6 +111,16 @@ async def _charge(state: AppState, principal: Principal, chars: int) -> None:
             code=ErrorCode.tokenize_rate_exceeded,
             headers={"Retry-After": str(max(1, -(-wait_ms // 1000)))},
         )
+
+
+async def tokenize_budget_wait(
+    redis: Redis, *, key_name: str, now_ms: int, chars: int, chars_per_s: int
+) -> int:
+    """scripts/tokenize_budget.lua: takes the characters from the key's budget and answers 0, or takes
+    nothing and answers the ms until they would fit (a burst of BURST_S seconds' worth at most)."""
+    script = lua.register(redis, __name__, "tokenize_budget.lua")
+    args = [str(now_ms), str(chars), str(chars_per_s), str(BURST_S * 1000)]
+    return int(await script(keys=[keys.tokenize_budget(key_name)], args=args))
 
 
 async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:

@@ -11,7 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import JobQueue, QueueLimits
+from common.jobs.queue import JobQueue
+from common.jobs.submission import QueueLimits
 from common.wire import JobSpec, PriorityClass, Sampling
 
 NO_LIMITS = QueueLimits(10_000, 10**9, 0)

@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import is_final, token_entry
-from common.jobqueue import notice_streams
+from common.jobs.reads import notice_streams
 from gateway.streaming.relay import StreamRelay
 
 

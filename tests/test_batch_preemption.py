@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import JobQueue
+from common.jobs.queue import JobQueue
 from common.wire import PriorityClass
 from tests.conftest import Fleet
 from tests.fake_workers import Started

@@ -19,7 +19,8 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.gateway_settings import GatewaySettings
-from common.jobqueue import JobQueue, QueueLimits
+from common.jobs.queue import JobQueue
+from common.jobs.submission import QueueLimits
 from common.wire import ChatMessage, JobSpec, Sampling
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet, Proc, RedisServer

@@ -11,15 +11,17 @@ from dataclasses import fields
 import pytest
 from redis.asyncio import Redis
 
-from common import job_scripts, keys
+from common import keys, lua
 from common.error_codes import ErrorCode
 from common.fleet_stats import recent_outcomes
-from common.jobqueue import Claim, JobQueue, QueueLimits
-from common.records import SCRIPT_FIELDS, JobRecord, RecordUpdate
+from common.jobs.claims import Claim
+from common.jobs.queue import JobQueue
+from common.jobs.record import SCRIPT_FIELDS, JobRecord, RecordUpdate
+from common.jobs.submission import QueueLimits
 from common.wire import FinishReason, JobSpec, JobStatus, PriorityClass, Sampling, Timings, Usage
 
 NO_LIMITS = QueueLimits(1000, 10**9, 0)
-SCRIPTS = {name: text for name, text in vars(job_scripts).items() if name.isupper()}
+SCRIPTS = {name: lua.package_source("common.jobs", name) for name in lua.script_names("common.jobs")}
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import done_entry, status_entry, token_entry
-from common.jobqueue import stage_jobs
-from common.records import JobRecord
+from common.jobs.reads import stage_jobs
+from common.jobs.record import JobRecord
 from common.wire import JobStatus, Usage
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api.chat import ChatFormat

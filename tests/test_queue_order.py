@@ -13,8 +13,9 @@ import httpx
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import JobQueue, QueueLimits
-from common.records import RecordUpdate
+from common.jobs.queue import JobQueue
+from common.jobs.record import RecordUpdate
+from common.jobs.submission import QueueLimits
 from common.registry import live_workers
 from common.wire import JobSpec, JobStatus, PriorityClass, Sampling, Usage
 from ortfleet.commands.status import read_status, render

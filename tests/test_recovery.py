@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import JobQueue
+from common.jobs.queue import JobQueue
 from tests.conftest import Fleet, Proc, RedisServer
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, reference_output, stream_until_tokens

@@ -18,8 +18,10 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.gateway_settings import GatewaySettings
-from common.jobqueue import JobQueue, StepResult, StepWrite, notice_streams, stage_jobs
-from common.records import JobRecord
+from common.jobs.queue import JobQueue
+from common.jobs.reads import notice_streams, stage_jobs
+from common.jobs.record import JobRecord
+from common.jobs.writes import StepResult, StepWrite
 from common.redis_client import gateway_client_name
 from common.wire import JobStatus
 from gateway.app import build_app

@@ -12,8 +12,8 @@ import httpx
 from redis.asyncio import Redis
 
 from common import keys
-from common.jobqueue import stage_jobs
-from common.records import JobRecord
+from common.jobs.reads import stage_jobs
+from common.jobs.record import JobRecord
 from common.wire import JobStatus
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done

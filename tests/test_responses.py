@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import status_entry
-from common.jobqueue import stage_jobs
-from common.records import JobRecord
+from common.jobs.reads import stage_jobs
+from common.jobs.record import JobRecord
 from common.wire import JobStatus
 from gateway.responses.events import EventFrames
 from gateway.streaming.job_events import PushedStream

@@ -22,8 +22,10 @@ from redis.asyncio import Redis
 from common import keys
 from common.events import done_entry, token_entry
 from common.gateway_settings import GatewaySettings
-from common.jobqueue import Claim, JobQueue, StreamGap
-from common.records import RecordUpdate
+from common.jobs.claims import Claim
+from common.jobs.queue import JobQueue
+from common.jobs.record import RecordUpdate
+from common.jobs.writes import StreamGap
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
 from common.wire import JobStatus
 from gateway.streaming.reading import batches

@@ -12,7 +12,8 @@ from redis.asyncio import Redis
 
 from common import aio, keys
 from common.events import token_entry
-from common.jobqueue import JobQueue, StepResult, StepWrite
+from common.jobs.queue import JobQueue
+from common.jobs.writes import StepResult, StepWrite
 from common.redis_client import REPLY_WAIT_S, HeldConnection, connect
 from ortfleet.bench.machine import wakeups
 from tests.conftest import RedisServer

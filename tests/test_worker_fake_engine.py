@@ -11,8 +11,11 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.events import token_entry
-from common.jobqueue import Claim, JobQueue, QueueLimits, job_payload
-from common.records import RecordUpdate
+from common.jobs.claims import Claim
+from common.jobs.payload import job_payload
+from common.jobs.queue import JobQueue
+from common.jobs.record import RecordUpdate
+from common.jobs.submission import QueueLimits
 from common.registry import live_workers
 from common.wire import JobSpec, Sampling
 from common.worker_settings import WorkerSettings

@@ -11,8 +11,10 @@ from redis.exceptions import RedisError
 
 from common.error_codes import ErrorCode
 from common.events import done_entry, error_entry, status_entry
-from common.jobqueue import Claim, JobQueue, StreamGap
-from common.records import RecordUpdate
+from common.jobs.claims import Claim
+from common.jobs.queue import JobQueue
+from common.jobs.record import RecordUpdate
+from common.jobs.writes import StreamGap
 from common.wire import FinishReason, JobStatus, PromptTokensDetails, Timings, Usage
 from worker.publisher import LeaseLost, StreamPublisher
 

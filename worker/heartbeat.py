@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.aio import wait_set
-from common.jobqueue import JobQueue
+from common.jobs.queue import JobQueue
 from common.registry import WorkerInfo, deregister, heartbeat
 from common.worker_settings import WorkerSettings
 from worker.job_runner import JobRun

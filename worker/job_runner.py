@@ -12,8 +12,9 @@ from redis.exceptions import RedisError
 
 from common.error_codes import ErrorCode
 from common.events import entry_token_ids, prompt_entry, token_entry
-from common.jobqueue import Claim, JobQueue
-from common.records import RecordUpdate
+from common.jobs.claims import Claim
+from common.jobs.queue import JobQueue
+from common.jobs.record import RecordUpdate
 from common.wire import EventType, FinishReason, JobSpec, JobStatus
 from worker import job_request
 from worker.attempt_writes import Outcome, final_writes, running_writes, write_final

@@ -26,7 +26,7 @@ from prometheus_client.metrics_core import Metric
 from redis.exceptions import RedisError
 
 from common.fleet_stats import record_outcome
-from common.jobqueue import Claim
+from common.jobs.claims import Claim
 from common.store_watch import StoreMetrics, StoreWatch
 from common.wire import TERMINAL, FinishReason, JobStatus
 

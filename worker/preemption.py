@@ -13,7 +13,7 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from common.aio import wait_set
-from common.jobqueue import JobQueue
+from common.jobs.queue import JobQueue
 from common.wire import PriorityClass
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine

@@ -26,7 +26,8 @@ import logging
 from redis.exceptions import RedisError
 
 from common.events import TOKEN
-from common.jobqueue import JobQueue, StepResult, StepWrite
+from common.jobs.queue import JobQueue
+from common.jobs.writes import StepResult, StepWrite
 
 logger = logging.getLogger(__name__)
 

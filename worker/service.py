@@ -17,7 +17,9 @@ from redis.exceptions import RedisError
 from common import keys
 from common.aio import wait_set
 from common.error_codes import ErrorCode
-from common.jobqueue import Claim, JobQueue, MalformedJob, parse_job_payload
+from common.jobs.claims import Claim
+from common.jobs.payload import MalformedJob, parse_job_payload
+from common.jobs.queue import JobQueue
 from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, GenerationRequest, Tokenizer

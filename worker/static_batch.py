@@ -9,7 +9,9 @@ import time
 
 from redis.exceptions import RedisError
 
-from common.jobqueue import Claim, JobQueue, MalformedJob, parse_job_payload
+from common.jobs.claims import Claim
+from common.jobs.payload import MalformedJob, parse_job_payload
+from common.jobs.queue import JobQueue
 from common.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)

@@ -184,7 +184,7 @@ class BatchDriver:
             reserved = await self.batches.reserve(batch, self.token)
             if reserved is None:
                 return not in_flight and not await self.batches.in_flight(batch.id)
-            index, raw = reserved
+            index, raw = reserved.index, reserved.line
             in_flight[index] = PENDING
             if not await self.submit_line(batch, index, raw):
                 return False
@@ -272,7 +272,7 @@ class BatchDriver:
                 reserved = await self.batches.reserve(batch, self.token, BatchStatus.finalizing)
                 if reserved is None:
                     break
-                index, raw = reserved
+                index, raw = reserved.index, reserved.line
                 message = "the batch expired before this request ran"
                 line = unanswered_line(custom_id_of(raw), index + 1, batch.id, "batch_expired", message)
                 await self.batches.answer(batch, index, PENDING, "error", line)
@@ -296,6 +296,6 @@ class BatchDriver:
             {f"{outcome.value}_at": _now()},
             self.token,
         )
-        if moved == "ok":
+        if moved.done:
             self.state.metrics.batches.ended.labels(outcome.value).inc()
             await self.batches.retire(batch.id)

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from common.error_codes import ErrorCode
-from common.records import JobRecord
+from common.jobs.record import JobRecord
 from common.wire import JobRequest, JobStatus, Usage
 from gateway.errors import ApiError, envelope, validation_error
 from gateway.openai_api.chat import ChatFormat

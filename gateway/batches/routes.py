@@ -19,6 +19,7 @@ from gateway.errors import ApiError
 from gateway.files.routes import file_store
 from gateway.files.store import new_file_id
 from gateway.metadata import Metadata
+from gateway.operations import OBJECT, Operation, Param, Reply, page_of
 from gateway.owned import OwnedKind, list_page, page_limit
 from gateway.request_body import parse_body
 from gateway.state import app_state
@@ -44,6 +45,8 @@ def batch_state(request: Request) -> BatchState:
     return BatchState(state.redis, state.settings.file_ttl_s)
 
 
+_BATCH = Reply("the batch", OBJECT)
+
 BATCH = OwnedKind("batch", "batch_id", ErrorCode.batch_not_found, "batch_")
 
 
@@ -52,6 +55,12 @@ async def owned_batch(request: Request) -> Batch:
     return await BATCH.from_path(request, lambda batch_id, _owner: states.load(batch_id))
 
 
+@Operation(
+    "Start a batch over an uploaded file; its lines run as jobs of the batch class",
+    request=BatchRequest,
+    responses={200: _BATCH},
+    errors=(400, 404),
+)
 async def create_batch(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, BatchRequest, invalid_status=400)
@@ -101,10 +110,17 @@ async def create_batch(request: Request) -> Response:
     return JSONResponse(batch.view())
 
 
+@Operation("A batch's status, request counts and files", responses={200: _BATCH}, errors=(404,))
 async def get_batch(request: Request) -> Response:
     return JSONResponse((await owned_batch(request)).view())
 
 
+@Operation(
+    "The caller's batches, newest first",
+    responses={200: Reply("batches", page_of("batches"))},
+    errors=(400,),
+    params=(Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_LIST}), Param("after")),
+)
 async def list_batches(request: Request) -> Response:
     limit = page_limit(request, default=20, most=MAX_LIST)
     owner = principal_of(request.scope).name
@@ -112,6 +128,11 @@ async def list_batches(request: Request) -> Response:
     return list_page(found, limit)
 
 
+@Operation(
+    "Cancel a batch: no line fed any more, queued ones cancelled, running ones finish",
+    responses={200: _BATCH},
+    errors=(404,),
+)
 async def cancel_batch(request: Request) -> Response:
     """Stops feeding lines and cancels the queued ones; running lines finish (as OpenAI's)."""
     batch = await owned_batch(request)

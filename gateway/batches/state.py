@@ -18,7 +18,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from common import keys
+from common import keys, lua
 from gateway.owned import newest_after
 
 PENDING = "pending"  # a line reserved for feeding whose job may or may not exist yet
@@ -42,75 +42,28 @@ def new_batch_id() -> str:
     return "batch_" + secrets.token_urlsafe(18)
 
 
-_LEASE = """
--- KEYS: lease; ARGV: token, lease_ms. Takes the lease if free, renews it if ours.
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
+class MoveRefused(str, Enum):
+    """Why set_status.lua did not move a batch (besides the status it has)."""
 
-_SET_STATUS = """
--- KEYS: batch, lease (or '' for a client's request); ARGV: token, from statuses (comma-separated), to,
---       n fields, fields...
-if KEYS[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lease' end
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return 'missing' end
-local allowed = false
-for s in string.gmatch(ARGV[2], '[^,]+') do if s == st then allowed = true end end
-if not allowed then return st end
-redis.call('HSET', KEYS[1], 'status', ARGV[3])
-local n = tonumber(ARGV[4])
-for i = 5, 4 + 2 * n, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 'ok'
-"""
+    lease = "lease"  # the caller is not the batch's driver any more
+    missing = "missing"
 
-_RESERVE = """
--- KEYS: batch, lease, in flight, input lines; ARGV: token, the status the batch must have
--- Takes the next line that is not blank: in flight as 'pending'; returns {index, line}, or {} at the end.
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {} end
-if redis.call('HGET', KEYS[1], 'status') ~= ARGV[2] then return {} end
-local total = redis.call('LLEN', KEYS[4])
-local at = tonumber(redis.call('HGET', KEYS[1], 'next') or '0')
-while at < total do
-  local line = redis.call('LINDEX', KEYS[4], at)
-  at = at + 1
-  if string.find(line, '%S') then
-    redis.call('HSET', KEYS[1], 'next', at)
-    redis.call('HSET', KEYS[3], at - 1, 'pending')
-    return {at - 1, line}
-  end
-end
-redis.call('HSET', KEYS[1], 'next', at)
-return {}
-"""
 
-_STARTED = """
--- KEYS: in flight; ARGV: index, job id
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'pending' then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
+@dataclass(frozen=True)
+class Moved:
+    """A status move: done, or refused, saying why (or the status the batch has)."""
 
-_ANSWER = """
--- KEYS: batch, in flight, output lines, error lines; ARGV: index, expected (job id or 'pending'),
---   'output' or 'error', the line, ttl_s
--- Answers the line once: only while it is still in flight with the expected job.
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[1])
-if ARGV[3] == 'output' then
-  redis.call('RPUSH', KEYS[3], ARGV[4])
-  redis.call('EXPIRE', KEYS[3], ARGV[5])
-  redis.call('HINCRBY', KEYS[1], 'completed', 1)
-  redis.call('HINCRBY', KEYS[1], 'output_bytes', string.len(ARGV[4]))
-else
-  redis.call('RPUSH', KEYS[4], ARGV[4])
-  redis.call('EXPIRE', KEYS[4], ARGV[5])
-  redis.call('HINCRBY', KEYS[1], 'failed', 1)
-  redis.call('HINCRBY', KEYS[1], 'error_bytes', string.len(ARGV[4]))
-end
-return 1
-"""
+    refused: MoveRefused | BatchStatus | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.refused is None
+
+
+@dataclass(frozen=True)
+class ReservedLine:
+    index: int
+    line: str
 
 
 @dataclass(frozen=True)
@@ -194,24 +147,17 @@ class Batch:
         return {key: value for key, value in shown.items() if value is not None or key == "metadata"}
 
 
-def _flat(fields: dict[str, str]) -> list[str]:
-    out = [str(len(fields))]
-    for key, value in fields.items():
-        out += [key, value]
-    return out
-
-
 class BatchState:
     """The batch records and their transitions; shared by the routes (create, cancel) and the drivers."""
 
     def __init__(self, redis: Redis, ttl_s: int) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
-        self._lease = redis.register_script(_LEASE)
-        self._set_status = redis.register_script(_SET_STATUS)
-        self._reserve = redis.register_script(_RESERVE)
-        self._started = redis.register_script(_STARTED)
-        self._answer = redis.register_script(_ANSWER)
+        self._lease = lua.register(redis, __name__, "lease.lua")
+        self._set_status = lua.register(redis, __name__, "set_status.lua")
+        self._reserve = lua.register(redis, __name__, "reserve.lua")
+        self._started = lua.register(redis, __name__, "started.lua")
+        self._answer = lua.register(redis, __name__, "answer.lua")
 
     async def create(self, fields: dict[str, str], expires_at: float) -> Batch | None:
         """Writes the batch and keeps its input file as long as the batch may read it, in one transaction
@@ -265,18 +211,27 @@ class BatchState:
         to: BatchStatus,
         fields: dict[str, str] | None = None,
         token: str | None = None,
-    ) -> str:
-        """'ok', or why not: 'lease' (not the driver any more), 'missing', or the batch's status."""
+    ) -> Moved:
+        """Moves the batch to `to` when its status is one of `from_statuses` (and, with `token`, the caller
+        still holds its lease)."""
         lease = keys.batch_lease(batch_id) if token is not None else ""
-        result: str = await self._set_status(
+        reply: str = await self._set_status(
             keys=[keys.batch(batch_id), lease],
-            args=[token or "", ",".join(s.value for s in from_statuses), to.value, *_flat(fields or {})],
+            args=[
+                token or "",
+                ",".join(s.value for s in from_statuses),
+                to.value,
+                *lua.flat_fields(fields or {}),
+            ],
         )
-        return result
+        if reply == "ok":
+            return Moved()
+        refused = MoveRefused(reply) if reply in MoveRefused.__members__ else BatchStatus(reply)
+        return Moved(refused)
 
     async def reserve(
         self, batch: Batch, token: str, status: BatchStatus = BatchStatus.in_progress
-    ) -> tuple[int, str] | None:
+    ) -> ReservedLine | None:
         """The next line to feed, now in flight as pending; None when every line has been fed (or the
         batch's status is no longer `status`)."""
         reply = await self._reserve(
@@ -290,7 +245,8 @@ class BatchState:
         )
         if not reply:
             return None
-        return int(reply[0]), str(reply[1])
+        index, line = reply
+        return ReservedLine(int(index), str(line))
 
     async def started(self, batch_id: str, index: int, job_id: str) -> bool:
         done: int = await self._started(keys=[keys.batch_in_flight(batch_id)], args=[index, job_id])
@@ -301,7 +257,8 @@ class BatchState:
         return {int(index): job for index, job in raw.items()}
 
     async def answer(self, batch: Batch, index: int, expected: str, kind: str, line: str) -> bool:
-        """Writes the line's answer to the output ('output') or error ('error') file, once."""
+        """Writes the line's answer to the output ('output') or error ('error') file, once: False when
+        the line is no longer in flight with the `expected` job (or 'pending')."""
         done: int = await self._answer(
             keys=[
                 keys.batch(batch.id),

@@ -14,6 +14,7 @@ from gateway.auth import principal_of
 from gateway.errors import ApiError
 from gateway.files.store import PURPOSES, FileInUse, FileStore, StoredFile, new_file_id
 from gateway.files.upload import receive_upload
+from gateway.operations import OBJECT, STRING, Operation, Param, Reply, page_of
 from gateway.owned import OwnedKind, list_page, page_limit
 from gateway.state import app_state
 
@@ -25,6 +26,13 @@ def file_store(request: Request) -> FileStore:
     return FileStore(state.redis, state.settings.file_ttl_s)
 
 
+_FILE = Reply("the file", OBJECT)
+_UPLOAD = {
+    "type": "object",
+    "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}},
+}
+
 FILE = OwnedKind("file", "file_id", ErrorCode.file_not_found, "file-")
 
 
@@ -32,6 +40,13 @@ async def owned_file(request: Request) -> StoredFile:
     return await FILE.from_path(request, file_store(request).get)
 
 
+@Operation(
+    "Upload a JSONL file (purpose batch), read as a stream; capped by max_file_bytes",
+    request=_UPLOAD,
+    request_media_type="multipart/form-data",
+    responses={200: _FILE},
+    errors=(400, 413, 503),
+)
 async def create_file(request: Request) -> Response:
     state = app_state(request)
     store = file_store(request)
@@ -62,6 +77,16 @@ async def create_file(request: Request) -> Response:
     return JSONResponse(stored.view())
 
 
+@Operation(
+    "The caller's files, newest first",
+    responses={200: Reply("files", page_of("files"))},
+    errors=(400,),
+    params=(
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_LIST}),
+        Param("after"),
+        Param("purpose"),
+    ),
+)
 async def list_files(request: Request) -> Response:
     limit = page_limit(request, default=MAX_LIST, most=MAX_LIST)
     purpose = request.query_params.get("purpose")
@@ -71,10 +96,16 @@ async def list_files(request: Request) -> Response:
     return list_page(found, limit)
 
 
+@Operation("A file's details", responses={200: _FILE}, errors=(404,))
 async def get_file(request: Request) -> Response:
     return JSONResponse((await owned_file(request)).view())
 
 
+@Operation(
+    "Delete a file (409 while a batch that has not ended reads it)",
+    responses={200: Reply("deleted", OBJECT)},
+    errors=(404, 409),
+)
 async def delete_file(request: Request) -> Response:
     stored = await owned_file(request)
     try:
@@ -91,6 +122,11 @@ async def delete_file(request: Request) -> Response:
     return JSONResponse({"id": stored.id, "object": "file", "deleted": True})
 
 
+@Operation(
+    "A file's bytes",
+    responses={200: Reply("the file", STRING, media_type="application/octet-stream")},
+    errors=(404, 503),
+)
 async def file_content(request: Request) -> Response:
     stored = await owned_file(request)
     held = await file_store(request).line_count(stored.id)

@@ -31,7 +31,7 @@ from gateway.openai_api.protocol import (
     ToolCall,
     ToolCallDelta,
 )
-from gateway.openai_api.serving import respond, served_model, submit_choices
+from gateway.openai_api.serving import completion_operation, respond, served_model, submit_choices
 from gateway.openai_api.structured import response_format, with_schema_shown
 from gateway.openai_api.tool_calls import CallReader, read_answer
 from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, check_schemas, tool_plan, with_tools
@@ -153,6 +153,9 @@ class ChatFormat:
         )
 
 
+@completion_operation(
+    "OpenAI-compatible chat completion", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk
+)
 async def create_chat_completion(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, ChatCompletionRequest, invalid_status=400)

@@ -15,7 +15,7 @@ from gateway.openai_api.choices import ChoiceResult
 from gateway.openai_api.logprobs import TextOffsets, completion_logprobs
 from gateway.openai_api.params import check_choice_count, job_request, prompt_texts, reject_unsupported
 from gateway.openai_api.protocol import Completion, CompletionChoice, CompletionRequest, OpenAIFinishReason
-from gateway.openai_api.serving import respond, served_model, submit_choices
+from gateway.openai_api.serving import completion_operation, respond, served_model, submit_choices
 from gateway.openai_api.structured import response_format
 from gateway.request_body import parse_body
 from gateway.state import app_state
@@ -77,6 +77,7 @@ class CompletionFormat:
         return self._chunk(choices, usage)
 
 
+@completion_operation("OpenAI-compatible text completion", CompletionRequest, Completion, Completion)
 async def create_completion(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, CompletionRequest, invalid_status=400)

@@ -10,9 +10,10 @@ from starlette.routing import Route
 
 from common.error_codes import ErrorCode
 from gateway.auth import principal_of
-from gateway.errors import ApiError
+from gateway.errors import ApiError, Error
 from gateway.fleet import ModelState
 from gateway.openai_api.tools import TOOL_PROMPT
+from gateway.operations import Operation, Reply
 from gateway.state import app_state
 
 
@@ -37,6 +38,7 @@ def model_entry(m: ModelState, tenant: bool = False) -> dict[str, Any]:
     return entry
 
 
+@Operation("Models served by live workers", responses={200: Reply("models")})
 async def list_models(request: Request) -> Response:
     fleet = await app_state(request).fleet.snapshot(fresh=True)
     tenant = principal_of(request.scope).name != ""
@@ -44,6 +46,10 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
+@Operation(
+    "One model served by live workers (OpenAI's shape)",
+    responses={200: Reply("the model"), 404: Reply("not served", Error)},
+)
 async def retrieve_model(request: Request) -> Response:
     name = request.path_params["model_id"]
     fleet = await app_state(request).fleet.snapshot(fresh=True)

@@ -3,6 +3,7 @@ cancels them)."""
 
 from __future__ import annotations
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -12,9 +13,24 @@ from gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, ClientGone
 from gateway.openai_api.choices import JOB_ID_HEADER, Choices, as_openai_error
 from gateway.openai_api.protocol import GenerationParams
 from gateway.openai_api.streaming import ChunkStream, JobStreamResponse, ResponseFormat
+from gateway.operations import Events, Operation, Reply
 from gateway.state import AppState, app_state
 from gateway.streaming.departure import until_disconnect
 from gateway.submission import resolve_model
+
+
+def completion_operation(
+    summary: str, request: type[BaseModel], whole: type[BaseModel], chunk: type[BaseModel]
+) -> Operation:
+    """A completion route's operation: `whole` as JSON, or with `stream` SSE of `chunk`s."""
+    reply = Reply(
+        f"the whole {whole.__name__}; with `stream`, SSE of `data: {chunk.__name__}` events ending with "
+        "`data: [DONE]`",
+        whole,
+        stream=Events(f"a JSON {chunk.__name__}, an error envelope, or [DONE]", chunk),
+        headers={JOB_ID_HEADER: "The id of the job behind each choice, comma-separated in choice order"},
+    )
+    return Operation(summary, request=request, responses={200: reply}, errors=(400, 404, 413, 429, 500, 503))
 
 
 async def served_model(state: AppState, requested: str | None) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.records import JobRecord
+from common.jobs.record import JobRecord
 from common.wire import FinishReason, JobStatus
 from gateway.openai_api.tool_calls import CallReader, ReadCall
 

@@ -18,7 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
-from common.records import JobRecord
+from common.jobs.cancellation import CancelOutcome
+from common.jobs.record import JobRecord
 from common.wire import TERMINAL, JobStatus
 from gateway.auth import principal_of
 from gateway.errors import ApiError, ClientGone
@@ -26,6 +27,7 @@ from gateway.openai_api.choices import as_openai_error, job_failure
 from gateway.openai_api.serving import served_model
 from gateway.openai_api.structured import with_schema_shown
 from gateway.openai_api.tools import check_schemas, with_tools
+from gateway.operations import OBJECT, Events, Operation, Param, Reply, page_of
 from gateway.request_body import parse_body
 from gateway.responses import store
 from gateway.responses.events import EventFrames
@@ -53,6 +55,8 @@ CANCEL_WAIT_S = 5.0
 
 _SEQUENCE_NUMBER = re.compile(r"-1|[0-9]{1,18}", re.ASCII)
 MAX_ITEMS_PAGE = 100
+
+_EVENTS = Events("the event as JSON", named=True, about="one server-sent event of OpenAI's Responses stream")
 
 
 class ResponseEventStream(JobEventsResponse):
@@ -136,6 +140,13 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
     return meta
 
 
+@Operation(
+    "Create a response (text, function tools, structured text): foreground, streamed or in the background; "
+    "`previous_response_id` continues a stored one",
+    request=ResponseRequest,
+    responses={200: Reply("the response; with `stream`, its events as SSE", OBJECT, stream=_EVENTS)},
+    errors=(400, 404, 429, 503),
+)
 async def create_response(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, ResponseRequest, invalid_status=400)
@@ -182,6 +193,12 @@ async def _until_final(state: AppState, model: str, job_id: str) -> None:
             return
 
 
+@Operation(
+    "A response; with stream=true its events after `starting_after`, from any gateway",
+    responses={200: Reply("the response, or its events as SSE", OBJECT, stream=_EVENTS)},
+    errors=(400, 404),
+    params=(Param("stream", {"type": "boolean"}), Param("starting_after", {"type": "integer"})),
+)
 async def get_response(request: Request) -> Response:
     state = app_state(request)
     resp_id = request.path_params["response_id"]
@@ -197,6 +214,7 @@ async def get_response(request: Request) -> Response:
     return ResponseEventStream(state, meta, starting_after, meta["owner"], owned=False)
 
 
+@Operation("Cancel a background response", responses={200: Reply("the response", OBJECT)}, errors=(400, 404))
 async def cancel_response(request: Request) -> Response:
     state = app_state(request)
     resp_id = request.path_params["response_id"]
@@ -205,7 +223,7 @@ async def cancel_response(request: Request) -> Response:
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
     shard = state.shards.of_model(meta["model"])
     outcome = await shard.queue.cancel(meta["job_id"], meta["model"])
-    if outcome == "cancelling":
+    if outcome is CancelOutcome.cancelling:
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
             await wait_final(shard.relay, shard.redis, meta["job_id"], deadline - time.monotonic())
@@ -215,6 +233,7 @@ async def cancel_response(request: Request) -> Response:
     return JSONResponse(await store.current_view(state, meta))
 
 
+@Operation("Delete a stored response and its job", responses={200: Reply("deleted", OBJECT)}, errors=(404,))
 async def delete_response(request: Request) -> Response:
     state = app_state(request)
     resp_id = request.path_params["response_id"]
@@ -223,6 +242,16 @@ async def delete_response(request: Request) -> Response:
     return JSONResponse({"id": resp_id, "object": "response.deleted", "deleted": True})
 
 
+@Operation(
+    "A response's input items (its whole conversation), a page at a time",
+    responses={200: Reply("input items", page_of("input items"))},
+    errors=(400, 404),
+    params=(
+        Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_ITEMS_PAGE}),
+        Param("order", {"enum": ["asc", "desc"]}),
+        Param("after"),
+    ),
+)
 async def list_input_items(request: Request) -> Response:
     """The response's input items a page at a time, newest first unless `order=asc`, after the item
     `after` (an id of the list)."""

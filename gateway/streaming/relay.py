@@ -1,7 +1,7 @@
 """The gateway's stream relay: every job stream its clients follow is read through a few Redis connections.
 
 The scripts that add entries to job streams publish the streams' keys on a notices channel
-(common/job_scripts.py). Each relay holds one subscription to it and, on each notice, reads just the
+(common/jobs/). Each relay holds one subscription to it and, on each notice, reads just the
 streams named there that its clients follow: one non-blocking `XREAD` over all of them (up to
 `max_keys` a command), whose entries it fans out in-process. A worker's step writes (nearly all
 entries: the tokens) carry their entries in the notice, each stream's with the id of the entry before

@@ -29,8 +29,10 @@ from redis.asyncio import Redis
 from tqdm import tqdm
 
 from common import aio, keys
-from common.jobqueue import JobQueue, StepWrite, notice_streams, stage_jobs
-from common.records import JobRecord
+from common.jobs.queue import JobQueue
+from common.jobs.reads import notice_streams, stage_jobs
+from common.jobs.record import JobRecord
+from common.jobs.writes import StepWrite
 from common.redis_client import connect, gateway_client_name
 from common.registry import WorkerInfo, heartbeat
 from common.wire import JobStatus

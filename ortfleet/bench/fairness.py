@@ -22,7 +22,7 @@ from typing import Any
 
 from common import aio, keys
 from common.fleet_stats import served_tokens
-from common.records import JobRecord
+from common.jobs.record import JobRecord
 from common.redis_client import connect
 from common.wire import JobStatus
 from ortfleet.bench.http import Connection, HttpError

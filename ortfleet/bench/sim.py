@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common import aio, keys
-from common.records import JobRecord
+from common.jobs.record import JobRecord
 from common.redis_client import connect
 from common.registry import live_workers
 from common.wire import JobStatus

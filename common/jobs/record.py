@@ -1,7 +1,7 @@
 """A job's record: its typed model and its Redis encoding (a hash of strings at keys.job(id)).
 
-The gateway writes the record when it queues the job; the state machine's Lua scripts in
-common/jobqueue.py read and set the fields named in SCRIPT_FIELDS; a worker writes RecordUpdates,
+The gateway writes the record when it queues the job; the state machine's Lua scripts
+(common/jobs/scripts/) read and set the fields named in SCRIPT_FIELDS; a worker writes RecordUpdates,
 fenced by its attempt number. Everything else reads the record through JobRecord.
 """
 
@@ -67,9 +67,11 @@ def _encode(values: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _with_resume_exact(out: dict[str, str], exact: bool | None) -> dict[str, str]:
-    """resume_exact keeps False ("0"): an inexact resume is news, unlike a flag left unset."""
-    if exact is False:
+def _to_fields(record: JobRecord | RecordUpdate) -> dict[str, str]:
+    """The dataclass's fields as hash fields; resume_exact keeps False ("0"): an inexact resume is news,
+    unlike a flag left unset."""
+    out = _encode({f.name: getattr(record, f.name) for f in fields(record)})
+    if record.resume_exact is False:
         out["resume_exact"] = "0"
     return out
 
@@ -82,8 +84,22 @@ def _int(raw: str | None) -> int | None:
     return int(raw) if raw else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobOutcome:
+    """The fields of what a job gave, which its worker writes: in the record and in a RecordUpdate."""
+
+    output: str | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+    error_code: ErrorCode | None = None
+    engine_batch_peak: int | None = None
+    finished_at: float | None = None
+
+
 @dataclass(frozen=True)
-class JobRecord:
+class JobRecord(JobOutcome):
     id: str
     model: str
     status: JobStatus
@@ -99,14 +115,6 @@ class JobRecord:
     started_at: float | None = None
     first_token_at: float | None = None
     cancel_requested: bool = False
-    output: str | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: str | None = None
-    error_code: ErrorCode | None = None
-    engine_batch_peak: int | None = None
-    finished_at: float | None = None
     weight: float = 1.0  # the owner's weight when it was submitted
     tag: int | None = None  # its score in its class's queue: its place (set by the submit script)
     preemptions: int = 0  # times it went back to the queue for interactive work: not attempts
@@ -125,9 +133,7 @@ class JobRecord:
     preferred_until_ms: int | None = None
 
     def to_fields(self) -> dict[str, str]:
-        return _with_resume_exact(
-            _encode({f.name: getattr(self, f.name) for f in fields(self)}), self.resume_exact
-        )
+        return _to_fields(self)
 
     @classmethod
     def from_fields(cls, raw: dict[str, str]) -> JobRecord:
@@ -201,27 +207,17 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
-class RecordUpdate:
+class RecordUpdate(JobOutcome):
     """Fields a worker sets on the record while it runs the job or when it ends it."""
 
     status: JobStatus | None = None
     first_token_at: float | None = None
-    output: str | None = None
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: str | None = None
-    error_code: ErrorCode | None = None
-    engine_batch_peak: int | None = None
-    finished_at: float | None = None
     resumed_from: int | None = None
     resumes: int | None = None
     resume_exact: bool | None = None
 
     def to_fields(self) -> dict[str, str]:
-        return _with_resume_exact(
-            _encode({f.name: getattr(self, f.name) for f in fields(self)}), self.resume_exact
-        )
+        return _to_fields(self)
 
 
 async def load_record(redis: Redis, job_id: str) -> JobRecord | None:

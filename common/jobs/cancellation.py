@@ -1,0 +1,158 @@
+"""Ending a job that no worker runs: a cancel (cancel.lua), a purge (purge.lua), and the gateways' sweep
+of queue deadlines (expire_queued.lua)."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from redis.asyncio import Redis
+
+from common import keys, lua
+from common.error_codes import ErrorCode
+from common.events import done_entry
+from common.fleet_stats import RECENT_WINDOW_S
+from common.jobs.record import JobRecord, load_record
+from common.wire import FinishReason, JobStatus, PriorityClass
+
+_WINDOW_MS = str(RECENT_WINDOW_S * 1000)
+
+
+class CancelOutcome(str, Enum):
+    """What a cancel did (cancel.lua's reply), or else the status the job had, left as it was."""
+
+    cancelled = "cancelled"  # it was queued and never runs (or it had been cancelled before)
+    cancelling = "cancelling"  # it runs: its worker is told to stop
+    missing = "missing"
+    queued = "queued"  # queued, yet in no queue: a worker holds it between a claim and its start
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+class CancelScript:
+    """cancel.lua."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._script = lua.register(redis, __name__, "cancel.lua")
+
+    async def __call__(self, *, record: JobRecord, model: str, now: float) -> CancelOutcome:
+        job_id = record.id
+        done = done_entry(JobStatus.cancelled, FinishReason.cancelled.value, None)
+        reply: str = await self._script(
+            keys=[
+                keys.job(job_id),
+                keys.queue(model, record.priority.value),
+                keys.events(job_id),
+                keys.arq_job(job_id),
+                keys.queued_tokens(model),
+                keys.active_jobs(record.owner),
+                keys.finished(model),
+                keys.prompt_tokens_in_flight(record.owner),
+            ],
+            args=[
+                job_id,
+                str(now),
+                keys.CANCEL_CHANNEL,
+                str(int(now * 1000)),
+                _WINDOW_MS,
+                *lua.flat_fields(done),
+                keys.STREAM_NOTICES,
+            ],
+        )
+        return CancelOutcome(reply)
+
+
+class PurgeScript:
+    """purge.lua: True, or False when the job did not exist."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._script = lua.register(redis, __name__, "purge.lua")
+
+    async def __call__(self, *, record: JobRecord, model: str) -> bool:
+        job_id = record.id
+        purged: int = await self._script(
+            keys=[
+                *keys.job_keys(job_id),
+                keys.queue(model, record.priority.value),
+                keys.leases(model),
+                keys.queued_tokens(model),
+                keys.active_jobs(record.owner),
+                keys.owner_jobs(record.owner),
+                keys.prompt_tokens_in_flight(record.owner),
+                *([record.idempotency_key] if record.idempotency_key else []),
+            ],
+            args=[job_id, keys.CANCEL_CHANNEL],
+        )
+        return bool(purged)
+
+
+class ExpireQueuedScript:
+    """expire_queued.lua: True when it failed the job as expired in its queue."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._script = lua.register(redis, __name__, "expire_queued.lua")
+
+    async def __call__(self, *, job_id: str, model: str, priority: str, owner: str, now_ms: int) -> bool:
+        expired: int = await self._script(
+            keys=[
+                keys.QUEUE_DEADLINES,
+                keys.queued_tokens(model),
+                keys.finished(model),
+                keys.queue(model, priority),
+                *keys.job_keys(job_id),
+                keys.active_jobs(owner),
+                keys.prompt_tokens_in_flight(owner),
+            ],
+            args=[
+                job_id,
+                str(now_ms),
+                _WINDOW_MS,
+                ErrorCode.expired_in_queue.value,
+                owner,
+                keys.STREAM_NOTICES,
+            ],
+        )
+        return bool(expired)
+
+
+class JobCancellation:
+    """JobQueue's cancel, purge and queue-deadline sweep."""
+
+    _redis: Redis
+    _cancel: CancelScript
+    _purge: PurgeScript
+    _expire_queued: ExpireQueuedScript
+
+    async def cancel(self, job_id: str, model: str) -> CancelOutcome:
+        """`cancelled` (was queued), `cancelling` (running, worker told), `missing`, or the job's status."""
+        record = await load_record(self._redis, job_id)
+        if record is None:
+            return CancelOutcome.missing
+        return await self._cancel(record=record, model=model, now=time.time())
+
+    async def purge(self, job_id: str, model: str) -> bool:
+        """Delete every trace of the job now; a running job is told to stop and can write nothing more."""
+        record = await load_record(self._redis, job_id)
+        if record is None:
+            return False
+        return await self._purge(record=record, model=model)
+
+    async def expire_overdue(self, now_ms: int, most: int = 100) -> int:
+        """Fails the jobs still waiting for a first attempt past their queue deadline, as a claim would,
+        whether or not a worker of their model is live (up to `most` a call); how many it failed."""
+        due: list[str] = await self._redis.zrangebyscore(keys.QUEUE_DEADLINES, "-inf", now_ms, 0, most)
+        expired = 0
+        for job_id in due:
+            model, priority, owner = await self._redis.hmget(keys.job(job_id), ["model", "priority", "owner"])  # type: ignore[misc]
+            if model is None:  # expired or purged meanwhile
+                await self._redis.zrem(keys.QUEUE_DEADLINES, job_id)
+                continue
+            expired += await self._expire_queued(
+                job_id=job_id,
+                model=model,
+                priority=priority or PriorityClass.interactive.value,
+                owner=owner or "",
+                now_ms=now_ms,
+            )
+        return expired

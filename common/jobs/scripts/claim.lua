@@ -1,0 +1,147 @@
+-- The claim. Which job a worker takes next is decided by `claimable` alone: the head of the highest
+-- class that has waiting jobs, in each class's fair-share order. It must pick among the candidates it
+-- was given (the only jobs whose keys it holds); a wider choice needs the caller's candidates
+-- (common/jobs/claims.py) to look further.
+-- include: active.lua
+-- include: uncount.lua
+-- include: note_outcome.lua
+-- include: expire.lua
+-- include: fair.lua
+-- KEYS: leases, queued tokens, model's recent outcomes, queue deadlines, then per class (highest first):
+--       its queue, its fair-share tags; then 5 keys per candidate job: record, events, arq job, its
+--       owner's active jobs, its owner's prompt tokens in flight
+-- ARGV: now_ms, lease_ms, max jobs, worker id, outcome window ms, error code of an expired job,
+--       idle ('1': the worker runs nothing, so it may take a suspect job, alone),
+--       n classes, class names..., stream notices channel,
+--       then per candidate: id, owner, whether the owner is known ('1'; else its owner's key is a
+--       stand-in, not to be touched)
+-- Candidates are the jobs the caller saw at the head of each class's queue and in leases that ran
+-- out. Jobs whose lease ran out go back to their class's queue first, with the tag they had (they
+-- keep their place), suspect: their worker died. Then jobs are taken from the head of the highest
+-- class with waiting jobs while that head is a candidate. A suspect job is taken only by an idle
+-- worker that took nothing else in this claim, and then alone: its attempt is quarantined. The
+-- script stops, and says why, at the first that is not a candidate (the head moved since the caller
+-- looked: 1), or that expired in the queue while the caller did not know its owner (2); the caller
+-- looks again, then knowing every candidate's owner. It stops too at a suspect job it may not take,
+-- and at a job whose preferred worker (the one that holds its prompt's KV) is another, until the job's
+-- preferred_until_ms (3): that worker takes it meanwhile, or any worker after.
+-- Returns {why it stopped early (ClaimStop in common/jobs/claims.py: 0 it did not, 1 the head moved,
+-- 2 an owner is needed, 3 the head waits for its preferred worker), whether a suspect job waits for
+-- an idle worker ('1'/'0'),
+-- then per claimed job: id, attempt, arq payload, owner, quarantined ('1'/'0'), deaths in quarantine}.
+local now = tonumber(ARGV[1])
+local idle = ARGV[7] == '1'
+local nclass = tonumber(ARGV[8])
+local queues, tags, class_at = {}, {}, {}
+for c = 1, nclass do
+  queues[c], tags[c] = KEYS[3 + 2 * c], KEYS[4 + 2 * c]
+  class_at[ARGV[8 + c]] = c
+end
+local notices, noticed = ARGV[9 + nclass], {}
+local candidates = {}
+local n = 0
+for i = 10 + nclass, #ARGV - 2, 3 do
+  local k = 4 + 2 * nclass + 5 * n
+  candidates[ARGV[i]] = {owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
+    events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4], held = KEYS[k + 5]}
+  n = n + 1
+end
+
+-- A worker died holding the job (its lease ran out): the job is suspect. A death during a quarantined
+-- attempt (one that ran alone on its worker) is evidence against the job, and is counted.
+local function worker_lost(job)
+  local attempt = redis.call('HGET', job.rec, 'attempts')
+  if not attempt then return end
+  redis.call('HINCRBY', job.rec, 'worker_deaths', 1)
+  if redis.call('HGET', job.rec, 'quarantined_attempt') == attempt then
+    redis.call('HINCRBY', job.rec, 'quarantine_deaths', 1)
+  end
+  redis.call('HSET', job.rec, 'suspect', '1')
+  redis.call('XADD', job.events, '*', 'type', 'status', 'status', 'queued', 'reason', 'worker_lost',
+    'attempt', attempt)
+  noticed[#noticed + 1] = job.events
+end
+
+-- Only candidates: the script holds the keys of no other job (a lease that runs out meanwhile waits
+-- for the next claim).
+local function requeue_expired_leases()
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+    local job = candidates[id]
+    if job then
+      local c = class_at[redis.call('HGET', job.rec, 'priority') or ''] or 1
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('ZADD', queues[c], redis.call('HGET', job.rec, 'tag') or '0', id)
+      worker_lost(job)
+    end
+  end
+end
+
+-- The next job to consider: the head of the highest class with waiting jobs, if the caller passed its
+-- keys; with its class and score.
+local function claimable()
+  for c = 1, nclass do
+    local head = redis.call('ZRANGE', queues[c], 0, 0, 'WITHSCORES')
+    if #head > 0 then
+      local job = candidates[head[1]]
+      if not job or (job.known and (redis.call('HGET', job.rec, 'owner') or '') ~= job.owner) then
+        return nil, true
+      end
+      return head[1], false, c, tonumber(head[2])
+    end
+  end
+  return nil, false
+end
+
+requeue_expired_leases()
+local out = {0, '0'}
+local taken = 0
+while taken < tonumber(ARGV[3]) do
+  local id, moved, c, score = claimable()
+  if not id then
+    if moved then out[1] = 1 end
+    break
+  end
+  local job = candidates[id]
+  local suspect = redis.call('HGET', job.rec, 'suspect') == '1'
+  if suspect and (taken > 0 or not idle) then
+    out[2] = '1'
+    break
+  end
+  local preferred = redis.call('HMGET', job.rec, 'preferred_worker', 'preferred_until_ms')
+  if preferred[1] and preferred[1] ~= ARGV[4] and not suspect and now < tonumber(preferred[2] or '0') then
+    out[1] = 3
+    break
+  end
+  local st = redis.call('HGET', job.rec, 'status')
+  local first = redis.call('HGET', job.rec, 'attempts') == '0'
+  local expired = past_deadline(job.rec, now)
+  if expired and not job.known then
+    out[1] = 2
+    break
+  end
+  redis.call('ZREM', queues[c], id)
+  advance(tags[c], score)
+  if first then
+    uncount(KEYS[2], job.rec)
+    redis.call('ZREM', KEYS[4], id)
+  end
+  if expired then
+    expire_in_queue(id, job, KEYS[4], KEYS[3], now, tonumber(ARGV[5]), ARGV[6], noticed)
+  elseif st == 'queued' or st == 'running' then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
+    local attempt = redis.call('HINCRBY', job.rec, 'attempts', 1)
+    redis.call('HSET', job.rec, 'status', 'running', 'worker', ARGV[4], 'started_at', now / 1000)
+    local payload = redis.call('GET', job.arq) or ''
+    out[#out + 1] = id
+    out[#out + 1] = attempt
+    out[#out + 1] = payload
+    out[#out + 1] = redis.call('HGET', job.rec, 'owner') or ''
+    if suspect then redis.call('HSET', job.rec, 'quarantined_attempt', attempt) end
+    out[#out + 1] = suspect and '1' or '0'
+    out[#out + 1] = redis.call('HGET', job.rec, 'quarantine_deaths') or '0'
+    taken = taken + 1
+    if suspect then break end
+  end
+end
+if #noticed > 0 then redis.call('PUBLISH', notices, table.concat(noticed, ' ')) end
+return out

@@ -1,0 +1,18 @@
+-- include: active.lua
+-- include: uncount.lua
+-- KEYS: record, events, arq job, queue of its class, leases, queued tokens, owner's active jobs,
+--       owner's jobs, owner's prompt tokens in flight, idempotency entry (only when the record names one)
+-- ARGV: id, cancel channel
+-- Returns 1, or 0 when the job does not exist.
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return 0 end
+if redis.call('ZREM', KEYS[4], ARGV[1]) == 1 and redis.call('HGET', KEYS[1], 'attempts') == '0' then
+  uncount(KEYS[6], KEYS[1])
+end
+leave_active(KEYS[7], KEYS[9], ARGV[1])
+redis.call('ZREM', KEYS[8], ARGV[1])
+local idem = KEYS[10]
+if idem and redis.call('HGET', KEYS[1], 'idempotency_key') == idem then redis.call('DEL', idem) end
+if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 1

@@ -1,0 +1,5 @@
+-- A job's cost leaves the model's queued-token count when it first starts, expires or is cancelled.
+local function uncount(counter, rec)
+  local cost = tonumber(redis.call('HGET', rec, 'cost') or '0')
+  if cost > 0 and redis.call('DECRBY', counter, cost) < 0 then redis.call('SET', counter, 0) end
+end
