@@ -76,7 +76,7 @@ class BatchDriver:
         finally:
             with contextlib.suppress(Exception):
                 for batch_id in await self.batches.active():
-                    await self.batches.drop_lease(batch_id, self.token)
+                    await self.batches.drop_lease(batch_id, token=self.token)
 
     async def _step_alone(self, batch_id: str) -> None:
         """One batch's step; a fault of its own is logged and stops neither the driver nor the other
@@ -98,17 +98,17 @@ class BatchDriver:
         if batch is None or batch.status in ENDED:
             await self.batches.retire(batch_id)
             return
-        if not await self.batches.take_lease(batch_id, self.token, self.settings.batch_lease_s):
+        if not await self.batches.take_lease(batch_id, token=self.token, lease_s=self.settings.batch_lease_s):
             return
         if batch.status in (BatchStatus.validating, BatchStatus.in_progress) and time.time() >= float(
             batch.fields["expires_at"]
         ):
             await self.batches.move(
                 batch_id,
-                {BatchStatus.validating, BatchStatus.in_progress},
-                BatchStatus.finalizing,
-                {"outcome": BatchStatus.expired.value, "finalizing_at": _now()},
-                self.token,
+                from_statuses={BatchStatus.validating, BatchStatus.in_progress},
+                to=BatchStatus.finalizing,
+                fields={"outcome": BatchStatus.expired.value, "finalizing_at": _now()},
+                token=self.token,
             )
             batch = await self.batches.load(batch_id)
             if batch is None:
@@ -120,10 +120,10 @@ class BatchDriver:
             if await self.feed(batch):
                 await self.batches.move(
                     batch_id,
-                    {BatchStatus.in_progress},
-                    BatchStatus.finalizing,
-                    {"outcome": BatchStatus.completed.value, "finalizing_at": _now()},
-                    self.token,
+                    from_statuses={BatchStatus.in_progress},
+                    to=BatchStatus.finalizing,
+                    fields={"outcome": BatchStatus.completed.value, "finalizing_at": _now()},
+                    token=self.token,
                 )
         else:
             await self.wind_down(batch)
@@ -162,14 +162,22 @@ class BatchDriver:
         if errors:
             fields = {"errors": json.dumps([e.as_json() for e in errors]), "failed_at": _now(), "total": "0"}
             await self.batches.move(
-                batch.id, {BatchStatus.validating}, BatchStatus.failed, fields, self.token
+                batch.id,
+                from_statuses={BatchStatus.validating},
+                to=BatchStatus.failed,
+                fields=fields,
+                token=self.token,
             )
             await self.batches.retire(batch.id)
             self.state.metrics.batches.ended.labels(BatchStatus.failed.value).inc()
             return
         fields = {"total": str(total), "in_progress_at": _now(), "next": "0"}
         await self.batches.move(
-            batch.id, {BatchStatus.validating}, BatchStatus.in_progress, fields, self.token
+            batch.id,
+            from_statuses={BatchStatus.validating},
+            to=BatchStatus.in_progress,
+            fields=fields,
+            token=self.token,
         )
 
     async def feed(self, batch: Batch) -> bool:
@@ -181,7 +189,7 @@ class BatchDriver:
                 if not await self.submit_line(batch, index, raw):
                     return False
         while len(in_flight) < self.settings.batch_max_in_flight:
-            reserved = await self.batches.reserve(batch, self.token)
+            reserved = await self.batches.reserve(batch, token=self.token)
             if reserved is None:
                 return not in_flight and not await self.batches.in_flight(batch.id)
             index, raw = reserved.index, reserved.line
@@ -205,10 +213,10 @@ class BatchDriver:
             if e.status in TRANSIENT:
                 return False
             line = refused_line(custom_id_of(raw), index + 1, batch.id, e)
-            if await self.batches.answer(batch, index, PENDING, "error", line):
+            if await self.batches.answer(batch, index=index, expected=PENDING, kind="error", line=line):
                 self.state.metrics.batches.lines.labels("failed").inc()
             return True
-        await self.batches.started(batch.id, index, submitted.job_id)
+        await self.batches.started(batch.id, index=index, job_id=submitted.job_id)
         return True
 
     def idempotency_key(self, batch: Batch, index: int) -> str:
@@ -228,7 +236,7 @@ class BatchDriver:
             shard, record = found if found else (None, None)
             raw = (await self.files.read_lines(batch.input_file_id, index, 1) or [""])[0]
             kind, line = finished_line(custom_id_of(raw), index + 1, batch.id, batch.endpoint, job, record)
-            if await self.batches.answer(batch, index, job, kind, line):
+            if await self.batches.answer(batch, index=index, expected=job, kind=kind, line=line):
                 self.state.metrics.batches.lines.labels("completed" if kind == "output" else "failed").inc()
                 left -= 1
                 if shard is not None and record is not None:
@@ -245,7 +253,7 @@ class BatchDriver:
                     idempotency_redis_key(self.owner(batch), self.idempotency_key(batch, index))
                 )
                 if found:
-                    await self.batches.started(batch.id, index, found)
+                    await self.batches.started(batch.id, index=index, job_id=found)
                     job = found
                 else:
                     raw = (await self.files.read_lines(batch.input_file_id, index, 1) or [""])[0]
@@ -256,7 +264,7 @@ class BatchDriver:
                         f"batch_{outcome.value}",
                         f"the batch {outcome.value}",
                     )
-                    await self.batches.answer(batch, index, PENDING, "error", line)
+                    await self.batches.answer(batch, index=index, expected=PENDING, kind="error", line=line)
                     continue
             if outcome is not BatchStatus.completed:
                 located = await self.state.shards.record(job)
@@ -269,13 +277,13 @@ class BatchDriver:
             return
         if outcome is BatchStatus.expired:
             for _ in range(EXPIRE_PER_STEP):
-                reserved = await self.batches.reserve(batch, self.token, BatchStatus.finalizing)
+                reserved = await self.batches.reserve(batch, token=self.token, status=BatchStatus.finalizing)
                 if reserved is None:
                     break
                 index, raw = reserved.index, reserved.line
                 message = "the batch expired before this request ran"
                 line = unanswered_line(custom_id_of(raw), index + 1, batch.id, "batch_expired", message)
-                await self.batches.answer(batch, index, PENDING, "error", line)
+                await self.batches.answer(batch, index=index, expected=PENDING, kind="error", line=line)
             else:
                 return
         await self.finish(batch, outcome)
@@ -291,10 +299,10 @@ class BatchDriver:
                 await self.files.register(file_id, fresh.owner, "batch_output", name, size, lines)
         moved = await self.batches.move(
             batch.id,
-            {BatchStatus.finalizing, BatchStatus.cancelling},
-            outcome,
-            {f"{outcome.value}_at": _now()},
-            self.token,
+            from_statuses={BatchStatus.finalizing, BatchStatus.cancelling},
+            to=outcome,
+            fields={f"{outcome.value}_at": _now()},
+            token=self.token,
         )
         if moved.done:
             self.state.metrics.batches.ended.labels(outcome.value).inc()

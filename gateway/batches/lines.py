@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from common.error_codes import ErrorCode
 from common.jobs.record import JobRecord
 from common.wire import JobRequest, JobStatus, Usage
+from gateway.batches.state import AnswerFile
 from gateway.errors import ApiError, envelope, validation_error
 from gateway.openai_api.chat import ChatFormat
 from gateway.openai_api.choices import ChoiceResult, finish_reason, job_failure
@@ -165,7 +166,7 @@ def unanswered_line(custom_id: str, number: int, batch_id: str, code: str, messa
 
 def finished_line(
     custom_id: str, number: int, batch_id: str, endpoint: str, job_id: str, record: JobRecord | None
-) -> tuple[str, str]:
+) -> tuple[AnswerFile, str]:
     """('output' or 'error', the file line) for the finished job `job_id` of line `number`; a job whose
     record is gone failed."""
     status = record.status if record is not None else JobStatus.failed

@@ -139,7 +139,10 @@ async def cancel_batch(request: Request) -> Response:
     fields = {"cancelling_at": f"{time.time():.3f}", "outcome": BatchStatus.cancelled.value}
     states = batch_state(request)
     await states.move(
-        batch.id, {BatchStatus.validating, BatchStatus.in_progress}, BatchStatus.cancelling, fields
+        batch.id,
+        from_statuses={BatchStatus.validating, BatchStatus.in_progress},
+        to=BatchStatus.cancelling,
+        fields=fields,
     )
     batch = await states.load(batch.id) or batch
     return JSONResponse(batch.view())

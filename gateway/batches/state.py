@@ -13,7 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
@@ -47,6 +47,10 @@ class MoveRefused(str, Enum):
 
     lease = "lease"  # the caller is not the batch's driver any more
     missing = "missing"
+
+
+AnswerFile = Literal["output", "error"]
+"""Which of a batch's two result files a line's answer goes to."""
 
 
 @dataclass(frozen=True)
@@ -196,17 +200,18 @@ class BatchState:
         fields: dict[str, str] = await self.redis.hgetall(keys.batch(batch_id))  # type: ignore[misc]
         return Batch(fields) if fields else None
 
-    async def take_lease(self, batch_id: str, token: str, lease_s: float) -> bool:
+    async def take_lease(self, batch_id: str, *, token: str, lease_s: float) -> bool:
         held: int = await self._lease(keys=[keys.batch_lease(batch_id)], args=[token, int(lease_s * 1000)])
         return bool(held)
 
-    async def drop_lease(self, batch_id: str, token: str) -> None:
+    async def drop_lease(self, batch_id: str, *, token: str) -> None:
         if await self.redis.get(keys.batch_lease(batch_id)) == token:
             await self.redis.delete(keys.batch_lease(batch_id))
 
     async def move(
         self,
         batch_id: str,
+        *,
         from_statuses: set[BatchStatus],
         to: BatchStatus,
         fields: dict[str, str] | None = None,
@@ -230,7 +235,7 @@ class BatchState:
         return Moved(refused)
 
     async def reserve(
-        self, batch: Batch, token: str, status: BatchStatus = BatchStatus.in_progress
+        self, batch: Batch, *, token: str, status: BatchStatus = BatchStatus.in_progress
     ) -> ReservedLine | None:
         """The next line to feed, now in flight as pending; None when every line has been fed (or the
         batch's status is no longer `status`)."""
@@ -248,7 +253,7 @@ class BatchState:
         index, line = reply
         return ReservedLine(int(index), str(line))
 
-    async def started(self, batch_id: str, index: int, job_id: str) -> bool:
+    async def started(self, batch_id: str, *, index: int, job_id: str) -> bool:
         done: int = await self._started(keys=[keys.batch_in_flight(batch_id)], args=[index, job_id])
         return bool(done)
 
@@ -256,7 +261,7 @@ class BatchState:
         raw: dict[str, str] = await self.redis.hgetall(keys.batch_in_flight(batch_id))  # type: ignore[misc]
         return {int(index): job for index, job in raw.items()}
 
-    async def answer(self, batch: Batch, index: int, expected: str, kind: str, line: str) -> bool:
+    async def answer(self, batch: Batch, *, index: int, expected: str, kind: AnswerFile, line: str) -> bool:
         """Writes the line's answer to the output ('output') or error ('error') file, once: False when
         the line is no longer in flight with the `expected` job (or 'pending')."""
         done: int = await self._answer(
