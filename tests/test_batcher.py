@@ -119,6 +119,18 @@ async def test_a_request_joins_a_running_batch_at_the_next_step(engine_factory: 
     assert rest.finish is Finish.cancelled
 
 
+async def test_a_capacity_lowered_after_start_bounds_the_rows_that_run_together(
+    engine_factory: type[BatchingEngine],
+) -> None:
+    engine = engine_factory(slots=4)
+    engine.capacity = 2  # as the worker does when its warm-up ran fewer rows together
+    prompt = engine.tokenizer.encode("Once upon a time")
+    streams = engine.submit([GenerationRequest(prompt, 6, min_new_tokens=6) for _ in range(4)])
+    done = await asyncio.gather(*(collect(stream) for stream in streams))
+    assert all(len(row.tokens) == 6 for row in done)
+    assert max(max(row.rows) for row in done) == 2
+
+
 async def test_a_long_prompt_is_prefilled_in_chunks_between_the_steps_of_the_others(
     engine_factory: type[BatchingEngine],
 ) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +44,6 @@ DEFAULT_SLOTS = 8
 DEFAULT_PREFILL_CHUNK = 128
 
 
-@dataclass
-class _Iteration:
-    updates: Updates = field(default_factory=list)
-
-
 class BatchingEngine(EngineThread):
     """worker.engine.Engine on ortfleet's continuous batcher (see the module's docstring)."""
 
@@ -69,9 +63,8 @@ class BatchingEngine(EngineThread):
     ) -> None:
         super().__init__("batcher")
         self.context_length = context_length(model_dir)
-        self.capacity = slots or DEFAULT_SLOTS
+        capacity = slots or DEFAULT_SLOTS
         self.prefill_chunk = prefill_chunk
-        self.kv_budget_tokens = kv_budget_tokens or self.capacity * self.context_length
         self._step_delay_s = step_delay_s
         self._model_dir = model_dir
         config = og.Config(str(model_dir))
@@ -87,12 +80,24 @@ class BatchingEngine(EngineThread):
         self._grammar_tokenizer: LLTokenizer | None = None
         self.counters = BatcherCounters()
         prefixes = PrefixCache(prefill_chunk) if prefix_cache else None
-        self._rows = Rows(
-            layout, self.capacity, self.context_length, self.kv_budget_tokens, prefixes, self.counters
-        )
+        budget = kv_budget_tokens or capacity * self.context_length
+        self._rows = Rows(layout, capacity, self.context_length, budget, prefixes, self.counters)
         self._thread.start()
 
     # The event loop's side.
+
+    @property
+    def capacity(self) -> int:
+        """Rows the batch holds at once (the worker lowers it after warm-up where the engine fell short)."""
+        return self._rows.capacity
+
+    @capacity.setter
+    def capacity(self, rows: int) -> None:
+        self._rows.capacity = rows
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self._rows.kv.budget_tokens
 
     @property
     def kv_tokens_reserved(self) -> int:
@@ -119,11 +124,11 @@ class BatchingEngine(EngineThread):
                     return
                 if self._failed:
                     continue
-                iteration = _Iteration()
+                updates: Updates = []
                 self._rows.admit()
-                self._prefill(iteration)
-                self._decode(iteration)
-                deliver_all(iteration.updates)
+                self._prefill(updates)
+                self._decode(updates)
+                deliver_all(updates)
                 if self._step_delay_s and self._rows.running():
                     time.sleep(self._step_delay_s)
         except BaseException:
@@ -170,7 +175,7 @@ class BatchingEngine(EngineThread):
                 updates.append((stream, EngineUpdate([], Finish.cancelled, batch_rows=self._rows.running())))
                 return
 
-    def _prefill(self, iteration: _Iteration) -> None:
+    def _prefill(self, updates: Updates) -> None:
         spent = 0
         for row in sorted(self._rows.prefilling, key=lambda r: r.prompt_left):
             if spent >= self.prefill_chunk:
@@ -186,7 +191,7 @@ class BatchingEngine(EngineThread):
             except Exception as e:  # this prompt broke the run: its request fails, the others go on
                 logger.exception("a prefill run failed")
                 self._rows.end(row)
-                iteration.updates.append((row.stream, EngineUpdate([], Finish.error, f"prefill failed: {e}")))
+                updates.append((row.stream, EngineUpdate([], Finish.error, f"prefill failed: {e}")))
                 continue
             if (top := row.request.prompt_logprobs) is not None:
                 prompt = row.request.prompt_ids
@@ -199,9 +204,9 @@ class BatchingEngine(EngineThread):
             row.length = stop
             if row.prompt_left == 0:
                 self._rows.join_decoding(row)
-                self._next(row, logits[0, -1], iteration)
+                self._next(row, logits[0, -1], updates)
 
-    def _decode(self, iteration: _Iteration) -> None:
+    def _decode(self, updates: Updates) -> None:
         decoding = self._rows.decoding
         if not decoding:
             return
@@ -222,9 +227,9 @@ class BatchingEngine(EngineThread):
         for row in stepped:  # every row's new KV is in before a row that ends moves another
             row.length += 1
         for index, row in enumerate(stepped):
-            self._next(row, logits[index, -1], iteration)
+            self._next(row, logits[index, -1], updates)
 
-    def _next(self, row: Row, logits: np.ndarray, iteration: _Iteration) -> None:
+    def _next(self, row: Row, logits: np.ndarray, updates: Updates) -> None:
         """The row's next token from its logits: replayed, delivered, or the row's end."""
         request = row.request
         raw = logits.copy() if request.logprobs is not None and not row.replaying else None
@@ -243,7 +248,7 @@ class BatchingEngine(EngineThread):
             self._rows.end(row)
             code = ErrorCode.invalid_response_format
             update = EngineUpdate([], Finish.error, str(e), self._rows.running(), code)
-            iteration.updates.append((row.stream, update))
+            updates.append((row.stream, update))
             return
         row.produced += 1
         first, row.first_update = row.first_update, False
@@ -277,7 +282,7 @@ class BatchingEngine(EngineThread):
             cached_tokens=cached,
             prompt_logprobs=prompt_logprobs,
         )
-        iteration.updates.append((row.stream, update))
+        updates.append((row.stream, update))
 
     def _fail(self, cause: str) -> None:
         """A decode run failed: no row's KV can be trusted. Every request goes back to the queue (`lost`),

@@ -31,7 +31,6 @@ class Row:
     produced: int = 0  # tokens generated after the replayed ones
     replayed: int = 0
     exact: bool = True
-    decoding: bool = False
     first_update: bool = True
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when the request asks for them
@@ -64,21 +63,16 @@ class Rows:
     ) -> None:
         self._layout = layout
         self.capacity = capacity
-        self._context_length = context_length
-        self._kv_budget_tokens = kv_budget_tokens
-        self.kv = self._new_kv()
+        self.kv = KvSlots(layout, capacity, context_length, kv_budget_tokens)
         self.prefixes = prefixes
         self._counters = counters
         self.waiting: deque[Row] = deque()
         self.prefilling: list[Row] = []
         self.decoding: list[Row] = []  # row i holds slot i
 
-    def _new_kv(self) -> KvSlots:
-        return KvSlots(self._layout, self.capacity, self._context_length, self._kv_budget_tokens)
-
     def reset(self) -> None:
         """Fresh KV slots and an empty prefix cache, with no row (after a failure)."""
-        self.kv = self._new_kv()
+        self.kv = KvSlots(self._layout, self.capacity, self.kv.context_length, self.kv.budget_tokens)
         if self.prefixes is not None:
             self.prefixes.clear()
 
@@ -166,5 +160,4 @@ class Rows:
             else:
                 self.kv.move(row.slot, target, row.length)
             row.slot = target
-        row.decoding = True
         self.decoding.append(row)
