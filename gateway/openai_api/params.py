@@ -11,14 +11,21 @@ from common.guidance import ResponseFormat
 from common.wire import ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.openai_api.content import parts_text
-from gateway.openai_api.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, GenerationParams
+from gateway.openai_api.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    ChatMessageIn,
+    GenerationParams,
+    OpenAIRequest,
+)
 from gateway.openai_api.tools import Conversation, assistant_calls
 
 _SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
 
 
-def reject_unsupported(body: GenerationParams) -> None:
-    """400 naming the parameters set to something ortfleet cannot honour (or set without what they need)."""
+def reject_unsupported(body: OpenAIRequest) -> None:
+    """400 naming the parameters set to something ortfleet cannot honour (or set without what they need):
+    chat, text completions and Responses alike."""
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     names = body.unsupported_parameters()

@@ -11,6 +11,7 @@ from common.guidance import ResponseFormat
 from common.wire import MAX_TOP_LOGPROBS, ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.metadata import Metadata
+from gateway.openai_api.params import reject_unsupported
 from gateway.openai_api.protocol import OpenAIRequest, ServiceTier, Unset, neutral
 from gateway.openai_api.structured import text_format
 from gateway.openai_api.tools import TEXT_AFTER_TOOLS, ToolPlan, flat_tool_plan
@@ -96,15 +97,7 @@ class ResponseRequest(OpenAIRequest):
 
 
 def check_supported(body: ResponseRequest) -> None:
-    names = body.unsupported_parameters()
-    if names:
-        raise ApiError(
-            400,
-            f"{', '.join(names)}: not supported by ortfleet; leave {'it' if len(names) == 1 else 'them'} "
-            "unset",
-            param=names[0],
-            code=ErrorCode.unsupported_parameter,
-        )
+    reject_unsupported(body)
     if body.background and not body.stored:
         raise ApiError(400, "store: a background response must be stored (store=true)", param="store")
     for i, value in enumerate(body.include or []):
