@@ -18,7 +18,6 @@ from starlette.routing import BaseRoute, Route
 from gateway.auth import PUBLIC_PATHS
 from gateway.errors import Error
 from gateway.operations import Body, Events, Operation, Reply, Schema, operation_of
-from gateway.streaming.sse import StreamEndpoint
 
 Mode = Literal["validation", "serialization"]
 Refs = dict[tuple[Any, Mode], JsonSchemaValue]  # a model and mode: its `$ref`
@@ -43,8 +42,7 @@ def documented(routes: Sequence[BaseRoute]) -> Iterator[Documented]:
     for route in routes:
         if not isinstance(route, Route) or not route.include_in_schema:
             continue
-        handler = route.endpoint.handler if isinstance(route.endpoint, StreamEndpoint) else route.endpoint
-        operation = operation_of(handler)
+        operation = operation_of(route.endpoint)
         if operation is None:
             raise ValueError(f"route {route.path} has no Operation; declare one on {route.name}")
         path = _CONVERTOR.sub(r"{\1}", route.path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -125,7 +126,7 @@ class StreamEndpoint:
 
     def __init__(self, handler: Callable[[Request], Awaitable[Response]]) -> None:
         self.handler = handler
-        self.__name__ = handler.__name__  # the route's name
+        functools.update_wrapper(self, handler)  # the route's name, and the Operation it declares
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = await self.handler(Request(scope, receive, send))
