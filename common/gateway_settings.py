@@ -14,6 +14,12 @@ class GatewaySettings(FleetSettings):
 
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port the gateway listens on.")
+    reuse_port: bool = Field(
+        False,
+        description="Listen with SO_REUSEPORT, so several gateway processes on one host share the port "
+        "and the kernel spreads connections over them (`ortfleet up --gateways N` sets it). Off, a port "
+        "another process holds stops the gateway at start.",
+    )
     redis_socket_timeout_s: float = Field(
         5.0,
         gt=0,

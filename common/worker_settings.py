@@ -22,7 +22,25 @@ class WorkerSettings(FleetSettings):
         None,
         ge=1,
         description="Engine batch rows (requests generated together); default 8 on ortfleet's batcher, "
-        "else from genai_config (og.Engine's static scheduler's default is 4).",
+        "sized from the card on a GPU (see target_itl_ms), else from genai_config (og.Engine's static "
+        "scheduler's default is 4).",
+    )
+    target_itl_ms: float = Field(
+        12.0,
+        gt=0,
+        description="On a GPU (og.Engine's dynamic batching), when max_batch_size is not set: at start "
+        "the worker times decode steps at 1, 2, 4, ... rows up to what the KV memory allows at the full "
+        "context (at most 256) and serves with the most rows whose step takes at most this long, the "
+        "knee past which more rows slow every stream. The chosen rows and the timings are logged.",
+    )
+    gpu_kv_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=0.95,
+        description="On a GPU: the share of the card's whole memory this worker's paged KV cache takes "
+        "(pins genai_config's num_blocks). Set it when several workers share one GPU, each to its share "
+        "(`ortfleet up --workers-per-gpu` does). Default: og's own rule, genai_config's "
+        "gpu_utilization_factor (0.6 when absent) of the memory free once the weights are loaded.",
     )
     scheduler: Literal["auto", "batcher", "og-engine"] = Field(
         "auto",

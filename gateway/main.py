@@ -141,12 +141,14 @@ def serve(
         sys.exit(STARTUP_FAILURE)
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """The gateway's socket, bound before anything else starts, so that a port in use ends the process at
     once. It listens only once the app has started (uvicorn's listen): until then connections are refused,
     as before, and a launcher waiting for the port waits for a gateway that serves."""
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # several gateway processes share the port (GatewaySettings.reuse_port)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         listener.bind((host.strip("[]"), port))
     except OSError as e:
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     quiet_out_of_memory_lines()
     try:
         check_exposure(settings)
-        listener = bind_listener(settings.host, settings.port)
+        listener = bind_listener(settings.host, settings.port, reuse_port=settings.reuse_port)
         check_redis_urls(settings)
     except CannotStart as e:
         exit_with(PROG, [str(e)], e, debug=debug_wanted(settings))

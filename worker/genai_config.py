@@ -4,22 +4,26 @@ the model with."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import onnxruntime_genai as og
 
 from worker.device import Device
 
 
-def load_config(model_dir: Path, device: Device, max_batch_size: int | None) -> og.Config:
+def load_config(model_dir: Path, device: Device, batching: Mapping[str, Any] | None = None) -> og.Config:
+    """The model's og.Config on the device, with `batching` overlaid on the engine's batching section
+    (dynamic_batching where the model has paged attention, else static_batching)."""
     config = og.Config(str(model_dir))
     config.clear_providers()
     if device.kind == "cuda":
         config.append_provider("cuda")
         config.set_provider_option("cuda", "device_id", str(device.index or 0))
-    if max_batch_size is not None:
+    if batching:
         section = "dynamic_batching" if uses_dynamic_batching(model_dir) else "static_batching"
-        config.overlay(json.dumps({"engine": {section: {"max_batch_size": max_batch_size}}}))
+        config.overlay(json.dumps({"engine": {section: dict(batching)}}))
     return config
 
 

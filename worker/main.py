@@ -25,6 +25,7 @@ from common.store_watch import StoreWatch, quiet_out_of_memory_lines
 from common.worker_settings import WorkerSettings
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
+from worker.engine_choice import engine_kind, open_engine
 from worker.service import EngineUnrecoverable, WorkerService
 
 if TYPE_CHECKING:
@@ -125,51 +126,22 @@ def load_engine(
 
     import onnxruntime_genai as og
 
-    from worker.batcher.engine import BatchingEngine
-    from worker.ort_engine import OrtEngine
-
     assert model_dir is not None
     try:
         device = parse_device(settings.device, og.is_cuda_available)
     except DeviceError as e:
         raise CannotStart(str(e)) from e
-    batcher = uses_batcher(settings.scheduler, model_dir, device)
-    logger.info("loading %s on %s (%s)", model_dir, device, "ortfleet's batcher" if batcher else "og.Engine")
-    engine: OrtEngine | BatchingEngine
+    logger.info(
+        "loading %s on %s (%s)", model_dir, device, engine_kind(settings.scheduler, model_dir, device)
+    )
     try:
-        if batcher:
-            engine = BatchingEngine(
-                model_dir,
-                settings.max_batch_size,
-                settings.kv_budget_tokens,
-                settings.prefill_chunk_tokens,
-                settings.step_delay_s,
-                settings.prefix_cache,
-            )
-        else:
-            engine = OrtEngine(model_dir, device, settings.max_batch_size, settings.step_delay_s)
+        engine = open_engine(model_dir, device, settings)
     except (RuntimeError, ValueError, OSError) as e:  # what ORT-GenAI raises for a model it cannot load
         reason = " ".join(str(e).split())
         raise CannotStart(
             f"ONNX Runtime GenAI cannot load the model in {model_dir}: {reason}; {REBUILD}"
         ) from e
     return engine, engine.tokenizer, device
-
-
-def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
-    """Whether ortfleet's batcher runs the model (ORTFLEET_SCHEDULER): it runs on CPU only, and `auto`
-    keeps og.Engine where it batches continuously itself (paged attention) or runs on a GPU."""
-    from worker.genai_config import uses_dynamic_batching
-
-    if scheduler == "og-engine":
-        return False
-    if device.kind != "cpu":
-        if scheduler == "batcher":
-            raise CannotStart(
-                "ortfleet's batcher runs on CPU only; use --device cpu or --scheduler og-engine"
-            )
-        return False
-    return scheduler == "batcher" or not uses_dynamic_batching(model_dir)
 
 
 def check_redis_url(settings: WorkerSettings, name: str) -> None:

@@ -20,6 +20,7 @@ from worker.engine_thread import EngineThread, Updates
 from worker.genai_config import context_length, load_config, uses_dynamic_batching, vocab_size
 from worker.ort_solo import SoloRun, solo_generator
 from worker.ort_tokenizer import OrtTokenizer
+from worker.row_sizing import KvPlan, RowSizing, calibrate, gpu_memory, plan_kv, read_genai, weights_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ _TOKEN = og.EngineEventFlags.TOKEN.value
 _FINISHED = og.EngineEventFlags.TURN_FINISHED.value
 _FAILED = og.EngineEventFlags.FAILED.value
 _ENGINE_FAILURE = og.EngineErrorCode.ENGINE_EXECUTION_FAILURE
+_PROBE_STEPS = 12  # decode steps of each row count row sizing times
 # How the engine's llguidance says a request's grammar broke a step (the failure's cause).
 _GRAMMAR_FAILURES = ("Error committing tokens", "parser error", "lexer error", "grammar")
 
@@ -53,9 +55,20 @@ class OrtEngine(EngineThread):
     """Owns og.Model and og.Engine on a dedicated thread; asyncio code talks to it through queues."""
 
     def __init__(
-        self, model_dir: Path, device: Device, max_batch_size: int | None = None, step_delay_s: float = 0.0
+        self,
+        model_dir: Path,
+        device: Device,
+        max_batch_size: int | None = None,
+        step_delay_s: float = 0.0,
+        *,
+        target_itl_ms: float | None = None,
+        gpu_kv_fraction: float | None = None,
     ) -> None:
         super().__init__("ort-engine")
+        self._target_itl_ms = target_itl_ms
+        self._gpu_kv_fraction = gpu_kv_fraction
+        # On a GPU with dynamic batching and no max_batch_size given: the rows sized from the card.
+        self.row_sizing: RowSizing | None = None
         self._step_delay_s = step_delay_s
         self.continuous_batching = uses_dynamic_batching(model_dir)
         self.exposes_logits = False
@@ -79,12 +92,18 @@ class OrtEngine(EngineThread):
 
     def _main(self) -> None:
         try:
-            config = load_config(self._model_dir, self._device, self._max_batch_size)
+            kv_plan = self._kv_plan()
+            batching = kv_plan.overlay() if kv_plan is not None else {}
+            if self._max_batch_size is not None:
+                batching["max_batch_size"] = self._max_batch_size
+            config = load_config(self._model_dir, self._device, batching)
             self._model = og.Model(config)
             self.tokenizer = OrtTokenizer(self._model, self._vocab_size, self._model_dir)
             self.eos_token_ids = self.tokenizer.eos_token_ids
             self._new_engine()
             self.capacity = int(self._engine.get_capabilities().configured_max_batch_size) or 1
+            if kv_plan is not None and self._max_batch_size is None:
+                self._size_rows(kv_plan)
         except BaseException as e:  # handed to the constructor's caller
             self._startup_error = e
             self._ready.set()
@@ -95,6 +114,63 @@ class OrtEngine(EngineThread):
         except BaseException:
             logger.exception("the engine thread died")
             raise
+
+    def _kv_plan(self) -> KvPlan | None:
+        """On a GPU with dynamic batching: the KV cache and row ceiling the card allows (row_sizing)."""
+        if self._device.kind != "cuda" or not self.continuous_batching:
+            return None
+        memory = gpu_memory(self._device.gpu_label)
+        total, free = memory if memory is not None else (None, None)
+        return plan_kv(
+            read_genai(self._model_dir),
+            self.context_length,
+            total,
+            free,
+            weights_bytes(self._model_dir),
+            self._gpu_kv_fraction,
+        )
+
+    def _size_rows(self, kv_plan: KvPlan) -> None:
+        """The rows to serve with: the most whose decode step stays within the target ITL (row_sizing)."""
+        sizing = RowSizing(kv_plan, self._target_itl_ms)
+        if self._target_itl_ms is None:
+            sizing.rows = self.capacity
+        else:
+            rows, sizing.timings = calibrate(self.capacity, self._target_itl_ms, self._decode_step_ms)
+            sizing.rows = rows
+        self.capacity = sizing.rows
+        self.row_sizing = sizing
+        logger.info("rows sized from the card: %s", sizing.describe())
+
+    def _decode_step_ms(self, rows: int) -> float:
+        """The median time of og.Engine's steps while `rows` greedy requests all decode together."""
+        prompt = np.asarray(self.tokenizer.encode("Tell me a story about the sea.")[:16], dtype=np.int32)
+        requests = []
+        for _ in range(rows):
+            request = self._engine.create_request()
+            options = og.TurnOptions(request)
+            options.set_max_generated_tokens(_PROBE_STEPS)
+            options.set_min_generated_tokens(_PROBE_STEPS)
+            options.set_do_sample(False)
+            request.begin_turn(prompt, options)
+            requests.append(request)
+        durations = []
+        try:
+            while self._engine.has_pending_requests():
+                began = time.perf_counter()
+                events = list(self._engine.run(self._buffer))
+                elapsed = time.perf_counter() - began
+                tokens = sum(1 for e in events if int(e.flags.value) & _TOKEN)
+                if tokens == rows:  # every row decoded in this step (no prefill in it)
+                    durations.append(elapsed)
+        finally:
+            for request in requests:
+                with contextlib.suppress(Exception):
+                    request.close()
+        if not durations:
+            return float("inf")
+        durations.sort()
+        return durations[len(durations) // 2] * 1000
 
     def _new_engine(self) -> None:
         self._engine = og.Engine(self._model)
@@ -120,7 +196,9 @@ class OrtEngine(EngineThread):
         request = stream.request
         sampling, top_k = sampling_options(request, self._vocab_size)
         try:
-            if request.replay_ids or (sampling and request.seed is not None and not self.continuous_batching):
+            if not self.continuous_batching and (
+                request.replay_ids or (sampling and request.seed is not None)
+            ):
                 generator = solo_generator(self._model, request, sampling, top_k, self.context_length)
                 self._solo.append(SoloRun(stream, generator))
                 return
@@ -144,7 +222,10 @@ class OrtEngine(EngineThread):
             if request.guidance is not None:  # compiled when the turn begins
                 options.set_guidance(*request.guidance)
             with grammar_errors(request.guidance):
-                turn = og_request.begin_turn(np.asarray(request.prompt_ids, dtype=np.int32), options)
+                # og.Generator refuses paged models: a resumed request prefills its replayed tokens
+                # after the prompt (resume_mode prefill), and continues from them.
+                prompt = [*request.prompt_ids, *request.replay_ids]
+                turn = og_request.begin_turn(np.asarray(prompt, dtype=np.int32), options)
         except GuidanceRejected as e:
             code = ErrorCode.invalid_response_format
             updates.append((stream, EngineUpdate([], Finish.error, str(e), error_code=code)))

@@ -8,9 +8,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ortfleet.bench.http import Connection
+
+if TYPE_CHECKING:
+    from worker.batcher.engine import BatchingEngine
+    from worker.ort_engine import OrtEngine
 
 FLEET_APIS = ("jobs", "completions", "responses")
 
@@ -78,22 +82,26 @@ class Backend(Protocol):
     async def close_clients(self) -> None: ...
 
 
+def open_worker_engine(model_dir: Path, device: str = "auto") -> OrtEngine | BatchingEngine:
+    """The engine a worker on `device` runs the model with, with the worker's settings from the
+    environment (ORTFLEET_*), in this process."""
+    import onnxruntime_genai as og
+
+    from common.worker_settings import WorkerSettings
+    from worker.device import parse_device
+    from worker.engine_choice import open_engine
+
+    return open_engine(model_dir, parse_device(device, og.is_cuda_available), WorkerSettings())
+
+
 class DirectBackend:
     """The worker's engine in this process; requests made in the same event-loop turn are submitted
     together, as a worker submits the jobs it claims together."""
 
     name = "direct"
 
-    def __init__(self, model_dir: Path, max_tokens: int) -> None:
-        from worker.batcher.engine import BatchingEngine
-        from worker.device import Device
-        from worker.main import uses_batcher
-        from worker.ort_engine import OrtEngine
-
-        cpu = Device("cpu")  # the engine a CPU worker runs with its default settings
-        self.engine: OrtEngine | BatchingEngine = (
-            BatchingEngine(model_dir) if uses_batcher("auto", model_dir, cpu) else OrtEngine(model_dir, cpu)
-        )
+    def __init__(self, model_dir: Path, max_tokens: int, device: str = "auto") -> None:
+        self.engine = open_worker_engine(model_dir, device)
         self.max_tokens = max_tokens
         self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
 

@@ -1,47 +1,81 @@
-"""The serving bench's baseline: the engine alone, one og.Generator per request in this process."""
+"""The serving bench's baseline: the engine a worker on the device runs (ortfleet's batcher, or og.Engine
+with the model's dynamic batching), alone in this process, at each concurrency: closed-loop clients hand
+it the same requests the server gets, with no Redis, gateway or HTTP between."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from pathlib import Path
 from typing import Any
 
-from ortfleet.bench.backends import PROMPTS
+from common import aio
+from ortfleet.bench.backends import PROMPTS, open_worker_engine
 from ortfleet.bench.completions import Planned, Served, level_figures
 
 
-def engine_alone(model_dir: Path, planned: list[Planned]) -> dict[str, Any]:
-    """One og.Generator per request, one request after another; its KV sized to the request."""
-    import numpy as np
-    import onnxruntime_genai as og
+def engine_alone(
+    model_dir: Path, levels: list[tuple[int, list[Planned]]], device: str = "auto"
+) -> list[dict[str, Any]]:
+    """The figures of each (concurrency, requests) level, as the server's levels give them
+    (level_figures), on one engine opened once."""
+    engine = open_worker_engine(model_dir, device)
+    try:
+        return aio.run(_levels(engine, levels))
+    finally:
+        engine.close()
 
-    model = og.Model(str(model_dir))
-    tokenizer = og.Tokenizer(model)
 
-    def one(request: Planned) -> Served:
-        ids = np.asarray(tokenizer.encode(request.prompt), dtype=np.int32)
-        length = len(ids) + request.max_tokens
-        params = og.GeneratorParams(model)  # end of sequence masked: exactly max_tokens
-        params.set_search_options(max_length=length, min_length=length, do_sample=False)
-        generator = og.Generator(model, params)
-        begun = time.perf_counter()
-        generator.append_tokens(ids)
-        times = []
-        for _ in range(request.max_tokens):
-            if generator.is_done():
-                break
-            generator.generate_next_token()
-            times.append(time.perf_counter())
-        del generator
-        if not times:
-            raise RuntimeError(f"request {request.index}: the generator was done before its first token")
-        gaps = [b - a for a, b in itertools.pairwise(times)]
-        ttft = times[0] - begun
-        return Served(request.index, request.max_tokens, begun, ttft, times[-1], len(times), gaps, len(ids))
+async def _levels(engine: Any, levels: list[tuple[int, list[Planned]]]) -> list[dict[str, Any]]:
+    warm = [Planned(-1 - i, PROMPTS[i], 8) for i in range(2)]
+    await _closed_loop(engine, warm, 2)  # first requests pay for allocations, not measured
+    figures = []
+    for clients, planned in levels:
+        results, wall = await _closed_loop(engine, planned, clients)
+        figures.append({"concurrency": clients, **level_figures(results, wall)})
+    return figures
 
-    one(Planned(-1, PROMPTS[0], 8))  # warm-up: first runs pay for allocations, not measured
+
+async def _closed_loop(engine: Any, planned: list[Planned], clients: int) -> tuple[list[Served], float]:
+    from worker.engine import GenerationRequest
+
+    pending = iter(planned)
+    results: list[Served] = []
+
+    async def client() -> None:
+        for request in pending:
+            begun = time.perf_counter()
+            ids = engine.tokenizer.encode(request.prompt)  # the worker tokenizes inside the TTFT too
+            generation = GenerationRequest(
+                ids, max_new_tokens=request.max_tokens, min_new_tokens=request.max_tokens
+            )
+            [stream] = engine.submit([generation])
+            times: list[float] = []
+            while True:
+                update = await stream.updates.get()
+                now = time.perf_counter()
+                times += [now] * len(update.token_ids)
+                if update.finish is not None:
+                    if update.error:
+                        raise RuntimeError(f"request {request.index}: {update.error}")
+                    break
+            if not times:
+                raise RuntimeError(f"request {request.index} produced no token")
+            gaps = [b - a for a, b in itertools.pairwise(times)]
+            results.append(
+                Served(
+                    request.index,
+                    request.max_tokens,
+                    begun,
+                    times[0] - begun,
+                    times[-1],
+                    len(times),
+                    gaps,
+                    prompt_tokens=len(ids),
+                )
+            )
+
     started = time.perf_counter()
-    results = [one(request) for request in planned]
-    wall = time.perf_counter() - started
-    return level_figures(results, wall)
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return results, time.perf_counter() - started

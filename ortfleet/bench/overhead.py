@@ -186,6 +186,7 @@ class OverheadOptions:
     pinning: Pinning | None = None  # engines on cores of their own, the rest of the fleet on the others
     stream_interval: int | None = None  # the local worker's (None with a URL: its workers' own)
     api: str = "jobs"  # the fleet's clients: FLEET_APIS
+    device: str = "auto"  # the direct engine's and the local fleet's worker's
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
@@ -200,7 +201,9 @@ def run(options: OverheadOptions) -> dict[str, Any]:
             (_, url), name = fleet.start_gateway(), "bench"
             interval = options.stream_interval
             env = {"ORTFLEET_STREAM_INTERVAL": str(interval)} if interval is not None else None
-            worker = fleet.start_worker(name, model=options.model_dir, env=env, wait=False)
+            worker = fleet.start_worker(
+                name, model=options.model_dir, device=options.device, env=env, wait=False
+            )
             try:
                 fleet.wait_workers(name, 1)
             except StartupError as e:
@@ -302,7 +305,7 @@ class CpuMeter:
 async def _measure(
     options: OverheadOptions, url: str, name: str, cpu: CpuMeter, redis_url: str | None
 ) -> dict[str, Any]:
-    direct = DirectBackend(options.model_dir, options.max_tokens)
+    direct = DirectBackend(options.model_dir, options.max_tokens, options.device)
     fleet = FleetBackend(url, name, options.max_tokens, options.api)
     if options.pinning is not None:
         options.pinning.pin_this_process()

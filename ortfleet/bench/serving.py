@@ -3,13 +3,16 @@
 On one model folder and one fixed list of requests (prompts from backends.PROMPTS, output lengths drawn
 from --lengths by random.Random(0), the same list everywhere), every request generating exactly its
 max tokens (end of sequence ignored):
-- engine alone: one onnxruntime_genai og.Generator per request in this process, greedy, its KV sized to
-  the request (max_length = prompt + max tokens), the requests one after another. TTFT is append_tokens
-  of the prompt plus the first generate_next_token; ITL the time between later tokens.
-- the server at each concurrency: a local throwaway fleet (Redis, a gateway, one worker on the model
-  with its default scheduler) or any OpenAI-compatible server at --url (llama.cpp's llama-server,
-  vLLM). C closed-loop clients on keep-alive connections, each sending the next request of the list
-  when its last one ends, as streamed text completions (POST /v1/completions, stream, temperature 0,
+- engine alone: the engine a worker on --device runs (ortfleet's batcher, or og.Engine with the model's
+  dynamic batching on CUDA; opened by the worker's own code with the worker's settings from the
+  environment) in this process, greedy, at each concurrency (--engine-concurrency, default the same
+  levels): C closed-loop clients hand it requests directly, with no Redis, gateway or HTTP. TTFT runs
+  from tokenizing the prompt to the first token; ITL is the time between tokens.
+- the server at each concurrency: a local throwaway fleet (Redis, --gateways gateways, one worker on
+  the model with its default scheduler) or any OpenAI-compatible server at --url (llama.cpp's
+  llama-server, vLLM). C closed-loop clients (in --client-processes processes) on keep-alive
+  connections, each sending the next request of the list when its last one ends, at least two requests
+  per client, as streamed text completions (POST /v1/completions, stream, temperature 0,
   min_tokens = max_tokens and ignore_eos). TTFT runs from the request's send to its first text chunk;
   ITL is the time between text chunks, spread evenly over the tokens when the final usage chunk counts
   more tokens than chunks arrived (a server that sends several tokens a chunk, a token whose text waits
@@ -35,6 +38,7 @@ from tqdm import tqdm
 
 from common import aio
 from ortfleet.bench.backends import PROMPTS
+from ortfleet.bench.client_pool import pooled_closed_loop
 from ortfleet.bench.completions import Planned, closed_loop, level_figures
 from ortfleet.bench.engine_alone import engine_alone
 from ortfleet.bench.http import served_model
@@ -63,10 +67,19 @@ class ServingOptions:
     url: str | None = None  # a running OpenAI-compatible server; None starts a local fleet
     name: str | None = None  # its served model name
     command_line: str = ""
+    device: str = "auto"  # the engine alone's and the local fleet's worker's
+    gateways: int = 1  # of the local fleet, sharing its port
+    client_processes: int = 1  # the closed-loop clients run in this many processes
+    engine_concurrency: list[int] | None = None  # the engine alone's levels (default: every level)
+
+    def requests_at(self, concurrency: int) -> int:
+        """Requests of a level: --requests, and at least two for each client."""
+        return max(self.requests, 2 * concurrency)
 
 
 def plan(requests: int, lengths: tuple[int, int]) -> list[Planned]:
-    """The fixed list of requests: the same for the engine alone and every concurrency."""
+    """The fixed list of requests: the same for the engine alone and every concurrency (a shorter list is
+    the start of a longer one)."""
     rng = random.Random(0)
     low, high = lengths
     return [Planned(i, PROMPTS[i % len(PROMPTS)], rng.randint(low, high)) for i in range(requests)]
@@ -75,22 +88,26 @@ def plan(requests: int, lengths: tuple[int, int]) -> list[Planned]:
 def run(options: ServingOptions) -> dict[str, Any]:
     """The engine alone (with a model), then the server at each concurrency and the interference."""
     load_at_start = os.getloadavg()
-    planned = plan(options.requests, options.lengths)
+    planned = plan(max(options.requests_at(c) for c in options.concurrency), options.lengths)
+    engine_levels = options.engine_concurrency or options.concurrency
     steps = (1 if options.model_dir is not None else 0) + len(options.concurrency) + options.interference
     with tqdm(total=steps, desc="serving", unit="run", file=sys.stderr, leave=False) as bar:
         engine = None
         if options.model_dir is not None:  # before the fleet starts: nothing else runs meanwhile
             bar.set_description("engine alone")
-            engine = engine_alone(options.model_dir, planned)
+            alone = [(c, planned[: options.requests_at(c)]) for c in engine_levels]
+            engine = engine_alone(options.model_dir, alone, options.device)
             bar.update()
         if options.url is not None:
             name = options.name or aio.run(served_model(options.url))
-            measured = aio.run(_measure_server(options, options.url, name, planned, bar))
+            measured = _measure_server(options, options.url, name, planned, bar)
         else:
             assert options.model_dir is not None
-            with serving_fleet(options.model_dir, LOCAL_NAME) as url:
+            with serving_fleet(
+                options.model_dir, LOCAL_NAME, device=options.device, gateways=options.gateways
+            ) as url:
                 name = LOCAL_NAME
-                measured = aio.run(_measure_server(options, url, name, planned, bar))
+                measured = _measure_server(options, url, name, planned, bar)
     levels, interfered = measured
     figures = figures_header(
         "serving",
@@ -103,6 +120,9 @@ def run(options: ServingOptions) -> dict[str, Any]:
             "lengths": list(options.lengths),
             "long_prompt_tokens": options.long_prompt_tokens,
             "interference": options.interference,
+            "device": options.device,
+            "gateways": options.gateways,
+            "client_processes": options.client_processes,
         },
         server=options.url or "local ortfleet fleet (started by the bench)",
         served_name=name,
@@ -117,21 +137,23 @@ def run(options: ServingOptions) -> dict[str, Any]:
     return figures
 
 
-async def _measure_server(
+def _measure_server(
     options: ServingOptions, url: str, model: str, planned: list[Planned], bar: tqdm[Any]
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     warm = [Planned(-1 - i, PROMPTS[i], 8) for i in range(2)]
-    await closed_loop(url, model, warm, 2)  # first requests pay for allocations and caches: not measured
+    aio.run(closed_loop(url, model, warm, 2))  # first requests pay for allocations and caches: not measured
     levels = []
     for concurrency in options.concurrency:
         bar.set_description(f"c={concurrency}")
-        results, wall = await closed_loop(url, model, planned, concurrency)
+        results, wall = pooled_closed_loop(
+            url, model, planned[: options.requests_at(concurrency)], concurrency, options.client_processes
+        )
         levels.append({"concurrency": concurrency, **level_figures(results, wall)})
         bar.update()
     measured = None
     if options.interference:
         bar.set_description("interference")
-        measured = await interference(url, model, options.long_prompt_tokens)
+        measured = aio.run(interference(url, model, options.long_prompt_tokens))
         bar.update()
     return levels, measured
 
@@ -139,7 +161,8 @@ async def _measure_server(
 def goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
     """Each goal with the figure it checks and whether it passes (None: not measured in this run)."""
     by_concurrency = {level["concurrency"]: level for level in figures["levels"]}
-    engine, one, four = figures["engine_alone"], by_concurrency.get(1), by_concurrency.get(4)
+    engine_by_concurrency = {level["concurrency"]: level for level in figures["engine_alone"] or []}
+    engine, one, four = engine_by_concurrency.get(1), by_concurrency.get(1), by_concurrency.get(4)
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 4) if a is not None and b else None
@@ -175,6 +198,18 @@ def goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
                 True,
             ),
         ]
+    for concurrency, alone in engine_by_concurrency.items():
+        served = by_concurrency.get(concurrency)
+        if concurrency == 1 or served is None:
+            continue
+        out.append(
+            goal(
+                f"{concurrency} streams: tokens/s >= {GOAL_TOKENS_PER_S}x the engine alone's",
+                ratio(served["tokens_per_s"], alone["tokens_per_s"]),
+                GOAL_TOKENS_PER_S,
+                True,
+            )
+        )
     if figures["interference"] is not None:
         short_s = figures["interference"]["short_ttft_ms"] / 1000
         out.append(
@@ -199,14 +234,14 @@ def text(figures: dict[str, Any]) -> str:
         ]  # fmt: skip
 
     rows = []
-    if figures["engine_alone"] is not None:
-        rows.append(row("engine alone", 1, figures["engine_alone"]))
+    rows += [row("engine alone", level["concurrency"], level) for level in figures["engine_alone"] or []]
     server = "ortfleet" if figures["server"].startswith("local") else "server"
     rows += [row(server, level["concurrency"], level) for level in figures["levels"]]
     low, high = figures["options"]["lengths"]
     parts = [
         f"{Path(figures['model']).name if figures['model'] else figures['served_name']}: "
-        f"{figures['options']['requests']} requests of {low}..{high} tokens per run (latencies in ms)",
+        f"at least {figures['options']['requests']} requests (2 per stream) of {low}..{high} tokens per "
+        "run (latencies in ms)",
         table(headers, rows),
     ]
     if (i := figures["interference"]) is not None:

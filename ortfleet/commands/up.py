@@ -56,6 +56,21 @@ def register(subparsers: Subparsers) -> None:
         "nvidia-smi lists. Without --model, serves the default model built fp16 with paged attention",
     )
     parser.add_argument(
+        "--workers-per-gpu",
+        metavar="N",
+        type=_positive_int,
+        default=1,
+        help="with --gpus: N workers on each GPU, each given 1/N of the KV memory (default 1)",
+    )
+    parser.add_argument(
+        "--gateways",
+        metavar="N",
+        type=_positive_int,
+        default=1,
+        help="gateway processes sharing the port (SO_REUSEPORT): one relays a few tens of thousands of "
+        "tokens/s, so a fast GPU wants several (default 1)",
+    )
+    parser.add_argument(
         "--model",
         metavar="DIR",
         type=Path,
@@ -189,6 +204,7 @@ def _plan_workers(args: argparse.Namespace) -> list[PlannedWorker]:
             probe=nvidia_smi_gpus,
             pick_port=free_port,
             environ=os.environ,
+            per_gpu=args.workers_per_gpu,
         )
     except GpuPlanError as e:
         raise StartupError(str(e)) from e
@@ -273,12 +289,14 @@ def _start_fleet(
             str(planned.metrics_port),
             model=served.model_dir,
             device=planned.device,
+            env=planned.env,
             wait=False,
             label=planned.name,
         )
         console.say(f"worker {index}/{len(plan)} starting (pid {child.pid}, device {planned.device})")
-    gateway, _ = fleet.start_gateway(port=port, host=args.host)
-    console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
+    for _ in range(args.gateways):
+        gateway, _ = fleet.start_gateway(port=port, host=args.host, shared=args.gateways > 1)
+        console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
     return [planned.metrics_port for planned in plan]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NO_GPU = "no NVIDIA GPU found: --gpus needs nvidia-smi and a GPU"
 NVIDIA_SMI_QUERY = ("nvidia-smi", "--query-gpu=index", "--format=csv,noheader")
@@ -20,11 +20,17 @@ class GpuPlanError(ValueError):
     pass
 
 
+# The share of a GPU's memory the paged KV caches of the workers on it take together, when several share
+# it (each gets its part: ORTFLEET_GPU_KV_FRACTION); the rest holds their weights and activations.
+SHARED_GPU_KV = 0.8
+
+
 @dataclass(frozen=True)
 class PlannedWorker:
     name: str
     device: str
     metrics_port: int
+    env: Mapping[str, str] = field(default_factory=dict)  # the worker's own settings
 
 
 def parse_gpus(text: str) -> list[int] | None:
@@ -86,14 +92,19 @@ def plan_workers(
     probe: GpuProbe,
     pick_port: PortPicker,
     environ: Mapping[str, str],
+    per_gpu: int = 1,
 ) -> list[PlannedWorker]:
     """The workers to start. Without ``gpus``: ``workers`` (default 1) on ``device``, named worker-N.
-    With ``gpus``: one worker per GPU on ``cuda:N``, named gpu-N; ``all`` asks ``probe`` for them.
+    With ``gpus``: ``per_gpu`` workers (default 1) on each GPU's ``cuda:N``, named gpu-N (gpu-N.K when
+    several share it, each given its share of the card's memory for its KV cache); ``all`` asks
+    ``probe`` for them.
 
     ``--gpus`` rejects ``--workers`` and a ``--device`` other than auto: one `up` serves one model
     folder, and the GPU fleet's default model (fp16, paged attention) runs only on CUDA. Start a CPU
     fleet with a second `ortfleet up --redis-url ...` against the same Redis instead."""
     if gpus is None:
+        if per_gpu != 1:
+            raise GpuPlanError("--workers-per-gpu goes with --gpus")
         count = 1 if workers is None else workers
         return [PlannedWorker(f"worker-{i}", device, pick_port()) for i in range(1, count + 1)]
     if workers is not None:
@@ -106,4 +117,11 @@ def plan_workers(
     indexes = parse_gpus(gpus)
     if indexes is None:
         indexes = visible_gpus(probe, environ)
-    return [PlannedWorker(f"gpu-{index}", f"cuda:{index}", pick_port()) for index in indexes]
+    if per_gpu == 1:
+        return [PlannedWorker(f"gpu-{index}", f"cuda:{index}", pick_port()) for index in indexes]
+    share = {"ORTFLEET_GPU_KV_FRACTION": f"{SHARED_GPU_KV / per_gpu:.4f}"}
+    return [
+        PlannedWorker(f"gpu-{index}.{k}", f"cuda:{index}", pick_port(), share)
+        for index in indexes
+        for k in range(1, per_gpu + 1)
+    ]

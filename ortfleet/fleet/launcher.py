@@ -146,10 +146,18 @@ class LocalFleet:
         return self._adopt(FleetProcess("redis", "redis", process, log, url=self.redis_url))
 
     def start_gateway(
-        self, env: Mapping[str, str] | None = None, *, port: int | None = None, host: str = "127.0.0.1"
+        self,
+        env: Mapping[str, str] | None = None,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        shared: bool = False,
     ) -> tuple[FleetProcess, str]:
-        """A gateway on `port` (a free one by default), once it listens; the process and its base URL."""
+        """A gateway on `port` (a free one by default), once it listens; the process and its base URL.
+        `shared`: the port is shared with the fleet's other gateways (ORTFLEET_REUSE_PORT)."""
         port = port or free_port()
+        if shared:
+            env = {**(env or {}), "ORTFLEET_REUSE_PORT": "true"}
         child = self._spawn("gateway", "gateway", gateway_command(port, host=host), env)
         wait_for_port(port, child.process, "the gateway")
         child.url = f"http://127.0.0.1:{port}"
@@ -326,14 +334,19 @@ def serving_fleet(
     *,
     env: Mapping[str, str] | None = None,
     worker_args: tuple[str, ...] = (),
+    device: str = "auto",
+    gateways: int = 1,
 ) -> Iterator[str]:
-    """A throwaway fleet (a gateway and `workers` workers serving the model as `name`, every process with
-    `env`) once its workers are ready; yields the gateway's URL. A worker that cannot start shows the end
-    of its log."""
+    """A throwaway fleet (`gateways` gateways sharing one port and `workers` workers serving the model
+    as `name` on `device`, every process with `env`) once its workers are ready; yields the gateway's
+    URL. A worker that cannot start shows the end of its log."""
     with throwaway_fleet(env) as fleet:
-        _, url = fleet.start_gateway()
+        port = free_port()
+        for _ in range(gateways):
+            _, url = fleet.start_gateway(port=port, shared=gateways > 1)
         started = [
-            fleet.start_worker(name, *worker_args, model=model_dir, wait=False) for _ in range(workers)
+            fleet.start_worker(name, *worker_args, model=model_dir, device=device, wait=False)
+            for _ in range(workers)
         ]
         try:
             fleet.wait_workers(name, workers)

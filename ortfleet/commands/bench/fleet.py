@@ -48,6 +48,12 @@ def fleet_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
     parser.add_argument("--url", help="benchmark a running gateway instead of starting a local fleet")
     parser.add_argument("--name", help="served model name at --url (default: its only model)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="the direct engine's and the local fleet's worker's device: auto, cpu, cuda or cuda:N "
+        "(default auto, as a worker picks)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG: tokens/s and TTFT")
     parser.add_argument(
@@ -114,6 +120,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         pinning=pinning,
         stream_interval=stream_interval,
         api=args.api,
+        device=args.device,
     )
     figures = overhead.run(options)
     if args.plot is not None:

@@ -26,8 +26,8 @@ def add_modes(modes: Subparsers) -> None:
         help="what clients get: the engine alone, then ortfleet (or any OpenAI-compatible server) at "
         "several concurrencies, and a short chat during long prefills; goals checked",
         description="On one model folder and one fixed list of requests (mixed output lengths, end of "
-        "sequence ignored), in one run: one og.Generator per request in this process, requests one after "
-        "another (the engine alone); then a local fleet (Redis, a gateway, one worker on the model) or "
+        "sequence ignored), in one run: the engine a worker on --device runs, alone in this process, at "
+        "each concurrency; then a local fleet (Redis, a gateway, one worker on the model) or "
         "the OpenAI-compatible server at --url (llama.cpp's llama-server, vLLM), streamed completions "
         "from closed-loop clients at each concurrency: tokens/s, TTFT, ITL; then three long prompts at "
         "once and a short chat request 0.5 s later: its TTFT. Then the goals against this run's figures.",
@@ -63,6 +63,29 @@ def add_modes(modes: Subparsers) -> None:
         "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
     )
     serving.add_argument("--name", help="served model name at --url (default: its only model)")
+    serving.add_argument(
+        "--device",
+        default="auto",
+        help="the engine alone's and the local fleet's worker's device: auto, cpu, cuda or cuda:N "
+        "(default auto, as a worker picks)",
+    )
+    serving.add_argument(
+        "--engine-concurrency",
+        type=int_list,
+        help="the engine alone's concurrencies (default: the same as --concurrency)",
+    )
+    serving.add_argument(
+        "--gateways",
+        type=positive,
+        default=1,
+        help="gateways of the local fleet, sharing one port (default 1)",
+    )
+    serving.add_argument(
+        "--client-processes",
+        type=positive,
+        default=1,
+        help="processes the closed-loop clients run in (default 1; a GPU's rates want several)",
+    )
     serving.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     serving.set_defaults(func=run_serving)
 
@@ -163,6 +186,10 @@ def run_serving(args: argparse.Namespace) -> int:
         url=url,
         name=args.name,
         command_line=command_line(),
+        device=args.device,
+        gateways=args.gateways,
+        client_processes=args.client_processes,
+        engine_concurrency=args.engine_concurrency,
     )
     figures = serving.run(options)
     return finish(figures, serving.text(figures), args.json)
