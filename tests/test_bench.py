@@ -326,14 +326,17 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     out = tmp_path / "serving.json"
     done = bench(
         "serving", "--model", str(tiny_model), "--concurrency", "1,2", "--requests", "2",
-        "--long-prompt-tokens", "200", "--lengths", "4:12", "--json", str(out),
+        "--long-prompt-tokens", "200", "--lengths", "4:12", "--gateways", "2", "--client-processes", "2",
+        "--json", str(out),
     )  # fmt: skip
 
     data = figures(out)
     assert data["bench"] == "serving" and "bench serving" in data["command_line"]
     assert data["machine"]["cores"] >= 1 and data["served_name"] == "bench"
+    assert data["options"]["gateways"] == 2 and data["options"]["client_processes"] == 2
     planned = [request["max_tokens"] for request in data["requests"]]
-    assert len(planned) == 2 and all(4 <= tokens <= 12 for tokens in planned)
+    # --requests 2, and two for each client: 2 at one stream, the list's 4 at two streams
+    assert len(planned) == 4 and all(4 <= tokens <= 12 for tokens in planned)
 
     def every_figure_is_a_number(value: Any, where: str) -> None:
         if isinstance(value, dict):
@@ -345,19 +348,21 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
         else:
             assert isinstance(value, int | float) and not isinstance(value, bool), f"{where}: {value!r}"
 
-    runs = [data["engine_alone"], *data["levels"]]
+    # The engine alone is the worker's own engine (the batcher here), at every concurrency of the fleet.
+    assert [level["concurrency"] for level in data["engine_alone"]] == [1, 2]
     assert [level["concurrency"] for level in data["levels"]] == [1, 2]
-    assert data["engine_alone"]["itl_ms"]["n"] == sum(planned) - 2  # the engine's every token
-    for run in runs:
+    assert data["engine_alone"][0]["itl_ms"]["n"] == sum(planned[:2]) - 2  # the engine's every token
+    for run in [*data["engine_alone"], *data["levels"]]:
+        wanted = planned[: run["requests"]]
         every_figure_is_a_number(run, "run")
-        assert run["requests"] == 2 and run["errors"] == 0 and run["tokens_per_s"] > 0
-        assert_summary(run["ttft_ms"], 2)
+        assert run["requests"] == 2 * run["concurrency"] and run["errors"] == 0 and run["tokens_per_s"] > 0
+        assert_summary(run["ttft_ms"], run["requests"])
         assert_summary(run["itl_ms"])  # a gap between text chunks: one per token but those without text
-        assert 0 < run["itl_ms"]["n"] <= sum(planned) - 2
+        assert 0 < run["itl_ms"]["n"] <= sum(wanted) - run["requests"]
         # End of sequence ignored: every request generates exactly its max tokens, the same list everywhere.
         assert [r["tokens"] for r in run["per_request"]] == [r["max_tokens"] for r in run["per_request"]]
-        assert [r["max_tokens"] for r in run["per_request"]] == planned
-        assert run["output_tokens"] == sum(planned)
+        assert [r["max_tokens"] for r in run["per_request"]] == wanted
+        assert run["output_tokens"] == sum(wanted)
     interference = data["interference"]
     every_figure_is_a_number({k: v for k, v in interference.items() if k != "long_prompts_sized_by"}, "i")
     assert interference["long_prompts_sized_by"] == "tokenize"  # the fleet's POST /tokenize
@@ -365,8 +370,9 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     assert interference["long_tokens"] == [16, 16, 16] and interference["short_tokens"] == 16
     assert len(interference["long_ttft_ms"]) == 3 and interference["short_sent_at_ms"] >= 500
     goals = {goal["goal"]: goal for goal in data["goals"]}  # no 4 streams here: that goal is left out
-    assert len(goals) == 4 and all(isinstance(goal["pass"], bool) for goal in goals.values())
+    assert len(goals) == 5 and all(isinstance(goal["pass"], bool) for goal in goals.values())
     assert "interference: the short chat's first token within 3 s" in goals
+    assert "2 streams: tokens/s >= 0.95x the engine alone's" in goals
     assert "engine alone" in done.stdout and "goals" in done.stdout and "short chat" in done.stdout
 
 

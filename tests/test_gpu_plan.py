@@ -136,3 +136,24 @@ def test_nvidia_smi_probe_reports_a_failing_nvidia_smi() -> None:
 def test_nvidia_smi_probe_listing_nothing_finds_no_gpu() -> None:
     with pytest.raises(GpuPlanError, match=f"^{re.escape(NO_GPU)}$"):
         nvidia_smi_gpus(run=nvidia_smi(stdout="No devices were found\n"), which=lambda name: name)
+
+
+def test_several_workers_per_gpu_each_get_their_share_of_the_cards_kv_memory() -> None:
+    planned = plan_workers(
+        workers=None,
+        gpus="0,1",
+        device="auto",
+        probe=no_gpu,
+        pick_port=ports(),
+        environ={},
+        per_gpu=2,
+    )
+    assert [(w.name, w.device) for w in planned] == [
+        ("gpu-0.1", "cuda:0"), ("gpu-0.2", "cuda:0"), ("gpu-1.1", "cuda:1"), ("gpu-1.2", "cuda:1"),
+    ]  # fmt: skip
+    shares = [float(w.env["ORTFLEET_GPU_KV_FRACTION"]) for w in planned]
+    assert shares == [0.4] * 4  # 80% of each card, split between its two workers
+    with pytest.raises(GpuPlanError, match="--workers-per-gpu goes with --gpus"):
+        plan_workers(
+            workers=2, gpus=None, device="cpu", probe=no_gpu, pick_port=ports(), environ={}, per_gpu=2
+        )

@@ -167,14 +167,12 @@ def calibrate(
         timing = StepTiming(rows, step_ms(rows))
         timings.append(timing)
         if timing.step_ms > target_itl_ms:
-            if rows < ceiling:  # between the last good count and this one: try halfway
-                low = chosen
-                middle = (low + rows) // 2
-                if middle > low:
-                    between = StepTiming(middle, step_ms(middle))
-                    timings.append(between)
-                    if between.step_ms <= target_itl_ms:
-                        chosen = middle
+            middle = (chosen + rows) // 2  # between the last count within the target and this one
+            if middle > chosen:
+                between = StepTiming(middle, step_ms(middle))
+                timings.append(between)
+                if between.step_ms <= target_itl_ms:
+                    chosen = middle
             break
         chosen = rows
     return chosen, timings

@@ -1,0 +1,104 @@
+"""`python -m ortfleet.bench.gpu_report DIR`: the figures scripts/gpu-report left in DIR (the benches'
+JSON files, the `gpu` tests' JUnit XML, each step's exit status) merged into DIR/report.json and
+DIR/report.md, with the card's name beside them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Any
+
+from ortfleet.bench import serving
+
+BENCHES = {
+    "serving": "default model, engine alone and fleet",
+    "serving-phi3": "Phi-3-mini shape (random weights), fp16",
+    "sweep": "default model, a worker of 256 rows: where ITL grows",
+    "overhead": "`ortfleet bench`: the fleet against its engine in-process",
+}
+
+
+def collect(folder: Path) -> dict[str, Any]:
+    report: dict[str, Any] = {"card": _read(folder / "card.txt").strip(), "steps": [], "benches": {}}
+    steps = folder / "steps.jsonl"
+    if steps.is_file():
+        report["steps"] = [json.loads(line) for line in steps.read_text().splitlines() if line.strip()]
+    for name in BENCHES:
+        path = folder / f"{name}.json"
+        if path.is_file():
+            report["benches"][name] = json.loads(path.read_text())
+    report["gpu_tests"] = _junit(folder / "gpu-tests.xml")
+    return report
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
+def _junit(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    root = ElementTree.parse(path).getroot()
+    cases = []
+    for case in root.iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = child.tag
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        message = next((c.get("message", "") for c in case if c.tag in ("failure", "error")), "")
+        cases.append({"name": case.get("name"), "outcome": outcome, "message": message[:400]})
+    return {
+        "passed": sum(1 for c in cases if c["outcome"] == "passed"),
+        "failed": sum(1 for c in cases if c["outcome"] in ("failure", "error")),
+        "skipped": sum(1 for c in cases if c["outcome"] == "skipped"),
+        "cases": cases,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    parts = [f"# GPU report: {report['card'] or 'card unknown'}", ""]
+    parts += ["| step | exit | seconds |", "| --- | --- | --- |"]
+    parts += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in report["steps"]]
+    for name, title in BENCHES.items():
+        figures = report["benches"].get(name)
+        if figures is None:
+            continue
+        parts += ["", f"## {name}: {title}", "", f"`{figures.get('command_line', '')}`", ""]
+        if name == "overhead":
+            parts += [
+                "```",
+                json.dumps(figures.get("goals", figures.get("levels", [])), indent=1)[:4000],
+                "```",
+            ]
+        else:
+            parts += ["```", serving.text(figures), "```"]
+    tests = report["gpu_tests"]
+    if tests is not None:
+        parts += [
+            "",
+            f"## gpu tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped",
+            "",
+        ]
+        parts += [f"- {c['outcome']}: {c['name']} {c['message']}".rstrip() for c in tests["cases"]]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m ortfleet.bench.gpu_report DIR", file=sys.stderr)
+        return 2
+    folder = Path(args[0])
+    report = collect(folder)
+    (folder / "report.json").write_text(json.dumps(report, indent=1))
+    (folder / "report.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
