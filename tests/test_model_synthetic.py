@@ -16,7 +16,17 @@ from ortfleet.modelbuild import default as default_module
 from ortfleet.modelbuild import synthetic as synthetic_module
 from ortfleet.modelbuild.convert import BUILDER_MODULE, builder_command
 from ortfleet.modelbuild.default import ensure_default_model
-from ortfleet.modelbuild.synthetic import PHI3_MINI, Shape, build_synthetic_model, byte_pair_tokenizer
+from ortfleet.modelbuild.random_weights import random_model
+from ortfleet.modelbuild.synthetic import (
+    LLAMA3_8B,
+    PHI3_MINI,
+    QWEN25_7B,
+    RANDOM_WEIGHTS_MODULE,
+    SHAPES,
+    Shape,
+    build_synthetic_model,
+    byte_pair_tokenizer,
+)
 
 EVENT_TOKEN = 1
 EVENT_FAILED = 8
@@ -64,9 +74,30 @@ def test_phi3_mini_shape_is_phi3_minis_config() -> None:
 
 
 @pytest.mark.unit
+def test_llama3_8b_and_qwen25_7b_shapes_are_their_configs_with_their_own_architectures() -> None:
+    assert (LLAMA3_8B.architecture, LLAMA3_8B.hidden_size, LLAMA3_8B.intermediate_size) == (
+        "LlamaForCausalLM",
+        4096,
+        14336,
+    )
+    assert (LLAMA3_8B.num_layers, LLAMA3_8B.num_heads, LLAMA3_8B.num_kv_heads) == (32, 32, 8)
+    assert (LLAMA3_8B.vocab_size, LLAMA3_8B.rope_theta) == (128256, 500000.0)
+    assert (QWEN25_7B.architecture, QWEN25_7B.hidden_size, QWEN25_7B.intermediate_size) == (
+        "Qwen2ForCausalLM",
+        3584,
+        18944,
+    )
+    assert (QWEN25_7B.num_layers, QWEN25_7B.num_heads, QWEN25_7B.num_kv_heads) == (28, 28, 4)
+    assert (QWEN25_7B.vocab_size, QWEN25_7B.rope_theta) == (152064, 1e6)
+    assert sorted(SHAPES) == ["llama3-8b", "phi3-mini", "qwen2.5-7b"]
+
+
+@pytest.mark.unit
 def test_resized_shape_keeps_vocab_heads_and_context() -> None:
     assert SMALL_PHI3 == Shape(
         name="phi3-mini",
+        architecture="Phi3ForCausalLM",
+        model_type="phi3",
         hidden_size=512,
         num_layers=1,
         num_heads=32,
@@ -76,6 +107,7 @@ def test_resized_shape_keeps_vocab_heads_and_context() -> None:
         context_length=4096,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
+        config_overrides=(("original_max_position_embeddings", 4096),),
     )
 
 
@@ -89,12 +121,14 @@ def test_resizing_beyond_the_shape_is_rejected(layers: int | None, hidden: int |
         PHI3_MINI.resized(layers=layers, hidden=hidden)
 
 
+@pytest.mark.parametrize("vocab_size", [32064, 152064])
 @pytest.mark.unit
-def test_tokenizer_vocab_matches_the_model_and_round_trips_text() -> None:
-    tokenizer = byte_pair_tokenizer(32064)
-    assert len(tokenizer) == 32064
+def test_tokenizer_vocab_matches_the_model_and_round_trips_text(vocab_size: int) -> None:
+    tokenizer = byte_pair_tokenizer(vocab_size)
+    assert len(tokenizer) == vocab_size
     text = "What is the capital of France? Ünïcödé ✓"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.convert_ids_to_tokens(vocab_size - 1)  # the last id is a token of its own
 
 
 def test_synthetic_model_generates_on_the_cpu(synthetic_model: Path) -> None:
@@ -165,7 +199,7 @@ def test_synthetic_cuda_build_is_fp16_paged_and_skips_its_check_without_cuda(
 ) -> None:
     builder = FakeBuilder()
     monkeypatch.setattr(synthetic_module, "run_builder", builder)
-    monkeypatch.setattr(synthetic_module, "_save_checkpoint", lambda *args, **kwargs: None)
+    monkeypatch.setattr(synthetic_module, "_save_config", lambda *args, **kwargs: None)
     monkeypatch.setattr(synthetic_module, "cuda_available", lambda: False)
     monkeypatch.setattr(synthetic_module, "check_generates", refuse_check)
     with caplog.at_level(logging.WARNING):
@@ -176,6 +210,7 @@ def test_synthetic_cuda_build_is_fp16_paged_and_skips_its_check_without_cuda(
             "execution_provider": "cuda",
             "extra_options": {"use_paged_attention": "true"},
             "on_output": builder.calls[0]["on_output"],
+            "runner": (RANDOM_WEIGHTS_MODULE, "--seed", "0"),
         }
     ]
     assert "skipped the check" in caplog.text
@@ -206,3 +241,57 @@ def test_default_cuda_model_is_fp16_paged_in_its_own_folder_and_skips_its_check_
 def test_default_model_is_built_for_cpu_or_cuda_only(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cpu or cuda, not 'rocm'"):
         default_model_dir(tmp_path, "rocm")
+
+
+def save_tiny_config(folder: Path, model_type: str, architecture: str, dtype: str) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        dtype=dtype,
+    )
+    config.architectures = [architecture]
+    config.save_pretrained(folder)
+
+
+@pytest.mark.unit
+def test_random_weights_are_small_finite_fp16_values_in_the_configs_own_architecture(tmp_path: Path) -> None:
+    import torch
+
+    save_tiny_config(tmp_path, "qwen2", "Qwen2ForCausalLM", "float16")
+    model = random_model(str(tmp_path), seed=0)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    parameters = {name: parameter.detach() for name, parameter in model.named_parameters()}
+    for name, parameter in parameters.items():
+        assert parameter.dtype == torch.float16, name
+        if "norm" in name:
+            assert bool((parameter == 1).all()), name
+        else:
+            values = parameter.float()
+            assert bool(torch.isfinite(values).all()), name
+            assert 0.015 < float(values.std()) < 0.025, name
+            assert float(values.abs().max()) < 0.2, name
+    q, k = (
+        parameters["model.layers.0.self_attn.q_proj.weight"],
+        parameters["model.layers.1.self_attn.q_proj.weight"],
+    )
+    assert not torch.equal(q, k)  # each tensor starts at its own offset into the random block
+    again = {name: p.detach() for name, p in random_model(str(tmp_path), seed=0).named_parameters()}
+    assert all(torch.equal(parameters[name], again[name]) for name in parameters)  # the seed decides
+
+
+@pytest.mark.unit
+def test_random_weights_keep_gemmas_zero_norms_which_it_reads_as_one(tmp_path: Path) -> None:
+    save_tiny_config(tmp_path, "gemma2", "Gemma2ForCausalLM", "float32")
+    model = random_model(str(tmp_path), seed=1)
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert norms
+    assert all(bool((p == 0).all()) for p in norms)

@@ -90,11 +90,16 @@ def _add_synthetic(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "synthetic",
         help="build a random-weight model with a known model's architecture (no download)",
         description="Build a random-weight ORT-GenAI model from an architecture's config alone, for "
-        "benchmarks at a real model's size: int4 on the CPU, fp16 with paged attention on CUDA. Its "
-        "text is noise.",
+        "benchmarks at a real model's size: int4 on the CPU, fp16 with paged attention on CUDA. The "
+        "weights are made in the builder's process (no checkpoint is written); its text is noise.",
     )
     parser.add_argument("dir", type=Path, metavar="DIR", help="model folder to create")
-    parser.add_argument("--shape", choices=sorted(SHAPES), required=True, help="the architecture to copy")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        required=True,
+        help="the model to copy, in its own architecture (Phi-3, Llama, Qwen2)",
+    )
     parser.add_argument(
         "--device", choices=SYNTHETIC_DEVICES, default="cpu", help="cpu: int4 (default); cuda: fp16, paged"
     )
@@ -103,7 +108,7 @@ def _add_synthetic(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "--hidden",
         type=_positive_int,
         metavar="N",
-        help="a smaller hidden size (a multiple of the head count)",
+        help="a smaller hidden size (a multiple of 16 times the head count)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even when DIR is complete")

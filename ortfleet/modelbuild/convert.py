@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -157,10 +157,13 @@ def builder_command(
     precision: str,
     execution_provider: str = "cpu",
     extra_options: Mapping[str, str] | None = None,
+    runner: Sequence[str] = (BUILDER_MODULE,),
 ) -> list[str]:
-    """The model builder's command line; ``extra_options`` become ``--extra_options key=value ...``."""
+    """The model builder's command line; ``extra_options`` become ``--extra_options key=value ...``.
+    ``runner`` is the module run with ``-m`` and its own arguments: the builder itself by default, or a
+    module that wraps it (random weights in place of a checkpoint's)."""
     command = [
-        sys.executable, "-m", BUILDER_MODULE,
+        sys.executable, "-m", *runner,
         "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", execution_provider,
         "-c", str(cache_dir),
     ]  # fmt: skip
@@ -185,10 +188,12 @@ def run_builder(
     execution_provider: str = "cpu",
     extra_options: Mapping[str, str] | None = None,
     on_output: Callable[[str], None] | None = None,
+    runner: Sequence[str] = (BUILDER_MODULE,),
 ) -> None:
     """Run the onnxruntime-genai model builder on a Hugging Face checkpoint folder, in a subprocess
     (creating models in-process does not work in onnxruntime-genai 0.18). Its output is passed line by
-    line to ``on_output``; on failure :class:`BuilderFailed` carries the end of it."""
+    line to ``on_output``; on failure :class:`BuilderFailed` carries the end of it. ``runner``: as in
+    :func:`builder_command`."""
     command = builder_command(
         hf_dir,
         out_dir,
@@ -196,6 +201,7 @@ def run_builder(
         precision=precision,
         execution_provider=execution_provider,
         extra_options=extra_options,
+        runner=runner,
     )
     logger.debug("running %s", command)
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
