@@ -225,7 +225,7 @@ async def test_a_gpu_job_whose_worker_is_killed_resumes_on_another_gpu_worker_wi
     env = {
         "ORTFLEET_HEARTBEAT_TTL_S": "2",
         "ORTFLEET_STEP_DELAY_S": "0.01",
-        "ORTFLEET_GPU_KV_FRACTION": "0.2",
+        "ORTFLEET_GPU_KV_FRACTION": "0.05",
     }
     first = gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180)
     second = gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180)
@@ -249,7 +249,7 @@ async def test_two_workers_sharing_one_gpu_split_the_jobs_between_them(
     gpu_fleet: Fleet, gpu_client: httpx.AsyncClient
 ) -> None:
     name = NAME + "-shared"
-    env = {"ORTFLEET_GPU_KV_FRACTION": "0.2", "ORTFLEET_MAX_BATCH_SIZE": "4"}
+    env = {"ORTFLEET_GPU_KV_FRACTION": "0.05", "ORTFLEET_MAX_BATCH_SIZE": "4"}
     workers = [gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180) for _ in range(2)]
     jobs = [
         await submit(

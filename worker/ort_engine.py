@@ -136,7 +136,13 @@ class OrtEngine(EngineThread):
         if self._target_itl_ms is None:
             sizing.rows = self.capacity
         else:
-            rows, sizing.timings = calibrate(self.capacity, self._target_itl_ms, self._decode_step_ms)
+            try:
+                rows, sizing.timings = calibrate(self.capacity, self._target_itl_ms, self._decode_step_ms)
+            except Exception:  # a probe the engine refused: serve with the ceiling rather than not at all
+                logger.exception(
+                    "timing decode steps failed; serving with the KV memory's %d rows", self.capacity
+                )
+                rows = self.capacity
             sizing.rows = rows
         self.capacity = sizing.rows
         self.row_sizing = sizing

@@ -17,12 +17,19 @@ from ortfleet.bench.completions import Planned, Served, level_figures
 
 def engine_alone(
     model_dir: Path, levels: list[tuple[int, list[Planned]]], device: str = "auto"
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The figures of each (concurrency, requests) level, as the server's levels give them
-    (level_figures), on one engine opened once."""
+    (level_figures), on one engine opened once; and the engine's shape: its kind, its rows and, on a GPU,
+    how they were sized from the card."""
     engine = open_worker_engine(model_dir, device)
+    sizing = getattr(engine, "row_sizing", None)
+    shape = {
+        "engine": type(engine).__name__,
+        "rows": engine.capacity,
+        "row_sizing": sizing.as_dict() if sizing is not None else None,
+    }
     try:
-        return aio.run(_levels(engine, levels))
+        return aio.run(_levels(engine, levels)), shape
     finally:
         engine.close()
 

@@ -92,11 +92,11 @@ def run(options: ServingOptions) -> dict[str, Any]:
     engine_levels = options.engine_concurrency or options.concurrency
     steps = (1 if options.model_dir is not None else 0) + len(options.concurrency) + options.interference
     with tqdm(total=steps, desc="serving", unit="run", file=sys.stderr, leave=False) as bar:
-        engine = None
+        engine = engine_shape = None
         if options.model_dir is not None:  # before the fleet starts: nothing else runs meanwhile
             bar.set_description("engine alone")
             alone = [(c, planned[: options.requests_at(c)]) for c in engine_levels]
-            engine = engine_alone(options.model_dir, alone, options.device)
+            engine, engine_shape = engine_alone(options.model_dir, alone, options.device)
             bar.update()
         if options.url is not None:
             name = options.name or aio.run(served_model(options.url))
@@ -130,6 +130,7 @@ def run(options: ServingOptions) -> dict[str, Any]:
     figures |= {
         "requests": [{"index": p.index, "prompt": p.prompt, "max_tokens": p.max_tokens} for p in planned],
         "engine_alone": engine,
+        "engine_shape": engine_shape,
         "levels": levels,
         "interference": interfered,
     }
@@ -244,6 +245,16 @@ def text(figures: dict[str, Any]) -> str:
         "run (latencies in ms)",
         table(headers, rows),
     ]
+    if (shape := figures.get("engine_shape")) is not None:
+        sizing = shape["row_sizing"]
+        line = f"engine alone: {shape['engine']}, {shape['rows']} rows"
+        if sizing is not None:
+            steps = ", ".join(f"{rows}: {ms} ms" for rows, ms in sizing["step_ms_by_rows"].items())
+            line += (
+                f" (sized from the card: {sizing['kv_tokens']:,} KV tokens, {sizing['kv_source']}, ceiling "
+                f"{sizing['ceiling']}; decode step by rows: {steps or 'not timed'})"
+            )
+        parts.append(line)
     if (i := figures["interference"]) is not None:
         tokens = round(sum(i["long_prompt_tokens"]) / len(i["long_prompt_tokens"]))
         runs = [["long", t, d] for t, d in zip(i["long_ttft_ms"], i["long_done_ms"], strict=True)]
