@@ -238,7 +238,7 @@ async def test_a_gpu_job_whose_worker_is_killed_resumes_on_another_gpu_worker_wi
     finally:
         second.resume()
     events = await read_events(gpu_client, job["id"])
-    done = await wait_done(gpu_client, job["id"], timeout_s=120)
+    done = await wait_done(gpu_client, job["id"])
     assert done["status"] == "succeeded" and done["attempts"] == 2
     ids = assert_contiguous(events)
     assert len(ids) == done["usage"]["completion_tokens"] == 300
@@ -257,7 +257,7 @@ async def test_two_workers_sharing_one_gpu_split_the_jobs_between_them(
         )
         for i in range(16)
     ]
-    done = await asyncio.gather(*(wait_done(gpu_client, job["id"], timeout_s=120) for job in jobs))
+    done = await asyncio.gather(*(wait_done(gpu_client, job["id"]) for job in jobs))
     assert all(d["status"] == "succeeded" for d in done)
     by_worker: dict[str, int] = {}
     for d in done:

@@ -74,7 +74,9 @@ class OrtEngine(EngineThread):
         self.exposes_logits = False
         self.prefix_block_tokens = 0  # og.Engine's own prefix caching (paged models) is not reported
         self.replays_guidance = False  # og's grammar starts again from its beginning
-        self.handles_stop_strings = self.continuous_batching  # only og.Engine's dynamic batching does
+        # og.Engine's dynamic batching ends a request at a stop string, but leaves the stop text in its
+        # tokens: the job runner matches the stops on the text and cuts it (the engine still stops early).
+        self.handles_stop_strings = False
         self.context_length = context_length(model_dir)
         self._vocab_size = vocab_size(model_dir)
         self._ready = threading.Event()
@@ -180,7 +182,8 @@ class OrtEngine(EngineThread):
 
     def _new_engine(self) -> None:
         self._engine = og.Engine(self._model)
-        self._buffer = self._engine.create_event_buffer(max(64, 4 * self.capacity))
+        rows = int(self._engine.get_capabilities().configured_max_batch_size) or 1
+        self._buffer = self._engine.create_event_buffer(max(64, 4 * rows))  # a whole step's events
 
     def _loop(self) -> None:
         self._active: dict[Any, tuple[GenerationStream, int]] = {}

@@ -10,6 +10,7 @@ rows whose step stays within the target: the knee past which more rows cost ever
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -142,7 +143,10 @@ class RowSizing:
             "kv_tokens": self.kv.tokens,
             "kv_source": self.kv.source,
             "target_itl_ms": self.target_itl_ms,
-            "step_ms_by_rows": {str(t.rows): round(t.step_ms, 3) for t in self.timings},
+            # None: no step had every row decoding (the probe could not time that many rows)
+            "step_ms_by_rows": {
+                str(t.rows): round(t.step_ms, 3) if math.isfinite(t.step_ms) else None for t in self.timings
+            },
         }
 
 

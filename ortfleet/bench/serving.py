@@ -44,6 +44,7 @@ from ortfleet.bench.engine_alone import engine_alone
 from ortfleet.bench.http import served_model
 from ortfleet.bench.interference import interference
 from ortfleet.bench.report import figures_header, table
+from ortfleet.fleet.gpu_plan import gpu_share_env
 from ortfleet.fleet.launcher import serving_fleet
 
 LOCAL_NAME = "bench"  # the served model name of the benches' local fleets
@@ -69,6 +70,7 @@ class ServingOptions:
     command_line: str = ""
     device: str = "auto"  # the engine alone's and the local fleet's worker's
     gateways: int = 1  # of the local fleet, sharing its port
+    workers: int = 1  # of the local fleet, on the device (each with its share of a GPU)
     client_processes: int = 1  # the closed-loop clients run in this many processes
     engine_concurrency: list[int] | None = None  # the engine alone's levels (default: every level)
 
@@ -104,7 +106,12 @@ def run(options: ServingOptions) -> dict[str, Any]:
         else:
             assert options.model_dir is not None
             with serving_fleet(
-                options.model_dir, LOCAL_NAME, device=options.device, gateways=options.gateways
+                options.model_dir,
+                LOCAL_NAME,
+                options.workers,
+                env=gpu_share_env(options.device, options.workers),
+                device=options.device,
+                gateways=options.gateways,
             ) as url:
                 name = LOCAL_NAME
                 measured = _measure_server(options, url, name, planned, bar)
@@ -122,6 +129,7 @@ def run(options: ServingOptions) -> dict[str, Any]:
             "interference": options.interference,
             "device": options.device,
             "gateways": options.gateways,
+            "workers": options.workers,
             "client_processes": options.client_processes,
         },
         server=options.url or "local ortfleet fleet (started by the bench)",
@@ -249,7 +257,9 @@ def text(figures: dict[str, Any]) -> str:
         sizing = shape["row_sizing"]
         line = f"engine alone: {shape['engine']}, {shape['rows']} rows"
         if sizing is not None:
-            steps = ", ".join(f"{rows}: {ms} ms" for rows, ms in sizing["step_ms_by_rows"].items())
+            steps = ", ".join(
+                f"{rows}: {'-' if ms is None else ms} ms" for rows, ms in sizing["step_ms_by_rows"].items()
+            )
             line += (
                 f" (sized from the card: {sizing['kv_tokens']:,} KV tokens, {sizing['kv_source']}, ceiling "
                 f"{sizing['ceiling']}; decode step by rows: {steps or 'not timed'})"

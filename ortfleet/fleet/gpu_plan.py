@@ -119,9 +119,17 @@ def plan_workers(
         indexes = visible_gpus(probe, environ)
     if per_gpu == 1:
         return [PlannedWorker(f"gpu-{index}", f"cuda:{index}", pick_port()) for index in indexes]
-    share = {"ORTFLEET_GPU_KV_FRACTION": f"{SHARED_GPU_KV / per_gpu:.4f}"}
+    share = gpu_share_env("cuda", per_gpu)
     return [
         PlannedWorker(f"gpu-{index}.{k}", f"cuda:{index}", pick_port(), share)
         for index in indexes
         for k in range(1, per_gpu + 1)
     ]
+
+
+def gpu_share_env(device: str, workers: int) -> dict[str, str]:
+    """The settings of each of `workers` workers sharing one GPU: its share of the card's memory for its
+    KV cache (nothing for one worker, or off a GPU)."""
+    if workers == 1 or not device.startswith("cuda"):
+        return {}
+    return {"ORTFLEET_GPU_KV_FRACTION": f"{SHARED_GPU_KV / workers:.4f}"}

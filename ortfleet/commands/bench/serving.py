@@ -81,6 +81,13 @@ def add_modes(modes: Subparsers) -> None:
         help="gateways of the local fleet, sharing one port (default 1)",
     )
     serving.add_argument(
+        "--workers",
+        type=positive,
+        default=1,
+        help="workers of the local fleet on the device; on a GPU each gets its share of the card's KV "
+        "memory (default 1)",
+    )
+    serving.add_argument(
         "--client-processes",
         type=positive,
         default=1,
@@ -188,6 +195,7 @@ def run_serving(args: argparse.Namespace) -> int:
         command_line=command_line(),
         device=args.device,
         gateways=args.gateways,
+        workers=args.workers,
         client_processes=args.client_processes,
         engine_concurrency=args.engine_concurrency,
     )
