@@ -61,10 +61,6 @@ class PrefixCache:
         """Tokens of KV held for reuse."""
         return sum(len(entry.blocks) for entry in self._entries.values()) * self.chunk
 
-    def tokens_of(self, scope: str) -> int:
-        """Tokens of KV held for reuse by one scope."""
-        return self._held().get(scope, 0) * self.chunk
-
     def length(self, slot: int) -> int:
         entry = self._entries.get(slot)
         return 0 if entry is None else len(entry.blocks) * self.chunk
