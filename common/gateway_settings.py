@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
+from common.apikeys import check_name
 from common.settings import FleetSettings
 
 
@@ -49,6 +51,21 @@ class GatewaySettings(FleetSettings):
         description="How long a chat waits at the head of its queue for the worker that holds the KV "
         "of its leading messages (a live worker with a free slot, at submission), before any worker may "
         "take it; 0 turns routing by prefix off.",
+    )
+    prefix_cache_scope: Literal["key", "fleet"] = Field(
+        "key",
+        description="Whose cached prompt prefixes a request may reuse (counted in cached_tokens, and "
+        "sooner to a first token): `key`, only those of its own API key's requests (or of its group in "
+        "prefix_cache_groups); `fleet`, those of every key's, for a single-tenant fleet (a key may then "
+        "learn whether another key's prompt starts with a guessed text). A gateway without API keys has one "
+        "scope for all. Either way, requests with different cache_salt values share nothing. Give every "
+        "gateway the same value.",
+    )
+    prefix_cache_groups: list[list[str]] = Field(
+        default_factory=list,
+        description="Groups of API key names whose requests reuse each other's cached prompt prefixes, as "
+        'JSON: [["alice", "bob"], ["carol", "dave"]]. A key is in one group at most; a key in none reuses '
+        "only its own. Give every gateway the same groups.",
     )
     structured_output_prompt: bool = Field(
         True,
@@ -233,3 +250,15 @@ class GatewaySettings(FleetSettings):
         "client further behind reads on from Redis once it catches up, without holding up the others "
         "(behind the gateway's own server, streams are bounded by their connection's write buffer instead).",
     )
+
+    @field_validator("prefix_cache_groups")
+    @classmethod
+    def _one_group_per_key(cls, groups: list[list[str]]) -> list[list[str]]:
+        seen: set[str] = set()
+        for group in groups:
+            for name in group:
+                check_name(name)  # an ApiKeyError, a ValueError: pydantic reports it
+                if name in seen:
+                    raise ValueError(f"key {name!r} is in more than one group")
+                seen.add(name)
+        return groups

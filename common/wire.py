@@ -65,6 +65,13 @@ def with_system_text(messages: list[ChatMessage], text: str) -> list[ChatMessage
     return [ChatMessage(role="system", content=text), *messages]
 
 
+MAX_CACHE_SALT = 256
+CACHE_SALT = (
+    "As vLLM's: requests reuse each other's cached prompt prefixes only when their salts are equal (and "
+    "they share a cache scope: the same API key, unless the operator shares one). A long random salt, "
+    "kept secret, keeps a prompt's prefix from any request that does not send it. 1 to "
+    f"{MAX_CACHE_SALT} characters."
+)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 TokenId = Annotated[int, Field(ge=0)]
@@ -164,6 +171,12 @@ class JobRequest(Sampling):
         description="Priority class: `interactive` (default) or `batch`, which waits while interactive "
         "jobs wait and yields its engine slots to them.",
     )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT,
+        description=CACHE_SALT,
+    )
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> JobRequest:
@@ -183,6 +196,10 @@ class JobSpec(BaseModel):
     submitted_at: float
     priority: PriorityClass = PriorityClass.interactive
     guidance: Guidance | None = None  # structured output: the grammar the output must follow
+    # Who may reuse the KV of this job's prompt, and whose prompts it may reuse: a digest of its API key
+    # (or the key's shared group) and its cache_salt (gateway/cache_scope.py). "": jobs queued before
+    # scopes existed, which share only among themselves.
+    cache_scope: str = ""
 
 
 class PromptTokensDetails(BaseModel):

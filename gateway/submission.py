@@ -27,6 +27,7 @@ from common.prefix_hints import preferred_worker
 from common.store_epoch import new_job_id
 from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Sampling
 from gateway import guidance_check
+from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
 from gateway.state import AppState
 
@@ -214,6 +215,7 @@ async def submit_job(
         submitted_at=now,
         priority=effective,
         guidance=guidance,
+        cache_scope=cache_scope(state.settings, principal.name, request.cache_salt),
     )
     idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None
@@ -257,11 +259,12 @@ def _refused(e: NotReplicated | EpochChanged | OwnerBusy | PromptTokensBusy | Qu
 
 async def _route(state: AppState, spec: JobSpec, now: float) -> tuple[str | None, int | None]:
     """The worker that holds the KV of the chat's leading messages, and until when the job waits for it
-    (common/prefix_hints.py); none for a prompt, or with routing off."""
+    (common/prefix_hints.py), left by a job of its cache scope; none for a prompt, or with routing off."""
     wait_s = state.settings.prefix_route_wait_s
     if not spec.messages or wait_s <= 0:
         return None, None
-    worker = await preferred_worker(state.shards.of_model(spec.model).redis, spec.model, spec.messages)
+    redis = state.shards.of_model(spec.model).redis
+    worker = await preferred_worker(redis, spec.model, spec.cache_scope, spec.messages)
     return (worker, int((now + wait_s) * 1000)) if worker else (None, None)
 
 

@@ -34,6 +34,7 @@ OTHER_VARIABLES = {
 COMPUTED_DEFAULTS = {
     "model_cache": "`$XDG_CACHE_HOME/ortfleet/models`, else `~/.cache/ortfleet/models`",
     "redis_shards": "`{}` (none)",
+    "prefix_cache_groups": "`[]` (none)",
 }
 
 INTRODUCTION = """\
@@ -111,6 +112,8 @@ def _annotation(annotation: Any) -> str:
         return " \\| ".join(f"`{value}`" for value in arguments)
     if origin is dict:
         return f"JSON object of {_annotation(arguments[1])}"
+    if origin is list:
+        return f"JSON list of {_annotation(arguments[0]).removeprefix('JSON ')}"
     names = {str: "text", int: "integer", float: "number", bool: "boolean", Path: "path", SecretStr: "secret"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 

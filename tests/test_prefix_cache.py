@@ -17,7 +17,7 @@ from tests.test_batcher import collect, long_tokens
 from tests.test_observability import value
 from tests.waiting import until
 from worker.batcher.engine import BatchingEngine
-from worker.batcher.prefix_cache import PrefixCache
+from worker.batcher.prefix_cache import PrefixCache, prompt_blocks
 from worker.engine import Finish, GenerationRequest
 
 CHUNK = 32
@@ -169,22 +169,53 @@ def json_messages(messages: list[dict[str, str]]) -> str:
 @pytest.mark.unit
 def test_matches_count_whole_chunks_short_of_the_last_token_and_victims_go_least_recent_first() -> None:
     cache = PrefixCache(4)
-    cache.keep(0, list(range(10)))  # 8 tokens kept
-    cache.keep(1, [7] * 3)  # shorter than a chunk: nothing
+    cache.keep(0, list(range(10)), "a")  # 8 tokens kept
+    cache.keep(1, [7] * 3, "a")  # shorter than a chunk: nothing
     assert cache.tokens == 8 and cache.length(1) == 0
-    assert cache.match(list(range(20)), {0, 1}) == (0, 8)
-    assert cache.match(list(range(8)), {0, 1}) == (0, 4)  # the 8th token is the prompt's last
-    assert cache.match([*range(6), 99, 99, 99], {0, 1}) == (0, 4)
-    assert cache.match(list(range(20)), {1}) == (None, 0)  # slot 0 is not free
-    cache.keep(2, [5] * 8)
-    assert cache.victim({0, 1, 2}) == 1  # an empty slot first
-    cache.match(list(range(20)), {0})  # slot 0 used after slot 2 was kept
-    assert cache.victim({0, 2}) == 2
+    assert cache.match(list(range(20)), "a", {0, 1}) == (0, 8)
+    assert cache.match(list(range(8)), "a", {0, 1}) == (0, 4)  # the 8th token is the prompt's last
+    assert cache.match([*range(6), 99, 99, 99], "a", {0, 1}) == (0, 4)
+    assert cache.match(list(range(20)), "a", {1}) == (None, 0)  # slot 0 is not free
+    cache.keep(2, [5] * 8, "a")
+    assert cache.victim({0, 1, 2}, "a") == 1  # an empty slot first
+    cache.match(list(range(20)), "a", {0})  # slot 0 used after slot 2 was kept
+    assert cache.victim({0, 2}, "a") == 2
     cache.moved(2, 3)
     assert cache.length(3) == 8 and cache.length(2) == 0
     cache.forget(3)
     cache.clear()
     assert cache.tokens == 0
+
+
+@pytest.mark.unit
+def test_a_prompt_matches_only_prefixes_kept_in_its_own_cache_scope() -> None:
+    cache = PrefixCache(4)
+    cache.keep(0, list(range(12)), "alice")
+    assert cache.match(list(range(20)), "bob", {0}) == (None, 0)
+    assert cache.match(list(range(20)), "", {0}) == (None, 0)
+    assert cache.match(list(range(20)), "alice", {0}) == (0, 12)
+    assert prompt_blocks("alice", range(8), 4)[1] != prompt_blocks("bob", range(8), 4)[1]
+    # blocks are chained: a chunk equal to another prompt's matches only after the same chunks
+    assert (
+        prompt_blocks("alice", [*range(4), 9, 9, 9, 9], 4)[1]
+        != prompt_blocks("alice", [0] * 4 + [9] * 4, 4)[1]
+    )
+
+
+@pytest.mark.unit
+def test_a_request_without_a_match_evicts_the_largest_scopes_least_recent_prefix() -> None:
+    cache = PrefixCache(4)
+    cache.keep(0, list(range(8)), "alice")  # alice: 2 blocks, the oldest entry
+    cache.keep(1, [5] * 4, "bob")
+    cache.keep(2, [6] * 4, "bob")
+    cache.keep(3, [7] * 4, "bob")  # bob: 3 blocks
+    assert cache.victim({0, 1, 2, 3}, "alice") == 1  # bob holds more: his oldest goes, not alice's
+    assert cache.victim({0, 1, 2, 3}, "carol") == 1
+    cache.forget(1)
+    assert cache.victim({0, 2, 3}, "bob") == 2  # two blocks each: bob's own go first
+    assert cache.victim({0, 2, 3}, "carol") == 0  # carol holds none: the least recent of the largest
+    cache.forget(2)
+    assert cache.victim({0, 3}, "bob") == 0  # alice now holds more
 
 
 async def test_through_the_fleet_a_follow_up_reports_its_cached_prompt_tokens_and_the_worker_counts_them(

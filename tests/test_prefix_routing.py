@@ -20,8 +20,11 @@ def conversation(k: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Record {k}. {DOCUMENT}"}]
 
 
-async def run(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    job = await submit(client, {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+async def run(
+    client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], **extra: Any
+) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0, **extra}
+    job = await submit(client, body)
     done = await wait_done(client, job["id"])
     assert done["status"] == "succeeded", done
     return done
@@ -65,6 +68,21 @@ async def test_a_next_turn_waits_for_a_stopped_worker_only_the_routing_wait(
     assert second["worker"] != first["worker"] and str(other.process.pid) in second["worker"]
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert second["timings"]["queue_wait_s"] >= 0.9  # it waited for the holder (1 s by default)
+
+
+async def test_a_next_turn_is_never_routed_by_the_prompt_of_another_cache_scope(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    holder = fleet.start_worker(model_name)
+    first = await run(client, model_name, conversation(0), cache_salt="one")
+    other = fleet.start_worker(model_name)
+    holder.pause()
+    try:
+        second = await run(client, model_name, follow_up(conversation(0), first["output"]), cache_salt="two")
+    finally:
+        holder.resume()
+    assert str(other.process.pid) in second["worker"]
+    assert second["timings"]["queue_wait_s"] < 0.9  # no hint of its scope: it waited for no worker
 
 
 async def test_a_dead_workers_hints_are_ignored_once_its_heartbeat_runs_out(

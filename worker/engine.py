@@ -55,6 +55,9 @@ class GenerationRequest:
     # Log-probabilities of each prompt token after the first, and of the `prompt_logprobs` likeliest at its
     # place, on the request's first update; the prompt is then prefilled whole (no cached prefix).
     prompt_logprobs: int | None = None
+    # Whose prompts' KV the request may reuse, and who may reuse its own: only requests of the same scope
+    # (the job's cache_scope, gateway/cache_scope.py) share prompt prefixes.
+    cache_scope: str = ""
 
     @property
     def samples(self) -> bool:

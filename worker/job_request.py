@@ -78,6 +78,7 @@ def engine_request(
         frequency_penalty=sampling.frequency_penalty,
         logit_bias=tuple(sorted((sampling.logit_bias or {}).items())),
         prompt_logprobs=sampling.prompt_logprobs,
+        cache_scope=spec.cache_scope,
     )
     needed = request.needs_logits
     if needed is not None and not engine.exposes_logits:

@@ -317,8 +317,11 @@ class JobRun:
         )
         await write_final(self._queue, self.claim, record, final, publisher)
         self.outcome = outcome
-        if self.spec.messages and 0 < self._engine.prefix_block_tokens <= self.prompt_tokens:
+        spec = self.spec
+        if spec.messages and 0 < self._engine.prefix_block_tokens <= self.prompt_tokens:
             try:  # only a hint: a job that does not find it prefills its prompt again
-                await self._queue.leave_prefix_hints(self.spec.model, self.spec.messages, self.worker_id)
+                await self._queue.leave_prefix_hints(
+                    spec.model, spec.cache_scope, spec.messages, self.worker_id
+                )
             except RedisError as e:
                 logger.warning("job %s: its prefix hints were not written (%s)", self.job_id, e)

@@ -227,9 +227,12 @@ class JobLeasing:
             owners = await pipe.execute()
         return {job_id: owner or "" for job_id, owner in zip(job_ids, owners, strict=True)}
 
-    async def leave_prefix_hints(self, model: str, messages: list[ChatMessage], worker_id: str) -> None:
-        """This worker holds the KV of these messages' prompt (common/prefix_hints.py)."""
-        await leave_hints(self._redis, model, messages, worker_id)
+    async def leave_prefix_hints(
+        self, model: str, scope: str, messages: list[ChatMessage], worker_id: str
+    ) -> None:
+        """This worker holds the KV of these messages' prompt, for jobs of the cache scope
+        (common/prefix_hints.py)."""
+        await leave_hints(self._redis, model, scope, messages, worker_id)
 
     async def renew_leases(self, claims: list[Claim], lease_s: float) -> int:
         """Push forward the leases of the jobs these claims still hold; returns how many."""

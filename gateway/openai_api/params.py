@@ -68,6 +68,7 @@ def job_request(
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "response_format": guided,
         "priority": body.priority,
+        "cache_salt": body.cache_salt,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "logit_bias": body.logit_bias,

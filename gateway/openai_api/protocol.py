@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from common.wire import MAX_TOP_LOGPROBS, PriorityClass, Usage
+from common.wire import CACHE_SALT, MAX_TOP_LOGPROBS, PriorityClass, Usage
 
 MAX_CHOICES = 128
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a text completion's logprobs
@@ -99,6 +99,7 @@ class GenerationParams(OpenAIRequest):
     priority: PriorityClass | None = Field(
         None, description="ortfleet's extension: the job's priority class, interactive (default) or batch."
     )
+    cache_salt: str | None = Field(None, description=CACHE_SALT)
     # OpenAI's controls over the logits (validated again as the job's sampling; honoured by workers that
     # run ortfleet's batcher, see common/wire.py).
     presence_penalty: float | None = Field(None, description="-2 to 2; lowers tokens already generated.")

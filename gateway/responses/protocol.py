@@ -8,7 +8,7 @@ from pydantic import Field, ValidationError
 
 from common.error_codes import ErrorCode
 from common.guidance import ResponseFormat
-from common.wire import MAX_TOP_LOGPROBS, ChatMessage, JobRequest
+from common.wire import CACHE_SALT, MAX_TOP_LOGPROBS, ChatMessage, JobRequest
 from gateway.errors import ApiError, validation_error
 from gateway.metadata import Metadata
 from gateway.openai_api.params import reject_unsupported
@@ -72,6 +72,7 @@ class ResponseRequest(OpenAIRequest):
         description="Logprobs of the likeliest tokens at each step (0 to 20).",
     )
     include: list[str] | None = Field(None, description="`message.output_text.logprobs` gives logprobs.")
+    cache_salt: str | None = Field(None, description=CACHE_SALT)
     # OpenAI's parameters ortfleet cannot honour: accepted only unset.
     conversation: Unset = None
     prompt: Unset = None
@@ -182,6 +183,7 @@ def response_job(
         "top_p": body.top_p,
         "response_format": guided,
         "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+        "cache_salt": body.cache_salt,
     }
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})

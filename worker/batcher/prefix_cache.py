@@ -1,5 +1,5 @@
-"""Prompts' KV left in the batcher's free slots, so that a request whose prompt starts the same way starts
-from it and prefills only the rest.
+"""Prompts' KV left in the batcher's free slots, so that a request whose prompt starts the same way, in the
+same cache scope, starts from it and prefills only the rest.
 
 When a row that finished its prefill ends, its slot keeps the KV of its prompt's whole prefill chunks.
 A new request takes the free slot that holds the longest prefix of its prompt, counted in whole chunks
@@ -8,22 +8,45 @@ of a prompt and a prefill runs one prompt alone, so the KV reused is the KV the 
 itself: a reused prefix changes no token of the output. The KV of generated tokens, computed one decode
 step at a time in batches, is never reused.
 
-Entries live only in free slots: a slot a request takes is no longer cached, and the least recently
-used entry is the first a request without a match overwrites. So the cache holds at most
+A prompt is known by its blocks: the digest of each whole chunk, chained to the chunk before it and the
+first to the request's cache scope (the job's API key or shared group, and its cache_salt; see
+gateway/cache_scope.py). Two prompts share a block only if their scopes and every token up to the block's
+end are the same, so a request never reuses, counts or is sped up by another scope's prompt.
+
+Entries live only in free slots: a slot a request takes is no longer cached. A request without a match
+takes an empty slot, else the least recently used entry of the scope holding the most blocks (its own
+first when it holds as many as the largest): no scope keeps more than a fair share of the cache while
+another wants room, and no scope evicts one that holds less than it does. So the cache holds at most
 `slots - rows running` prompts and costs no memory beyond the KV slots.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+_SEED = b"ortfleet prefix scope\0"
+
+
+def prompt_blocks(scope: str, prompt_ids: Sequence[int], chunk: int) -> tuple[bytes, ...]:
+    """The digest of each whole chunk of the prompt: of the scope and every token up to the chunk's end."""
+    tokens = np.asarray(prompt_ids, np.int64)
+    chained = hashlib.sha256(_SEED + scope.encode())
+    blocks = []
+    for start in range(0, tokens.size // chunk * chunk, chunk):
+        chained.update(tokens[start : start + chunk].tobytes())
+        blocks.append(chained.copy().digest())
+    return tuple(blocks)
+
 
 @dataclass
 class _Entry:
-    tokens: np.ndarray  # the prompt tokens whose KV the slot holds: whole chunks
+    scope: str
+    blocks: tuple[bytes, ...]  # the prompt's whole chunks whose KV the slot holds
     used: int  # when it was last kept or matched (the cache's clock)
 
 
@@ -36,27 +59,24 @@ class PrefixCache:
     @property
     def tokens(self) -> int:
         """Tokens of KV held for reuse."""
-        return sum(entry.tokens.size for entry in self._entries.values())
+        return sum(len(entry.blocks) for entry in self._entries.values()) * self.chunk
 
     def length(self, slot: int) -> int:
         entry = self._entries.get(slot)
-        return 0 if entry is None else int(entry.tokens.size)
+        return 0 if entry is None else len(entry.blocks) * self.chunk
 
-    def keep(self, slot: int, prompt_ids: Sequence[int]) -> None:
+    def keep(self, slot: int, prompt_ids: Sequence[int], scope: str) -> None:
         """The slot's row ended with its whole prompt prefilled: its whole chunks stay for reuse."""
-        usable = self.usable(prompt_ids)
+        blocks = prompt_blocks(scope, prompt_ids, self.chunk)
         self._clock += 1
-        if usable:
-            self._entries[slot] = _Entry(np.asarray(prompt_ids[:usable], np.int64), self._clock)
+        if blocks:
+            self._entries[slot] = _Entry(scope, blocks, self._clock)
         else:
             self._entries.pop(slot, None)
 
     def usable(self, prompt_ids: Sequence[int]) -> int:
         """How many tokens of this prompt a kept entry of it would hold."""
-        return self._whole_chunks(len(prompt_ids))
-
-    def _whole_chunks(self, tokens: int) -> int:
-        return tokens // self.chunk * self.chunk
+        return len(prompt_ids) // self.chunk * self.chunk
 
     def forget(self, slot: int) -> None:
         """The slot is taken (or its KV overwritten)."""
@@ -71,31 +91,51 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def match(self, prompt_ids: Sequence[int], free: Iterable[int]) -> tuple[int | None, int]:
-        """The free slot holding the longest reusable prefix of the prompt, and its length (None, 0: no
-        slot holds a whole chunk of it)."""
-        prompt = np.asarray(prompt_ids, np.int64)
+    def match(self, prompt_ids: Sequence[int], scope: str, free: Iterable[int]) -> tuple[int | None, int]:
+        """The free slot holding the longest reusable prefix of the prompt in this scope, and its length
+        (None, 0: no slot holds a whole chunk of it)."""
+        wanted = prompt_blocks(scope, prompt_ids[:-1], self.chunk)  # the last prompt token is always run
         best: tuple[int | None, int] = (None, 0)
         for slot in free:
             entry = self._entries.get(slot)
             if entry is None:
                 continue
-            most = min(entry.tokens.size, prompt.size - 1)  # the last prompt token is always run
-            same = entry.tokens[:most] == prompt[:most]
-            common = most if bool(same.all()) else int(np.argmin(same))
-            reusable = self._whole_chunks(common)
-            if reusable > best[1]:
-                best = (slot, reusable)
+            common = _common_blocks(entry.blocks, wanted)
+            if common * self.chunk > best[1]:
+                best = (slot, common * self.chunk)
         if best[0] is not None:
             self._clock += 1
             self._entries[best[0]].used = self._clock
         return best
 
-    def victim(self, free: Iterable[int]) -> int:
-        """The free slot a request without a match takes: an empty one (the highest), else the one whose
-        entry was used longest ago."""
+    def victim(self, free: Iterable[int], scope: str) -> int:
+        """The free slot a request of `scope` without a match takes: an empty one (the highest), else the
+        least recently used entry of the scope holding the most blocks, the request's own scope first
+        among those holding as many."""
         slots = sorted(free, reverse=True)
         empty = [slot for slot in slots if slot not in self._entries]
         if empty:
             return empty[0]
-        return min(slots, key=lambda slot: self._entries[slot].used)
+        held = self._held()
+
+        def eviction_order(slot: int) -> tuple[int, bool, int]:
+            entry = self._entries[slot]
+            return held[entry.scope], entry.scope == scope, -entry.used
+
+        return max(slots, key=eviction_order)
+
+    def _held(self) -> Counter[str]:
+        held: Counter[str] = Counter()
+        for entry in self._entries.values():
+            held[entry.scope] += len(entry.blocks)
+        return held
+
+
+def _common_blocks(kept: tuple[bytes, ...], wanted: tuple[bytes, ...]) -> int:
+    """Leading blocks the two share (chained digests: once one differs, every later one does)."""
+    common = 0
+    for ours, theirs in zip(kept, wanted, strict=False):
+        if ours != theirs:
+            break
+        common += 1
+    return common

@@ -4,7 +4,8 @@ A request waits until a slot is free and the KV budget holds its prompt plus max
 first served), prefills in a slot, then decodes. Decode rows hold the slots [0, rows) (a run binds them
 as one tensor); a prefilling row holds a slot above them and moves down when its prompt is in; a row that
 ends is replaced by the last one. With the prefix cache on, a row starts in the free slot that holds the
-longest cached prefix of its prompt, and a row that ends leaves its prompt's KV in the slot it frees.
+longest cached prefix of its prompt in its cache scope, and a row that ends leaves its prompt's KV in the
+slot it frees.
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ class Rows:
         if row.request.prompt_logprobs is not None:  # every prompt position's logits are needed
             slot, reused = None, 0
         else:
-            slot, reused = self.prefixes.match(row.request.prompt_ids, free)
+            slot, reused = self.prefixes.match(row.request.prompt_ids, row.request.cache_scope, free)
         self._counters.prefix_tokens_queried += len(row.request.prompt_ids)
         if slot is None:
-            slot = self.prefixes.victim(free)
+            slot = self.prefixes.victim(free, row.request.cache_scope)
         else:
             row.length = row.cached = reused
             self._counters.prefix_hits += 1
@@ -141,7 +142,7 @@ class Rows:
             self.decoding[last.slot] = last
         self.decoding.pop()
         if self.prefixes is not None:
-            self.prefixes.keep(row.slot, row.request.prompt_ids)
+            self.prefixes.keep(row.slot, row.request.prompt_ids, row.request.cache_scope)
 
     def join_decoding(self, row: Row) -> None:
         """The row's prompt is in: its KV moves down to the slot where the decode rows end."""
