@@ -9,6 +9,7 @@ A separate process because onnxruntime-genai 0.18 cannot build models in a proce
 from __future__ import annotations
 
 import argparse
+import importlib
 import runpy
 import sys
 from collections.abc import Sequence
@@ -34,7 +35,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _replace_load_weights(seed: int) -> None:
     import onnxruntime_genai.models  # noqa: F401  (puts the builder's own packages on sys.path)
-    from builders.base import Model  # the builder's top-level package
+
+    # onnxruntime-genai's builder imports its own package as the top-level `builders` (the one its
+    # __main__ uses): patch that module, not a second copy under onnxruntime_genai.models.
+    Model = importlib.import_module("builders.base").Model
 
     def load_weights(self: Any, input_path: str) -> Any:
         layers = self.num_layers if "num_hidden_layers" in self.extra_options else None
