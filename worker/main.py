@@ -172,6 +172,13 @@ def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
     return scheduler == "batcher" or not uses_dynamic_batching(model_dir)
 
 
+def job_kv_budget(engine: Engine) -> int:
+    """The KV tokens (prompt and max_tokens) one job may need on this engine; 0 when every job that fits
+    the model's context fits (og.Engine, or a budget of at least the context)."""
+    budget = int(getattr(engine, "kv_budget_tokens", 0))  # ortfleet's batcher's (ORTFLEET_KV_BUDGET_TOKENS)
+    return budget if 0 < budget < engine.context_length else 0
+
+
 def check_redis_url(settings: WorkerSettings, name: str) -> None:
     """CannotStart when the Redis of the model's jobs is unreachable, refuses its URL (a worker without
     its Redis has nothing to do) or evicts keys (unless allowed)."""
@@ -224,6 +231,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         host=socket.gethostname(),
         pid=os.getpid(),
         started_at=time.time(),
+        kv_budget_tokens=job_kv_budget(engine),
     )
     service = WorkerService(settings, redis, engine, tokenizer, info)
     width = await service.warm_up()

@@ -179,7 +179,12 @@ class WorkerService:
             idle = all(run.engine_done for run in self.runs.values())
             try:
                 claimed = await self.queue.claim_jobs(
-                    self.model, self.info.id, slots, self.settings.heartbeat_ttl_s, idle=idle
+                    self.model,
+                    self.info.id,
+                    slots,
+                    self.settings.heartbeat_ttl_s,
+                    idle=idle,
+                    kv_budget_tokens=self.info.kv_budget_tokens,
                 )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s); retrying", e)
