@@ -19,7 +19,7 @@ MODELS = PREFIX + "models"  # hash: model name -> JSON of what its workers last 
 CANCEL_CHANNEL = PREFIX + "cancel"  # pub/sub: job ids whose running generation must stop
 STREAM_NOTICES = PREFIX + "stream-notices"  # pub/sub: job stream keys just added to (common/jobs/)
 EPOCH = PREFIX + "epoch"  # string: this Redis's data epoch (common/store_epoch.py); job TTL, renewed by reads
-QUEUE_DEADLINES = PREFIX + "queue-deadlines"  # zset: queued job id -> its queue deadline (ms); job TTL
+QUEUE_DEADLINES = PREFIX + "queue-deadlines"  # zset: queued job id -> its queue deadline (ms); no expiry
 LOST_EPOCHS = PREFIX + "lost-epochs"  # set: epochs whose data this Redis lost (restarted empty); job TTL
 
 
@@ -106,7 +106,14 @@ def prompt_tokens_in_flight(owner: str) -> str:
 
 
 def owner_jobs(owner: str) -> str:
+    """zset: every job of the owner -> its submission (ms), while its record lives: listing and ownership."""
     return f"{PREFIX}jobs-of:{owner}"
+
+
+def owner_ended_jobs(owner: str) -> str:
+    """zset: the owner's jobs that ended -> their end (ms): a submission drops from owner_jobs those that
+    ended a job TTL ago (their records expired), and never a queued or running one."""
+    return f"{PREFIX}ended-of:{owner}"
 
 
 def wake_channel(model: str) -> str:

@@ -82,17 +82,43 @@ def missing_files(model_dir: Path) -> list[str]:
 
 
 def files_match(model_dir: Path, marker: Marker, *, verify_all_hashes: bool) -> bool:
+    return not mismatched_files(model_dir, marker, verify_all_hashes=verify_all_hashes)
+
+
+def mismatched_files(model_dir: Path, marker: Marker, *, verify_all_hashes: bool) -> list[str]:
+    """The files the marker lists that are missing or differ from it: by size, or by sha256 for files up
+    to ``HASH_VERIFIED_MAX_BYTES`` (all files with ``verify_all_hashes``, read a chunk at a time)."""
+    mismatched = []
     for name, record in marker["files"].items():
         path = model_dir / name
         try:
             size = path.stat().st_size
         except OSError:
-            return False
+            mismatched.append(name)
+            continue
         if size != record["size"]:
-            return False
-        if (verify_all_hashes or size <= HASH_VERIFIED_MAX_BYTES) and sha256_of(path) != record["sha256"]:
-            return False
-    return True
+            mismatched.append(name)
+        elif (verify_all_hashes or size <= HASH_VERIFIED_MAX_BYTES) and sha256_of(path) != record["sha256"]:
+            mismatched.append(name)
+    return mismatched
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """What tells one model from another, whatever its folder: with a build marker, a digest of the
+    sha256 of every file it lists (weights included); without one, of genai_config.json, the tokenizer's
+    files and the size of every other file. Workers of one served name must have the same."""
+    digest = hashlib.sha256()
+    marker = read_marker(model_dir)
+    if marker is not None:
+        for name, record in sorted(marker["files"].items()):
+            digest.update(f"{name}\0{record['sha256']}\0".encode())
+        return digest.hexdigest()[:16]
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and p.name != MARKER_NAME):
+        if path.name == GENAI_CONFIG or path.name.startswith("tokenizer"):
+            digest.update(f"{path.name}\0{sha256_of(path)}\0".encode())
+        else:
+            digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+    return digest.hexdigest()[:16]
 
 
 def sha256_of(path: Path) -> str:

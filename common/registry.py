@@ -29,6 +29,11 @@ class WorkerInfo:
     tokens_per_s: float = 0.0  # over the last few seconds
     speed_tokens_per_s: float = 0.0  # prompt and generated tokens a second over its last 10 s of running jobs
     metrics_url: str = ""  # its Prometheus /metrics
+    # KV tokens (prompt and max_tokens) one job may need here: ORTFLEET_KV_BUDGET_TOKENS where it is
+    # below the context, else 0 (any job that fits the context fits); claim.lua passes over larger jobs.
+    kv_budget_tokens: int = 0
+    model_dir: str = ""  # the folder it serves (on its host)
+    fingerprint: str = ""  # its model's (common/model_folder.py's model_fingerprint): one per served name
 
 
 async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:

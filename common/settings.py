@@ -34,7 +34,11 @@ class FleetSettings(BaseSettings):
         "use redis_url. Give every gateway and worker the same map.",
     )
     job_ttl_s: int = Field(
-        86_400, ge=60, description="Seconds a job's record and token stream are kept after submission."
+        86_400,
+        ge=60,
+        description="Seconds a job's record, token stream and idempotency entry are kept after the job ends "
+        "(succeeded, failed or cancelled); nothing of a queued or running job expires, however long it waits "
+        "or runs.",
     )
     model_cache: Path = Field(
         default_factory=default_cache_root,

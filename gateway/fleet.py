@@ -21,6 +21,7 @@ class ModelState:
     in_flight: int
     ready: int = 0  # workers that can run jobs now: not those rebuilding a failed engine
     speed_tokens_per_s: float = 0.0  # what its ready workers measured while running jobs (WorkerInfo's)
+    kv_budget_tokens: int = 0  # the most KV tokens a job may need on one of its live workers (their largest)
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,16 @@ class FleetView:
                 before.in_flight + int(worker.get("in_flight", "0")),
                 before.ready + int(serving(worker)),
                 before.speed_tokens_per_s + (_speed(worker) if serving(worker) else 0.0),
+                max(before.kv_budget_tokens, _kv_budget(worker)),
             )
             known.setdefault(name, before.context_length)
         return FleetSnapshot(known, live)
+
+
+def _kv_budget(worker: dict[str, str]) -> int:
+    """The KV tokens a job may need on the worker: its budget, or its context when it has none below it."""
+    budget = int(worker.get("kv_budget_tokens", "0") or 0)
+    return budget if budget > 0 else int(worker["context_length"])
 
 
 def _speed(worker: dict[str, str]) -> float:

@@ -132,6 +132,29 @@ def estimated_prompt_tokens(spec: JobSpec, context_length: int) -> int:
     return min(prompt_chars // 4 + 1, max(context_length, 1))
 
 
+async def kv_tokens_needed(state: AppState, spec: JobSpec, context_length: int) -> int:
+    """The KV tokens the job needs on its worker (prompt and max_tokens, at most the context), as the
+    gateway estimates them, and never more than the largest budget of the model's live workers (a worker
+    with a smaller one leaves the job to a larger, claim.lua). 422 naming max_tokens when no live worker
+    could hold even its max_tokens and one prompt token."""
+    max_tokens = spec.sampling.max_tokens or context_length
+    least = min(context_length, max_tokens + 1)
+    live = (await state.fleet.snapshot()).live.get(spec.model)
+    if live is None or live.kv_budget_tokens <= 0:  # no worker yet (ORTFLEET_QUEUE_WITHOUT_WORKERS)
+        return least
+    largest = live.kv_budget_tokens
+    if least > largest:
+        raise ApiError(
+            422,
+            f"max_tokens: {max_tokens} with its prompt needs at least {least} tokens of KV cache, and the "
+            f"live workers of model {spec.model!r} hold at most {largest} for a job "
+            "(their ORTFLEET_KV_BUDGET_TOKENS); ask for fewer tokens",
+            param="max_tokens",
+            code=ErrorCode.context_length_exceeded,
+        )
+    return min(context_length, estimated_prompt_tokens(spec, context_length) + max_tokens, largest)
+
+
 def estimated_cost(spec: JobSpec, context_length: int) -> int:
     """Tokens a job will occupy: its prompt plus what it may generate."""
     return estimated_prompt_tokens(spec, context_length) + (spec.sampling.max_tokens or 0)
@@ -220,13 +243,14 @@ async def submit_job(
     idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None
     route = await _route(state, spec, now)
+    kv = await kv_tokens_needed(state, spec, context_length)
     try:
         try:
-            submitted = await _submit(state, spec, context_length, idem, principal, digest, epoch, route)
+            submitted = await _submit(state, spec, context_length, kv, idem, principal, digest, epoch, route)
         except EpochChanged:  # the Redis lost its data since its epoch was read: note it, then go on
             epoch = await shard.watch.check_epoch()
             spec = spec.model_copy(update={"id": new_job_id(epoch)})
-            submitted = await _submit(state, spec, context_length, idem, principal, digest, epoch, route)
+            submitted = await _submit(state, spec, context_length, kv, idem, principal, digest, epoch, route)
     except (NotReplicated, EpochChanged, OwnerBusy, PromptTokensBusy, QueueFull) as e:
         raise _refused(e) from e
     if submitted.created:
@@ -272,6 +296,7 @@ async def _submit(
     state: AppState,
     spec: JobSpec,
     context_length: int,
+    kv_tokens: int,
     idem: str | None,
     principal: Principal,
     digest: str | None,
@@ -282,6 +307,7 @@ async def _submit(
         spec,
         limits=queue_limits(state),
         cost=estimated_cost(spec, context_length),
+        kv_tokens=kv_tokens,
         idempotency_key=idem,
         owner=principal.name,
         owner_max_active=principal.max_concurrent_jobs or 0,

@@ -33,7 +33,14 @@ async def model(redis: Redis) -> AsyncIterator[str]:
 
 
 async def submit(
-    queue: JobQueue, model: str, *, limits: QueueLimits = NO_LIMITS, age_s: float = 0.0, owner: str = "team"
+    queue: JobQueue,
+    model: str,
+    *,
+    limits: QueueLimits = NO_LIMITS,
+    age_s: float = 0.0,
+    owner: str = "team",
+    kv_tokens: int | None = None,
+    idempotency_key: str | None = None,
 ) -> str:
     spec = JobSpec(
         id=f"job_{uuid.uuid4().hex}",
@@ -42,7 +49,9 @@ async def submit(
         sampling=Sampling(max_tokens=4),
         submitted_at=time.time() - age_s,
     )
-    await queue.submit(spec, limits=limits, cost=5, owner=owner)
+    await queue.submit(
+        spec, limits=limits, cost=5, owner=owner, kv_tokens=kv_tokens, idempotency_key=idempotency_key
+    )
     return spec.id
 
 
@@ -174,6 +183,42 @@ def test_a_record_reads_back_as_it_was_written() -> None:
         resume_exact=False,  # kept: an inexact resume is not the same as no resume
     )
     assert JobRecord.from_fields(record.to_fields()) == record
+
+
+async def ttls(redis: Redis, *names: str) -> list[int]:
+    return [await redis.ttl(name) for name in names]
+
+
+async def test_a_job_ended_in_its_queue_keeps_its_data_for_the_job_ttl_from_its_end(
+    redis: Redis, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    owner = f"owner-{uuid.uuid4().hex[:8]}"
+    idem = keys.idempotency(uuid.uuid4().hex)
+    cancelled = await submit(queue, model, owner=owner, idempotency_key=idem)
+    expiring = await submit(queue, model, owner=owner, limits=QueueLimits(1000, 10**9, 1.0), age_s=5.0)
+    kept = [keys.job(cancelled), keys.events(cancelled), idem, keys.job(expiring), keys.events(expiring)]
+    assert await ttls(redis, *kept, keys.owner_jobs(owner), keys.queue(model)) == [-1] * 7
+
+    assert await queue.cancel(cancelled, model) == "cancelled"
+    assert await queue.expire_overdue(int(time.time() * 1000)) >= 1
+
+    assert all(3590 < ttl <= 3600 for ttl in await ttls(redis, *kept, keys.owner_jobs(owner)))
+    assert await redis.exists(keys.queue(model), keys.queued_tokens(model), keys.active_jobs(owner)) == 0
+
+
+async def test_a_claim_passes_over_jobs_that_need_more_kv_than_the_workers_budget(
+    redis: Redis, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    large = await submit(queue, model, kv_tokens=300)
+    small = await submit(queue, model, kv_tokens=50)
+
+    taken_by_small = await queue.claim(model, "small-worker", 2, lease_s=30, kv_budget_tokens=128)
+    taken_by_large = await queue.claim(model, "large-worker", 2, lease_s=30, kv_budget_tokens=512)
+
+    assert [claim.job_id for claim in taken_by_small] == [small]
+    assert [claim.job_id for claim in taken_by_large] == [large]
 
 
 @pytest.mark.unit

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
+from common import keys
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import LOGS, Fleet
+from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers
@@ -282,6 +284,43 @@ async def test_every_key_of_a_job_expires(
             assert 0 < await redis.ttl(key) <= 120
     finally:
         fleet.stop_all()
+
+
+async def first_token(client: httpx.AsyncClient, job_id: str) -> None:
+    """Returns once the job's stream holds its first token: the job runs."""
+    async with aconnect_sse(client, "GET", f"/v1/jobs/{job_id}/events") as source:
+        async for sse in source.aiter_sse():
+            if sse.event == "token":
+                return
+            assert sse.event not in ("done", "error"), sse.data
+
+
+async def test_a_job_keeps_its_data_while_it_runs_and_the_job_ttl_counts_from_its_end(
+    own_redis: RedisServer, tiny_model: Path, own_redis_client: Redis, model_name: str
+) -> None:
+    # A Redis of its own: no other test's job keeps the anonymous owner's index alive.
+    redis, ttl_s = own_redis_client, 60
+    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_JOB_TTL_S": str(ttl_s)})
+    try:
+        fleet.start_gateway()
+        fleet.start_worker(model_name, env={"ORTFLEET_STEP_DELAY_S": "0.05"})
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=30) as client:
+            body = {"model": model_name, "prompt": "Hi", "max_tokens": 40, "ignore_eos": True}
+            job = await submit(client, body, **{"Idempotency-Key": model_name})
+            await first_token(client, job["id"])
+            record = await redis.hgetall(keys.job(job["id"]))  # type: ignore[misc]
+            living = [keys.job(job["id"]), keys.events(job["id"]), keys.arq_job(job["id"])]
+            living += [record["idempotency_key"], keys.owner_jobs(record["owner"])]
+            running = {key: await redis.ttl(key) for key in living}
+            done = await wait_done(client, job["id"])
+        ended = {key: await redis.ttl(key) for key in living}
+    finally:
+        fleet.stop_all()
+    assert done["status"] == "succeeded", done
+    assert running == dict.fromkeys(living, -1)  # -1: the key exists and has no expiry
+    assert ended[keys.arq_job(job["id"])] == -2  # the payload goes when the job ends
+    for key in living[:2] + living[3:]:
+        assert 0 < ended[key] <= ttl_s, (key, ended[key])
 
 
 async def test_a_fleet_on_a_unix_socket_url_serves_a_streamed_job(tmp_path: Path, tiny_model: Path) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.model_folder import MARKER_NAME
+from common.model_folder import MARKER_NAME, model_fingerprint
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import RedisServer
+from tests.conftest import Fleet, RedisServer
 
 # The promise is 2 s; the rest is room for a busy test machine (the interpreter and its imports alone
 # take 0.5-1 s to start).
@@ -49,8 +49,8 @@ def clean_env(**settings: str) -> dict[str, str]:
     return {**env, **settings}
 
 
-def run_to_exit(args: list[str], env: dict[str, str], cwd: Path) -> Exited:
-    """Runs `python -m ARGS` and waits QUICK_EXIT_S at most for it to end."""
+def run_to_exit(args: list[str], env: dict[str, str], cwd: Path, within_s: float = QUICK_EXIT_S) -> Exited:
+    """Runs `python -m ARGS` and waits `within_s` at most for it to end."""
     process = subprocess.Popen(
         [sys.executable, "-m", *args],
         env=env,
@@ -61,11 +61,11 @@ def run_to_exit(args: list[str], env: dict[str, str], cwd: Path) -> Exited:
         text=True,
     )
     try:
-        _, stderr = process.communicate(timeout=QUICK_EXIT_S)
+        _, stderr = process.communicate(timeout=within_s)
     except subprocess.TimeoutExpired:
         process.kill()
         _, stderr = process.communicate()
-        pytest.fail(f"{' '.join(args)} still ran after {QUICK_EXIT_S} s; its stderr:\n{stderr}")
+        pytest.fail(f"{' '.join(args)} still ran after {within_s} s; its stderr:\n{stderr}")
     return Exited(process.returncode, stderr)
 
 
@@ -224,10 +224,18 @@ def remove(name: str, *, marker_too: bool = False) -> Breakage:
     return broken
 
 
+def overwrite_weights(model: Path) -> None:
+    """4 KB of the weights overwritten in place (the size unchanged), with bytes that read as NaN."""
+    with (model / "model.onnx.data").open("r+b") as weights:
+        weights.seek(4096)
+        weights.write(b"\xff" * 4096)
+
+
 @pytest.mark.parametrize(
     ("breakage", "named"),
     [
         (corrupt_genai_config, "genai_config.json"),
+        (overwrite_weights, "model.onnx.data"),
         (remove("model.onnx.data"), "model.onnx.data"),
         (remove("tokenizer.json"), "tokenizer.json"),
         (remove("model.onnx.data", marker_too=True), "model.onnx.data"),
@@ -235,6 +243,7 @@ def remove(name: str, *, marker_too: bool = False) -> Breakage:
     ],
     ids=[
         "corrupt genai_config.json",
+        "weights overwritten, same size",
         "no model.onnx.data",
         "no tokenizer.json",
         "no model.onnx.data, no build marker",
@@ -255,6 +264,55 @@ def test_a_worker_with_a_broken_model_folder_exits_naming_the_file(
     )
 
     assert_one_line(exited, "ortfleet-worker", str(model), named)
+
+
+def test_a_worker_whose_weights_compute_nan_exits_after_its_warm_up_naming_its_folder(
+    tiny_model: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / MARKER_NAME).unlink()  # a folder ortfleet did not build: no sha256 to check the weights by
+    with (model / "model.onnx.data").open("r+b") as weights:  # every weight NaN: greedy picks token 0
+        weights.seek(1024)
+        weights.write(b"\xff" * ((model / "model.onnx.data").stat().st_size - 2048))
+
+    exited = run_to_exit(
+        ["worker", "--model", str(model), "--device", "cpu"],
+        clean_env(ORTFLEET_REDIS_URL=redis_server.url),
+        tmp_path,
+        within_s=30,  # it loads the model and runs its warm-up first
+    )
+
+    assert_one_line(exited, "ortfleet-worker", str(model), "greedy generation", "nan", "weights")
+
+
+def another_model(tiny_model: Path, folder: Path) -> Path:
+    """The tiny model with another context length, in a folder of its own (no build marker)."""
+    shutil.copytree(tiny_model, folder)
+    (folder / MARKER_NAME).unlink()
+    config = folder / "genai_config.json"
+    config.write_text(config.read_text().replace('"context_length": 512', '"context_length": 256'))
+    return folder
+
+
+def test_a_worker_of_another_model_under_a_served_name_exits_naming_both_models(
+    fleet: Fleet, tiny_model: Path, tmp_path: Path, model_name: str
+) -> None:
+    fleet.start_worker(model_name)
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model, same)
+    fleet.start_worker(model_name, model=same)  # the same files in another folder: the same model
+    other = another_model(tiny_model, tmp_path / "other")
+
+    exited = run_to_exit(
+        ["worker", "--model", str(other), "--name", model_name, "--device", "cpu"],
+        clean_env(ORTFLEET_REDIS_URL=fleet.redis_url),
+        tmp_path,
+    )
+
+    ours, theirs = model_fingerprint(other), model_fingerprint(tiny_model)
+    assert ours != theirs
+    assert_one_line(exited, "ortfleet-worker", repr(model_name), str(other), ours, theirs, "--name")
 
 
 def test_with_log_level_debug_a_startup_mistake_shows_its_traceback_too(

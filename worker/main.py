@@ -16,17 +16,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common import aio
-from common.model_folder import GENAI_CONFIG, default_model_dir, is_complete, missing_files
+from common.model_folder import (
+    GENAI_CONFIG,
+    default_model_dir,
+    is_complete,
+    mismatched_files,
+    missing_files,
+    model_fingerprint,
+    read_marker,
+)
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
 from common.redis_url import URL_FORMAT, mask_url
-from common.registry import WorkerInfo
+from common.registry import WorkerInfo, live_workers
 from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
 from common.store_watch import StoreWatch, quiet_out_of_memory_lines
 from common.worker_settings import WorkerSettings
 from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
 from worker.engine_choice import engine_kind, open_engine
-from worker.service import EngineUnrecoverable, WorkerService
+from worker.service import EngineUnrecoverable, WarmUpFailed, WorkerService
 
 if TYPE_CHECKING:
     from worker.metrics import MetricsServer
@@ -88,13 +96,14 @@ def resolve_model(settings: WorkerSettings) -> Path:
             f"{model} is not an ORT-GenAI model folder (no {GENAI_CONFIG}); "
             "build the default model with `ortfleet model default` or pass --model DIR"
         )
-    check_model_folder(model)
+    check_model_folder(model, verify_weights=settings.verify_weights)
     return model
 
 
-def check_model_folder(model: Path) -> None:
+def check_model_folder(model: Path, *, verify_weights: bool = True) -> None:
     """CannotStart for the mistakes in a model folder that can be seen without loading it: a
-    genai_config.json that is not a JSON object, a file its build marker lists gone missing."""
+    genai_config.json that is not a JSON object, a file its build marker lists gone missing or changed
+    (by size, or by sha256: every file with `verify_weights`, else those up to 8 MB)."""
     config = model / GENAI_CONFIG
     try:
         genai = json.loads(config.read_text(encoding="utf-8"))
@@ -105,6 +114,39 @@ def check_model_folder(model: Path) -> None:
     missing = missing_files(model)
     if missing:
         raise CannotStart(f"the model folder {model} lacks {', '.join(missing)}; {REBUILD}")
+    marker = read_marker(model)
+    if marker is None:
+        return
+    began = time.monotonic()
+    changed = mismatched_files(model, marker, verify_all_hashes=verify_weights)
+    if changed:
+        raise CannotStart(
+            f"in the model folder {model}, {', '.join(changed)} differs from its build marker (size or "
+            f"sha256): corrupt, or changed since the build; {REBUILD}"
+        )
+    logger.info("%s matches its build marker (checked in %.2f s)", model, time.monotonic() - began)
+
+
+async def check_one_model_per_name(settings: WorkerSettings, name: str, model_dir: Path | None) -> str:
+    """The model's fingerprint; CannotStart when a live worker serves another model under `name` (two
+    models under one name would answer alike requests differently, and a job resumed on the other would
+    feed it token ids of another vocabulary)."""
+    fingerprint = model_fingerprint(model_dir) if model_dir is not None else "fake-engine"
+    redis = connect(settings.redis_url_for(name))
+    try:
+        workers = await live_workers(redis)
+    finally:
+        await redis.aclose()
+    for other in workers:
+        theirs = other.get("fingerprint", "")
+        if other.get("model") == name and theirs and theirs != fingerprint:
+            where = f"{other.get('host', '?')}:{other.get('model_dir') or '?'}"
+            raise CannotStart(
+                f"model name {name!r} is served by worker {other.get('id')} from {where} (model "
+                f"fingerprint {theirs}), and {model_dir or 'this worker'} holds another model (fingerprint "
+                f"{fingerprint}); serve it under another --name, or stop the workers of {name!r} first"
+            )
+    return fingerprint
 
 
 def served_name(settings: WorkerSettings, model_dir: Path | None) -> str:
@@ -144,6 +186,13 @@ def load_engine(
     return engine, engine.tokenizer, device
 
 
+def job_kv_budget(engine: Engine) -> int:
+    """The KV tokens (prompt and max_tokens) one job may need on this engine; 0 when every job that fits
+    the model's context fits (og.Engine, or a budget of at least the context)."""
+    budget = int(getattr(engine, "kv_budget_tokens", 0))  # ortfleet's batcher's (ORTFLEET_KV_BUDGET_TOKENS)
+    return budget if 0 < budget < engine.context_length else 0
+
+
 def check_redis_url(settings: WorkerSettings, name: str) -> None:
     """CannotStart when the Redis of the model's jobs is unreachable, refuses its URL (a worker without
     its Redis has nothing to do) or evicts keys (unless allowed)."""
@@ -171,6 +220,14 @@ def open_metrics_port(settings: WorkerSettings) -> MetricsServer:
         ) from e
 
 
+async def warmed_up(service: WorkerService, model_dir: Path | None) -> int:
+    """The rows the engine generated together in its warm-up; CannotStart when the warm-up gave no text."""
+    try:
+        return await service.warm_up()
+    except WarmUpFailed as e:
+        raise CannotStart(f"the model in {model_dir}: {e}; its weights may be corrupt; {REBUILD}") from e
+
+
 async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> None:
     from worker.tokenizer_service import serve_tokenizer
 
@@ -178,6 +235,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     model_dir = resolve_model(settings) if fake_engine is None else None
     name = served_name(settings, model_dir)
     check_redis_url(settings, name)
+    fingerprint = await check_one_model_per_name(settings, name, model_dir)
     metrics = open_metrics_port(settings)  # before the model loads: its port may be taken
     try:
         engine, tokenizer, device = load_engine(settings, model_dir, fake_engine)
@@ -196,9 +254,19 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         host=socket.gethostname(),
         pid=os.getpid(),
         started_at=time.time(),
+        kv_budget_tokens=job_kv_budget(engine),
+        model_dir=str(model_dir or ""),
+        fingerprint=fingerprint,
     )
     service = WorkerService(settings, redis, engine, tokenizer, info)
-    width = await service.warm_up()
+    try:
+        width = await warmed_up(service, model_dir)
+        await check_one_model_per_name(settings, name, model_dir)  # one that started while this one loaded
+    except BaseException:
+        metrics.close()
+        engine.close()
+        await redis.aclose()
+        raise
     if 0 < width < engine.capacity:
         logger.warning(
             "the engine is configured for %d rows but generated only %d together; serving with %d slots",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -22,7 +23,7 @@ from common.jobs.payload import MalformedJob, parse_job_payload
 from common.jobs.queue import JobQueue
 from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
-from worker.engine import Engine, GenerationRequest, Tokenizer
+from worker.engine import Engine, EngineUpdate, Finish, GenerationRequest, Tokenizer
 from worker.heartbeat import Heartbeat
 from worker.job_request import GuidedResume, NeedsLogits, PromptTooLong
 from worker.job_runner import JobRun
@@ -35,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 class EngineUnrecoverable(RuntimeError):
     """The engine failed and no new one could be made in this process."""
+
+
+WARM_UP_PROMPT = "Hello"
+WARM_UP_TOKENS = 2
+
+
+class WarmUpFailed(Exception):
+    """The engine's warm-up gave no text: a greedy generation that ends in nothing (weights that load but
+    compute NaN answer every request with an empty string)."""
 
 
 class WorkerService:
@@ -95,17 +105,43 @@ class WorkerService:
         self._slot_freed.set()
 
     async def warm_up(self) -> int:
-        """Runs one full batch and returns how many requests the engine really generated together."""
-        prompt = self.tokenizer.encode("Hello")
-        streams = self.engine.submit([GenerationRequest(prompt, max_new_tokens=2)] * self.engine.capacity)
+        """Runs one full batch of short greedy generations and returns how many requests the engine really
+        generated together; WarmUpFailed when the first gives no text, or log-probabilities that are not
+        numbers (weights that hold NaN)."""
+        prompt = self.tokenizer.encode(WARM_UP_PROMPT)
+        logprobs = 0 if self.engine.exposes_logits else None
+        request = GenerationRequest(
+            prompt, max_new_tokens=WARM_UP_TOKENS, min_new_tokens=WARM_UP_TOKENS, logprobs=logprobs
+        )
+        streams = self.engine.submit([request] * self.engine.capacity)
         widest = 0
-        for stream in streams:
+        first: list[EngineUpdate] = []
+        for row, stream in enumerate(streams):
             while True:
                 update = await stream.updates.get()
                 widest = max(widest, update.batch_rows)
+                if row == 0:
+                    first.append(update)
                 if update.finish is not None:
                     break
+        problem = self._warm_up_problem(first)
+        if problem is not None:
+            raise WarmUpFailed(
+                f"a greedy generation of {WARM_UP_TOKENS} tokens after {WARM_UP_PROMPT!r} {problem}"
+            )
         return widest
+
+    def _warm_up_problem(self, updates: list[EngineUpdate]) -> str | None:
+        ids = [token for update in updates for token in update.token_ids]
+        last = updates[-1]
+        if last.finish is Finish.error:
+            return f"failed ({last.error})"
+        logprobs = [entry.logprob for update in updates for entry in update.logprobs or ()]
+        if not all(math.isfinite(logprob) for logprob in logprobs):
+            return f"gave token ids {ids} with log-probabilities {logprobs}, which are no numbers"
+        if not self.tokenizer.decode(ids):
+            return f"gave token ids {ids}, which are no text"
+        return None
 
     async def run(self) -> None:
         await self.heartbeat.register()
@@ -179,7 +215,12 @@ class WorkerService:
             idle = all(run.engine_done for run in self.runs.values())
             try:
                 claimed = await self.queue.claim_jobs(
-                    self.model, self.info.id, slots, self.settings.heartbeat_ttl_s, idle=idle
+                    self.model,
+                    self.info.id,
+                    slots,
+                    self.settings.heartbeat_ttl_s,
+                    idle=idle,
+                    kv_budget_tokens=self.info.kv_budget_tokens,
                 )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s); retrying", e)

@@ -36,7 +36,7 @@ class CancelScript:
     def __init__(self, redis: Redis) -> None:
         self._script = lua.register(redis, __name__, "cancel.lua")
 
-    async def __call__(self, *, record: JobRecord, model: str, now: float) -> CancelOutcome:
+    async def __call__(self, *, record: JobRecord, model: str, now: float, ttl_s: int) -> CancelOutcome:
         job_id = record.id
         done = done_entry(JobStatus.cancelled, FinishReason.cancelled.value, None)
         reply: str = await self._script(
@@ -49,6 +49,9 @@ class CancelScript:
                 keys.active_jobs(record.owner),
                 keys.finished(model),
                 keys.prompt_tokens_in_flight(record.owner),
+                keys.owner_jobs(record.owner),
+                keys.owner_ended_jobs(record.owner),
+                *([record.idempotency_key] if record.idempotency_key else []),
             ],
             args=[
                 job_id,
@@ -56,6 +59,7 @@ class CancelScript:
                 keys.CANCEL_CHANNEL,
                 str(int(now * 1000)),
                 _WINDOW_MS,
+                str(ttl_s),
                 *lua.flat_fields(done),
                 keys.STREAM_NOTICES,
             ],
@@ -80,6 +84,7 @@ class PurgeScript:
                 keys.active_jobs(record.owner),
                 keys.owner_jobs(record.owner),
                 keys.prompt_tokens_in_flight(record.owner),
+                keys.owner_ended_jobs(record.owner),
                 *([record.idempotency_key] if record.idempotency_key else []),
             ],
             args=[job_id, keys.CANCEL_CHANNEL],
@@ -93,7 +98,17 @@ class ExpireQueuedScript:
     def __init__(self, redis: Redis) -> None:
         self._script = lua.register(redis, __name__, "expire_queued.lua")
 
-    async def __call__(self, *, job_id: str, model: str, priority: str, owner: str, now_ms: int) -> bool:
+    async def __call__(
+        self,
+        *,
+        job_id: str,
+        model: str,
+        priority: str,
+        owner: str,
+        idempotency_key: str | None,
+        now_ms: int,
+        ttl_s: int,
+    ) -> bool:
         expired: int = await self._script(
             keys=[
                 keys.QUEUE_DEADLINES,
@@ -103,6 +118,9 @@ class ExpireQueuedScript:
                 *keys.job_keys(job_id),
                 keys.active_jobs(owner),
                 keys.prompt_tokens_in_flight(owner),
+                keys.owner_jobs(owner),
+                keys.owner_ended_jobs(owner),
+                *([idempotency_key] if idempotency_key else []),
             ],
             args=[
                 job_id,
@@ -110,6 +128,7 @@ class ExpireQueuedScript:
                 _WINDOW_MS,
                 ErrorCode.expired_in_queue.value,
                 owner,
+                str(ttl_s),
                 keys.STREAM_NOTICES,
             ],
         )
@@ -120,6 +139,7 @@ class JobCancellation:
     """JobQueue's cancel, purge and queue-deadline sweep."""
 
     _redis: Redis
+    ttl_s: int
     _cancel: CancelScript
     _purge: PurgeScript
     _expire_queued: ExpireQueuedScript
@@ -129,7 +149,7 @@ class JobCancellation:
         record = await load_record(self._redis, job_id)
         if record is None:
             return CancelOutcome.missing
-        return await self._cancel(record=record, model=model, now=time.time())
+        return await self._cancel(record=record, model=model, now=time.time(), ttl_s=self.ttl_s)
 
     async def purge(self, job_id: str, model: str) -> bool:
         """Delete every trace of the job now; a running job is told to stop and can write nothing more."""
@@ -144,7 +164,8 @@ class JobCancellation:
         due: list[str] = await self._redis.zrangebyscore(keys.QUEUE_DEADLINES, "-inf", now_ms, 0, most)
         expired = 0
         for job_id in due:
-            model, priority, owner = await self._redis.hmget(keys.job(job_id), ["model", "priority", "owner"])  # type: ignore[misc]
+            fields = ["model", "priority", "owner", "idempotency_key"]
+            model, priority, owner, idem = await self._redis.hmget(keys.job(job_id), fields)  # type: ignore[misc]
             if model is None:  # expired or purged meanwhile
                 await self._redis.zrem(keys.QUEUE_DEADLINES, job_id)
                 continue
@@ -153,6 +174,8 @@ class JobCancellation:
                 model=model,
                 priority=priority or PriorityClass.interactive.value,
                 owner=owner or "",
+                idempotency_key=idem or None,
                 now_ms=now_ms,
+                ttl_s=self.ttl_s,
             )
         return expired

@@ -20,6 +20,9 @@ from common.wire import PRIORITY_ORDER, ChatMessage, PriorityClass
 # the head of the queue moved, or a job expired whose owner the claim did not look up (it looks up
 # owners only then, since only an expired job's owner has keys to change).
 _CLAIM_ROUNDS = 4
+# A worker with a KV budget (claim.lua passes over the jobs that need more) looks this many jobs further
+# into each class's queue.
+KV_SKIP_SCAN = 32
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Claim:
     owner: str
     quarantined: bool = False  # a suspect job's attempt: it runs alone, its worker takes nothing else
     quarantine_deaths: int = 0  # workers that died running it in quarantine, before this attempt
+    idempotency_key: str | None = None  # the Redis key of its idempotency entry: it expires with the job
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,14 @@ class ClaimReply:
     claims: list[Claim]
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A job a claim may take, with what the claim needs to end it (expired in its queue), once looked up."""
+
+    owner: str
+    idempotency_key: str | None
+
+
 class ClaimScript:
     """claim.lua."""
 
@@ -80,7 +92,10 @@ class ClaimScript:
         lease_ms: int,
         wanted: int,
         idle: bool,
-        candidates: dict[str, str | None],  # job id -> its owner, None when the caller did not look it up
+        ttl_s: int,
+        kv_budget_tokens: int,  # 0: any job fits
+        scan: int,
+        candidates: dict[str, Candidate | None],  # job id -> its owner's, None when not looked up
     ) -> ClaimReply:
         script_keys = [
             keys.leases(model),
@@ -91,15 +106,21 @@ class ClaimScript:
         for cls in PRIORITY_ORDER:
             script_keys += [keys.queue(model, cls.value), keys.fair_tags(model, cls.value)]
         args = [str(now_ms), str(lease_ms), str(wanted), worker_id, str(RECENT_WINDOW_S * 1000)]
-        args += [ErrorCode.expired_in_queue.value, "1" if idle else "0"]
+        args += [ErrorCode.expired_in_queue.value, "1" if idle else "0", str(ttl_s)]
+        args += [str(kv_budget_tokens), str(scan)]
         args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER), keys.STREAM_NOTICES]
-        for job_id, owner in candidates.items():
+        for job_id, candidate in candidates.items():
+            owner = candidate.owner if candidate is not None else ""
+            idem = candidate.idempotency_key if candidate is not None else None
             script_keys += [
                 *keys.job_keys(job_id),
-                keys.active_jobs(owner or ""),
-                keys.prompt_tokens_in_flight(owner or ""),
+                keys.active_jobs(owner),
+                keys.prompt_tokens_in_flight(owner),
+                keys.owner_jobs(owner),
+                keys.owner_ended_jobs(owner),
+                idem or keys.idempotency(""),  # a stand-in, never the record's
             ]
-            args += [job_id, owner or "", "1" if owner is not None else "0"]
+            args += [job_id, owner, "1" if candidate is not None else "0"]
         raw = await self._script(keys=script_keys, args=args)
         claims = [
             Claim(
@@ -110,8 +131,9 @@ class ClaimScript:
                 owner=raw[i + 3],
                 quarantined=raw[i + 4] == "1",
                 quarantine_deaths=int(raw[i + 5]),
+                idempotency_key=raw[i + 6] or None,
             )
-            for i in range(2, len(raw), 6)
+            for i in range(2, len(raw), 7)
         ]
         return ClaimReply(ClaimStop(int(raw[0])), raw[1] == "1", claims)
 
@@ -161,25 +183,45 @@ class JobLeasing:
     """JobQueue's claims and leases."""
 
     _redis: Redis
+    ttl_s: int
     _claim: ClaimScript
     _renew: RenewScript
     _release: ReleaseScript
     _reserve_preemption: ReservePreemptionScript
 
     async def claim(
-        self, model: str, worker_id: str, max_jobs: int, lease_s: float, *, idle: bool = True
+        self,
+        model: str,
+        worker_id: str,
+        max_jobs: int,
+        lease_s: float,
+        *,
+        idle: bool = True,
+        kv_budget_tokens: int = 0,
     ) -> list[Claim]:
         """Up to `max_jobs` jobs from the heads of the model's queues, highest class first (jobs whose
         lease ran out go back to their queue first)."""
-        return (await self.claim_jobs(model, worker_id, max_jobs, lease_s, idle=idle)).claims
+        claimed = await self.claim_jobs(
+            model, worker_id, max_jobs, lease_s, idle=idle, kv_budget_tokens=kv_budget_tokens
+        )
+        return claimed.claims
 
     async def claim_jobs(
-        self, model: str, worker_id: str, max_jobs: int, lease_s: float, *, idle: bool = True
+        self,
+        model: str,
+        worker_id: str,
+        max_jobs: int,
+        lease_s: float,
+        *,
+        idle: bool = True,
+        kv_budget_tokens: int = 0,
     ) -> Claimed:
         """Up to `max_jobs` jobs from the heads of the model's queues, highest class first (jobs whose
         lease ran out go back to their queue first). A suspect job (a worker died holding it) is taken
         only by an `idle` worker (it runs nothing), as the claim's only job; a claim stops at a suspect
-        job it may not take, and says one waits."""
+        job it may not take, and says one waits. With `kv_budget_tokens`, jobs that need more KV tokens
+        (prompt and max_tokens) are passed over, left to a worker with a larger budget."""
+        scan_extra = KV_SKIP_SCAN if kv_budget_tokens > 0 else 0
         claims: list[Claim] = []
         suspect_waiting = False
         owners_needed = False
@@ -188,10 +230,10 @@ class JobLeasing:
             if wanted <= 0:
                 break
             now_ms = int(time.time() * 1000)
-            ids = await self._claim_candidates(model, wanted, now_ms)
+            ids = await self._claim_candidates(model, wanted + scan_extra, now_ms)
             if not ids:
                 break
-            owners = await self._owners(ids) if owners_needed else {}
+            owners = await self._candidates(ids) if owners_needed else {}
             reply = await self._claim(
                 model=model,
                 worker_id=worker_id,
@@ -199,6 +241,9 @@ class JobLeasing:
                 lease_ms=int(lease_s * 1000),
                 wanted=wanted,
                 idle=idle and not claims,
+                ttl_s=self.ttl_s,
+                kv_budget_tokens=kv_budget_tokens,
+                scan=wanted + scan_extra,
                 candidates={job_id: owners.get(job_id) for job_id in ids},
             )
             claims += reply.claims
@@ -220,12 +265,15 @@ class JobLeasing:
             expired, *heads = await pipe.execute()
         return list(dict.fromkeys([*expired, *(job_id for head in heads for job_id in head)]))
 
-    async def _owners(self, job_ids: list[str]) -> dict[str, str]:
+    async def _candidates(self, job_ids: list[str]) -> dict[str, Candidate]:
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hget(keys.job(job_id), "owner")
-            owners = await pipe.execute()
-        return {job_id: owner or "" for job_id, owner in zip(job_ids, owners, strict=True)}
+                pipe.hmget(keys.job(job_id), ["owner", "idempotency_key"])
+            found = await pipe.execute()
+        return {
+            job_id: Candidate(owner or "", idem or None)
+            for job_id, (owner, idem) in zip(job_ids, found, strict=True)
+        }
 
     async def leave_prefix_hints(
         self, model: str, scope: str, messages: list[ChatMessage], worker_id: str

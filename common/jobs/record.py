@@ -25,6 +25,7 @@ SCRIPT_FIELDS = frozenset(
         "attempts",
         "owner",
         "cost",
+        "kv_tokens",
         "idempotency_key",
         "deadline_ms",
         "created_at",
@@ -107,6 +108,7 @@ class JobRecord(JobOutcome):
     attempts: int = 0  # claims so far; a worker's writes carry the attempt they belong to
     owner: str = ""  # the API key's name
     cost: int = 0  # tokens it holds in the model's queued-token count until it first starts
+    kv_tokens: int | None = None  # KV tokens it needs (prompt and max_tokens): smaller budgets leave it
     idempotency_key: str | None = None  # the Redis key of its idempotency entry
     request_digest: str | None = None  # sha256 of the request, to tell a retry from a reused key
     deadline_ms: int | None = None  # still queued after this, it fails as expired
@@ -147,6 +149,7 @@ class JobRecord(JobOutcome):
             attempts=int(raw.get("attempts") or 0),
             owner=raw.get("owner", ""),
             cost=int(raw.get("cost") or 0),
+            kv_tokens=_int(raw.get("kv_tokens")),
             idempotency_key=raw.get("idempotency_key") or None,
             request_digest=raw.get("request_digest") or None,
             deadline_ms=_int(raw.get("deadline_ms")),

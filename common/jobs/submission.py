@@ -122,6 +122,7 @@ class SubmitScript:
             keys.EPOCH,
             keys.QUEUE_DEADLINES,
             keys.prompt_tokens_in_flight(owner),
+            keys.owner_ended_jobs(owner),
             *([record.idempotency_key] if record.idempotency_key else []),
         ]
         args = [
@@ -166,6 +167,7 @@ class JobSubmission:
         *,
         limits: QueueLimits,
         cost: int,
+        kv_tokens: int | None = None,
         idempotency_key: str | None = None,
         owner: str = "",
         owner_max_active: int = 0,
@@ -181,7 +183,8 @@ class JobSubmission:
     ) -> Submitted:
         """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits, OwnerBusy
         or PromptTokensBusy when its owner is at one of its own (`prompt_tokens`, the job's estimated
-        prompt, counts against `owner_max_prompt_tokens` until the job ends). With
+        prompt, counts against `owner_max_prompt_tokens` until the job ends; `kv_tokens`, the KV it needs, is
+        compared with each worker's budget when it claims). With
         `replicas`, returns only once that many replicas confirm the writes (WAIT on the connection that
         ran the script), else raises NotReplicated. With `epoch` (the one the job id carries), raises
         EpochChanged when the Redis's is another."""
@@ -193,6 +196,7 @@ class JobSubmission:
             created_at=spec.submitted_at,
             owner=owner,
             cost=cost,
+            kv_tokens=kv_tokens,
             idempotency_key=idempotency_key,
             request_digest=request_digest,
             deadline_ms=now_ms + int(limits.max_wait_s * 1000) if limits.max_wait_s else None,

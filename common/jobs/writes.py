@@ -139,6 +139,9 @@ class FinishScript:
                 keys.fair_tags(claim.model, priority),
                 keys.served_tokens(claim.model),
                 keys.prompt_tokens_in_flight(claim.owner),
+                keys.owner_jobs(claim.owner),
+                keys.owner_ended_jobs(claim.owner),
+                *([claim.idempotency_key] if claim.idempotency_key else []),
             ],
             args=[
                 str(claim.attempt),
@@ -147,6 +150,7 @@ class FinishScript:
                 str(-1 if served_tokens is None else served_tokens),
                 priority,
                 "" if streamed is None else str(streamed),
+                str(int(time.time() * 1000)),
                 *lua.flat_fields(record),
                 *lua.flat_fields(final_entry),
                 keys.STREAM_NOTICES,

@@ -8,13 +8,15 @@
 -- include: expire.lua
 -- include: fair.lua
 -- KEYS: leases, queued tokens, model's recent outcomes, queue deadlines, then per class (highest first):
---       its queue, its fair-share tags; then 5 keys per candidate job: record, events, arq job, its
---       owner's active jobs, its owner's prompt tokens in flight
+--       its queue, its fair-share tags; then 8 keys per candidate job: record, events, arq job, its
+--       owner's active jobs, its owner's prompt tokens in flight, its owner's jobs, its owner's ended
+--       jobs, its idempotency entry (a stand-in when it has none or the owner is not known)
 -- ARGV: now_ms, lease_ms, max jobs, worker id, outcome window ms, error code of an expired job,
---       idle ('1': the worker runs nothing, so it may take a suspect job, alone),
+--       idle ('1': the worker runs nothing, so it may take a suspect job, alone), ttl_s,
+--       the worker's KV budget in tokens (0: any job fits), jobs to look at per class,
 --       n classes, class names..., stream notices channel,
---       then per candidate: id, owner, whether the owner is known ('1'; else its owner's key is a
---       stand-in, not to be touched)
+--       then per candidate: id, owner, whether the owner is known ('1'; else its owner's keys are
+--       stand-ins, not to be touched)
 -- Candidates are the jobs the caller saw at the head of each class's queue and in leases that ran
 -- out. Jobs whose lease ran out go back to their class's queue first, with the tag they had (they
 -- keep their place), suspect: their worker died. Then jobs are taken from the head of the highest
@@ -24,26 +26,32 @@
 -- looked: 1), or that expired in the queue while the caller did not know its owner (2); the caller
 -- looks again, then knowing every candidate's owner. It stops too at a suspect job it may not take,
 -- and at a job whose preferred worker (the one that holds its prompt's KV) is another, until the job's
--- preferred_until_ms (3): that worker takes it meanwhile, or any worker after.
+-- preferred_until_ms (3): that worker takes it meanwhile, or any worker after. A job that needs more KV
+-- tokens (its record's kv_tokens: prompt and max_tokens) than the worker's budget is passed over, left
+-- for a worker with a larger one: the worker looks at the next in its class, among the first it was
+-- told to look at.
 -- Returns {why it stopped early (ClaimStop in common/jobs/claims.py: 0 it did not, 1 the head moved,
 -- 2 an owner is needed, 3 the head waits for its preferred worker), whether a suspect job waits for
 -- an idle worker ('1'/'0'),
--- then per claimed job: id, attempt, arq payload, owner, quarantined ('1'/'0'), deaths in quarantine}.
+-- then per claimed job: id, attempt, arq payload, owner, quarantined ('1'/'0'), deaths in quarantine,
+-- its idempotency entry ('' for none)}.
 local now = tonumber(ARGV[1])
 local idle = ARGV[7] == '1'
-local nclass = tonumber(ARGV[8])
+local ttl, budget, scan = ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10])
+local nclass = tonumber(ARGV[11])
 local queues, tags, class_at = {}, {}, {}
 for c = 1, nclass do
   queues[c], tags[c] = KEYS[3 + 2 * c], KEYS[4 + 2 * c]
-  class_at[ARGV[8 + c]] = c
+  class_at[ARGV[11 + c]] = c
 end
-local notices, noticed = ARGV[9 + nclass], {}
+local notices, noticed = ARGV[12 + nclass], {}
 local candidates = {}
 local n = 0
-for i = 10 + nclass, #ARGV - 2, 3 do
-  local k = 4 + 2 * nclass + 5 * n
-  candidates[ARGV[i]] = {owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
-    events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4], held = KEYS[k + 5]}
+for i = 13 + nclass, #ARGV - 2, 3 do
+  local k = 4 + 2 * nclass + 8 * n
+  candidates[ARGV[i]] = {id = ARGV[i], owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
+    events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4], held = KEYS[k + 5], jobs = KEYS[k + 6],
+    ended = KEYS[k + 7], idem = KEYS[k + 8]}
   n = n + 1
 end
 
@@ -77,16 +85,19 @@ local function requeue_expired_leases()
 end
 
 -- The next job to consider: the head of the highest class with waiting jobs, if the caller passed its
--- keys; with its class and score.
+-- keys, passing over the jobs that need more KV than the worker's budget; with its class and score.
+local function fits(job)
+  return budget <= 0 or tonumber(redis.call('HGET', job.rec, 'kv_tokens') or '0') <= budget
+end
 local function claimable()
   for c = 1, nclass do
-    local head = redis.call('ZRANGE', queues[c], 0, 0, 'WITHSCORES')
-    if #head > 0 then
-      local job = candidates[head[1]]
+    local waiting = redis.call('ZRANGE', queues[c], 0, scan - 1, 'WITHSCORES')
+    for i = 1, #waiting, 2 do
+      local job = candidates[waiting[i]]
       if not job or (job.known and (redis.call('HGET', job.rec, 'owner') or '') ~= job.owner) then
         return nil, true
       end
-      return head[1], false, c, tonumber(head[2])
+      if fits(job) then return waiting[i], false, c, tonumber(waiting[i + 1]) end
     end
   end
   return nil, false
@@ -126,7 +137,7 @@ while taken < tonumber(ARGV[3]) do
     redis.call('ZREM', KEYS[4], id)
   end
   if expired then
-    expire_in_queue(id, job, KEYS[4], KEYS[3], now, tonumber(ARGV[5]), ARGV[6], noticed)
+    expire_in_queue(id, job, KEYS[4], KEYS[3], now, tonumber(ARGV[5]), ARGV[6], noticed, ttl)
   elseif st == 'queued' or st == 'running' then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
     local attempt = redis.call('HINCRBY', job.rec, 'attempts', 1)
@@ -139,6 +150,7 @@ while taken < tonumber(ARGV[3]) do
     if suspect then redis.call('HSET', job.rec, 'quarantined_attempt', attempt) end
     out[#out + 1] = suspect and '1' or '0'
     out[#out + 1] = redis.call('HGET', job.rec, 'quarantine_deaths') or '0'
+    out[#out + 1] = redis.call('HGET', job.rec, 'idempotency_key') or ''
     taken = taken + 1
     if suspect then break end
   end

@@ -3,12 +3,14 @@
 -- The caller has taken it out of its queue and its cost off the queued tokens.
 -- include: active.lua
 -- include: note_outcome.lua
+-- include: ended.lua
 local function past_deadline(rec, now)
   local deadline = tonumber(redis.call('HGET', rec, 'deadline_ms') or '0')
   return redis.call('HGET', rec, 'attempts') == '0' and redis.call('HGET', rec, 'status') == 'queued'
     and deadline > 0 and now > deadline
 end
-local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, code, noticed)
+-- job: {rec, events, arq, active, held} and ended.lua's {id, idem, jobs, ended}
+local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, code, noticed, ttl)
   local created = tonumber(redis.call('HGET', job.rec, 'created_at'))
   local waited = string.format('%.1f', (now - created * 1000) / 1000)
   local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
@@ -21,4 +23,5 @@ local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, cod
   leave_active(job.active, job.held, id)
   redis.call('ZREM', deadlines, id)
   note_outcome(outcomes, 'failed', id, now, window_ms)
+  keep_after_end(job, ttl, now)
 end

@@ -1,7 +1,8 @@
 -- include: active.lua
 -- include: uncount.lua
 -- KEYS: record, events, arq job, queue of its class, leases, queued tokens, owner's active jobs,
---       owner's jobs, owner's prompt tokens in flight, idempotency entry (only when the record names one)
+--       owner's jobs, owner's prompt tokens in flight, owner's ended jobs, idempotency entry (only when
+--       the record names one)
 -- ARGV: id, cancel channel
 -- Returns 1, or 0 when the job does not exist.
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -11,7 +12,8 @@ if redis.call('ZREM', KEYS[4], ARGV[1]) == 1 and redis.call('HGET', KEYS[1], 'at
 end
 leave_active(KEYS[7], KEYS[9], ARGV[1])
 redis.call('ZREM', KEYS[8], ARGV[1])
-local idem = KEYS[10]
+redis.call('ZREM', KEYS[10], ARGV[1])
+local idem = KEYS[11]
 if idem and redis.call('HGET', KEYS[1], 'idempotency_key') == idem then redis.call('DEL', idem) end
 if redis.call('ZREM', KEYS[5], ARGV[1]) == 1 then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])

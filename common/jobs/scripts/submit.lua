@@ -1,9 +1,8 @@
 -- include: pairs.lua
--- include: active.lua
 -- include: fair.lua
 -- KEYS: record, events, arq job, queue of its class, queued tokens, owner's active jobs, owner's jobs,
 --       fair-share tags of its class, the Redis's epoch, queue deadlines, owner's prompt tokens in
---       flight, idempotency entry (only with an idempotency key)
+--       flight, owner's ended jobs, idempotency entry (only with an idempotency key)
 -- ARGV: id, ttl_s, now_ms, max queued jobs, arq payload, wake channel, cost, max queued tokens,
 --       owner's max active jobs (0: no limit), owner, weight, its prompt tokens (estimated), owner's max
 --       prompt tokens in flight (0: no limit), n record fields, fields..., n event fields, fields...,
@@ -12,17 +11,17 @@
 -- tokens the owner's active jobs hold, full and which limit, or epoch when the Redis's epoch is not the
 -- job id's (it lost its data since the caller read it). A job is over the prompt-token limit only when
 -- the owner has some in flight: a lone prompt of any length is taken.
+-- Nothing the job needs while queued or running expires: its record, stream, payload and idempotency
+-- entry get the job TTL when it ends (ended.lua), and the queue, the queued tokens, the deadlines, the
+-- owner's active jobs and prompt tokens are gone once empty. Keys an older version gave an expiry lose it.
 local epoch = ARGV[#ARGV]
 if epoch ~= '' and redis.call('GET', KEYS[9]) ~= epoch then return {'epoch', ''} end
-local idem = KEYS[12]
+local idem = KEYS[13]
 if idem then
   local existing = redis.call('GET', idem)
   if existing then return {'duplicate', existing} end
 end
 local horizon = tonumber(ARGV[3]) - tonumber(ARGV[2]) * 1000
-for _, stale in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', horizon)) do
-  leave_active(KEYS[6], KEYS[11], stale)  -- its record expired long ago: nothing else ends it now
-end
 local max_active = tonumber(ARGV[9])
 if max_active > 0 and redis.call('ZCARD', KEYS[6]) >= max_active then return {'busy', ''} end
 local prompt, max_prompt = tonumber(ARGV[12]), tonumber(ARGV[13])
@@ -39,27 +38,21 @@ local rec, at = pairs_at(15)
 local tag = fair_tag(KEYS[8], ARGV[10], cost, tonumber(ARGV[11]))
 redis.call('EXPIRE', KEYS[8], ttl)
 redis.call('HSET', KEYS[1], 'tag', tag, unpack(rec))
-redis.call('EXPIRE', KEYS[1], ttl)
 local ev = pairs_at(at + 1)
 redis.call('XADD', KEYS[2], '*', unpack(ev))
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('SET', KEYS[3], ARGV[5], 'EX', ttl)
+redis.call('SET', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[4], tag, ARGV[1])
-redis.call('EXPIRE', KEYS[4], ttl)  -- a queue outlives the record of every job in it
 redis.call('INCRBY', KEYS[5], cost)
-redis.call('EXPIRE', KEYS[5], ttl)
 redis.call('ZADD', KEYS[6], ARGV[3], ARGV[1])
-redis.call('EXPIRE', KEYS[6], ttl)
 redis.call('HSET', KEYS[11], ARGV[1], prompt)
 redis.call('HINCRBY', KEYS[11], ':total', prompt)
-redis.call('EXPIRE', KEYS[11], ttl)
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', horizon)
-redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
-redis.call('EXPIRE', KEYS[7], ttl)
-if idem then redis.call('SET', idem, ARGV[1], 'EX', ttl) end
-if ARGV[#ARGV - 1] ~= '' then
-  redis.call('ZADD', KEYS[10], ARGV[#ARGV - 1], ARGV[1])
-  redis.call('EXPIRE', KEYS[10], ttl)
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[12], '-inf', horizon)) do
+  redis.call('ZREM', KEYS[7], gone)  -- it ended a job TTL ago: its record expired
 end
+redis.call('ZREMRANGEBYSCORE', KEYS[12], '-inf', horizon)
+redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
+if idem then redis.call('SET', idem, ARGV[1]) end
+if ARGV[#ARGV - 1] ~= '' then redis.call('ZADD', KEYS[10], ARGV[#ARGV - 1], ARGV[1]) end
+for _, k in ipairs({4, 5, 6, 7, 10, 11, 12}) do redis.call('PERSIST', KEYS[k]) end
 redis.call('PUBLISH', ARGV[6], ARGV[1])
 return {'created', ARGV[1]}

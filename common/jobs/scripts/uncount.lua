@@ -1,5 +1,6 @@
--- A job's cost leaves the model's queued-token count when it first starts, expires or is cancelled.
+-- A job's cost leaves the model's queued-token count when it first starts, expires or is cancelled; the
+-- count is gone when no job waits (it has no expiry: it lives while jobs wait).
 local function uncount(counter, rec)
   local cost = tonumber(redis.call('HGET', rec, 'cost') or '0')
-  if cost > 0 and redis.call('DECRBY', counter, cost) < 0 then redis.call('SET', counter, 0) end
+  if cost > 0 and redis.call('DECRBY', counter, cost) <= 0 then redis.call('DEL', counter) end
 end
