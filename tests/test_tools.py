@@ -101,6 +101,36 @@ def test_a_cut_call_is_not_complete_and_text_stays_text() -> None:
 
 
 @pytest.mark.unit
+def test_a_tool_whose_parameters_say_nothing_of_other_keys_gets_only_its_declared_ones() -> None:
+    from llguidance import LLMatcher
+
+    from gateway.guidance_check import _tokenizer
+
+    open_tool = {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "where": {"type": "object", "properties": {}}},
+            "required": ["city"],
+        },
+    }
+    free_tool = {"name": "note", "parameters": {"type": "object", "additionalProperties": True}}
+    plan = ToolPlan(
+        [FunctionDef.model_validate(open_tool), FunctionDef.model_validate(free_tool)], "required"
+    )
+
+    def allows(text: str) -> bool:
+        matcher = LLMatcher(_tokenizer(), LLMatcher.grammar_from_lark(plan.grammar()), log_level=0)
+        return bool(matcher.consume_tokens(list(text.encode()))) and matcher.is_accepting()
+
+    assert allows('<tool_call>{"name":"weather","arguments":{"city":"Paris"}}</tool_call>')
+    # og.Engine's grammar had let a weak model add keys until max_tokens: closed as OpenAI's strict mode
+    assert not allows('<tool_call>{"name":"weather","arguments":{"city":"Paris","type":"x"}}</tool_call>')
+    assert not allows('<tool_call>{"name":"weather","arguments":{"city":"P","where":{"a":1}}}</tool_call>')
+    assert allows('<tool_call>{"name":"note","arguments":{"anything":1}}</tool_call>')  # it says so
+
+
+@pytest.mark.unit
 def test_the_grammar_allows_only_the_named_function_with_valid_arguments() -> None:
     from llguidance import LLMatcher
 

@@ -143,7 +143,7 @@ class ToolPlan:
 def _call_schema(function: FunctionDef) -> dict[str, Any]:
     """A call of the function as one JSON object. The arguments' definitions move to the root, where
     their references (`#/$defs/...`, as pydantic writes them) point once the schema is nested."""
-    arguments = dict(function.arguments_schema())
+    arguments = closed_objects(dict(function.arguments_schema()))
     definitions: dict[str, Any] = {k: arguments.pop(k) for k in ("$defs", "definitions") if k in arguments}
     return {
         "type": "object",
@@ -153,6 +153,24 @@ def _call_schema(function: FunctionDef) -> dict[str, Any]:
         **definitions,
         "x-guidance": _COMPACT,
     }
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that declares its properties and says nothing of others closed to
+    them (`additionalProperties: false`), as OpenAI's strict mode has it: a call's arguments then hold
+    only what the tool declares. Open, a weak model adds keys until max_tokens. An object that sets
+    `additionalProperties` (or `patternProperties`) keeps it."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    node = {
+        k: v if k in ("enum", "const", "default", "examples") else closed_objects(v)
+        for k, v in schema.items()
+    }
+    if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
+        node["additionalProperties"] = False
+    return node
 
 
 def tool_plan(body: Any) -> ToolPlan | None:
