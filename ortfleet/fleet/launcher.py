@@ -225,6 +225,29 @@ class LocalFleet:
                 e.add_note(f"last lines of {shown.name}:\n{shown.log_tail()}")
             raise
 
+    def await_workers(
+        self, model: str, count: int, started: list[FleetProcess], *, timeout_s: float = 300.0
+    ) -> None:
+        """Until `count` workers of `model` are live; StartupError with the end of its log as soon as a
+        gateway or one of `started` exits (rather than when the time runs out), or with the last worker's
+        at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            exited = next((child for child in [*self.gateways, *started] if not child.alive()), None)
+            if exited is not None:
+                raise StartupError(
+                    f"{exited.name} exited with code {exited.process.returncode} before it was live:\n"
+                    f"{exited.log_tail()}"
+                )
+            try:
+                wait_ready(
+                    self.gateway_url, self.gateways[0].process, workers=count, model=model, timeout_s=1.0
+                )
+                return
+            except StartupError as e:
+                if time.monotonic() > deadline:
+                    raise StartupError(f"{e}\n{started[-1].log_tail()}") from e
+
     def unexpected_exit(self) -> FleetProcess | None:
         """A child that exited while the fleet was not stopping, if any."""
         if self.stopping:
@@ -348,8 +371,5 @@ def serving_fleet(
             fleet.start_worker(name, *worker_args, model=model_dir, device=device, wait=False)
             for _ in range(workers)
         ]
-        try:
-            fleet.wait_workers(name, workers)
-        except StartupError as e:
-            raise StartupError(f"{e}\n{started[-1].log_tail()}") from e
+        fleet.await_workers(name, workers, started)
         yield url
