@@ -14,6 +14,7 @@ from ortfleet.bench import serving
 
 BENCHES = {
     "serving": "default model, engine alone and fleet",
+    "serving-workers": "default model, two workers sharing the card",
     "serving-phi3": "Phi-3-mini shape (random weights), fp16",
     "sweep": "default model, a worker of 256 rows: where ITL grows",
     "overhead": "`ortfleet bench`: the fleet against its engine in-process",
