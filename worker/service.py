@@ -179,7 +179,12 @@ class WorkerService:
             idle = all(run.engine_done for run in self.runs.values())
             try:
                 claimed = await self.queue.claim_jobs(
-                    self.model, self.info.id, slots, self.settings.heartbeat_ttl_s, idle=idle
+                    self.model,
+                    self.info.id,
+                    slots,
+                    self.settings.heartbeat_ttl_s,
+                    idle=idle,
+                    promised=self.preemption.take_promised(),
                 )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s); retrying", e)
@@ -281,7 +286,7 @@ class WorkerService:
     async def _execute(self, run: JobRun) -> None:
         try:
             await run.run()
-            if run.preempted and await self.queue.release(run.claim, preempted=True, behind=run.behind):
+            if run.preempted and await self.queue.release(run.claim, preempted=True):
                 self.preemptions += 1
             elif run.lost and not run.preempted and await self.queue.release(run.claim):
                 logger.info("job %s handed back to the queue: the engine failed under it", run.job_id)

@@ -81,6 +81,7 @@ class ClaimScript:
         wanted: int,
         idle: bool,
         candidates: dict[str, str | None],  # job id -> its owner, None when the caller did not look it up
+        promised: frozenset[str] = frozenset(),  # candidates taken first, wherever they wait (owners known)
     ) -> ClaimReply:
         script_keys = [
             keys.leases(model),
@@ -99,7 +100,8 @@ class ClaimScript:
                 keys.active_jobs(owner or ""),
                 keys.prompt_tokens_in_flight(owner or ""),
             ]
-            args += [job_id, owner or "", "1" if owner is not None else "0"]
+            known, first = owner is not None, job_id in promised
+            args += [job_id, owner or "", "1" if known else "0", "1" if first else "0"]
         raw = await self._script(keys=script_keys, args=args)
         claims = [
             Claim(
@@ -136,10 +138,10 @@ class ReleaseScript:
     def __init__(self, redis: Redis) -> None:
         self._script = lua.register(redis, __name__, "release.lua")
 
-    async def __call__(self, *, claim: Claim, priority: PriorityClass, preempted: bool, behind: bool) -> bool:
+    async def __call__(self, *, claim: Claim, priority: PriorityClass, preempted: bool) -> bool:
         released = await self._script(
             keys=[keys.queue(claim.model, priority.value), keys.leases(claim.model), keys.job(claim.job_id)],
-            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0", "1" if behind else "0"],
+            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0"],
         )
         return bool(released)
 
@@ -174,21 +176,30 @@ class JobLeasing:
         return (await self.claim_jobs(model, worker_id, max_jobs, lease_s, idle=idle)).claims
 
     async def claim_jobs(
-        self, model: str, worker_id: str, max_jobs: int, lease_s: float, *, idle: bool = True
+        self,
+        model: str,
+        worker_id: str,
+        max_jobs: int,
+        lease_s: float,
+        *,
+        idle: bool = True,
+        promised: dict[str, str] | None = None,
     ) -> Claimed:
         """Up to `max_jobs` jobs from the heads of the model's queues, highest class first (jobs whose
-        lease ran out go back to their queue first). A suspect job (a worker died holding it) is taken
-        only by an `idle` worker (it runs nothing), as the claim's only job; a claim stops at a suspect
-        job it may not take, and says one waits."""
+        lease ran out go back to their queue first). `promised` jobs (id -> owner: another key's jobs
+        for which the worker preempted a row) are taken first, wherever they wait in their queue. A
+        suspect job (a worker died holding it) is taken only by an `idle` worker (it runs nothing), as
+        the claim's only job; a claim stops at a suspect job it may not take, and says one waits."""
         claims: list[Claim] = []
         suspect_waiting = False
         owners_needed = False
+        promised = dict(promised or {})
         for _ in range(_CLAIM_ROUNDS):
             wanted = max_jobs - len(claims)
             if wanted <= 0:
                 break
             now_ms = int(time.time() * 1000)
-            ids = await self._claim_candidates(model, wanted, now_ms)
+            ids = list(dict.fromkeys([*promised, *await self._claim_candidates(model, wanted, now_ms)]))
             if not ids:
                 break
             owners = await self._owners(ids) if owners_needed else {}
@@ -199,8 +210,10 @@ class JobLeasing:
                 lease_ms=int(lease_s * 1000),
                 wanted=wanted,
                 idle=idle and not claims,
-                candidates={job_id: owners.get(job_id) for job_id in ids},
+                candidates={job_id: promised.get(job_id, owners.get(job_id)) for job_id in ids},
+                promised=frozenset(promised),
             )
+            promised = {}  # taken, or no longer waiting
             claims += reply.claims
             suspect_waiting = reply.suspect_waiting
             if reply.stop is ClaimStop.preferred_elsewhere:
@@ -240,13 +253,10 @@ class JobLeasing:
             renewed += await self._renew(model=model, claims=held, expiry_ms=expiry_ms)
         return renewed
 
-    async def release(self, claim: Claim, *, preempted: bool = False, behind: bool = False) -> bool:
-        """Give a running job back to its queue, in its place (a stopping worker's unfinished job, or
-        batch work preempted for interactive work), or `behind` the job at the queue's head (a job
-        preempted for another key's); False when the claim no longer holds it."""
-        released = await self._release(
-            claim=claim, priority=claim_priority(claim), preempted=preempted, behind=behind
-        )
+    async def release(self, claim: Claim, *, preempted: bool = False) -> bool:
+        """Give a running job back to its queue, in its place (a stopping worker's unfinished job, or a
+        preempted one); False when the claim no longer holds it."""
+        released = await self._release(claim=claim, priority=claim_priority(claim), preempted=preempted)
         if released:
             await self._redis.publish(keys.wake_channel(claim.model), claim.job_id)
         return released
