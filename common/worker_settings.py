@@ -140,7 +140,7 @@ class WorkerSettings(FleetSettings):
         "and resumes from its streamed tokens (not an attempt).",
     )
     preempt_for_keys_after_s: float = Field(
-        1.0,
+        0.5,
         ge=0,
         le=600,
         description="How long another key's interactive job waits in the queue before a worker preempts "
