@@ -81,8 +81,8 @@ class JobRun:
         self._stream: GenerationStream | None = None
         self._cancelled = False
         self._abandoned = False
-        self._preempting = False  # asked to stop for interactive work (see preempted)
-        self.preempted = False  # stopped for interactive work: its worker gives it back to the queue
+        self._preempting = False  # asked to stop for another job (see preempted)
+        self.preempted = False  # stopped for another job: its worker gives it back to the queue
         self.preemptions = 0  # times the job was preempted before this attempt
         self.weight = 1.0  # its owner's weight when it was submitted
         self.lost = False  # the engine failed under it: its worker gives it back to the queue

@@ -1,7 +1,7 @@
--- The claim. Which job a worker takes next is decided by `claimable` alone: the head of the highest
--- class that has waiting jobs, in each class's fair-share order. It must pick among the candidates it
--- was given (the only jobs whose keys it holds); a wider choice needs the caller's candidates
--- (common/jobs/claims.py) to look further.
+-- The claim. Which job a worker takes next is decided by `claimable`: the head of the highest class
+-- that has waiting jobs, in each class's fair-share order; only a job promised the worker's freed row
+-- goes before it. It must pick among the candidates it was given (the only jobs whose keys it holds);
+-- a wider choice needs the caller's candidates (common/jobs/claims.py) to look further.
 -- include: active.lua
 -- include: uncount.lua
 -- include: note_outcome.lua
@@ -20,13 +20,13 @@
 -- (worker/preemption.py). Jobs whose lease ran out go back to their class's queue first, with the tag
 -- they had (they keep their place), suspect: their worker died. Then the promised jobs still queued
 -- are taken, wherever they wait in their queue (a suspect one waits its turn), and then jobs from the
--- head of the highest class with waiting jobs while that head is a candidate. A suspect job is taken only by an idle
--- worker that took nothing else in this claim, and then alone: its attempt is quarantined. The
--- script stops, and says why, at the first that is not a candidate (the head moved since the caller
--- looked: 1), or that expired in the queue while the caller did not know its owner (2); the caller
--- looks again, then knowing every candidate's owner. It stops too at a suspect job it may not take,
--- and at a job whose preferred worker (the one that holds its prompt's KV) is another, until the job's
--- preferred_until_ms (3): that worker takes it meanwhile, or any worker after.
+-- head of the highest class with waiting jobs while that head is a candidate. A suspect job is taken
+-- only by an idle worker that took nothing else in this claim, and then alone: its attempt is
+-- quarantined. The script stops, and says why, at the first that is not a candidate (the head moved
+-- since the caller looked: 1), or that expired in the queue while the caller did not know its owner
+-- (2); the caller looks again, then knowing every candidate's owner. It stops too at a suspect job it
+-- may not take, and at a job whose preferred worker (the one that holds its prompt's KV) is another,
+-- until the job's preferred_until_ms (3): that worker takes it meanwhile, or any worker after.
 -- Returns {why it stopped early (ClaimStop in common/jobs/claims.py: 0 it did not, 1 the head moved,
 -- 2 an owner is needed, 3 the head waits for its preferred worker), whether a suspect job waits for
 -- an idle worker ('1'/'0'),
