@@ -155,18 +155,28 @@ class WorkerSettings(FleetSettings):
     )
     preempt_for_keys: bool = Field(
         True,
-        description="Keys share a worker's slots: when another key's interactive job has waited "
-        "ORTFLEET_PREEMPT_FOR_KEYS_AFTER_S at the head of the queue and no slot is free, a worker on "
-        "continuous batching sends back the latest-started interactive job of the key that holds the "
-        "most of its slots (at least two more than the waiting job's key). It resumes later from its "
-        "streamed tokens, behind the job it made room for (not an attempt).",
+        description="Keys share a worker's rows: a key's share is the worker's rows in proportion to its "
+        "weight among the keys that hold a row or wait for one. When no row is free and another key's "
+        "interactive job has waited ORTFLEET_PREEMPT_FOR_KEYS_AFTER_S, wherever it stands in the queue, "
+        "and its key holds less than its share, a worker on continuous batching preempts an interactive "
+        "job of the key furthest above its share (the one preempted fewest times, then the one that "
+        "loses fewest tokens; none within ORTFLEET_PREEMPT_PROTECT_S of resuming from a preemption) and "
+        "gives the freed row to the waiting job. The preempted job goes back to the queue in its place "
+        "and resumes from its streamed tokens (not an attempt).",
     )
     preempt_for_keys_after_s: float = Field(
-        1.0,
+        0.5,
         ge=0,
         le=600,
-        description="How long another key's interactive job waits at the head of the queue before a "
-        "worker preempts for it (ORTFLEET_PREEMPT_FOR_KEYS); a preempted job prefills its prompt again.",
+        description="How long another key's interactive job waits in the queue before a worker preempts "
+        "for it (ORTFLEET_PREEMPT_FOR_KEYS); a preempted job prefills its prompt again.",
+    )
+    preempt_protect_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="A job resumed after a preemption runs this long before a worker may preempt it for "
+        "another key again (ORTFLEET_PREEMPT_FOR_KEYS), so that no job is preempted again and again.",
     )
     metrics_port: int = Field(
         0,

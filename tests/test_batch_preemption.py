@@ -121,9 +121,10 @@ async def test_a_key_holding_every_slot_yields_one_to_another_keys_job_which_run
 ) -> None:
     queue = JobQueue(redis, 3600)
     service = start_worker(model, FakeEngine(0.01, 2), preempt_for_keys_after_s=0.05)
-    hog = [await submit(queue, model, owner="alice", prompt=p, max_tokens=80) for p in ("ab", "xyz")]
-    for job_id in hog:
-        await wait_for_tokens(redis, job_id, 3)
+    hog = []
+    for prompt in ("ab", "xyz"):  # the first has the more tokens
+        hog.append(await submit(queue, model, owner="alice", prompt=prompt, max_tokens=80))
+        await wait_for_tokens(redis, hog[-1], 10 if prompt == "ab" else 3)
 
     other = await submit(queue, model, owner="bob", prompt="Hi", max_tokens=3)
     quick = await wait_final(redis, other)
@@ -133,7 +134,7 @@ async def test_a_key_holding_every_slot_yields_one_to_another_keys_job_which_run
     assert all(float(quick["finished_at"]) < float(r["finished_at"]) for r in finals)
     assert service.preemptions == 1
     [preempted] = [r for r in finals if r["preemptions"] == "1"]
-    assert preempted["id"] == hog[1]  # the latest started, which lost least
+    assert preempted["id"] == hog[1]  # the one that loses fewest tokens
     assert preempted["attempts"] == "2"
     for job_id, prompt, record in zip(hog, ("ab", "xyz"), finals, strict=True):
         assert record["status"] == "succeeded" and record["output"] == fake_text(prompt, 80)

@@ -448,18 +448,24 @@ def test_the_hog_bench_serves_another_keys_chats_while_one_key_holds_every_row(
     out = tmp_path / "hog.json"
     done = bench(
         "hog", "--model", str(tiny_model), "--rows", "2", "--long", "2", "--long-words", "40",
-        "--short", "2", "--max-tokens", "4", "--delay", "0.2", "--json", str(out),
+        "--choices", "2", "--long-max-tokens", "8", "--short", "2", "--max-tokens", "4", "--delay", "0.2",
+        "--json", str(out),
     )  # fmt: skip
 
     data = figures(out)
-    assert data["bench"] == "hog" and data["options"]["rows"] == 2
+    assert data["bench"] == "hog" and data["options"]["rows"] == 2 and data["options"]["choices"] == 2
     short, long = data["short"], data["long"]
     assert len(short["requests"]) == 2 and len(long["requests"]) == 2
     for request in short["requests"]:
         assert request["status"] == 200 and request["total_s"] >= (request["ttft_s"] or 0) >= 0
     assert short["answered_with_text"] == sum(1 for r in short["requests"] if r["text"])
     for request in long["requests"]:
-        assert request["status"] == 200 and request["prompt_tokens"] > 40 and request["preemptions"] >= 0
+        assert request["status"] == 200 and request["prompt_tokens"] > 40
+        assert len(request["job_preemptions"]) == 2 and request["preemptions"] == sum(
+            request["job_preemptions"]
+        )
     assert long["succeeded"] == 2 and long["preemptions"] == sum(r["preemptions"] for r in long["requests"])
-    assert [goal["pass"] for goal in data["goals"]] == [short["answered_with_text"] == 2, True]
+    assert long["most_preemptions_of_a_job"] == max(n for r in long["requests"] for n in r["job_preemptions"])
+    ttft_goal = short["ttft_s"]["max"] is not None and short["ttft_s"]["max"] <= 3.0
+    assert [goal["pass"] for goal in data["goals"]] == [short["answered_with_text"] == 2, True, ttft_goal]
     assert "goals" in done.stdout and "short" in done.stdout

@@ -134,6 +134,25 @@ async def test_a_claim_looks_again_when_the_head_of_the_queue_moves_under_it(
     assert await redis.zrange(keys.queue(model), 0, -1) == [later]
 
 
+async def test_a_claim_takes_the_job_a_row_was_freed_for_wherever_it_waits_then_the_head(
+    redis: Redis, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    ahead = [await submit(queue, model, owner="team-a") for _ in range(3)]
+    promised = await submit(queue, model, owner="team-b")
+    gone = await submit(queue, model, owner="team-b")
+    [taken] = await queue.claim(model, "another-worker", 1, lease_s=30)
+    assert taken.job_id == ahead[0]
+    await redis.zrem(keys.queue(model), gone)  # claimed elsewhere: a promise no longer waiting
+
+    claimed = await queue.claim_jobs(
+        model, "worker", 2, lease_s=30, promised={promised: "team-b", gone: "team-b"}
+    )
+
+    assert [claim.job_id for claim in claimed.claims] == [promised, ahead[1]]
+    assert await redis.zrange(keys.queue(model), 0, -1) == [ahead[2]]
+
+
 async def test_a_claim_carries_what_the_worker_needs_to_end_the_job(redis: Redis, model: str) -> None:
     queue = JobQueue(redis, 3600)
     job_id = await submit(queue, model, owner="team-a")

@@ -81,9 +81,10 @@ class JobRun:
         self._stream: GenerationStream | None = None
         self._cancelled = False
         self._abandoned = False
-        self._preempting = False  # asked to stop for interactive work (see preempted)
-        self.preempted = False  # stopped for interactive work: its worker gives it back to the queue
-        self.behind = False  # preempted for another key's job: back in the queue behind it
+        self._preempting = False  # asked to stop for another job (see preempted)
+        self.preempted = False  # stopped for another job: its worker gives it back to the queue
+        self.preemptions = 0  # times the job was preempted before this attempt
+        self.weight = 1.0  # its owner's weight when it was submitted
         self.lost = False  # the engine failed under it: its worker gives it back to the queue
         self.progress = Progress()
         self.started_at = time.time()
@@ -114,12 +115,10 @@ class JobRun:
     def preempt_requested(self) -> bool:
         return self._preempting
 
-    def preempt(self, *, behind: bool = False) -> None:
-        """Stop generating for interactive work: unless it ends first, the job goes back to the queue
-        once its streamed tokens are written, and resumes from them; `behind` the job it makes room for
-        (another key's), else in its place."""
+    def preempt(self) -> None:
+        """Stop generating for another job: unless it ends first, the job goes back to the queue, in its
+        place, once its streamed tokens are written, and resumes from them."""
         self._preempting = True
-        self.behind = behind
         if self._stream is not None and not self._stream.cancel_requested:
             self._engine.cancel(self._stream)
 
@@ -129,10 +128,13 @@ class JobRun:
             self._engine.cancel(self._stream)
 
     async def load_progress(self) -> None:
-        """Reads a cancel that raced the claim and, on a retry, the tokens already streamed."""
+        """Reads a cancel that raced the claim, the job's preemptions so far and its owner's weight,
+        and, on a retry, the tokens already streamed."""
         record = await self._queue.record(self.job_id)
         if record is not None and record.cancel_requested:
             self._cancelled = True
+        if record is not None:
+            self.preemptions, self.weight = record.preemptions, record.weight
         if self.claim.attempt == 1:
             return
         self.progress.first_token_at = record.first_token_at if record is not None else None

@@ -104,7 +104,8 @@ class WorkerMetrics:
         self.success = {r: success.labels(*values, r.value) for r in SUCCESS_REASONS}
         self.preemptions = Counter(
             "num_preemptions",
-            "Batch jobs this worker sent back to the queue for interactive work (they resume later).",
+            "Jobs this worker sent back to the queue for other work (they resume later): batch jobs for "
+            "interactive ones, and jobs of a key above its share of the rows for another key's.",
             LABELS,
             namespace=NAMESPACE,
             registry=registry,

@@ -221,6 +221,7 @@ class WorkerService:
                     self.settings.heartbeat_ttl_s,
                     idle=idle,
                     kv_budget_tokens=self.info.kv_budget_tokens,
+                    promised=self.preemption.take_promised(),
                 )
             except RedisError as e:
                 logger.warning("claiming jobs failed (%s); retrying", e)
@@ -322,7 +323,7 @@ class WorkerService:
     async def _execute(self, run: JobRun) -> None:
         try:
             await run.run()
-            if run.preempted and await self.queue.release(run.claim, preempted=True, behind=run.behind):
+            if run.preempted and await self.queue.release(run.claim, preempted=True):
                 self.preemptions += 1
             elif run.lost and not run.preempted and await self.queue.release(run.claim):
                 logger.info("job %s handed back to the queue: the engine failed under it", run.job_id)

@@ -96,6 +96,7 @@ class ClaimScript:
         kv_budget_tokens: int,  # 0: any job fits
         scan: int,
         candidates: dict[str, Candidate | None],  # job id -> its owner's, None when not looked up
+        promised: frozenset[str] = frozenset(),  # candidates taken first, wherever they wait (owners known)
     ) -> ClaimReply:
         script_keys = [
             keys.leases(model),
@@ -120,7 +121,8 @@ class ClaimScript:
                 keys.owner_ended_jobs(owner),
                 idem or keys.idempotency(""),  # a stand-in, never the record's
             ]
-            args += [job_id, owner, "1" if candidate is not None else "0"]
+            first = "1" if job_id in promised and candidate is not None else "0"
+            args += [job_id, owner, "1" if candidate is not None else "0", first]
         raw = await self._script(keys=script_keys, args=args)
         claims = [
             Claim(
@@ -158,10 +160,10 @@ class ReleaseScript:
     def __init__(self, redis: Redis) -> None:
         self._script = lua.register(redis, __name__, "release.lua")
 
-    async def __call__(self, *, claim: Claim, priority: PriorityClass, preempted: bool, behind: bool) -> bool:
+    async def __call__(self, *, claim: Claim, priority: PriorityClass, preempted: bool) -> bool:
         released = await self._script(
             keys=[keys.queue(claim.model, priority.value), keys.leases(claim.model), keys.job(claim.job_id)],
-            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0", "1" if behind else "0"],
+            args=[claim.job_id, str(claim.attempt), "1" if preempted else "0"],
         )
         return bool(released)
 
@@ -215,25 +217,31 @@ class JobLeasing:
         *,
         idle: bool = True,
         kv_budget_tokens: int = 0,
+        promised: dict[str, str] | None = None,
     ) -> Claimed:
         """Up to `max_jobs` jobs from the heads of the model's queues, highest class first (jobs whose
-        lease ran out go back to their queue first). A suspect job (a worker died holding it) is taken
-        only by an `idle` worker (it runs nothing), as the claim's only job; a claim stops at a suspect
-        job it may not take, and says one waits. With `kv_budget_tokens`, jobs that need more KV tokens
-        (prompt and max_tokens) are passed over, left to a worker with a larger budget."""
+        lease ran out go back to their queue first). `promised` jobs (id -> owner: another key's jobs
+        for which the worker preempted a row) are taken first, wherever they wait in their queue. A
+        suspect job (a worker died holding it) is taken only by an `idle` worker (it runs nothing), as
+        the claim's only job; a claim stops at a suspect job it may not take, and says one waits. With
+        `kv_budget_tokens`, jobs that need more KV tokens (prompt and max_tokens) are passed over, left
+        to a worker with a larger budget."""
         scan_extra = KV_SKIP_SCAN if kv_budget_tokens > 0 else 0
         claims: list[Claim] = []
         suspect_waiting = False
         owners_needed = False
+        promised = dict(promised or {})
         for _ in range(_CLAIM_ROUNDS):
             wanted = max_jobs - len(claims)
             if wanted <= 0:
                 break
             now_ms = int(time.time() * 1000)
-            ids = await self._claim_candidates(model, wanted + scan_extra, now_ms)
+            heads = await self._claim_candidates(model, wanted + scan_extra, now_ms)
+            ids = list(dict.fromkeys([*promised, *heads]))
             if not ids:
                 break
-            owners = await self._candidates(ids) if owners_needed else {}
+            looked_up = ids if owners_needed else list(promised)  # a promised job's owner is always known
+            owners = await self._candidates(looked_up) if looked_up else {}
             reply = await self._claim(
                 model=model,
                 worker_id=worker_id,
@@ -245,7 +253,9 @@ class JobLeasing:
                 kv_budget_tokens=kv_budget_tokens,
                 scan=wanted + scan_extra,
                 candidates={job_id: owners.get(job_id) for job_id in ids},
+                promised=frozenset(promised),
             )
+            promised = {}  # taken, or no longer waiting
             claims += reply.claims
             suspect_waiting = reply.suspect_waiting
             if reply.stop is ClaimStop.preferred_elsewhere:
@@ -291,13 +301,10 @@ class JobLeasing:
             renewed += await self._renew(model=model, claims=held, expiry_ms=expiry_ms)
         return renewed
 
-    async def release(self, claim: Claim, *, preempted: bool = False, behind: bool = False) -> bool:
-        """Give a running job back to its queue, in its place (a stopping worker's unfinished job, or
-        batch work preempted for interactive work), or `behind` the job at the queue's head (a job
-        preempted for another key's); False when the claim no longer holds it."""
-        released = await self._release(
-            claim=claim, priority=claim_priority(claim), preempted=preempted, behind=behind
-        )
+    async def release(self, claim: Claim, *, preempted: bool = False) -> bool:
+        """Give a running job back to its queue, in its place (a stopping worker's unfinished job, or a
+        preempted one); False when the claim no longer holds it."""
+        released = await self._release(claim=claim, priority=claim_priority(claim), preempted=preempted)
         if released:
             await self._redis.publish(keys.wake_channel(claim.model), claim.job_id)
         return released

@@ -22,6 +22,15 @@ class QueueAhead:
     typical: float  # the mean estimate of the jobs read at the heads of the model's queues
 
 
+@dataclass(frozen=True)
+class WaitingJob:
+    """A job waiting in a class's queue, as a worker weighing keys' shares of its rows reads it."""
+
+    id: str
+    owner: str
+    weight: float  # its owner's weight when it was submitted
+
+
 class JobReads:
     """JobQueue's reads."""
 
@@ -81,14 +90,18 @@ class JobReads:
             at += len(head)
         return QueueAhead(sum(counts), tokens, sum(costs) / max(len(costs), 1))
 
-    async def head_owner(self, model: str, cls: PriorityClass) -> str | None:
-        """The owner of the job at the head of the class's queue (the next to be claimed); None when the
-        queue is empty."""
-        head = await self._redis.zrange(keys.queue(model, cls.value), 0, 0)
-        if not head:
-            return None
-        owner: str | None = await self._redis.hget(keys.job(head[0]), "owner")  # type: ignore[misc]
-        return owner if owner is not None else ""
+    async def waiting_jobs(self, model: str, cls: PriorityClass, scan: int) -> list[WaitingJob]:
+        """Up to `scan` jobs at the head of the class's queue, in queue order, with their owners."""
+        ids: list[str] = await self._redis.zrange(keys.queue(model, cls.value), 0, scan - 1)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hmget(keys.job(job_id), ["status", "owner", "weight"])
+            fields = await pipe.execute()
+        return [
+            WaitingJob(job_id, owner or "", float(weight or 1.0))
+            for job_id, (status, owner, weight) in zip(ids, fields, strict=True)
+            if status is not None  # purged meanwhile
+        ]
 
     async def waiting(self, model: str) -> dict[PriorityClass, int]:
         """Jobs waiting in each class's queue of the model."""

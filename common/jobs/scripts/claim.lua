@@ -1,7 +1,7 @@
--- The claim. Which job a worker takes next is decided by `claimable` alone: the head of the highest
--- class that has waiting jobs, in each class's fair-share order. It must pick among the candidates it
--- was given (the only jobs whose keys it holds); a wider choice needs the caller's candidates
--- (common/jobs/claims.py) to look further.
+-- The claim. Which job a worker takes next is decided by `claimable`: the head of the highest class
+-- that has waiting jobs, in each class's fair-share order; only a job promised the worker's freed row
+-- goes before it. It must pick among the candidates it was given (the only jobs whose keys it holds);
+-- a wider choice needs the caller's candidates (common/jobs/claims.py) to look further.
 -- include: active.lua
 -- include: uncount.lua
 -- include: note_outcome.lua
@@ -16,11 +16,14 @@
 --       the worker's KV budget in tokens (0: any job fits), jobs to look at per class,
 --       n classes, class names..., stream notices channel,
 --       then per candidate: id, owner, whether the owner is known ('1'; else its owner's keys are
---       stand-ins, not to be touched)
+--       stand-ins, not to be touched), whether it is promised ('1': see below; its owner is known)
 -- Candidates are the jobs the caller saw at the head of each class's queue and in leases that ran
--- out. Jobs whose lease ran out go back to their class's queue first, with the tag they had (they
--- keep their place), suspect: their worker died. Then jobs are taken from the head of the highest
--- class with waiting jobs while that head is a candidate. A suspect job is taken only by an idle
+-- out, and the jobs promised this worker's next rows: another key's jobs for which it preempted a row
+-- (worker/preemption.py). Jobs whose lease ran out go back to their class's queue first, with the tag
+-- they had (they keep their place), suspect: their worker died. Then the promised jobs still queued
+-- (and within the worker's KV budget) are taken, wherever they wait in their queue (a suspect one
+-- waits its turn), and then jobs from the head of the highest class with waiting jobs while that head
+-- is a candidate. A suspect job is taken only by an idle
 -- worker that took nothing else in this claim, and then alone: its attempt is quarantined. The
 -- script stops, and says why, at the first that is not a candidate (the head moved since the caller
 -- looked: 1), or that expired in the queue while the caller did not know its owner (2); the caller
@@ -45,13 +48,14 @@ for c = 1, nclass do
   class_at[ARGV[11 + c]] = c
 end
 local notices, noticed = ARGV[12 + nclass], {}
-local candidates = {}
+local candidates, promised = {}, {}
 local n = 0
-for i = 13 + nclass, #ARGV - 2, 3 do
+for i = 13 + nclass, #ARGV - 3, 4 do
   local k = 4 + 2 * nclass + 8 * n
   candidates[ARGV[i]] = {id = ARGV[i], owner = ARGV[i + 1], known = ARGV[i + 2] == '1', rec = KEYS[k + 1],
     events = KEYS[k + 2], arq = KEYS[k + 3], active = KEYS[k + 4], held = KEYS[k + 5], jobs = KEYS[k + 6],
     ended = KEYS[k + 7], idem = KEYS[k + 8]}
+  if ARGV[i + 3] == '1' then promised[#promised + 1] = ARGV[i] end
   n = n + 1
 end
 
@@ -103,33 +107,24 @@ local function claimable()
   return nil, false
 end
 
+-- The class whose queue holds the job and its score there; nil when it waits in none.
+local function queued_in(id)
+  for c = 1, nclass do
+    local score = redis.call('ZSCORE', queues[c], id)
+    if score then return c, tonumber(score) end
+  end
+end
+
 requeue_expired_leases()
 local out = {0, '0'}
 local taken = 0
-while taken < tonumber(ARGV[3]) do
-  local id, moved, c, score = claimable()
-  if not id then
-    if moved then out[1] = 1 end
-    break
-  end
-  local job = candidates[id]
-  local suspect = redis.call('HGET', job.rec, 'suspect') == '1'
-  if suspect and (taken > 0 or not idle) then
-    out[2] = '1'
-    break
-  end
-  local preferred = redis.call('HMGET', job.rec, 'preferred_worker', 'preferred_until_ms')
-  if preferred[1] and preferred[1] ~= ARGV[4] and not suspect and now < tonumber(preferred[2] or '0') then
-    out[1] = 3
-    break
-  end
+local wanted = tonumber(ARGV[3])
+
+-- The job leaves its queue (c, at score): claimed, or failed as expired in the queue.
+local function take(id, job, c, score, suspect)
   local st = redis.call('HGET', job.rec, 'status')
   local first = redis.call('HGET', job.rec, 'attempts') == '0'
   local expired = past_deadline(job.rec, now)
-  if expired and not job.known then
-    out[1] = 2
-    break
-  end
   redis.call('ZREM', queues[c], id)
   advance(tags[c], score)
   if first then
@@ -152,8 +147,39 @@ while taken < tonumber(ARGV[3]) do
     out[#out + 1] = redis.call('HGET', job.rec, 'quarantine_deaths') or '0'
     out[#out + 1] = redis.call('HGET', job.rec, 'idempotency_key') or ''
     taken = taken + 1
-    if suspect then break end
   end
+end
+
+for _, id in ipairs(promised) do
+  local job = candidates[id]
+  local c, score = queued_in(id)
+  if taken < wanted and c and job.known and fits(job) and redis.call('HGET', job.rec, 'suspect') ~= '1' then
+    take(id, job, c, score, false)
+  end
+end
+while taken < wanted do
+  local id, moved, c, score = claimable()
+  if not id then
+    if moved then out[1] = 1 end
+    break
+  end
+  local job = candidates[id]
+  local suspect = redis.call('HGET', job.rec, 'suspect') == '1'
+  if suspect and (taken > 0 or not idle) then
+    out[2] = '1'
+    break
+  end
+  local preferred = redis.call('HMGET', job.rec, 'preferred_worker', 'preferred_until_ms')
+  if preferred[1] and preferred[1] ~= ARGV[4] and not suspect and now < tonumber(preferred[2] or '0') then
+    out[1] = 3
+    break
+  end
+  if not job.known and past_deadline(job.rec, now) then
+    out[1] = 2
+    break
+  end
+  take(id, job, c, score, suspect)
+  if suspect then break end
 end
 if #noticed > 0 then redis.call('PUBLISH', notices, table.concat(noticed, ' ')) end
 return out

@@ -160,9 +160,10 @@ def add_modes(modes: Subparsers) -> None:
         "hog",
         help="one key's long prompts hold every row of a worker: are another key's chats served, how soon",
         description="On a local fleet with API keys (Redis, a gateway, one worker of --rows rows): one key "
-        "sends --long chats of about --long-words words at once; --delay seconds later another key streams "
-        "--short chats one after another. Prints each short chat's status, text, TTFT and total time, and "
-        "each long chat's prompt tokens, total time and preemptions; then the goals.",
+        "sends --long chats of about --long-words words at once, each with --choices choices (one job "
+        "each); --delay seconds later another key streams --short chats one after another. Prints each "
+        "short chat's status, text, TTFT and total time, and each long chat's prompt tokens, total time "
+        "and its jobs' preemptions; then the goals.",
     )
     hog.add_argument("--model", type=Path, metavar="DIR", help="model folder (default: the default model)")
     hog.add_argument("--rows", type=positive, default=8, help="the worker's batch rows (default 8)")
@@ -170,8 +171,12 @@ def add_modes(modes: Subparsers) -> None:
     hog.add_argument(
         "--long-words", type=positive, default=5200, help="words of each long chat (default 5200)"
     )
+    hog.add_argument("--choices", type=positive, default=1, help="n of each long chat: its jobs (default 1)")
     hog.add_argument("--short", type=positive, default=10, help="the other key's chats (default 10)")
     hog.add_argument("--max-tokens", type=positive, default=16, help="tokens of every answer (default 16)")
+    hog.add_argument(
+        "--long-max-tokens", type=positive, help="tokens of each long chat's answers (default: --max-tokens)"
+    )
     hog.add_argument(
         "--delay", type=float, default=2.0, help="seconds between the long chats and the first short one"
     )
@@ -250,6 +255,8 @@ def run_hog(args: argparse.Namespace) -> int:
         long_words=args.long_words,
         short_requests=args.short,
         max_tokens=args.max_tokens,
+        choices=args.choices,
+        long_max_tokens=args.long_max_tokens,
         delay_s=args.delay,
         command_line=command_line(),
     )
