@@ -16,7 +16,7 @@ import pytest
 
 from ortfleet.bench.backends import FleetBackend
 from ortfleet.bench.capacity import WRITERS
-from ortfleet.bench.http import SseEvent
+from ortfleet.bench.sse import SseEvent
 
 
 def bench(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:

@@ -1,20 +1,25 @@
-"""A small HTTP/1.1 client on asyncio streams: JSON requests and SSE on keep-alive connections.
+"""The benches' HTTP client: JSON requests and SSE streams over httpx, one connection at a time.
 
-Benchmarks share two cores with the fleet they measure, so the client must cost little per event:
-this one parses chunked transfer encoding and SSE frames without a general-purpose HTTP stack.
+A `Connection` is one client's: its requests run one after another on a keep-alive HTTP/1.1 connection,
+and one the server has closed (llama.cpp's llama-server closes it after every streamed response) is
+opened again for the next request, which goes again if the close crossed it on the wire. SSE bodies are
+read raw and split by `ortfleet.bench.sse`, each event stamped with the time its bytes arrived.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
+import httpx
+
+from ortfleet.bench.sse import SseDecoder, SseEvent
 from ortfleet.fleet.processes import StartupError
+
+CONNECT_TIMEOUT_S = 30.0  # reads have no limit: a long prefill or a ?wait= long poll is still an answer
+EVENT_HEADERS = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}  # raw bytes are the events
 
 
 class HttpError(Exception):
@@ -24,124 +29,77 @@ class HttpError(Exception):
         self.body = body
 
 
-@dataclass(frozen=True)
-class SseEvent:
-    id: str
-    event: str
-    data: str
-    received: float  # time.perf_counter() when its bytes arrived
-
-
 class Connection:
-    """One keep-alive connection; requests on it run one after another."""
+    """One client's connection to the server at `base_url` (its root: the benches' paths start at /v1);
+    `headers` go with every request (an API key)."""
 
     def __init__(self, base_url: str, headers: dict[str, str] | None = None) -> None:
-        parts = urlsplit(base_url)
-        self.headers = headers or {}  # sent with every request (an API key)
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self.base_url = base_url
+        self.headers = headers or {}
+        self._client = self._new_client()
+        self._kept = False  # an answer was read whole since the last close: its connection may be kept
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self._reader is None or self._writer is None or self._writer.is_closing():
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
-        return self._reader, self._writer
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=self.headers,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            # plain HTTP needs no TLS context, and httpx builds one per client (about 50 ms of CPU)
+            verify=self.base_url.startswith("https:"),
+            trust_env=False,  # no proxy from the environment between a bench and its server
+        )
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            try:
-                await self._writer.wait_closed()
-            except OSError:
-                pass
-            self._reader = self._writer = None
-
-    async def _send(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> None:
-        _, writer = await self._open()
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}"]
-        lines += [f"{k}: {v}" for k, v in {**self.headers, **headers}.items()]
-        if body is not None:
-            lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
-
-    async def _head(self) -> tuple[int, dict[str, str]]:
-        reader, _ = await self._open()
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionError("the server closed the connection")
-        status = int(status_line.split()[1])
-        headers: dict[str, str] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return status, headers
-
-    async def _body(self, headers: dict[str, str]) -> bytes:
-        reader, _ = await self._open()
-        if "content-length" in headers:
-            return await reader.readexactly(int(headers["content-length"]))
-        parts = [chunk async for chunk in self._chunks()]
-        return b"".join(parts)
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        reader, _ = await self._open()
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            if size == 0:
-                await reader.readline()
-                return
-            chunk = await reader.readexactly(size + 2)
-            yield chunk[:-2]
-
-    async def request(self, method: str, path: str, payload: Any = None) -> tuple[int, Any]:
-        """Sends a request (JSON body if payload is given), returns the status and the decoded JSON."""
-        body = None if payload is None else json.dumps(payload).encode()
-        await self._send(method, path, body, {})
-        status, headers = await self._head()
-        raw = await self._body(headers)
-        if headers.get("connection", "").lower() == "close":
-            await self.close()
-        return status, json.loads(raw) if raw else None
+        """Closes the connection; the next request opens another."""
+        await self._client.aclose()
+        self._client = self._new_client()
+        self._kept = False
 
     async def json(self, method: str, path: str, payload: Any = None, expect: int = 200) -> Any:
-        status, body = await self.request(method, path, payload)
-        if status != expect:
-            raise HttpError(status, json.dumps(body).encode())
-        return body
+        request = self._client.build_request(method, path, json=payload)
+        response = await self._send(request, stream=False)
+        if response.status_code != expect:
+            raise HttpError(response.status_code, response.content)
+        return json.loads(response.content) if response.content else None
 
     async def events(self, path: str, payload: Any = None) -> AsyncIterator[SseEvent]:
         """The SSE events of a streaming GET (or, with a payload, a POST of it as JSON), each stamped
         with its arrival time."""
-        method, body = ("GET", None) if payload is None else ("POST", json.dumps(payload).encode())
-        await self._send(method, path, body, {"Accept": "text/event-stream"})
-        status, headers = await self._head()
-        if status != 200:
-            raise HttpError(status, await self._body(headers))
-        buffer = b""
-        async for chunk in self._chunks():
-            received = time.perf_counter()
-            buffer += chunk
-            while b"\n\n" in buffer:
-                frame, buffer = buffer.split(b"\n\n", 1)
-                event = _parse_frame(frame, received)
-                if event is not None:
+        method = "GET" if payload is None else "POST"
+        request = self._client.build_request(method, path, json=payload, headers=EVENT_HEADERS)
+        response = await self._send(request, stream=True)
+        try:
+            if response.status_code != 200:
+                raise HttpError(response.status_code, await response.aread())
+            decoder = SseDecoder()
+            async for chunk in response.aiter_raw():
+                for event in decoder.feed(chunk, time.perf_counter()):
                     yield event
+            self._kept = True
+        except httpx.TransportError as e:
+            raise ConnectionError(f"{method} {request.url}: {e!r}") from e
+        finally:
+            await response.aclose()
 
-
-def _parse_frame(frame: bytes, received: float) -> SseEvent | None:
-    entry_id = kind = ""
-    data: list[str] = []
-    for line in frame.decode().split("\n"):
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-        elif line.startswith("id:"):
-            entry_id = line[3:].strip()
-        elif line.startswith("event:"):
-            kind = line[6:].strip()
-    if not data and not kind:
-        return None  # a comment (keep-alive)
-    return SseEvent(entry_id, kind or "message", "\n".join(data), received)
+    async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        """The answer's head (and body unless `stream`). A kept connection that fails before any answer
+        was closed by the server as the request went out (llama-server closes its connection after
+        every streamed response, any server after its keep-alive timeout): the request, which it never
+        read, goes once more on a new connection."""
+        retry, self._kept = self._kept, False
+        while True:
+            try:
+                response = await self._client.send(request, stream=stream)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                if retry:
+                    retry = False
+                    continue
+                raise ConnectionError(f"{request.method} {request.url}: {e!r}") from e
+            except httpx.TransportError as e:
+                raise ConnectionError(f"{request.method} {request.url}: {e!r}") from e
+            self._kept = not stream
+            return response
 
 
 async def served_model(url: str) -> str:

@@ -81,7 +81,13 @@ def command_line() -> str:
 
 
 def server_url(args: argparse.Namespace, mode: str) -> str | None:
-    """The server at --url (None: a local fleet), without a trailing slash; --name needs one."""
+    """The server at --url (None: a local fleet), its root; --name needs one."""
     if args.name and not args.url:
         raise SystemExit(f"ortfleet bench {mode}: --name names a model at --url")
-    return args.url.rstrip("/") if args.url else None
+    return server_root(args.url) if args.url else None
+
+
+def server_root(url: str) -> str:
+    """A server's root from its URL given either way: `http://host:8081` or, as OpenAI clients take it,
+    `http://host:8081/v1` (the benches' paths start at /v1 themselves; /tokenize is at the root)."""
+    return url.rstrip("/").removesuffix("/v1")

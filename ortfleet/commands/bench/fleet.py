@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ortfleet.bench.backends import FLEET_APIS
-from ortfleet.commands.bench.arguments import finish, int_list, model_dir, positive
+from ortfleet.commands.bench.arguments import finish, int_list, model_dir, positive, server_root
 
 if TYPE_CHECKING:
     from ortfleet.commands import Subparsers
@@ -115,7 +115,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         requests=args.requests,
         max_tokens=args.max_tokens,
         rounds=args.rounds,
-        url=args.url,
+        url=server_root(args.url) if args.url else None,
         name=args.name,
         pinning=pinning,
         stream_interval=stream_interval,
