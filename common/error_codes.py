@@ -36,6 +36,9 @@ class ErrorCode(str, Enum):
     store_timeout = "store_timeout"
     not_replicated = "not_replicated"  # fewer replicas than ORTFLEET_SUBMIT_REPLICAS confirmed a submission
     store_full = "store_full"  # Redis refuses writes for memory (maxmemory reached, noeviction)
+    server_shutting_down = (
+        "server_shutting_down"  # the gateway stopped while an OpenAI call waited or streamed
+    )
     store_lost = "store_lost"  # Redis lost its data (restarted without persistence): the job or file is gone
     # refused by a protective limit
     invalid_json = "invalid_json"
