@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     rate_limit_exceeded = "rate_limit_exceeded"
     too_many_active_jobs = "too_many_active_jobs"
     too_many_prompt_tokens = "too_many_prompt_tokens"  # the key's queued and running prompts hold its limit
+    too_many_stream_bytes = "too_many_stream_bytes"  # the key's active jobs' streams would keep too much
     tokenize_rate_exceeded = "tokenize_rate_exceeded"  # the key tokenized its characters per second
     queue_full = "queue_full"
     model_not_found = "model_not_found"
