@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     rate_limit_exceeded = "rate_limit_exceeded"
     too_many_active_jobs = "too_many_active_jobs"
     too_many_prompt_tokens = "too_many_prompt_tokens"  # the key's queued and running prompts hold its limit
+    too_many_stream_bytes = "too_many_stream_bytes"  # the key's active jobs' streams would keep too much
     tokenize_rate_exceeded = "tokenize_rate_exceeded"  # the key tokenized its characters per second
     queue_full = "queue_full"
     model_not_found = "model_not_found"
@@ -36,6 +37,9 @@ class ErrorCode(str, Enum):
     store_timeout = "store_timeout"
     not_replicated = "not_replicated"  # fewer replicas than ORTFLEET_SUBMIT_REPLICAS confirmed a submission
     store_full = "store_full"  # Redis refuses writes for memory (maxmemory reached, noeviction)
+    server_shutting_down = (
+        "server_shutting_down"  # the gateway stopped while an OpenAI call waited or streamed
+    )
     store_lost = "store_lost"  # Redis lost its data (restarted without persistence): the job or file is gone
     # refused by a protective limit
     invalid_json = "invalid_json"

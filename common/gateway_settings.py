@@ -116,6 +116,14 @@ class GatewaySettings(FleetSettings):
         "submission (about 4 characters a token, at most the model's context); a job that would pass it "
         "gets 429 too_many_prompt_tokens, unless the key has nothing in flight. 0: no limit.",
     )
+    key_max_stream_bytes_in_flight: int = Field(
+        256 * 2**20,
+        ge=0,
+        description="Bytes the token streams of a key's active (queued or running) jobs may keep in Redis "
+        "in all, estimated at submission from max_tokens and logprobs (about 64 bytes a token, 2 KB a token "
+        "with 20 top logprobs; see docs/api.md); a job that would pass it gets 429 too_many_stream_bytes, "
+        "unless the key has nothing in flight; a gateway without keys has none. 0: no limit.",
+    )
     key_tokenize_chars_per_s: int = Field(
         200_000,
         ge=0,

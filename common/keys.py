@@ -101,7 +101,8 @@ def active_jobs(owner: str) -> str:
 
 def prompt_tokens_in_flight(owner: str) -> str:
     """hash: the estimated prompt tokens of each of the key's active jobs (those in active_jobs) by job id,
-    and ":total" their sum (the job scripts charge and release it with the job's state)."""
+    and ":total" their sum; the estimated bytes of each one's stream under "bytes:" and its id, and ":bytes"
+    their sum (the job scripts charge and release both with the job's state)."""
     return f"{PREFIX}prompt-tokens:{owner}"
 
 

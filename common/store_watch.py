@@ -76,13 +76,16 @@ class StoreWatch:
     def full(self) -> str | None:
         """Why this Redis refuses writes for memory (used_memory at maxmemory, and a policy that evicts
         nothing), if it does."""
+        return self._full(self.label)
+
+    def _full(self, label: str) -> str | None:
         if self.memory is None:
             return None
         used, limit = self.memory
         if limit <= 0 or used < limit or (self.config is not None and self.config.evicts):
             return None
         return (
-            f"Redis at {self.label} is out of memory (used_memory {used / 2**20:.1f} MiB of maxmemory "
+            f"Redis at {label} is out of memory (used_memory {used / 2**20:.1f} MiB of maxmemory "
             f"{limit / 2**20:.1f} MiB): it refuses writes, so no job can be submitted or run; raise "
             "maxmemory or free memory"
         )
@@ -132,9 +135,9 @@ class StoreWatch:
         self.config = config
         return config
 
-    def refusal_of(self, config: StoreConfig) -> str | None:
+    def refusal_of(self, config: StoreConfig, label: str | None = None) -> str | None:
         if config.evicts and not self.allow_eviction:
-            return config.eviction_refusal(self.label)
+            return config.eviction_refusal(label or self.label)
         return None
 
     @property
@@ -142,15 +145,26 @@ class StoreWatch:
         """Why this Redis is unfit to serve now (a policy that evicts keys, not allowed), if it is."""
         return self.refusal_of(self.config) if self.config is not None else None
 
-    def warnings(self) -> list[str]:
+    def refusals(self, name: str) -> list[str]:
+        """Why this Redis cannot serve now (`refusal`, `full`), naming it `name` instead of its address:
+        for answers to callers who should not learn where the store is."""
+        refusal = self.refusal_of(self.config, name) if self.config is not None else None
+        return [line for line in (refusal, self._full(name)) if line is not None]
+
+    def problems(self, name: str) -> list[str]:
+        """`refusals` and `warnings`, naming this Redis `name`."""
+        return self.refusals(name) + self.warnings(name)
+
+    def warnings(self, name: str | None = None) -> list[str]:
         """What an operator should know of this Redis short of a refusal: its settings, and a loss of
-        its data within the job TTL."""
-        said = self.config.warnings(self.label, self.allow_eviction) if self.config is not None else []
+        its data within the job TTL; the Redis is named `name`, or by its address."""
+        label = name or self.label
+        said = self.config.warnings(label, self.allow_eviction) if self.config is not None else []
         loss = self.last_loss
         if loss is not None and time.time() - loss.at < self.ttl_s:
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(loss.at))
             said.append(
-                f"Redis at {self.label} lost its data (found at {when}): the jobs submitted before are gone "
+                f"Redis at {label} lost its data (found at {when}): the jobs submitted before are gone "
                 "and answer store_lost"
             )
         return said

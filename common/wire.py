@@ -3,10 +3,12 @@ stream event types. The job's record in Redis is common/jobs/record.py's."""
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -75,6 +77,18 @@ CACHE_SALT = (
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 TokenId = Annotated[int, Field(ge=0)]
+MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either way
+
+
+def _bias(value: float) -> float:
+    if not (math.isfinite(value) and -MAX_BIAS <= value <= MAX_BIAS):
+        raise ValueError(f"must be a finite number between -{MAX_BIAS:g} and {MAX_BIAS:g}")
+    return value
+
+
+LogitBias = Annotated[
+    float, AfterValidator(_bias), Field(json_schema_extra={"minimum": -100, "maximum": 100})
+]
 
 StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)]
 
@@ -123,7 +137,7 @@ class Sampling(BaseModel):
         le=2.0,
         description="Subtracted from the logit of each token once for every time it was generated.",
     )
-    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    logit_bias: dict[TokenId, LogitBias] | None = Field(
         None,
         max_length=MAX_LOGIT_BIAS,
         description="Token id to a bias (-100 to 100) added to its logit before sampling; -100 bans it.",

@@ -98,8 +98,7 @@ async def fleet_overview(request: Request) -> Response:
         if shard_names := by_shard.get(id(shard)):
             models += await _models_of(shard.redis, shard_names, workers, now)
     models.sort(key=lambda m: m["id"])
-    problems = [p for shard in state.shards.all for p in (shard.watch.refusal, shard.watch.full) if p]
-    problems += [warning for shard in state.shards.all for warning in shard.watch.warnings()]
+    problems = [line for name, shard in state.shards.named() for line in shard.watch.problems(name)]
     load = principal_of(request.scope).name == ""  # no keys, or the metrics key (see gateway.auth)
     if not load:
         for worker in workers:

@@ -3,6 +3,8 @@ the version (/version)."""
 
 from __future__ import annotations
 
+import logging
+
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -10,6 +12,8 @@ from starlette.routing import Route
 
 from gateway.operations import Operation, Reply
 from gateway.state import app_state
+
+logger = logging.getLogger(__name__)
 
 
 @Operation("Liveness", responses={200: Reply("alive")})
@@ -40,19 +44,25 @@ async def version(request: Request) -> Response:
 )
 async def readyz(request: Request) -> Response:
     state = app_state(request)
+    checking: str | None = None  # the store being checked, for the answer when it cannot be reached
     try:
-        for shard in state.shards.all:
+        for name, shard in state.shards.named():
+            checking = name
             await shard.redis.ping()
             await shard.watch.check_config()
             await shard.watch.check_memory()
+        checking = None
         fleet = await state.fleet.snapshot(fresh=True)
     except (RedisError, OSError) as e:
-        return JSONResponse({"status": "unavailable", "reason": f"Redis is unreachable: {e}"}, 503)
-    # What an operator must hear of each Redis (no persistence, settings unreadable), ready or not.
-    said = [warning for shard in state.shards.all for warning in shard.watch.warnings()]
+        logger.warning("readiness: Redis (%s) is unreachable: %s", checking or "a store", e)
+        which = f" ({checking})" if checking else ""
+        reason = f"Redis is unreachable{which}: {type(e).__name__}; the gateway's log has the address"
+        return JSONResponse({"status": "unavailable", "reason": reason}, 503)
+    # What an operator must hear of each Redis (no persistence, settings unreadable), ready or not, each
+    # named `store N`: this answer is public, and the gateway's log has the addresses.
+    said = [line for name, shard in state.shards.named() for line in shard.watch.warnings(name)]
     warnings = {"warnings": said} if said else {}
-    refused = [refusal for shard in state.shards.all if (refusal := shard.watch.refusal) is not None]
-    refused += [full for shard in state.shards.all if (full := shard.watch.full) is not None]
+    refused = [line for name, shard in state.shards.named() for line in shard.watch.refusals(name)]
     if refused:
         return JSONResponse({"status": "unavailable", "reason": "; ".join(refused), **warnings}, 503)
     if not fleet.live:

@@ -48,6 +48,11 @@ class Shards:
         self._by_model = by_model
         self.all = [home, *{id(s): s for s in by_model.values() if s is not home}.values()]
 
+    def named(self) -> list[tuple[str, Shard]]:
+        """Each shard with the name answers give it (`store 1` is the home one): a caller learns how the
+        stores fare, never where they are."""
+        return [(f"store {i}", shard) for i, shard in enumerate(self.all, 1)]
+
     def of_model(self, model: str) -> Shard:
         return self._by_model.get(model, self.home)
 

@@ -10,6 +10,7 @@ from common.gateway_settings import GatewaySettings
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.shards import Shards
+from gateway.stopping import Stopping
 from gateway.streaming.slots import StreamSlots
 
 
@@ -23,9 +24,9 @@ class AppState:
     # Set when a batch is created here: this gateway's batch driver, resting while no batch is active,
     # takes it up at once.
     batch_created: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set when the gateway is told to stop (SIGTERM): long-polls answer at once, before the server's
-    # graceful shutdown runs out and cuts them.
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the gateway is told to stop (SIGTERM): long-polls answer at once and OpenAI calls end with
+    # server_shutting_down, before the server's graceful shutdown runs out and cuts them.
+    stopping: Stopping = field(default_factory=Stopping)
 
     @property
     def redis(self) -> Redis:

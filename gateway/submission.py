@@ -21,6 +21,7 @@ from common.jobs.submission import (
     PromptTokensBusy,
     QueueFull,
     QueueLimits,
+    StreamBytesBusy,
     Submitted,
 )
 from common.prefix_hints import preferred_worker
@@ -30,6 +31,7 @@ from gateway import guidance_check
 from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
 from gateway.state import AppState
+from gateway.stream_cost import estimated_stream_bytes
 
 
 async def resolve_model(state: AppState, requested: str | None) -> tuple[str, int]:
@@ -251,7 +253,7 @@ async def submit_job(
             epoch = await shard.watch.check_epoch()
             spec = spec.model_copy(update={"id": new_job_id(epoch)})
             submitted = await _submit(state, spec, context_length, kv, idem, principal, digest, epoch, route)
-    except (NotReplicated, EpochChanged, OwnerBusy, PromptTokensBusy, QueueFull) as e:
+    except (NotReplicated, EpochChanged, OwnerBusy, PromptTokensBusy, StreamBytesBusy, QueueFull) as e:
         raise _refused(e) from e
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
@@ -260,7 +262,9 @@ async def submit_job(
     return SubmittedJob(submitted.job_id, submitted.created, model, now)
 
 
-def _refused(e: NotReplicated | EpochChanged | OwnerBusy | PromptTokensBusy | QueueFull) -> ApiError:
+def _refused(
+    e: NotReplicated | EpochChanged | OwnerBusy | PromptTokensBusy | StreamBytesBusy | QueueFull,
+) -> ApiError:
     """The answer to the queue's refusal of a job: each passes, so the client may retry in a second."""
     match e:
         case NotReplicated():
@@ -276,6 +280,9 @@ def _refused(e: NotReplicated | EpochChanged | OwnerBusy | PromptTokensBusy | Qu
         case PromptTokensBusy():
             status, code = 429, ErrorCode.too_many_prompt_tokens
             message = f"{e} (ORTFLEET_KEY_MAX_PROMPT_TOKENS_IN_FLIGHT)"
+        case StreamBytesBusy():
+            status, code = 429, ErrorCode.too_many_stream_bytes
+            message = f"{e} (ORTFLEET_KEY_MAX_STREAM_BYTES_IN_FLIGHT)"
         case QueueFull():
             status, code, message = 429, ErrorCode.queue_full, str(e)
     return ApiError(status, message, code=code, headers={"Retry-After": "1"})
@@ -303,6 +310,7 @@ async def _submit(
     epoch: str,
     route: tuple[str | None, int | None],
 ) -> Submitted:
+    prompt_tokens = estimated_prompt_tokens(spec, context_length)
     return await state.shards.of_model(spec.model).queue.submit(
         spec,
         limits=queue_limits(state),
@@ -312,8 +320,10 @@ async def _submit(
         owner=principal.name,
         owner_max_active=principal.max_concurrent_jobs or 0,
         weight=principal.weight,
-        prompt_tokens=estimated_prompt_tokens(spec, context_length),
+        prompt_tokens=prompt_tokens,
         owner_max_prompt_tokens=principal.max_prompt_tokens_in_flight or 0,
+        stream_bytes=estimated_stream_bytes(spec, prompt_tokens),
+        owner_max_stream_bytes=state.settings.key_max_stream_bytes_in_flight if principal.name else 0,
         request_digest=digest,
         replicas=state.settings.submit_replicas,
         replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,

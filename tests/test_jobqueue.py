@@ -250,7 +250,7 @@ def test_the_scripts_build_no_key_names() -> None:
 # Quoted words in the scripts that are values, not record fields.
 _VALUES = {s.value for s in JobStatus} | {r.value for r in FinishReason} | {c.value for c in ErrorCode}
 _VALUES |= {"type", "message", "code", "created", "duplicate", "busy", "full", "jobs", "tokens", "epoch"}
-_VALUES |= {"missing", "cancelling", "prompt_tokens"}
+_VALUES |= {"missing", "cancelling", "prompt_tokens", "stream_bytes"}
 _VALUES |= {"reason", "worker_lost", "attempt"}  # the stream event of a worker's death
 
 

@@ -232,6 +232,44 @@ async def test_bad_logprob_and_bias_values_are_400s_naming_the_field(sdk: openai
     assert "10000000" in raised.value.message and "vocabulary" in raised.value.message
 
 
+async def test_a_bias_that_is_not_a_finite_number_is_refused_saying_what_a_bias_may_be(
+    sdk: openai.OpenAI, client: httpx.AsyncClient, served: str
+) -> None:
+    for bias in ("NaN", "-Infinity", 100.5):
+        with pytest.raises(openai.BadRequestError) as raised:
+            sdk.chat.completions.create(
+                model=served, messages=chat("Hi"), max_tokens=2, extra_body={"logit_bias": {"5": bias}}
+            )
+        assert raised.value.param == "logit_bias.5"
+        assert "must be a finite number between -100 and 100" in raised.value.message, raised.value.message
+        job = await client.post("/v1/jobs", json={"prompt": "Hi", "logit_bias": {"5": bias}})
+        assert job.status_code == 422 and job.json()["error"]["param"] == "logit_bias.5"
+        assert "finite number between -100 and 100" in job.json()["error"]["message"]
+
+
+async def test_a_flag_that_is_no_boolean_or_a_min_p_outside_0_to_1_is_refused_naming_it(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "valid boolean"),
+        ({"stream": "true"}, "stream", "valid boolean"),
+        ({"min_p": 2}, "min_p", "from 0 to 1"),
+        ({"min_p": -0.1}, "min_p", "from 0 to 1"),
+        ({"min_p": 0.5}, "min_p", "not supported"),  # in range, but no sampler of ortfleet's does it
+    ]
+    for extra, param, says in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            sdk.chat.completions.create(model=served, messages=chat("Hi"), max_tokens=2, extra_body=extra)
+        assert raised.value.param == param and says in raised.value.message, (extra, raised.value.message)
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.completions.create(model=served, prompt="Hi", max_tokens=2, extra_body={"min_p": 1.5})
+    assert raised.value.param == "min_p"
+    off = sdk.chat.completions.create(
+        model=served, messages=chat("Hi"), max_tokens=2, parallel_tool_calls=False, extra_body={"min_p": 0}
+    )
+    assert off.choices[0].finish_reason in ("stop", "length")
+
+
 async def test_og_engine_refuses_what_needs_logits_by_name(fleet: Fleet, model_name: str) -> None:
     fleet.start_worker(model_name, "--scheduler", "og-engine")
     async with openai.AsyncOpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0) as sdk:

@@ -24,6 +24,7 @@ from gateway.openai_api.chat import ChatFormat
 from gateway.openai_api.choices import ChoiceEvent, Choices
 from gateway.openai_api.completions import CompletionFormat
 from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFrames, chunk_frame, chunks
+from gateway.stopping import Stopping
 from gateway.streaming.relay import StreamRelay
 from gateway.streaming.sse import KEEPALIVE
 from tests.conftest import RedisServer
@@ -74,7 +75,9 @@ def pushed_choices(relay: StreamRelay, redis: Redis, job_ids: list[str]) -> Choi
     """The jobs of one completion request, on the test's Redis and relay."""
     metrics = GatewayMetrics()
     shard = SimpleNamespace(relay=relay, redis=redis)
-    state = SimpleNamespace(shards=SimpleNamespace(of_model=lambda model: shard), metrics=metrics)
+    state = SimpleNamespace(
+        shards=SimpleNamespace(of_model=lambda model: shard), metrics=metrics, stopping=Stopping()
+    )
     return Choices(state, "m", job_ids, [0] * len(job_ids), "prompt")  # type: ignore[arg-type]
 
 

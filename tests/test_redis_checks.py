@@ -104,6 +104,27 @@ def test_a_redis_without_persistence_is_a_warning_a_metric_and_a_readyz_detail(t
     assert persistent.endswith(" 0.0"), persistent
 
 
+def test_answers_name_a_store_by_its_number_and_only_the_log_says_where_it_is(tmp_path: Path) -> None:
+    port = free_port()
+    process = start_redis(port, tmp_path / "redis", appendonly=False)
+    address = f"127.0.0.1:{port}"
+    try:
+        with gateway_on(f"redis://{address}/0", tmp_path) as gateway:
+            ready = httpx.get(f"{gateway.url}/readyz").json()
+            fleet = httpx.get(f"{gateway.url}/v1/fleet").json()
+            stop(process)
+            gone = httpx.get(f"{gateway.url}/readyz")
+            log = gateway.log()
+    finally:
+        stop(process)
+
+    for line in [*ready["warnings"], *fleet["store"]]:
+        assert "store 1" in line and "persists nothing" in line and str(port) not in line, line
+    assert gone.status_code == 503 and "Redis is unreachable (store 1)" in gone.json()["reason"]
+    assert str(port) not in gone.text and "127.0.0.1" not in gone.text, gone.text
+    assert address in log  # the operator reads where it is in the gateway's log
+
+
 def test_a_redis_whose_config_and_info_commands_are_disabled_is_said_to_be_unchecked(tmp_path: Path) -> None:
     with (
         redis_with(tmp_path, "--rename-command", "CONFIG", "", "--rename-command", "INFO", "") as url,

@@ -20,6 +20,7 @@ from tests.test_security import bearer, create_key
 PROMPT_LIMIT = 200
 PROMPT = "ab " * 150  # 113 tokens as the gateway estimates them (301 on the tiny model): one fits, two do not
 TOKENIZE_RATE = 1000  # characters a second: 10,000 at once
+STREAM_BYTES_LIMIT = 200_000  # one job of 60 tokens with 20 top logprobs (122,880 bytes) fits, two do not
 
 
 @dataclass
@@ -45,6 +46,7 @@ def two_keys(
         "ORTFLEET_API_KEYS_FILE": str(key_file),
         "ORTFLEET_KEY_MAX_PROMPT_TOKENS_IN_FLIGHT": str(PROMPT_LIMIT),
         "ORTFLEET_KEY_TOKENIZE_CHARS_PER_S": str(TOKENIZE_RATE),
+        "ORTFLEET_KEY_MAX_STREAM_BYTES_IN_FLIGHT": str(STREAM_BYTES_LIMIT),
     }
     fleet = Fleet(redis_server.url, tiny_model)
     try:
@@ -106,6 +108,41 @@ async def test_a_key_past_its_prompt_tokens_in_flight_gets_429_while_another_key
     assert (await wait_done(mallory, first["id"]))["status"] == "succeeded"
     assert await prompt_tokens_held(redis, two_keys.mallory_name) == 0
     again = await submit(mallory, body)  # its prompt ended: the key may send another
+    assert (await wait_done(mallory, again["id"]))["status"] == "succeeded"
+
+
+async def stream_bytes_held(redis: Redis, key_name: str) -> int:
+    return int(await redis.hget(keys.prompt_tokens_in_flight(key_name), ":bytes") or 0)  # type: ignore[misc]
+
+
+async def test_a_key_whose_jobs_streams_would_keep_too_many_bytes_gets_429_while_another_key_is_served(
+    two_keys: Keys, mallory: httpx.AsyncClient, alice: httpx.AsyncClient, redis: Redis
+) -> None:
+    with_logprobs = {"model": two_keys.model, "prompt": "Hi", "max_tokens": 60, "logprobs": 20}
+    plain = {"model": two_keys.model, "prompt": "Hi", "max_tokens": 60}
+    two_keys.worker.pause()  # what is submitted stays queued
+    try:
+        first = await submit(mallory, with_logprobs)
+        refused = await mallory.post("/v1/jobs", json=with_logprobs)
+        small = await submit(mallory, plain)  # 60 tokens without logprobs: 3,840 bytes, which fit
+        held = await stream_bytes_held(redis, two_keys.mallory_name)
+        other = await submit(alice, with_logprobs)
+    finally:
+        two_keys.worker.resume()
+
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == "too_many_stream_bytes" and error["type"] == "rate_limit_error"
+    assert f"limit of {STREAM_BYTES_LIMIT}" in error["message"]
+    assert "ORTFLEET_KEY_MAX_STREAM_BYTES_IN_FLIGHT" in error["message"]
+    assert held == 60 * 2048 + 60 * 64
+    for client, job in ((mallory, first), (mallory, small), (alice, other)):
+        assert (await wait_done(client, job["id"]))["status"] == "succeeded"
+    kept = await redis.memory_usage(keys.events(first["id"]))
+    assert kept is not None and kept <= 60 * 2048, kept  # the estimate bounds what the stream keeps
+    assert await stream_bytes_held(redis, two_keys.mallory_name) == 0
+    assert not await redis.exists(keys.prompt_tokens_in_flight(two_keys.mallory_name))
+    again = await submit(mallory, with_logprobs)  # its streams' jobs ended: the key may send another
     assert (await wait_done(mallory, again["id"]))["status"] == "succeeded"
 
 

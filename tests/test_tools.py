@@ -406,6 +406,35 @@ async def test_bad_tools_are_refused_naming_the_field(sdk: openai.OpenAI, served
     assert raised.value.param == "messages.1.tool_calls.0.function.arguments"
 
 
+async def test_a_tool_result_that_answers_no_call_is_refused_naming_its_field(
+    sdk: openai.OpenAI, served: str
+) -> None:
+    called: dict[str, Any] = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "time", "arguments": "{}"}}],
+    }
+    bad: list[tuple[list[Any], str]] = [
+        (
+            [*chat("Hi"), called, {"role": "tool", "tool_call_id": "c2", "content": "1"}],
+            "messages.2.tool_call_id",
+        ),
+        ([*chat("Hi"), called, {"role": "tool", "content": "1"}], "messages.2.tool_call_id"),
+        ([*chat("Hi"), {"role": "tool", "tool_call_id": "c1", "content": "1"}], "messages.1.role"),
+        (
+            [*chat("Hi"), called, *chat("And?"), {"role": "tool", "tool_call_id": "c1", "content": "1"}],
+            "messages.3.role",
+        ),
+    ]
+    for messages, param in bad:
+        with pytest.raises(openai.BadRequestError) as raised:
+            sdk.chat.completions.create(model=served, messages=messages, max_tokens=2)
+        assert raised.value.param == param, (messages, raised.value.message)
+        assert raised.value.type == "invalid_request_error" and param in raised.value.message
+    answered = [*chat("Hi"), called, {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    completion = sdk.chat.completions.create(model=served, messages=answered, max_tokens=2)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
 async def test_a_batch_line_with_tools_is_refused_naming_tools(
     batch_fleet: BatchFleet, model_name: str
 ) -> None:

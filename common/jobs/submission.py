@@ -48,6 +48,22 @@ class PromptTokensBusy(Exception):
         self.asked = asked
 
 
+class StreamBytesBusy(Exception):
+    """The key's active jobs would keep so many bytes of streams in Redis that this one's would pass its
+    limit (logprobs make a token's entry about 30 times larger)."""
+
+    def __init__(self, owner: str, limit: int, holding: int, asked: int) -> None:
+        super().__init__(
+            f"key {owner!r} has queued and running jobs whose streams keep about {holding} bytes in Redis; "
+            f"this job's {asked} (estimated from max_tokens and logprobs) would pass its limit of {limit}; "
+            "wait for one to end, or ask for fewer tokens or top logprobs"
+        )
+        self.owner = owner
+        self.limit = limit
+        self.holding = holding
+        self.asked = asked
+
+
 class NotReplicated(Exception):
     """Fewer replicas than asked confirmed a submission's writes: the job may exist (on the primary only)."""
 
@@ -77,6 +93,7 @@ class SubmitOutcome(str, Enum):
     duplicate = "duplicate"  # its idempotency key names a job already: detail, that job's id
     busy = "busy"  # the owner has its most active jobs
     prompt_tokens = "prompt_tokens"  # the owner's active jobs hold too many prompt tokens: detail, how many
+    stream_bytes = "stream_bytes"  # the owner's active jobs' streams keep too many bytes: detail, how many
     full = "full"  # the model's queue is at a limit: detail, 'jobs' or 'tokens'
     epoch = "epoch"  # the Redis's epoch is not the job id's
 
@@ -107,6 +124,8 @@ class SubmitScript:
         owner_max_active: int,
         prompt_tokens: int,
         owner_max_prompt_tokens: int,
+        stream_bytes: int,
+        owner_max_stream_bytes: int,
         epoch: str,
         replicas: int,
         replicas_timeout_ms: int,
@@ -139,6 +158,8 @@ class SubmitScript:
             repr(float(record.weight)),
             str(prompt_tokens),
             str(owner_max_prompt_tokens),
+            str(stream_bytes),
+            str(owner_max_stream_bytes),
             *lua.flat_fields(record.to_fields()),
             *lua.flat_fields(event),
             str(record.deadline_ms) if record.deadline_ms else "",
@@ -174,6 +195,8 @@ class JobSubmission:
         weight: float = 1.0,
         prompt_tokens: int = 0,
         owner_max_prompt_tokens: int = 0,
+        stream_bytes: int = 0,
+        owner_max_stream_bytes: int = 0,
         request_digest: str | None = None,
         replicas: int = 0,
         replicas_timeout_ms: int = 1000,
@@ -182,8 +205,9 @@ class JobSubmission:
         preferred_until_ms: int | None = None,
     ) -> Submitted:
         """Queue a job atomically; raises QueueFull when the model's queue is at one of its limits, OwnerBusy
-        or PromptTokensBusy when its owner is at one of its own (`prompt_tokens`, the job's estimated
-        prompt, counts against `owner_max_prompt_tokens` until the job ends; `kv_tokens`, the KV it needs, is
+        PromptTokensBusy or StreamBytesBusy when its owner is at one of its own (`prompt_tokens`, the job's
+        estimated prompt, counts against `owner_max_prompt_tokens` until the job ends, and `stream_bytes`,
+        what its stream will keep in Redis, against `owner_max_stream_bytes`; `kv_tokens`, the KV it needs, is
         compared with each worker's budget when it claims). With
         `replicas`, returns only once that many replicas confirm the writes (WAIT on the connection that
         ran the script), else raises NotReplicated. With `epoch` (the one the job id carries), raises
@@ -215,6 +239,8 @@ class JobSubmission:
             owner_max_active=owner_max_active,
             prompt_tokens=prompt_tokens,
             owner_max_prompt_tokens=owner_max_prompt_tokens,
+            stream_bytes=stream_bytes,
+            owner_max_stream_bytes=owner_max_stream_bytes,
             epoch=epoch,
             replicas=replicas,
             replicas_timeout_ms=replicas_timeout_ms,
@@ -225,6 +251,8 @@ class JobSubmission:
             raise OwnerBusy(owner, owner_max_active)
         if reply.outcome is SubmitOutcome.prompt_tokens:
             raise PromptTokensBusy(owner, owner_max_prompt_tokens, int(reply.detail), prompt_tokens)
+        if reply.outcome is SubmitOutcome.stream_bytes:
+            raise StreamBytesBusy(owner, owner_max_stream_bytes, int(reply.detail), stream_bytes)
         if reply.outcome is SubmitOutcome.full:
             jobs = reply.detail == "jobs"
             raise QueueFull(

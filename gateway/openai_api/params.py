@@ -18,6 +18,7 @@ from gateway.openai_api.protocol import (
     GenerationParams,
     OpenAIRequest,
 )
+from gateway.openai_api.tool_results import check_tool_results
 from gateway.openai_api.tools import Conversation, assistant_calls
 
 _SEEDS = 2**63  # OpenAI's signed 64-bit seeds into the job's range, each keeping its engine seed (mod 2**31)
@@ -88,13 +89,14 @@ def job_request(
 def job_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     """Chat messages as jobs take them: text only; `developer` is the newer name of `system`. Calls an
     assistant made and the tools' results are written in the tool prompt format (see tools.py)."""
+    texts = [_text(message, i) for i, message in enumerate(messages)]  # before how they answer each other
+    check_tool_results(messages)
     conversation = Conversation()
-    for i, message in enumerate(messages):
+    for i, (message, content) in enumerate(zip(messages, texts, strict=True)):
         if message.role in ("tool", "function"):
-            conversation.add_result(_text(message, i))
+            conversation.add_result(content)
             continue
         role = "system" if message.role == "developer" else message.role
-        content = _text(message, i)
         if role == "assistant":
             content = "\n".join([*([content] if content else []), *assistant_calls(message, i)])
         conversation.add(role, content)

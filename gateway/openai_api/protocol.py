@@ -12,9 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    model_serializer,
+)
 
-from common.wire import CACHE_SALT, MAX_TOP_LOGPROBS, PriorityClass, Usage
+from common.wire import CACHE_SALT, MAX_TOP_LOGPROBS, LogitBias, PriorityClass, Usage
 
 MAX_CHOICES = 128
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a text completion's logprobs
@@ -35,6 +43,12 @@ def neutral(*values: Any) -> Neutral:
 
 def _empty(value: Any) -> bool:
     return value is None or value is False or value == {} or value == []
+
+
+def _probability(value: float | None) -> float | None:
+    if value is not None and not 0.0 <= value <= 1.0:  # NaN too
+        raise ValueError("must be a number from 0 to 1")
+    return value
 
 
 Unset = Annotated[Any, neutral()]
@@ -58,8 +72,10 @@ class OpenAIRequest(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage so far in every chunk.")
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = Field(
+        None, description="vLLM's: usage so far in every chunk."
+    )
 
 
 class GenerationParams(OpenAIRequest):
@@ -80,15 +96,17 @@ class GenerationParams(OpenAIRequest):
         "apart sample alike.",
     )
     n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices to generate (default 1).")
-    stream: bool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = Field(None, description="Read only when `stream` is true.")
     user: str | None = Field(None, description="Accepted and ignored.")
     # vLLM's sampling extensions (validated again as the job's sampling).
-    ignore_eos: bool | None = Field(None, description="Generate exactly max_tokens.")
+    ignore_eos: StrictBool | None = Field(None, description="Generate exactly max_tokens.")
     min_tokens: int | None = Field(None, ge=0, description="Fewest tokens to generate.")
     repetition_penalty: float | None = Field(None, description="Above 1 discourages repeats.")
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
-    include_stop_str_in_output: bool | None = Field(None, description="Keep the stop string in the text.")
+    include_stop_str_in_output: StrictBool | None = Field(
+        None, description="Keep the stop string in the text."
+    )
     # Structured output (see structured.py): at most one of these.
     response_format: Any = None
     guided_json: Any = None
@@ -106,8 +124,13 @@ class GenerationParams(OpenAIRequest):
     frequency_penalty: float | None = Field(
         None, description="-2 to 2; lowers tokens by how often they were generated."
     )
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[str, LogitBias] | None = Field(
         None, description="Token id (as a string) to a bias from -100 to 100 added to its logit."
+    )
+    min_p: Annotated[float | None, AfterValidator(_probability), neutral(0)] = Field(
+        None,
+        json_schema_extra={"minimum": 0, "maximum": 1},
+        description="vLLM's: 0 to 1; only 0 (off) is served, ortfleet's sampler has no min-p.",
     )
 
     def job_logprobs(self) -> int | None:
@@ -159,14 +182,16 @@ class ChatCompletionRequest(GenerationParams):
 
     messages: list[ChatMessageIn] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over `max_tokens`.")
-    logprobs: bool | None = Field(None, description="Give each output token's log-probability.")
+    logprobs: StrictBool | None = Field(None, description="Give each output token's log-probability.")
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="With `logprobs`: the likeliest tokens at each step."
     )
     # Tool calling (tools.py): checked there, so a malformed one is a 400 naming its field.
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = Field(None, description="Whether the answer may hold several calls.")
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="Whether the answer may hold several calls."
+    )
     functions: Any = None
     function_call: Any = None
     audio: Annotated[Any, Neutral(_empty)] = None
@@ -201,7 +226,7 @@ class CompletionRequest(GenerationParams):
         le=MAX_COMPLETION_LOGPROBS,
         description="Give each output token's log-probability and those of this many likeliest tokens.",
     )
-    echo: bool | None = Field(
+    echo: StrictBool | None = Field(
         False, description="Answer with the prompt before the completion (and its logprobs, when asked)."
     )
     suffix: Annotated[Any, neutral("")] = None

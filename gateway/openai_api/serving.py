@@ -15,6 +15,7 @@ from gateway.openai_api.protocol import GenerationParams
 from gateway.openai_api.streaming import ChunkStream, JobStreamResponse, ResponseFormat
 from gateway.operations import Events, Operation, Reply
 from gateway.state import AppState, app_state
+from gateway.stopping import GatewayStopping, shutting_down, unless_stopping
 from gateway.streaming.departure import until_disconnect
 from gateway.submission import resolve_model
 
@@ -57,21 +58,30 @@ async def respond(
 
     A streamed response is held back until every job has started, for at most the SSE keep-alive
     interval, so a job that fails before it starts still gets a proper HTTP error. A client that
-    disconnects at any point cancels the jobs.
+    disconnects at any point cancels the jobs, as does the gateway being told to stop (503
+    server_shutting_down before the response starts, an error in band once it streams).
     """
     headers = {JOB_ID_HEADER: ",".join(choices.job_ids)}
     hold_s = choices.state.settings.sse_keepalive_s
     events = choices.events(hold_s)
+    stopping = choices.state.stopping
     try:
         if body.streaming:
-            seen = await until_disconnect(request, choices.wait_started(events, hold_s))
+            seen = await unless_stopping(
+                stopping, until_disconnect(request, choices.wait_started(events, hold_s))
+            )
         else:
-            results = await until_disconnect(request, choices.results(events))
+            results = await unless_stopping(stopping, until_disconnect(request, choices.results(events)))
     except ClientGone:
         choices.release()
         await events.aclose()
         await choices.cancel()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except GatewayStopping:
+        choices.release()
+        await events.aclose()
+        await choices.cancel()
+        raise shutting_down(headers) from None
     except BaseException:
         choices.release()
         await events.aclose()

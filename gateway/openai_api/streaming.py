@@ -10,12 +10,14 @@ import orjson
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from common.error_codes import ErrorCode
 from common.events import entry_token_ids
 from common.wire import EventType, Usage
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceEvents, ChoiceResult, Choices, finish_reason
 from gateway.openai_api.logprobs import TextOffsets
 from gateway.openai_api.protocol import OpenAIFinishReason
+from gateway.stopping import SHUTTING_DOWN, Stopping
 from gateway.streaming.departure import disconnect_watch
 from gateway.streaming.direct import DirectBody, PushedWrites, direct_body, write_direct
 from gateway.streaming.sse import KEEPALIVE, EventStreamResponse, frame, json_bytes
@@ -151,6 +153,12 @@ class ChunkStream:
         error = self.choices.failure(self.failure)
         return chunk_frame(envelope(error.status, error.message, error.param, error.code)) + DONE
 
+    def shutting_down(self) -> bytes:
+        """The in-stream error of a gateway told to stop (a server_error, as OpenAI's own in-stream
+        errors are), and [DONE]: the client learns its text is cut, and may ask again elsewhere."""
+        error = envelope(500, SHUTTING_DOWN, code=ErrorCode.server_shutting_down)
+        return chunk_frame(error) + DONE
+
     def end(self) -> bytes:
         """The usage chunk (if asked for) and [DONE], once every job ended."""
         if not self._include_usage:
@@ -159,13 +167,22 @@ class ChunkStream:
 
 
 async def chunks(
-    stream: ChunkStream, seen: list[ChoiceEvent], events: AsyncIterator[list[ChoiceEvent]]
+    stream: ChunkStream,
+    seen: list[ChoiceEvent],
+    events: AsyncIterator[list[ChoiceEvent]],
+    stopping: Stopping | None = None,
 ) -> AsyncIterator[bytes]:
     """The stream's chunks as a generator (behind a server without DIRECT_BODY_EXTENSION): `seen`, then
-    each read of `events` in one write, a keep-alive for an empty read."""
+    each read of `events` in one write, a keep-alive for an empty read. Once `stopping` is set (the
+    gateway was told to stop) the next read (a keep-alive's, at the latest) ends it with the in-stream
+    error instead."""
     if not seen:
         yield stream.opening()
     async for read in _chain(seen, events):
+        if stopping is not None and stopping.is_set():
+            await stream.choices.cancel()
+            yield stream.shutting_down()
+            return
         if not read:
             yield KEEPALIVE
             continue
@@ -191,7 +208,8 @@ async def _chain(
 class PushedChunks:
     """The stream's chunks written to the connection from the relay's callback as each read of the jobs'
     streams is handed over: the response's task wakes only for a keep-alive (and the purge check that
-    goes with it), a client that reads too slowly, a failed job, and the end."""
+    goes with it), a client that reads too slowly, a failed job, the gateway told to stop, and the
+    end."""
 
     def __init__(
         self, body: DirectBody, stream: ChunkStream, events: ChoiceEvents, keepalive_s: float
@@ -201,9 +219,17 @@ class PushedChunks:
         pauses = stream.choices.state.metrics.sse_client_pauses
         self._writes = PushedWrites(body, events, keepalive_s, pauses.inc)
         self._held = b""  # a failed read's chunks: they go out with the error, once the jobs are cancelled
+        self._stopping = False  # the gateway was told to stop: the stream ends with server_shutting_down
 
     async def run(self, seen: list[ChoiceEvent]) -> None:
         """Writes the whole stream, up to its [DONE]."""
+        unlisten = self._stream.choices.state.stopping.listen(self._stop)
+        try:
+            await self._run(seen)
+        finally:
+            unlisten()
+
+    async def _run(self, seen: list[ChoiceEvent]) -> None:
         writes = self._writes
         if seen:
             self._handle(seen)
@@ -218,6 +244,10 @@ class PushedChunks:
             if self._events.over:
                 writes.write(self._stream.end())
                 return
+            if self._stopping:
+                writes.write(self._stream.shutting_down())
+                await self._stream.choices.cancel()
+                return
             if not await writes.idle():
                 continue
             if purged := await self._events.purged():
@@ -225,9 +255,13 @@ class PushedChunks:
             else:
                 writes.write(KEEPALIVE)
 
+    def _stop(self) -> None:
+        self._stopping = True
+        self._writes.wake()
+
     def _arrived(self) -> None:
         read = self._events.take()
-        if read and self._stream.failure is None:
+        if read and self._stream.failure is None and not self._stopping:
             self._handle(read)
         if self._events.over:
             self._writes.wake()
@@ -260,7 +294,7 @@ class JobStreamResponse(EventStreamResponse):
         self._seen = seen
         self._events = events
         self._keepalive_s = keepalive_s
-        super().__init__(chunks(stream, seen, events), headers)
+        super().__init__(chunks(stream, seen, events, stream.choices.state.stopping), headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, watch = direct_body(scope), disconnect_watch(scope)

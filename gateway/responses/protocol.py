@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, StrictBool, ValidationError
 
 from common.error_codes import ErrorCode
 from common.guidance import ResponseFormat
@@ -44,11 +44,11 @@ class ResponseRequest(OpenAIRequest):
     max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; 0 is greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling bound; default 1.")
-    stream: bool | None = Field(None, description="Send the response's events as they happen (SSE).")
-    background: bool | None = Field(
+    stream: StrictBool | None = Field(None, description="Send the response's events as they happen (SSE).")
+    background: StrictBool | None = Field(
         None, description="Answer at once; the response runs on, to be retrieved, streamed or cancelled."
     )
-    store: bool | None = Field(None, description="Keep the response for retrieval (default true).")
+    store: StrictBool | None = Field(None, description="Keep the response for retrieval (default true).")
     metadata: Metadata | None = Field(
         None, description="Up to 16 string pairs; keys up to 64 characters, values up to 512."
     )
@@ -61,7 +61,9 @@ class ResponseRequest(OpenAIRequest):
     tool_choice: Any = Field(
         None, description="`none`, `auto` (default), `required` or {type: function, name}."
     )
-    parallel_tool_calls: bool | None = Field(None, description="Whether the answer may hold several calls.")
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="Whether the answer may hold several calls."
+    )
     text: Any = Field(
         None, description="`format`: `text`, `json_object` or `json_schema` (name, schema, strict)."
     )
