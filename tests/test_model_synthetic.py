@@ -16,7 +16,7 @@ from ortfleet.modelbuild import default as default_module
 from ortfleet.modelbuild import synthetic as synthetic_module
 from ortfleet.modelbuild.convert import BUILDER_MODULE, builder_command
 from ortfleet.modelbuild.default import ensure_default_model
-from ortfleet.modelbuild.random_weights import random_model
+from ortfleet.modelbuild.random_weights import block_view, random_model
 from ortfleet.modelbuild.synthetic import (
     LLAMA3_8B,
     PHI3_MINI,
@@ -295,3 +295,16 @@ def test_random_weights_keep_gemmas_zero_norms_which_it_reads_as_one(tmp_path: P
     norms = [p for name, p in model.named_parameters() if "norm" in name]
     assert norms
     assert all(bool((p == 0).all()) for p in norms)
+
+
+@pytest.mark.unit
+def test_a_weight_larger_than_the_random_block_reads_it_at_a_row_stride() -> None:
+    import torch
+
+    block = torch.arange(1000, dtype=torch.float32)
+    view = block_view(block, (50, 4, 10), offset=7)  # 2,000 values from a block of 1,000
+    assert view.shape == (50, 4, 10)
+    assert torch.equal(view[0].flatten(), block[7:47])
+    assert int(view[-1, -1, -1]) <= 999
+    assert len({int(row[0, 0]) for row in view}) == 50  # every row starts somewhere else
+    assert torch.equal(block_view(block, (3, 5), offset=985), block[985:1000].view(3, 5))  # fits: contiguous
