@@ -18,7 +18,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
-RANDOM_BLOCK_VALUES = 1 << 24  # 16 Mi values drawn once, which every weight is a view of
+# 64 Mi values drawn once, which every weight is a view of: it holds every projection of the shapes in
+# synthetic.py but Qwen2.5-7B's MLP (those and the embeddings read it at a row stride)
+RANDOM_BLOCK_VALUES = 1 << 26
 WEIGHT_SCALE = 0.02  # a normal(0, 0.02) weight keeps activations far from fp16's limits
 
 
@@ -32,7 +34,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ours, builder_argv = parser.parse_known_args(argv)
     _replace_load_weights(ours.seed)
     sys.argv = [BUILDER_MODULE, *builder_argv]
-    runpy.run_module(BUILDER_MODULE, run_name="__main__", alter_sys=True)
+    # For the whole build: the builder splits fused projections (Phi-3's qkv and gate_up) into new
+    # nn.Linear layers whose initialization it overwrites at once, 10 s of a 4-layer Phi-3 build.
+    with _without_layer_resets():
+        runpy.run_module(BUILDER_MODULE, run_name="__main__", alter_sys=True)
 
 
 def _replace_load_weights(seed: int) -> None:
@@ -50,30 +55,30 @@ def random_model(model_dir: str, *, seed: int, num_layers: int | None = None) ->
     """The causal LM that ``model_dir``'s config.json describes, in the config's dtype, with random
     weights: built without initialization, then given values by :func:`fill_randomly`."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(model_dir)
     if num_layers is not None:
         config.num_hidden_layers = num_layers
     print(f"Making random weights ({config.architectures[0]}, {config.dtype}, seed {seed})", flush=True)
-    with _uninitialized_modules():
+    with _without_layer_resets(), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)  # type: ignore[no-untyped-call]
     fill_randomly(model, seed=seed)
     return model.eval()
 
 
 @contextlib.contextmanager
-def _uninitialized_modules() -> Iterator[None]:
-    """Linear and embedding layers keep the memory torch.empty gave them (untouched, so never paged in):
-    transformers' ``no_init_weights`` alone does not stop ``from_config`` from initializing them."""
+def _without_layer_resets() -> Iterator[None]:
+    """Linear and embedding layers made meanwhile keep the memory torch.empty gave them (untouched, so
+    never paged in): transformers' ``no_init_weights`` alone does not stop ``from_config`` from
+    initializing them (its guarded init functions replace the no-ops)."""
     import torch
-    from transformers.initialization import no_init_weights
 
     resets: dict[Any, Any] = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
     try:
         for cls in resets:
             cls.reset_parameters = _no_reset
-        with no_init_weights():
-            yield
+        yield
     finally:
         for cls, reset in resets.items():
             cls.reset_parameters = reset
@@ -86,7 +91,9 @@ def _no_reset(module: Any) -> None:
 def fill_randomly(model: Any, *, seed: int, block_values: int = RANDOM_BLOCK_VALUES) -> None:
     """Give every weight of ``model`` values from one block of normal(0, 0.02) values drawn once: each
     weight becomes a view into the block at a seeded offset (no copy, so a 7.6 GB model costs no
-    memory of its own); a weight larger than the block takes its rows at a stride, overlapping.
+    memory of its own); a weight larger than the block takes its rows at a stride, overlapping. A
+    linear layer's [out, in] weight is the transpose of a contiguous [in, out] view: the builder's
+    ONNX MatMul takes it transposed, which is then no copy either.
     Norms keep what their constructor gave them (the identity scale: ones, or zeros where the model adds
     one, as Gemma does); one that torch initializes is reset."""
     import torch
@@ -101,13 +108,18 @@ def fill_randomly(model: Any, *, seed: int, block_values: int = RANDOM_BLOCK_VAL
             reset = getattr(module, "reset_parameters", None)
             if norm and callable(reset):
                 reset()
-            for parameter in module.parameters(recurse=False):
+            for name, parameter in module.named_parameters(recurse=False):
                 if norm or id(parameter) in done:
                     continue
                 done.add(id(parameter))
-                block = blocks.setdefault(parameter.dtype, draws.to(parameter.dtype))
+                if parameter.dtype not in blocks:
+                    blocks[parameter.dtype] = draws.to(parameter.dtype)
+                block = blocks[parameter.dtype]
                 offset = int(torch.randint(block_values, (1,), generator=generator))
-                parameter.data = block_view(block, tuple(parameter.shape), offset)
+                if isinstance(module, torch.nn.Linear) and name == "weight":
+                    parameter.data = block_view(block, tuple(parameter.shape[::-1]), offset).T
+                else:
+                    parameter.data = block_view(block, tuple(parameter.shape), offset)
 
 
 def block_view(block: Any, shape: tuple[int, ...], offset: int) -> Any:
