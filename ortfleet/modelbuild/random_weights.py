@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import math
 import runpy
 import sys
@@ -42,7 +43,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _replace_load_weights(seed: int) -> None:
     import onnxruntime_genai.models  # noqa: F401  (puts the builder's own packages on sys.path)
-    from builders.base import Model  # the builder's top-level package
+
+    # onnxruntime-genai's builder imports its `builders` package by that top-level name, so the class
+    # to patch is that module's, not onnxruntime_genai.models.builders.base's (a second copy).
+    Model = importlib.import_module("builders.base").Model
 
     def load_weights(self: Any, input_path: str) -> Any:
         layers = self.num_layers if "num_hidden_layers" in self.extra_options else None
