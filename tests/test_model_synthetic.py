@@ -16,7 +16,7 @@ from ortfleet.modelbuild import default as default_module
 from ortfleet.modelbuild import synthetic as synthetic_module
 from ortfleet.modelbuild.convert import BUILDER_MODULE, builder_command
 from ortfleet.modelbuild.default import ensure_default_model
-from ortfleet.modelbuild.random_weights import random_model
+from ortfleet.modelbuild.random_weights import block_view, random_model
 from ortfleet.modelbuild.synthetic import (
     LLAMA3_8B,
     PHI3_MINI,
@@ -295,3 +295,37 @@ def test_random_weights_keep_gemmas_zero_norms_which_it_reads_as_one(tmp_path: P
     norms = [p for name, p in model.named_parameters() if "norm" in name]
     assert norms
     assert all(bool((p == 0).all()) for p in norms)
+
+
+@pytest.mark.unit
+def test_a_weight_larger_than_the_random_block_reads_it_at_a_row_stride() -> None:
+    import torch
+
+    block = torch.arange(1000, dtype=torch.float32)
+    view = block_view(block, (50, 4, 10), offset=7)  # 2,000 values from a block of 1,000
+    assert view.shape == (50, 4, 10)
+    assert torch.equal(view[0].flatten(), block[7:47])
+    assert int(view[-1, -1, -1]) <= 999
+    assert len({int(row[0, 0]) for row in view}) == 50  # every row starts somewhere else
+    assert torch.equal(block_view(block, (3, 5), offset=985), block[985:1000].view(3, 5))  # fits: contiguous
+
+
+@pytest.mark.parametrize("shape", [PHI3_MINI, LLAMA3_8B, QWEN25_7B], ids=lambda shape: shape.name)
+@pytest.mark.unit
+def test_the_builder_gets_a_config_of_the_shapes_own_architecture_and_no_weights(
+    shape: Shape, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = byte_pair_tokenizer(512)  # the shape's vocabulary is in the config; its tokenizer is slow
+    monkeypatch.setattr(synthetic_module, "byte_pair_tokenizer", lambda vocab_size: small)
+    synthetic_module._save_config(tmp_path, shape, half=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [shape.architecture]
+    assert config["model_type"] == shape.model_type
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (
+        shape.hidden_size,
+        shape.num_layers,
+        shape.num_kv_heads,
+    )
+    assert (config["vocab_size"], config["dtype"]) == (shape.vocab_size, "float16")
+    assert config["rope_parameters"]["rope_theta"] == shape.rope_theta
+    assert {path.suffix for path in tmp_path.iterdir()} <= {".json", ".jinja"}  # no weights file

@@ -35,7 +35,7 @@ _MLP_STEP = 64  # whole int4 quantization blocks
 class Shape:
     """A decoder's architecture: what its config says, without its weights. ``architecture`` is the
     transformers class the builder sees (and the random weights are made with); ``config_overrides``
-    are further config.json entries."""
+    are further config.json entries, or ones that replace what the fields give."""
 
     name: str
     architecture: str
@@ -196,25 +196,24 @@ def _save_config(hf_dir: Path, shape: Shape, *, half: bool) -> None:
 
     tokenizer = byte_pair_tokenizer(shape.vocab_size)
     tokenizer.save_pretrained(hf_dir)
-    config = AutoConfig.for_model(
-        shape.model_type,
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.hidden_size // shape.num_heads,
-        max_position_embeddings=shape.context_length,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        rms_norm_eps=shape.rms_norm_eps,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float16" if half else "float32",  # a full-size model is 7.6 GB in fp16, twice that in fp32
-        **dict(shape.config_overrides),
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.hidden_size // shape.num_heads,
+        "max_position_embeddings": shape.context_length,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rms_norm_eps": shape.rms_norm_eps,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "float16" if half else "float32",  # a full-size model is 7.6 GB in fp16, twice that in fp32
+    }
+    config = AutoConfig.for_model(shape.model_type, **(fields | dict(shape.config_overrides)))
     config.architectures = [shape.architecture]
     config.save_pretrained(hf_dir)
 

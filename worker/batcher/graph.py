@@ -5,7 +5,9 @@ The graph ORT-GenAI's builder writes for GroupQueryAttention models takes `input
 length from the mask's row sum (seqlens_k = sum - 1) and the rotary positions from that length, and
 writes a row's new KV at that length. So rows of different lengths share a run right-padded: row b's KV
 sits at [0, length_b) of its slot, its mask is ones over length_b + new tokens. Past and present are
-bound to the same buffer (ORT-GenAI's share-buffer mode): a run copies no KV.
+bound to the same buffer (ORT-GenAI's share-buffer mode): a run copies no KV. A graph whose rotary
+embedding is not fused into its attention (Hunyuan's, which norms q and k after it) takes
+`position_ids` too: the same positions, derived here from the mask as the attention derives them.
 """
 
 from __future__ import annotations
@@ -30,15 +32,13 @@ class Layout:
     kv_heads: int
     head_size: int
     vocab_size: int
+    position_ids: str | None  # the input's name, where the graph takes positions
 
     @classmethod
     def read(cls, model_dir: Path, session: ort.InferenceSession) -> Layout:
         decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
         names = {i.name for i in session.get_inputs()}
-        if "position_ids" in names or decoder["inputs"].get("position_ids") in names:
-            raise UnsupportedGraph(
-                "the graph takes position_ids: only graphs that derive positions are supported"
-            )
+        position_ids = decoder["inputs"].get("position_ids", "position_ids")
         past, present = [], []
         for layer in range(decoder["num_hidden_layers"]):
             for kind in ("key", "value"):
@@ -48,7 +48,14 @@ class Layout:
         if missing:
             raise UnsupportedGraph(f"the graph has no input {missing[0]}")
         logits = next(o for o in session.get_outputs() if o.name == "logits")
-        return cls(past, present, decoder["num_key_value_heads"], decoder["head_size"], logits.shape[-1])
+        return cls(
+            past,
+            present,
+            decoder["num_key_value_heads"],
+            decoder["head_size"],
+            logits.shape[-1],
+            position_ids if position_ids in names else None,
+        )
 
 
 def open_session(model_dir: Path, threads: int = 0) -> tuple[ort.InferenceSession, Layout]:
@@ -87,6 +94,8 @@ class DecoderGraph:
                 binding.bind_ortvalue_output(present, value)
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("attention_mask", mask)
+        if self.layout.position_ids is not None:
+            binding.bind_cpu_input(self.layout.position_ids, positions(mask, input_ids.shape[1]))
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         logits: np.ndarray = binding.get_outputs()[-1].numpy()
@@ -95,3 +104,9 @@ class DecoderGraph:
     def forget(self) -> None:
         """Drops the bindings (the KV buffers they hold are being replaced)."""
         self._bindings.clear()
+
+
+def positions(mask: np.ndarray, new_tokens: int) -> np.ndarray:
+    """Each row's positions of its ``new_tokens`` tokens, the last ones its mask covers."""
+    ends = mask.sum(axis=1, keepdims=True)
+    return np.asarray(ends - new_tokens + np.arange(new_tokens), np.int64)
