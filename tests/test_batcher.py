@@ -78,6 +78,35 @@ def lone_generator_tokens(model_dir: Path, prompt: list[int], count: int) -> lis
     return tokens
 
 
+# How close og.Generator's two likeliest tokens may be for a batched row to pick the other: a batch's
+# matrix products sum in another order than a lone request's, which moves logits by a few hundredths.
+NEAR_TIE_LOGITS = 0.25
+
+
+def assert_same_greedy_tokens_or_a_near_tie(
+    model_dir: Path, prompt: list[int], got: list[int], expected: list[int]
+) -> None:
+    """`got` is og.Generator's `expected`; or it parts from it once, where og.Generator's two likeliest
+    next tokens are these two, within NEAR_TIE_LOGITS of each other (the rest then follows the other
+    token and is not compared)."""
+    parted = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if parted is None:
+        assert got == expected
+        return
+    model = og.Model(og.Config(str(model_dir)))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + parted + 1, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(prompt + expected[:parted], np.int32))
+    logits = np.asarray(generator.get_logits(), np.float32).reshape(-1)
+    first, second = (int(t) for t in np.argsort(logits)[::-1][:2])
+    gap = float(logits[first] - logits[second])
+    assert {first, second} == {got[parted], expected[parted]} and gap < NEAR_TIE_LOGITS, (
+        f"token {parted}: the batch gave {got[parted]}, og.Generator {expected[parted]}; its two likeliest "
+        f"are {first} and {second}, {gap:.3f} apart"
+    )
+
+
 async def test_a_lone_greedy_request_gives_og_generators_tokens_and_so_does_each_row_of_a_batch(
     engine_factory: type[BatchingEngine], tiny_model: Path
 ) -> None:
@@ -280,7 +309,7 @@ async def test_each_token_comes_with_its_logprob_and_the_likeliest_alternatives_
 
 
 @pytest.mark.default_model
-async def test_on_the_default_model_each_row_of_a_batch_gives_og_generators_greedy_tokens(
+async def test_on_the_default_model_each_row_of_a_batch_gives_og_generators_greedy_tokens_but_at_near_ties(
     engine_factory: type[BatchingEngine], default_model: Path
 ) -> None:
     engine = engine_factory(default_model, prefill_chunk=64)
@@ -292,7 +321,9 @@ async def test_on_the_default_model_each_row_of_a_batch_gives_og_generators_gree
         *(collect(stream) for stream in engine.submit([GenerationRequest(p, 48) for p in prompts]))
     )
 
-    for row, tokens in zip(together, expected, strict=True):
+    for prompt, row, tokens in zip(prompts, together, expected, strict=True):
         ends = [i for i, t in enumerate(tokens) if t in engine.eos_token_ids]
-        assert row.tokens == (tokens[: ends[0]] if ends else tokens)
+        assert_same_greedy_tokens_or_a_near_tie(
+            default_model, prompt, row.tokens, tokens[: ends[0]] if ends else tokens
+        )
     assert max(max(row.rows) for row in together) == len(prompts)
