@@ -142,6 +142,8 @@ async def kv_tokens_needed(state: AppState, spec: JobSpec, context_length: int) 
     max_tokens = spec.sampling.max_tokens or context_length
     least = min(context_length, max_tokens + 1)
     live = (await state.fleet.snapshot()).live.get(spec.model)
+    if live is not None and 0 < live.kv_budget_tokens < least:  # a refusal reads the registry afresh:
+        live = (await state.fleet.snapshot(fresh=True)).live.get(spec.model)  # a worker may have just come
     if live is None or live.kv_budget_tokens <= 0:  # no worker yet (ORTFLEET_QUEUE_WITHOUT_WORKERS)
         return least
     largest = live.kv_budget_tokens

@@ -54,8 +54,9 @@ async def test_the_default_model_answers_through_the_openai_sdk(smollm2: str) ->
 def test_an_echoed_prompts_logprobs_are_those_the_model_gave_when_it_wrote_those_tokens(smollm2: str) -> None:
     """A prompt token's log-probability (from the prefill) is the one the model gave that token when it
     generated it (one decode step at a time), alternatives included: the same tokens in the same order,
-    and log-probabilities within 0.25 (the int4 model's prefill and decode kernels round differently: up
-    to 0.16 apart here; a token one place off would be several units off)."""
+    and log-probabilities within 0.25, an alternative's within 0.4 (the int4 model's prefill and decode
+    kernels round differently: up to 0.16 apart on an Intel Xeon, an alternative 0.30 apart on an AMD
+    EPYC with AVX2; a token one place off would be several units off)."""
     with openai.OpenAI(base_url=smollm2 + "/v1", api_key="unused", max_retries=0) as sdk:
         start = "The capital of France is"
         written = sdk.completions.create(
@@ -77,4 +78,4 @@ def test_an_echoed_prompts_logprobs_are_those_the_model_gave_when_it_wrote_those
         ):
             assert prompt_top is not None and generated_top is not None
             assert list(prompt_top) == list(generated_top)  # likeliest first, in both
-            assert list(prompt_top.values()) == pytest.approx(list(generated_top.values()), abs=0.25)
+            assert list(prompt_top.values()) == pytest.approx(list(generated_top.values()), abs=0.4)
