@@ -27,13 +27,19 @@ def load_config(model_dir: Path, device: Device, batching: Mapping[str, Any] | N
     return config
 
 
+def read_genai(model_dir: Path) -> dict[str, Any]:
+    """The folder's genai_config.json, parsed."""
+    genai: dict[str, Any] = json.loads((model_dir / "genai_config.json").read_text())
+    return genai
+
+
 def uses_dynamic_batching(model_dir: Path) -> bool:
-    genai = json.loads((model_dir / "genai_config.json").read_text())
+    genai = read_genai(model_dir)
     return "dynamic_batching" in genai.get("engine", {})
 
 
 def context_length(model_dir: Path) -> int:
-    genai = json.loads((model_dir / "genai_config.json").read_text())
+    genai = read_genai(model_dir)
     try:
         return int(genai["model"]["context_length"])
     except (KeyError, TypeError, ValueError) as e:
@@ -41,6 +47,6 @@ def context_length(model_dir: Path) -> int:
 
 
 def vocab_size(model_dir: Path) -> int | None:
-    genai = json.loads((model_dir / "genai_config.json").read_text())
+    genai = read_genai(model_dir)
     size = genai.get("model", {}).get("vocab_size")
     return int(size) if isinstance(size, int) else None

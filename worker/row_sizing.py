@@ -9,7 +9,6 @@ rows whose step stays within the target: the knee past which more rows cost ever
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 from collections.abc import Callable, Mapping
@@ -206,8 +205,3 @@ def gpu_memory(host_index: str, run: Callable[..., Any] = subprocess.run) -> tup
 def weights_bytes(model_dir: Path) -> int:
     """The size of the model's ONNX files (what loading it takes from the device)."""
     return sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file() and ".onnx" in f.name)
-
-
-def read_genai(model_dir: Path) -> dict[str, Any]:
-    genai: dict[str, Any] = json.loads((model_dir / "genai_config.json").read_text())
-    return genai

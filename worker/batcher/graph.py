@@ -12,13 +12,14 @@ embedding is not fused into its attention (Hunyuan's, which norms q and k after 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+from worker.genai_config import read_genai
 
 
 class UnsupportedGraph(ValueError):
@@ -36,7 +37,7 @@ class Layout:
 
     @classmethod
     def read(cls, model_dir: Path, session: ort.InferenceSession) -> Layout:
-        decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+        decoder = read_genai(model_dir)["model"]["decoder"]
         names = {i.name for i in session.get_inputs()}
         position_ids = decoder["inputs"].get("position_ids", "position_ids")
         past, present = [], []
@@ -61,7 +62,7 @@ class Layout:
 def open_session(model_dir: Path, threads: int = 0) -> tuple[ort.InferenceSession, Layout]:
     """The folder's decoder on CPU. Its threads sleep between runs rather than spin: spinning threads
     slowed a step 2-3x on 2 busy cores."""
-    config = json.loads((model_dir / "genai_config.json").read_text())
+    config = read_genai(model_dir)
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
