@@ -294,8 +294,7 @@ def _start_fleet(
             label=planned.name,
         )
         console.say(f"worker {index}/{len(plan)} starting (pid {child.pid}, device {planned.device})")
-    for _ in range(args.gateways):
-        gateway, _ = fleet.start_gateway(port=port, host=args.host, shared=args.gateways > 1)
+    for gateway in fleet.start_gateways(args.gateways, port=port, host=args.host):
         console.say(f"gateway starting on {_base_url(args.host, port)} (pid {gateway.pid})")
     return [planned.metrics_port for planned in plan]
 

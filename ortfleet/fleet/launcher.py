@@ -164,6 +164,10 @@ class LocalFleet:
         self.gateway_url = self.gateway_url or child.url
         return child, child.url
 
+    def start_gateways(self, count: int, *, port: int, host: str = "127.0.0.1") -> list[FleetProcess]:
+        """`count` gateways on the one `port`, sharing it when there are several (start_gateway)."""
+        return [self.start_gateway(port=port, host=host, shared=count > 1)[0] for _ in range(count)]
+
     def start_worker(
         self,
         name: str,
@@ -364,12 +368,10 @@ def serving_fleet(
     as `name` on `device`, every process with `env`) once its workers are ready; yields the gateway's
     URL. A worker that cannot start shows the end of its log."""
     with throwaway_fleet(env) as fleet:
-        port = free_port()
-        for _ in range(gateways):
-            _, url = fleet.start_gateway(port=port, shared=gateways > 1)
+        fleet.start_gateways(gateways, port=free_port())
         started = [
             fleet.start_worker(name, *worker_args, model=model_dir, device=device, wait=False)
             for _ in range(workers)
         ]
         fleet.await_workers(name, workers, started)
-        yield url
+        yield fleet.gateway_url
