@@ -32,6 +32,49 @@ def token_entry(
     return fields
 
 
+def merge_token_entries(entries: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`entries` with each run of consecutive token entries of a job (each starting where the one before
+    ends) made one token entry: its text, ids and log-probabilities those of the run, in order, and its
+    index the run's first. A reader gets the same tokens and text in fewer entries; the entries given are
+    left as they are."""
+    runs: list[list[dict[str, str]]] = []
+    for entry in entries:
+        if runs and _joins(runs[-1][-1], entry):
+            runs[-1].append(entry)
+        else:
+            runs.append([entry])
+    return [run[0] if len(run) == 1 else _one_entry(run) for run in runs]
+
+
+def _one_entry(run: list[dict[str, str]]) -> dict[str, str]:
+    merged = {
+        "type": TOKEN,
+        "text": "".join(entry["text"] for entry in run),
+        "ids": ",".join(entry["ids"] for entry in run if entry["ids"]),
+        "index": run[0]["index"],
+    }
+    logprobs = [entry["logprobs"][1:-1] for entry in run if entry.get("logprobs", "[]") != "[]"]
+    if any("logprobs" in entry for entry in run):
+        merged["logprobs"] = "[" + ",".join(logprobs) + "]"
+    return merged
+
+
+def _joins(last: dict[str, str], entry: dict[str, str]) -> bool:
+    """Whether `entry` continues the token entry `last`: a token entry of the same kind (log-probabilities
+    or none; an entry of no tokens, a held-back text's tail, joins either) at the index where it ends."""
+    if last.get("type") != TOKEN or entry.get("type") != TOKEN or set(entry) - {"logprobs"} != _TOKEN_FIELDS:
+        return False
+    if set(last) - {"logprobs"} != _TOKEN_FIELDS:
+        return False
+    if entry["ids"] and ("logprobs" in last) != ("logprobs" in entry):
+        return False
+    ends = int(last["index"]) + (last["ids"].count(",") + 1 if last["ids"] else 0)
+    return int(entry["index"]) == ends
+
+
+_TOKEN_FIELDS = frozenset({"type", "text", "ids", "index"})
+
+
 def prompt_entry(token_ids: list[int], logprobs: list[dict[str, Any]]) -> dict[str, str]:
     """The prompt's tokens and their log-probabilities (token_entry's shape; the first token's logprob
     and top_logprobs are null: nothing comes before it)."""

@@ -140,6 +140,25 @@ class WorkerSettings(FleetSettings):
         "fleet's CPU per token (Redis writes, relay reads and client writes per step) and makes streams "
         "burstier: a client gets n tokens every n steps.",
     )
+    stream_writes_per_s: float = Field(
+        2000.0,
+        gt=0,
+        description="Job stream writes a second the worker aims at. Redis' work goes per write of a job "
+        "(about the same whether it carries one token or ten). While the worker's jobs together make "
+        "more token entries a second than this (one a job and engine step: a GPU's many rows), a job's "
+        "tokens wait to go to its stream together, as one entry: up to (jobs streaming) / this seconds, "
+        "at most ORTFLEET_STREAM_COALESCE_MS. A job's first token, and anything a reader waits for, "
+        "never waits. Below this rate every step's tokens go out at once, so a stream's inter-token "
+        "latency is the engine's step time.",
+    )
+    stream_coalesce_ms: float = Field(
+        50.0,
+        ge=0,
+        le=1000,
+        description="The longest a job's tokens wait to go to its stream together "
+        "(ORTFLEET_STREAM_WRITES_PER_S); a client then gets the tokens of a few steps at once. 0 writes "
+        "every step's tokens as they come, whatever the rate.",
+    )
     preempt_batch: bool = Field(
         True,
         description="Batch jobs yield to interactive ones: when interactive jobs wait and no slot is free, "

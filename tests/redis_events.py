@@ -69,3 +69,12 @@ async def relay_reads_to_the_end(relay: StreamRelay, stream: str) -> None:
         entries = []
         while not entries or not is_final(entries[-1][2]):
             entries += await witness.next(10)
+
+
+async def lose_newest_tokens(redis: Redis, job_id: str, keep: int) -> None:
+    """What a failover to a replica that missed the newest writes does: token entries from index `keep` on
+    are gone (`keep` must be where an entry starts)."""
+    for entry_id, fields in await redis.xrange(keys.events(job_id)):
+        if fields.get("type") == "token" and int(fields["index"]) >= keep:
+            await redis.xdel(keys.events(job_id), entry_id)
+    await redis.hset(keys.job(job_id), "streamed", str(keep))

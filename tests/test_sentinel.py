@@ -33,7 +33,7 @@ from gateway.streaming.relay import StreamRelay
 from ortfleet.fleet.processes import free_port, redis_server_binary, stop, wait_for_port
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import Event, submit
-from tests.redis_events import fresh_jobs
+from tests.redis_events import fresh_jobs, lose_newest_tokens
 from tests.waiting import until
 from worker.publisher import StepWriter
 
@@ -108,14 +108,6 @@ async def test_a_submission_no_replica_confirms_gets_503_not_replicated(
     assert "may exist" in error["message"] and "same Idempotency-Key" in error["message"]
 
 
-async def _lose_newest_tokens(redis: Redis, job_id: str, keep: int) -> None:
-    """What a failover to a replica that missed the newest writes does: tokens from `keep` on are gone."""
-    for entry_id, fields in await redis.xrange(keys.events(job_id)):
-        if fields.get("type") == "token" and int(fields["index"]) >= keep:
-            await redis.xdel(keys.events(job_id), entry_id)
-    await redis.hset(keys.job(job_id), "streamed", str(keep))
-
-
 async def test_a_worker_writes_again_the_token_entries_a_failover_lost_before_writing_more(
     redis: Redis,
 ) -> None:
@@ -127,7 +119,7 @@ async def test_a_worker_writes_again_the_token_entries_a_failover_lost_before_wr
     for index in range(5):
         publisher.add(token_entry(chr(97 + index), [index], index))
         await publisher.drain()
-    await _lose_newest_tokens(redis, job_id, 3)
+    await lose_newest_tokens(redis, job_id, 3)
 
     publisher.add(token_entry("f", [5], 5))
     await publisher.drain()
@@ -137,7 +129,7 @@ async def test_a_worker_writes_again_the_token_entries_a_failover_lost_before_wr
 
     # The final entry waits for the tokens too.
     await publisher.close()
-    await _lose_newest_tokens(redis, job_id, 4)
+    await lose_newest_tokens(redis, job_id, 4)
     claim = Claim(job_id, 1, "", "tiny", "")
     final = done_entry(JobStatus.succeeded, "length", None)
     with pytest.raises(StreamGap):

@@ -1,8 +1,5 @@
-"""A worker's stream interval: a job's tokens go to its stream n at a time, its first and its last at once.
-
-The engines here leave at least 20 ms between steps, and the entries one script call adds get ids of the
-same millisecond or the next (a call may cross a millisecond), so the ids show which tokens went together.
-"""
+"""A worker's stream interval: a job's tokens go to its stream n at a time, its first and its last at once,
+the tokens of one write as one entry."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import openai
 from redis.asyncio import Redis
 
 from common import keys
+from common.events import entry_token_ids
 from tests.conftest import Fleet
 from tests.fake_workers import Started
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
@@ -24,17 +22,9 @@ from worker.fake_engine import FakeEngine
 TOKENS = 23  # not a multiple of the interval: the job ends with tokens still held
 
 
-def writes_of(entry_ids: list[str]) -> list[int]:
-    """How many entries each write added, in order: runs of entries at most a millisecond apart."""
-    groups: list[int] = []
-    last = None
-    for entry_id in entry_ids:
-        ms = int(entry_id.partition("-")[0])
-        if last is None or ms - last > 1:
-            groups.append(0)
-        groups[-1] += 1
-        last = ms
-    return groups
+def sizes(token_ids: list[list[int]]) -> list[int]:
+    """How many tokens each entry carries, in order: one entry per write."""
+    return [len(ids) for ids in token_ids]
 
 
 def assert_grouped_by(interval: int, groups: list[int], tokens: int, early: int = 0) -> None:
@@ -59,8 +49,11 @@ async def test_four_jobs_write_their_tokens_four_at_a_time_together_and_their_la
         assert record["status"] == "succeeded" and record["output"] == fake_text(prompt, TOKENS)
         tokens = [(i, f) for i, f in await redis.xrange(keys.events(job_id)) if f["type"] == "token"]
         assert "".join(fields["text"] for _i, fields in tokens) == fake_text(prompt, TOKENS)
-        assert [int(fields["index"]) for _i, fields in tokens] == list(range(TOKENS))
-        groups = writes_of([entry_id for entry_id, _f in tokens])
+        groups = sizes([entry_token_ids(fields) for _i, fields in tokens])
+        # each entry starts where the one before ends
+        assert [int(fields["index"]) for _i, fields in tokens] == [
+            sum(groups[:i]) for i in range(len(groups))
+        ]
         assert groups[0] == 1
         assert_grouped_by(4, groups, TOKENS, early=3)
     # Each token of each step written at once would take about 23 writes (one per step, shared by
@@ -84,13 +77,12 @@ async def test_through_a_real_fleet_a_stream_interval_changes_when_tokens_arrive
     plain = await wait_done(client, (await submit(client, {**body, "model": each_step}))["id"])
 
     tokens = [event for event in events if event.event == "token"]
-    assert_grouped_by(3, writes_of([event.id for event in tokens]), TOKENS)
+    assert_grouped_by(3, sizes([event.data["token_ids"] for event in tokens]), TOKENS)
     assert streamed_text(events) == done["output"] == plain["output"]
     assert events[-1].event == "done" and done["usage"]["completion_tokens"] == TOKENS
-    # Resuming by Last-Event-ID from inside a group of three gives the rest, each token once.
-    middle = tokens[4]
-    rest = await read_events(client, grouped["id"], headers={"Last-Event-ID": middle.id})
-    assert streamed_text([middle, *rest]) == "".join(e.data["text"] for e in tokens[4:])
+    # Resuming by Last-Event-ID after the second write gives the rest, each token once.
+    rest = await read_events(client, grouped["id"], headers={"Last-Event-ID": tokens[1].id})
+    assert streamed_text(rest) == "".join(e.data["text"] for e in tokens[2:])
     # OpenAI streaming on the same worker: every token, in order.
     chunks = sdk.chat.completions.create(
         model=model_name,

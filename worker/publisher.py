@@ -12,6 +12,18 @@ With a stream interval of n tokens, a job's tokens wait until it has n of them (
 other entry, and what is left when the job ends go at once); a write takes every job's pending
 entries, so jobs that started apart fall into step and share their writes.
 
+Coalescing: each write of a job's entries costs Redis about the same whatever it carries (a script's
+work per job: fence, stream tail, XADD, record). While the worker adds more token entries a second
+(one a job and engine step) than `writes_per_s` (a GPU's many rows), a job's tokens wait to go
+together: up to (jobs streaming) / `writes_per_s` seconds after the first of them arrived, at most
+`max_wait_s`, so that the worker makes about `writes_per_s` job writes a second however many rows it
+steps. A write for a first token or an urgent entry takes only those; one for tokens due by their age
+takes every job's, so that the jobs share one write per wait. Every write makes a job's consecutive
+token entries one entry: Redis' work, the notice's and each relay's go per write of a job, not per
+token. Below that rate every step's tokens go out at once, so a stream's inter-token latency stays the
+engine's step time. Below that rate every step's tokens go out at once, so a
+stream's inter-token latency stays the engine's step time.
+
 Replication to Redis replicas is asynchronous: after a failover, the new primary may lack the last
 token entries the worker wrote to the old one. The write script then refuses the job's next write (its
 first token would leave a gap), and the writer first writes again, from what it keeps, every token
@@ -22,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 
 from redis.exceptions import RedisError
 
-from common.events import TOKEN
+from common.events import TOKEN, merge_token_entries
 from common.jobs.queue import JobQueue
 from common.jobs.writes import StepResult, StepWrite
 
@@ -50,6 +64,10 @@ class StreamPublisher:
         self.gap = False  # the stream lacks some of `written`: write them again before anything else
         self.unfillable = False  # the stream lacks tokens of an earlier attempt: they cannot be written again
         self.pending: list[dict[str, str]] = []
+        self.pending_since = 0.0  # when the oldest of `pending` was added (time.monotonic())
+        # The first of `pending` that are written again as they were written before (a failover lost
+        # them): a reader may hold them already, and knows them by their first token's index.
+        self.verbatim = 0
         self.record: dict[str, str] = {}
         self.idle = asyncio.Event()
         self.idle.set()
@@ -64,7 +82,10 @@ class StreamPublisher:
         """Queue a stream entry, and fields to set on the job's record in the same write."""
         if self.lost:
             return
+        if not self.pending:
+            self.pending_since = time.monotonic()
         self.pending.append(entry)
+        self._writer.entries_added += 1
         if record or entry.get("type") != TOKEN:
             self.urgent = True
         if record:
@@ -104,10 +125,25 @@ class StreamPublisher:
 class StepWriter:
     """The worker's one writer of token entries, for all of its running jobs."""
 
-    def __init__(self, queue: JobQueue, max_batch: int, interval: int = 1) -> None:
+    def __init__(
+        self,
+        queue: JobQueue,
+        max_batch: int,
+        interval: int = 1,
+        *,
+        max_wait_s: float = 0.0,
+        writes_per_s: float = math.inf,
+    ) -> None:
         self._queue = queue
         self._max_batch = max_batch  # most entries of one job in one write
         self._interval = interval  # a job's tokens wait until it has this many (its first never waits)
+        self._max_wait_s = max_wait_s  # the longest a job's tokens wait to go together (0: never)
+        self._writes_per_s = writes_per_s  # job writes a second it aims at
+        self.wait_s = 0.0  # how long a job's tokens wait now (coalescing while above 0)
+        self._jobs: set[StreamPublisher] = set()  # the publishers not yet closed
+        self.entries_added = 0  # since `_rate_since` (their rate decides `coalescing`)
+        self._rate_since = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
         self._waiting: dict[StreamPublisher, None] = {}  # publishers with entries to write, in order
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -119,7 +155,9 @@ class StepWriter:
     def publisher(self, job_id: str, attempt: int, first_index: int = 0) -> StreamPublisher:
         if not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._run(), name="step-writer")
-        return StreamPublisher(self, job_id, attempt, first_index)
+        publisher = StreamPublisher(self, job_id, attempt, first_index)
+        self._jobs.add(publisher)
+        return publisher
 
     def wake(self, publisher: StreamPublisher) -> None:
         if self._closed:
@@ -136,7 +174,12 @@ class StepWriter:
         else:
             self._wakeup.set()
 
+    @property
+    def coalescing(self) -> bool:
+        return self.wait_s > 0
+
     def forget(self, publisher: StreamPublisher) -> None:
+        self._jobs.discard(publisher)
         self._waiting.pop(publisher, None)
         publisher.pending.clear()
         publisher.idle.set()
@@ -145,6 +188,8 @@ class StepWriter:
         """Stops writing. What is still pending stays unwritten (the jobs' next attempts go on from what
         their streams hold), and no one waits for it: a job's task cancelled after this ends at once."""
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         tasks = [*self._solo, *([self._task] if self._task is not None else [])]
         for task in tasks:
             task.cancel()
@@ -153,27 +198,67 @@ class StepWriter:
             publisher.idle.set()
         self._waiting.clear()
 
-    def _due(self, publisher: StreamPublisher) -> bool:
-        """Whether the publisher's pending entries must go now, taking every other job's along."""
+    def _due(self, publisher: StreamPublisher, now: float) -> bool:
+        """Whether the publisher's pending entries must go now (unless coalescing, taking every other
+        job's along)."""
+        if publisher.urgent or publisher.gap or not publisher.token_written:
+            return True
+        # only token entries pending, since not urgent
+        if len(publisher.pending) < self._interval:
+            return False
         return (
-            publisher.urgent
-            or publisher.gap
-            or not publisher.token_written
-            or len(publisher.pending) >= self._interval  # all tokens, since not urgent
+            not self.coalescing
+            or now - publisher.pending_since >= self.wait_s
+            or len(publisher.pending) >= self._max_batch
         )
+
+    def _measure_rate(self, now: float) -> None:
+        """Coalesce or not, by the entries a second added over the last 0.2 s or more (one a job and engine
+        step: its tokens)."""
+        elapsed = now - self._rate_since
+        if elapsed < 0.2:
+            return
+        rate = self.entries_added / elapsed
+        above = self._max_wait_s > 0 and rate > self._writes_per_s
+        self.wait_s = min(self._max_wait_s, len(self._jobs) / self._writes_per_s) if above else 0.0
+        self.entries_added, self._rate_since = 0, now
 
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while (publishers := [p for p in self._waiting if not p.in_flight]) and any(
-                map(self._due, publishers)
-            ):
+            while publishers := self._to_write():
                 self._step_in_flight = True
                 try:
                     await self._write(publishers)
                 finally:
                     self._step_in_flight = False
+            self._wake_when_due()
+
+    def _to_write(self) -> list[StreamPublisher]:
+        """The publishers the next write takes: none unless one is due; then every waiting one. While
+        coalescing, only those due unless one's tokens are due by their age: the jobs then fall into step
+        and share one write per window."""
+        now = time.monotonic()
+        self._measure_rate(now)
+        waiting = [p for p in self._waiting if not p.in_flight]
+        due = [p for p in waiting if self._due(p, now)]
+        if not due:
+            return due
+        if self.coalescing and all(p.urgent or p.gap or not p.token_written for p in due):
+            return due
+        return waiting
+
+    def _wake_when_due(self) -> None:
+        """While coalescing, wakes the writer when the oldest held tokens are due, should no engine step
+        come before (the step itself wakes it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        held = [p.pending_since for p in self._waiting if not p.in_flight and p.pending]
+        if self.coalescing and held:
+            delay = max(0.0, min(held) + self.wait_s - time.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._wakeup.set)
 
     async def _write(self, publishers: list[StreamPublisher]) -> None:
         """One script call with what each of `publishers` has pending (at most max_batch entries a job)."""
@@ -190,10 +275,14 @@ class StepWriter:
             self._wakeup.set()
             await asyncio.sleep(0.25)
             return
+        taken = []  # per publisher, how many of its pending entries the write takes
         for publisher in publishers:
             # Fields added while this write is in flight go with the next one.
             record, publisher.record = publisher.record, {}
             entries = publisher.pending[: self._max_batch]
+            taken.append(len(entries))
+            kept = publisher.verbatim
+            entries = entries[:kept] + merge_token_entries(entries[kept:])
             check = not publisher.unfillable
             writes.append(StepWrite(publisher.job_id, publisher.attempt, entries, record, check_gap=check))
         # A write's outcome is read when the next write is due, unless someone waits for it: the
@@ -215,7 +304,7 @@ class StepWriter:
                 publisher.in_flight = False
             self._wakeup.set()  # entries that waited for this write go with the next
         self.writes += 1
-        for publisher, write, result in zip(publishers, writes, results, strict=True):
+        for publisher, write, result, count in zip(publishers, writes, results, taken, strict=True):
             if result is StepResult.gap:
                 logger.warning(
                     "job %s: its stream lacks tokens written before (a failover?); writing them again",
@@ -228,7 +317,9 @@ class StepWriter:
                 publisher.token_written = True
                 publisher.written += [entry for entry in write.entries if entry.get("type") == TOKEN]
                 publisher.streamed_to = max(publisher.streamed_to, write.span[1])
-            del publisher.pending[: len(write.entries)]
+            del publisher.pending[:count]
+            publisher.verbatim = max(0, publisher.verbatim - count)
+            publisher.pending_since = time.monotonic()  # the rest came while the write was out
             publisher.urgent = publisher.urgent and bool(publisher.pending or publisher.record)
             if not result:
                 job, attempt = publisher.job_id, publisher.attempt
@@ -264,6 +355,7 @@ class StepWriter:
             publisher.unfillable = True
         publisher.written = publisher.written[: len(publisher.written) - len(missing)]
         publisher.pending[:0] = missing
+        publisher.verbatim += len(missing)
         publisher.streamed_to = min(publisher.streamed_to, max(streamed, publisher.first_index))
         publisher.gap = False
 

@@ -59,7 +59,13 @@ class WorkerService:
         self.settings = settings
         self.redis = redis
         self.queue = JobQueue(redis, settings.job_ttl_s)
-        self.writer = StepWriter(self.queue, settings.publish_max_batch, settings.stream_interval)
+        self.writer = StepWriter(
+            self.queue,
+            settings.publish_max_batch,
+            settings.stream_interval,
+            max_wait_s=settings.stream_coalesce_ms / 1000,
+            writes_per_s=settings.stream_writes_per_s,
+        )
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info

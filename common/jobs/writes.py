@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import orjson
 from redis.asyncio import Redis
 
 from common import keys, lua
@@ -75,6 +76,16 @@ def _entries(entries: list[dict[str, str]]) -> list[str]:
     return out
 
 
+def _step_entries(entries: list[dict[str, str]]) -> list[str]:
+    """As _entries, each entry followed by its fields as a JSON array, for the stream notice."""
+    out = [str(len(entries))]
+    for entry in entries:
+        fields = lua.flat_fields(entry)
+        out += fields
+        out.append(orjson.dumps(fields[1:]).decode())
+    return out
+
+
 class PublishScript:
     """publish.lua: False once the attempt lost the job."""
 
@@ -106,7 +117,7 @@ class PublishStepScript:
             span = write.span
             start, end = ("", "") if span is None else (str(span[0]), str(span[1]))
             args += [str(write.attempt), start if write.check_gap else "", end]
-            args += [*lua.flat_fields(write.record), *_entries(write.entries)]
+            args += [*lua.flat_fields(write.record), *_step_entries(write.entries)]
         args.append(keys.STREAM_NOTICES)
         written: list[int] = await self._connection.run_script(self._script, script_keys, args, reply_after)
         return [_STEP_REFUSALS.get(n, StepResult.written) for n in written]

@@ -60,6 +60,7 @@ class Timeline:
             return
         if self.ttft is None:
             self.ttft = at - self.start
+            self.gaps += [0.0] * (count - 1)  # tokens that came with the first one: no wait
         else:
             self.gaps += [(at - self._last) / count] * count
         self.tokens += count

@@ -77,10 +77,10 @@ async def _costs(options: RedisLoadOptions, url: str, redis_url: str) -> dict[st
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             for tokens in (1, options.max_tokens):
-                await _jobs(client, options.jobs, tokens)  # warm-up: scripts loaded, connections open
+                await read_jobs(client, options.jobs, tokens)  # warm-up: scripts loaded, connections open
                 calls_before, cpu_before = await redis_counters(redis)
                 started = time.perf_counter()
-                await _jobs(client, options.jobs, tokens)
+                await read_jobs(client, options.jobs, tokens)
                 elapsed = time.perf_counter() - started
                 calls_after, cpu_after = await redis_counters(redis)
                 runs[tokens] = {
@@ -106,7 +106,9 @@ async def _costs(options: RedisLoadOptions, url: str, redis_url: str) -> dict[st
     }
 
 
-async def _jobs(client: httpx.AsyncClient, count: int, tokens: int, concurrency: int = 16) -> None:
+async def read_jobs(
+    client: httpx.AsyncClient, count: int, tokens: int, concurrency: int = 16, model: str = MODEL
+) -> None:
     """`count` jobs of `tokens` tokens, each submitted, then read over SSE to its end (as a client does)."""
     left = count
 
@@ -114,7 +116,7 @@ async def _jobs(client: httpx.AsyncClient, count: int, tokens: int, concurrency:
         nonlocal left
         while left > 0:
             left -= 1
-            body = {"model": MODEL, "prompt": "Hello", "max_tokens": tokens}
+            body = {"model": model, "prompt": "Hello", "max_tokens": tokens}
             reply = await client.post("/v1/jobs", json=body)
             reply.raise_for_status()
             job_id = reply.json()["id"]

@@ -1,14 +1,16 @@
 -- The writes of one engine step for all of a worker's running jobs, each fenced by its own attempt.
 -- KEYS: per job, in order: record, events
 -- ARGV: per job: attempt, from, to, n record fields, fields..., n entries, then per entry: n fields,
---       fields...; last, the stream notices channel
+--       fields..., the entry's fields as a JSON array; last, the stream notices channel
 --   from, to: the token index of the write's first token entry and the index past its last one ('' when
 --   it has none, or when from must not be checked). The record's `streamed` says where the stream's
 --   tokens end: a write that starts past it (the newest entries were lost, as in a failover to a replica
 --   that had not received them) is refused whole, so that the worker writes the missing ones first.
 -- Returns per job the entries written, -1 where the attempt no longer owns the job, -2 where the write
 -- would leave a gap (read as StepResult in common/jobs/writes.py).
--- The notice names the streams written, and after a newline carries their new entries (see above).
+-- The notice names the streams written, and after a newline carries their new entries as JSON:
+-- [[stream, id of the entry before, [[id, [field, value, ...]], ...]], ...]. Each entry's JSON comes
+-- made (the writer encodes it), so that the script only joins strings.
 local out = {}
 local noticed, carried = {}, {}
 local at = 1
@@ -44,21 +46,20 @@ for j = 1, #KEYS / 2 do
   for _ = 1, entries do
     local n = tonumber(ARGV[at])
     if writing then
-      local ev = {}
-      for i = at + 1, at + 2 * n do ev[#ev + 1] = ARGV[i] end
-      added[#added + 1] = {redis.call('XADD', events, '*', unpack(ev)), ev}
+      local id = redis.call('XADD', events, '*', unpack(ARGV, at + 1, at + 2 * n))
+      added[#added + 1] = '["' .. id .. '",' .. ARGV[at + 2 * n + 1] .. ']'
       written = written + 1
     end
-    at = at + 1 + 2 * n
+    at = at + 2 + 2 * n
   end
   if #rec > 0 then redis.call('HSET', record, unpack(rec)) end
   out[j] = writing and written or status
   if writing and written > 0 then
     noticed[#noticed + 1] = events
-    carried[#carried + 1] = {events, after, added}
+    carried[#carried + 1] = '[' .. cjson.encode(events) .. ',"' .. after .. '",[' .. table.concat(added, ',') .. ']]'
   end
 end
 if #noticed > 0 then
-  redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ') .. '\n' .. cjson.encode(carried))
+  redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ') .. '\n[' .. table.concat(carried, ',') .. ']')
 end
 return out

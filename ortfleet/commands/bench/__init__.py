@@ -17,8 +17,8 @@ def register(subparsers: Subparsers) -> None:
         "bench",
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {fleet.FLEET_HELP}. "
-        "Modes: fleet (the same), gateway, redis, pickup, eta, sim, fairness, batching, serving, prefix, "
-        "structured, hog.",
+        "Modes: fleet (the same), gateway, redis, tokens, pickup, eta, sim, fairness, batching, serving, "
+        "prefix, structured, hog.",
     )
     fleet.fleet_options(parser)
     parser.set_defaults(func=fleet.run_fleet)

@@ -36,13 +36,24 @@ def lengths(text: str) -> tuple[int, int]:
 
 
 def float_list(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from e
+    values = _numbers(text)
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive numbers, e.g. 1,5,10")
     return values
+
+
+def non_negative_list(text: str) -> list[float]:
+    values = _numbers(text)
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of 0 or more, e.g. 0,20")
+    return values
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from e
 
 
 def model_dir(given: Path | None) -> Path:

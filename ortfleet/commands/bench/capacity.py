@@ -1,4 +1,4 @@
-"""`ortfleet bench gateway` and `redis`: what one gateway and one Redis carry, without a model."""
+"""`ortfleet bench gateway`, `redis` and `tokens`: what gateways and Redis carry, without a model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ortfleet.commands.bench.arguments import finish, float_list, positive
+from ortfleet.commands.bench.arguments import finish, float_list, int_list, non_negative_list, positive
 
 if TYPE_CHECKING:
     from ortfleet.commands import Subparsers
@@ -66,6 +66,44 @@ def add_modes(modes: Subparsers) -> None:
     redis.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     redis.set_defaults(func=run_redis)
 
+    tokens = modes.add_parser(
+        "tokens",
+        help="the token plane at a GPU's rates: Redis, gateway and worker CPU per token, relay latency",
+        description="Starts redis-server, gateways and fake-engine workers that step --rows rows every "
+        "--step-ms (64 every 5 ms: an H200 on the default model). Closed-loop clients keep --streams job "
+        "streams open (submit, read the events over SSE, submit again). Per level: tokens/s received; "
+        "Redis CPU and commands, gateway CPU and worker CPU per generated token; relay latency (an "
+        "event's arrival less its stream entry's time); the gap between a stream's events; TTFT. Each "
+        "--coalesce-ms value runs a fleet of its own (ORTFLEET_STREAM_COALESCE_MS; 0 is off).",
+    )
+    tokens.add_argument("--workers", type=positive, default=1, help="fake-engine workers (default 1)")
+    tokens.add_argument("--rows", type=positive, default=64, help="each worker's rows (default 64)")
+    tokens.add_argument("--step-ms", type=float, default=5.0, help="each worker's step time (default 5)")
+    tokens.add_argument(
+        "--streams", type=int_list, default=[1, 64], help="open job streams, one level each (default 1,64)"
+    )
+    tokens.add_argument("--max-tokens", type=positive, default=256, help="tokens per job (default 256)")
+    tokens.add_argument("--seconds", type=float, default=15.0, help="measured per level (default 15)")
+    tokens.add_argument("--warmup", type=float, default=3.0, help="seconds before each window (default 3)")
+    tokens.add_argument("--gateways", type=positive, default=1, help="gateways on one port (default 1)")
+    tokens.add_argument(
+        "--client-processes", type=positive, default=2, help="processes the clients run in (default 2)"
+    )
+    tokens.add_argument(
+        "--coalesce-ms",
+        type=non_negative_list,
+        default=[0.0, 50.0],
+        help="ORTFLEET_STREAM_COALESCE_MS values, a fleet each (default 0,50: off, then the default)",
+    )
+    tokens.add_argument(
+        "--writes-per-s",
+        type=float,
+        default=2000.0,
+        help="ORTFLEET_STREAM_WRITES_PER_S for every fleet (default 2000, the setting's default)",
+    )
+    tokens.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    tokens.set_defaults(func=run_tokens)
+
 
 def run_gateway(args: argparse.Namespace) -> int:
     from ortfleet.bench import capacity
@@ -96,3 +134,23 @@ def run_redis(args: argparse.Namespace) -> int:
     )
     figures = redis_load.run(options)
     return finish(figures, redis_load.text(figures), args.json)
+
+
+def run_tokens(args: argparse.Namespace) -> int:
+    from ortfleet.bench import token_plane
+
+    options = token_plane.TokenPlaneOptions(
+        workers=args.workers,
+        rows=args.rows,
+        step_ms=args.step_ms,
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        seconds=args.seconds,
+        warmup_s=args.warmup,
+        gateways=args.gateways,
+        client_processes=args.client_processes,
+        coalesce_ms=args.coalesce_ms,
+        writes_per_s=args.writes_per_s,
+    )
+    figures = token_plane.run(options)
+    return finish(figures, token_plane.text(figures), args.json)
