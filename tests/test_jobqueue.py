@@ -261,3 +261,16 @@ def test_the_scripts_name_only_fields_of_the_record() -> None:
     for name, script in SCRIPTS.items():
         named = set(re.findall(r"'([a-z_]+)'", script)) - _VALUES
         assert named <= SCRIPT_FIELDS, (name, named - SCRIPT_FIELDS)
+
+
+@pytest.mark.unit
+def test_every_entry_a_script_adds_to_a_jobs_stream_keeps_the_records_tail() -> None:
+    """The step writes take the id of a stream's newest entry from the record's `tail`: an entry added
+    without it would be skipped by a reader that takes the step write's entries from its notice."""
+    helper = lua.package_source("common.jobs", "append.lua")
+    for name, script in SCRIPTS.items():
+        if name in ("append.lua", "publish_step.lua"):
+            continue
+        assert script.count("'XADD'") == helper.count("'XADD'") * ("append_event(" in script), name
+    step = SCRIPTS["publish_step.lua"]
+    assert step.count("'XADD'") == 1 and "'tail'" in step

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import orjson
 import pytest
 from redis.asyncio import Redis
 
@@ -302,3 +303,26 @@ async def test_step_writes_go_on_when_redis_closes_the_connection_while_a_reply_
     # The write whose reply was lost is sent again: a reader skips the entry it already has (by index).
     indexes = [int(entry["index"]) for entry in await token_entries(redis, job_id)]
     assert sorted(set(indexes)) == [0, 1, 2] and indexes == sorted(indexes)
+
+
+async def test_a_step_writes_notice_names_the_entry_before_its_own_whichever_script_added_it(
+    redis: Redis, model_name: str
+) -> None:
+    job_id = await submit(redis, model_name, "Hello", max_tokens=4)  # submit.lua adds the first entry
+    queue = JobQueue(redis, 3600)
+    await redis.hset(keys.job(job_id), "attempts", "1")  # as a claim leaves it
+    notices = redis.pubsub()
+    await notices.subscribe(keys.STREAM_NOTICES)
+    await notices.get_message(timeout=5)  # the subscription's confirmation
+    try:
+        for index in range(2):
+            await queue.publish_step([StepWrite(job_id, 1, [token_entry("a", [97], index)], {})])
+            message = await notices.get_message(timeout=5)
+            assert message is not None
+            _names, _, carried = message["data"].partition("\n")
+            [(stream, after, added)] = orjson.loads(carried)
+            ids = [entry_id for entry_id, _fields in await redis.xrange(keys.events(job_id))]
+            assert stream == keys.events(job_id) and after == ids[-2] and [added[0][0]] == ids[-1:]
+            assert await redis.hget(keys.job(job_id), "tail") == ids[-1]
+    finally:
+        await notices.aclose()

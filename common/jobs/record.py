@@ -45,6 +45,7 @@ SCRIPT_FIELDS = frozenset(
         "quarantine_deaths",
         "quarantined_attempt",
         "streamed",
+        "tail",
         "preferred_worker",
         "preferred_until_ms",
     }
@@ -129,6 +130,7 @@ class JobRecord(JobOutcome):
     resumes: int | None = None
     resume_exact: bool | None = None  # whether the resume's replay computed every streamed token again
     streamed: int | None = None  # where its stream's tokens end (the next token index), set by the writes
+    tail: str | None = None  # the id of its stream's newest entry, kept by every script that adds one
     # The worker that holds its prompt's KV (common/prefix_hints.py): until `preferred_until_ms`, the
     # claim leaves the job to that worker.
     preferred_worker: str | None = None
@@ -177,6 +179,7 @@ class JobRecord(JobOutcome):
             resumes=_int(raw.get("resumes")),
             resume_exact=raw["resume_exact"] == "1" if raw.get("resume_exact") else None,
             streamed=_int(raw.get("streamed")),
+            tail=raw.get("tail"),
         )
 
     def view(

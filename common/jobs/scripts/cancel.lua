@@ -1,3 +1,4 @@
+-- include: append.lua
 -- include: pairs.lua
 -- include: active.lua
 -- include: uncount.lua
@@ -16,7 +17,7 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'attempts') == '0' then uncount(KEYS[5], KEYS[1]) end
   leave_active(KEYS[6], KEYS[8], ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
-  redis.call('XADD', KEYS[3], '*', unpack((pairs_at(8))))
+  append_event(KEYS[1], KEYS[3], (pairs_at(8)))
   redis.call('PUBLISH', ARGV[#ARGV], KEYS[3])
   redis.call('DEL', KEYS[4])
   note_outcome(KEYS[7], 'cancelled', ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[5]))

@@ -1,3 +1,4 @@
+-- include: append.lua
 -- The claim. Which job a worker takes next is decided by `claimable`: the head of the highest class
 -- that has waiting jobs, in each class's fair-share order; only a job promised the worker's freed row
 -- goes before it. It must pick among the candidates it was given (the only jobs whose keys it holds);
@@ -69,8 +70,8 @@ local function worker_lost(job)
     redis.call('HINCRBY', job.rec, 'quarantine_deaths', 1)
   end
   redis.call('HSET', job.rec, 'suspect', '1')
-  redis.call('XADD', job.events, '*', 'type', 'status', 'status', 'queued', 'reason', 'worker_lost',
-    'attempt', attempt)
+  append_event(job.rec, job.events, {'type', 'status', 'status', 'queued', 'reason', 'worker_lost',
+    'attempt', attempt})
   noticed[#noticed + 1] = job.events
 end
 

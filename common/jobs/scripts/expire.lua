@@ -1,3 +1,4 @@
+-- include: append.lua
 -- A job still waiting for its first attempt past its queue deadline fails as expired, in CLAIM (a worker
 -- reaches it at the head of its queue) and in EXPIRE_QUEUED (the gateways' sweep, which needs no worker).
 -- The caller has taken it out of its queue and its cost off the queued tokens.
@@ -16,8 +17,8 @@ local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, cod
   local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
   redis.call('HSET', job.rec, 'status', 'failed', 'finish_reason', 'error', 'error', message,
     'error_code', code, 'finished_at', now / 1000)
-  redis.call('XADD', job.events, '*', 'type', 'error', 'status', 'failed', 'message', message,
-    'code', code)
+  append_event(job.rec, job.events, {'type', 'error', 'status', 'failed', 'message', message,
+    'code', code})
   noticed[#noticed + 1] = job.events
   redis.call('DEL', job.arq)
   leave_active(job.active, job.held, id)

@@ -1,3 +1,4 @@
+-- include: append.lua
 -- include: pairs.lua
 -- include: active.lua
 -- include: fair.lua
@@ -33,7 +34,7 @@ if served >= 0 then
 end
 local rec, at = pairs_at(9)
 redis.call('HSET', KEYS[1], unpack(rec))
-redis.call('XADD', KEYS[2], '*', unpack((pairs_at(at + 1))))
+append_event(KEYS[1], KEYS[2], (pairs_at(at + 1)))
 redis.call('PUBLISH', ARGV[#ARGV], KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])

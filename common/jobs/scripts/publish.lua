@@ -1,3 +1,4 @@
+-- include: append.lua
 -- include: pairs.lua
 -- KEYS: record, events
 -- ARGV: attempt, n record fields, fields..., n entries, then per entry: n fields, fields...,
@@ -11,7 +12,7 @@ local next_at = at + 1
 for _ = 1, tonumber(ARGV[at]) do
   local ev
   ev, next_at = pairs_at(next_at + 1)
-  redis.call('XADD', KEYS[2], '*', unpack(ev))
+  append_event(KEYS[1], KEYS[2], ev)
   written = written + 1
 end
 if written > 0 then redis.call('PUBLISH', ARGV[#ARGV], KEYS[2]) end

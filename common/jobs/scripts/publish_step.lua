@@ -18,7 +18,7 @@ for j = 1, #KEYS / 2 do
   local record, events = KEYS[2 * j - 1], KEYS[2 * j]
   local status = -1
   local streamed = 0
-  local held = redis.call('HMGET', record, 'attempts', 'streamed')
+  local held = redis.call('HMGET', record, 'attempts', 'streamed', 'tail')
   if held[1] == ARGV[at] then
     status = 0
     streamed = tonumber(held[2] or '0')
@@ -40,17 +40,26 @@ for j = 1, #KEYS / 2 do
   at = at + 1
   local written, added, after = 0, {}, '0-0'
   if writing and entries > 0 then
-    local last = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1]
-    if last then after = last[1] end
+    if held[3] then
+      after = held[3]
+    else  -- a stream written before records kept their tail
+      local last = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1]
+      if last then after = last[1] end
+    end
   end
+  local id
   for _ = 1, entries do
     local n = tonumber(ARGV[at])
     if writing then
-      local id = redis.call('XADD', events, '*', unpack(ARGV, at + 1, at + 2 * n))
+      id = redis.call('XADD', events, '*', unpack(ARGV, at + 1, at + 2 * n))
       added[#added + 1] = '["' .. id .. '",' .. ARGV[at + 2 * n + 1] .. ']'
       written = written + 1
     end
     at = at + 2 + 2 * n
+  end
+  if id then
+    rec[#rec + 1] = 'tail'
+    rec[#rec + 1] = id
   end
   if #rec > 0 then redis.call('HSET', record, unpack(rec)) end
   out[j] = writing and written or status

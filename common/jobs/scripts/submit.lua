@@ -1,3 +1,4 @@
+-- include: append.lua
 -- include: pairs.lua
 -- include: fair.lua
 -- KEYS: record, events, arq job, queue of its class, queued tokens, owner's active jobs, owner's jobs,
@@ -46,7 +47,7 @@ local tag = fair_tag(KEYS[8], ARGV[10], cost, tonumber(ARGV[11]))
 redis.call('EXPIRE', KEYS[8], ttl)
 redis.call('HSET', KEYS[1], 'tag', tag, unpack(rec))
 local ev = pairs_at(at + 1)
-redis.call('XADD', KEYS[2], '*', unpack(ev))
+append_event(KEYS[1], KEYS[2], ev)
 redis.call('SET', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[4], tag, ARGV[1])
 redis.call('INCRBY', KEYS[5], cost)
