@@ -37,6 +37,7 @@ def _order(first: bytes) -> bytes:
 _IN_STRING = _order(b'"abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ')
 _ESCAPED = _order(b"n")
 _OUTSIDE = _order(b'}],"0[{tnf-123456789.')
+_DIGITS = frozenset(b"0123456789")
 
 
 class Lexer:
@@ -100,15 +101,41 @@ def closing_bytes(matcher: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens) -> 
                 lexer.feed_byte(byte)
             written += forced
             continue
-        for byte in lexer.candidates():
-            token = byte_tokens.of.get(byte)
-            if token is not None and walker.try_consume_tokens([token]) == 1:
-                lexer.feed_byte(byte)
-                written.append(byte)
-                break
-        else:
+        chosen = _next_byte(walker, lexer, byte_tokens)
+        if chosen is None:
             return None
+        lexer.feed_byte(chosen)
+        written.append(chosen)
     return bytes(written)
+
+
+def _next_byte(walker: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens) -> int | None:
+    """Consumes the first candidate byte the grammar allows; for a digit, the first digit after which the
+    number may end (`5` where the minimum is 5, not `1` and `0`). None: the grammar allows none."""
+    first = None
+    for byte in lexer.candidates():
+        token = byte_tokens.of.get(byte)
+        if token is None or walker.validate_tokens([token]) != 1:
+            continue
+        if first is None:
+            first = byte
+            if byte not in _DIGITS or lexer.in_string:
+                break
+        if byte in _DIGITS and _ends_after(walker, token, byte_tokens):
+            first = byte
+            break
+    if first is not None:
+        walker.consume_token(byte_tokens.of[first])
+    return first
+
+
+def _ends_after(walker: LLMatcher, token: int, byte_tokens: ByteTokens) -> bool:
+    trial = walker.deep_copy()
+    trial.consume_token(token)
+    if trial.is_accepting():
+        return True
+    closers = [byte_tokens.of[b] for b in b'}],"' if b in byte_tokens.of]
+    return any(trial.validate_tokens([closer]) == 1 for closer in closers)
 
 
 def closing_tokens(matcher: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens) -> list[int] | None:
