@@ -16,7 +16,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.conftest import Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
+from tests.test_reliability import stream_until_tokens
 
 pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
 
@@ -308,3 +310,29 @@ async def test_the_closing_tokens_stream_like_any_others(
     assert streamed_text(events) == done["output"] and isinstance(json.loads(done["output"]), dict)
     final = events[-1]
     assert final.event == "done" and final.data["closed_early"] == "true"
+
+
+@pytest.mark.parametrize("kill_at", [12, 37])
+async def test_a_job_resumed_after_its_worker_died_replays_to_the_same_closed_document(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str, kill_at: int
+) -> None:
+    # 40 tokens: the closer overrules the model in the last few; a kill at 37 falls among them
+    body = {"model": model_name, "prompt": "{", "max_tokens": 40, "response_format": {"type": "json_object"}}
+    slow = {"ORTFLEET_STEP_DELAY_S": "0.05", "ORTFLEET_HEARTBEAT_TTL_S": "2"}
+    first = fleet.start_worker(model_name, env=slow)
+    second = fleet.start_worker(model_name, env=slow)
+    expected = await wait_done(client, (await submit(client, body))["id"])
+    assert expected["closed_early"] is True
+    second.pause()  # the first worker takes the job
+    try:
+        job = await submit(client, body)
+        await stream_until_tokens(client, job["id"], kill_at)
+        first.kill()
+    finally:
+        second.resume()
+    done = await wait_done(client, job["id"])
+    assert done["attempts"] == 2 and done["resume_exact"] is True
+    assert kill_at <= done["resumed_from"] < 40
+    assert done["output"] == expected["output"] and done["closed_early"] is True
+    assert isinstance(json.loads(done["output"]), dict)
+    assert streamed_text(await read_events(client, job["id"])) == done["output"]

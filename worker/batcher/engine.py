@@ -190,9 +190,9 @@ class BatchingEngine(EngineThread):
         if needed is None or needed <= budget:
             return None
         return (
-            f"max_tokens: {request.max_new_tokens} tokens cannot hold the shortest document the "
-            f"response format allows, which takes {needed} tokens on this model; ask for at least {needed} "
-            "(or set close_early to false to get the cut text)"
+            f"max_tokens: the answer has room for {budget} tokens (max_tokens, within the model's context "
+            f"after the prompt), and the shortest document its response format allows takes {needed} tokens "
+            f"on this model; ask for at least {needed} (or set close_early to false to get the cut text)"
         )
 
     def _cancel(self, stream: GenerationStream, updates: Updates) -> None:
