@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from ortfleet.bench import structured_cases as bench
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.test_reliability import stream_until_tokens
@@ -336,3 +337,68 @@ async def test_a_job_resumed_after_its_worker_died_replays_to_the_same_closed_do
     assert done["output"] == expected["output"] and done["closed_early"] is True
     assert isinstance(json.loads(done["output"]), dict)
     assert streamed_text(await read_events(client, job["id"])) == done["output"]
+
+
+@pytest.mark.default_model
+async def test_the_default_model_closes_schemas_objects_and_tool_calls_within_tight_budgets(
+    smollm2: str,
+) -> None:
+    with openai.OpenAI(base_url=smollm2 + "/v1", api_key="unused", max_retries=0) as sdk:
+        # its pancake ingredients run on ("typeOfIngredient1", "typeOfIngredient2", ...) past any budget
+        for max_tokens in (40, 120):
+            parsed = sdk.chat.completions.parse(
+                model="smollm2",
+                messages=chat("Give me a simple pancake recipe."),
+                response_format=bench.Recipe,
+                max_tokens=max_tokens,
+                temperature=0,
+            )
+            assert isinstance(parsed.choices[0].message.parsed, bench.Recipe)
+            assert (parsed.choices[0].model_extra or {}).get("closed_early") is True
+        anything = sdk.chat.completions.create(
+            model="smollm2",
+            messages=chat("Describe the sun in a JSON object."),
+            response_format={"type": "json_object"},
+            max_tokens=20,
+            temperature=0,
+        )
+        assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+        for tool_choice in ("required", {"type": "function", "function": {"name": "weather"}}):
+            called = sdk.chat.completions.create(
+                model="smollm2",
+                messages=chat("What is the weather like in Lisbon today?"),
+                tools=bench.TOOLS,  # type: ignore[arg-type]
+                tool_choice=tool_choice,  # type: ignore[arg-type]
+                parallel_tool_calls=False,
+                max_tokens=24,
+                temperature=0,
+            )
+            [call] = called.choices[0].message.tool_calls or []
+            function = call.function  # type: ignore[union-attr]
+            bench.TOOL_ARGUMENTS[function.name].model_validate_json(function.arguments)
+
+
+@pytest.mark.default_model
+async def test_on_the_default_model_answers_that_end_on_their_own_are_unchanged(smollm2: str) -> None:
+    with openai.OpenAI(base_url=smollm2 + "/v1", api_key="unused", max_retries=0) as sdk:
+        compared = 0
+        for schema, prompt in bench.PARSE_CASES:  # as the bench sends them: 9 of 10 end on their own
+            try:
+                plain = sdk.chat.completions.parse(
+                    model="smollm2",
+                    messages=chat(prompt),
+                    response_format=schema,
+                    max_tokens=120,
+                    temperature=0,
+                    extra_body={"close_early": False},
+                ).choices[0]
+            except openai.LengthFinishReasonError:
+                continue
+            closing = sdk.chat.completions.parse(
+                model="smollm2", messages=chat(prompt), response_format=schema, max_tokens=120, temperature=0
+            ).choices[0]
+            compared += 1
+            assert plain.finish_reason == closing.finish_reason == "stop"
+            assert closing.message.content == plain.message.content
+            assert "closed_early" not in (closing.model_extra or {})
+        assert compared >= 8
