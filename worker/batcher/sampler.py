@@ -72,7 +72,9 @@ class RowSampler:
             if request.guidance[0] == "json_schema":
                 self._keys = JsonKeys()
             if request.close_early and byte_tokens is not None and self._eos.size:
-                self.closer = DocumentCloser(self._matcher, byte_tokens, frozenset(map(int, self._eos)))
+                closer = DocumentCloser(self._matcher, byte_tokens, frozenset(map(int, self._eos)))
+                if closer.ending() is not None:  # else the walk finds no ending: the row is not closed
+                    self.closer = closer
 
     def choose(self, logits: np.ndarray, produced: int, left: int | None = None) -> int:
         """The next token from this step's logits [vocab] (modified in place); `left`: the tokens the row
