@@ -178,6 +178,14 @@ async def test_a_responses_text_format_answer_is_closed_early_and_completed(
     assert response.status == "completed" and response.incomplete_details is None
     jsonschema.validate(json.loads(response.output_text), OPEN)
     assert (response.model_extra or {}).get("closed_early") is True
+    with sdk.responses.create(
+        model=served, input="A note.", text=text_format, max_output_tokens=20, temperature=0, stream=True
+    ) as events:
+        final = [event for event in events if event.type in ("response.completed", "response.incomplete")]
+    [completed] = final
+    assert completed.type == "response.completed"
+    assert completed.response.output_text == response.output_text
+    assert (completed.response.model_extra or {}).get("closed_early") is True
     cut = sdk.responses.create(
         model=served,
         input="A note.",
