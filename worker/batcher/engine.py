@@ -191,8 +191,9 @@ class BatchingEngine(EngineThread):
             return None
         return (
             f"max_tokens: the answer has room for {budget} tokens (max_tokens, within the model's context "
-            f"after the prompt), and the shortest document its response format allows takes {needed} tokens "
-            f"on this model; ask for at least {needed} (or set close_early to false to get the cut text)"
+            f"after the prompt), and the shortest document of its response format found takes {needed} "
+            f"tokens on this model; ask for at least {needed} (or set close_early to false to get the cut "
+            "text)"
         )
 
     def _cancel(self, stream: GenerationStream, updates: Updates) -> None:
