@@ -11,6 +11,7 @@ class ErrorCode(str, Enum):
     expired_in_queue = "expired_in_queue"
     job_failed = "job_failed"
     invalid_response_format = "invalid_response_format"  # the engine cannot compile the grammar
+    max_tokens_too_small = "max_tokens_too_small"  # no document of its response format fits max_tokens
     structured_output_not_resumable = "structured_output_not_resumable"
     poison = "poison"  # its workers died running it alone, in quarantine, ORTFLEET_MAX_ATTEMPTS times
     # Requests the gateway refuses.

@@ -91,10 +91,14 @@ def entry_logprobs(fields: dict[str, str]) -> list[dict[str, Any]] | None:
     return json.loads(raw) if raw else None
 
 
-def done_entry(status: JobStatus, finish_reason: str | None, usage_json: str | None) -> dict[str, str]:
+def done_entry(
+    status: JobStatus, finish_reason: str | None, usage_json: str | None, *, closed_early: bool = False
+) -> dict[str, str]:
     fields = {"type": EventType.done.value, "status": status.value}
     if finish_reason:
         fields["finish_reason"] = finish_reason
+    if closed_early:
+        fields["closed_early"] = "true"
     if usage_json:
         fields["usage"] = usage_json
     return fields

@@ -160,6 +160,14 @@ class Sampling(BaseModel):
         "prefix.",
     )
 
+    close_early: bool = Field(
+        True,
+        description="Structured output: where max_tokens would cut the document, the model is steered "
+        "onto the shortest ending in time, so the output parses and follows its format (the reply says "
+        "`closed_early`); false returns the cut text instead. ortfleet's batcher does it; og.Engine "
+        "cannot.",
+    )
+
     @field_validator("min_tokens")
     @classmethod
     def _min_within_max(cls, value: int, info: ValidationInfo) -> int:
@@ -275,6 +283,11 @@ class JobView(BaseModel):
     )
     output: str | None = None
     finish_reason: FinishReason | None = None
+    closed_early: bool | None = Field(
+        None,
+        description="True when max_tokens would have cut the structured output and the engine ended its "
+        "document early instead (see the request's close_early); the output is complete.",
+    )
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None

@@ -409,37 +409,46 @@ def test_the_prefix_bench_measures_second_turns_and_a_shared_system_prompt(
     assert "second turn" in done.stdout and "goals" in done.stdout
 
 
-def test_the_structured_bench_counts_the_answers_that_come_back_whole(
+def test_the_structured_bench_counts_the_answers_that_come_back_whole_with_and_without_closing(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from ortfleet.bench.structured import OBJECT_PROMPTS, PARSE_CASES
+    from ortfleet.bench.structured_cases import OBJECT_PROMPTS, PARSE_CASES, TOOL_ARGUMENTS, TOOL_CASES
 
     out = tmp_path / "structured.json"
     done = bench(
-        "structured", "--model", str(tiny_model), "--parse-tokens", "24", "--object-tokens", "12",
-        "--json", str(out),
+        "structured", "--model", str(tiny_model), "--parse-tokens", "60", "--object-tokens", "12", "30",
+        "--tool-tokens", "70", "--json", str(out),
     )  # fmt: skip
 
     data = figures(out)
-    assert data["bench"] == "structured" and data["options"] == {"parse_tokens": 24, "object_tokens": 12}
-    parse, objects = data["parse"], data["json_object"]
+    assert data["bench"] == "structured"
+    assert data["options"] == {"parse_tokens": [60], "object_tokens": [12, 30], "tool_tokens": [70]}
+    [parse], objects, [tools] = data["parse"], data["json_object"], data["tool_calls"]
     assert [r["schema"] for r in parse["requests"]] == [schema.__name__ for schema, _ in PARSE_CASES]
-    assert [r["prompt"] for r in objects["requests"]] == OBJECT_PROMPTS
     for (schema, _), record in zip(PARSE_CASES, parse["requests"], strict=True):
-        assert 0 < record["completion_tokens"] <= 24
-        if record["ok"]:  # whole: it ended on its own and validates
-            assert record["finish_reason"] == "stop"
-            schema.model_validate_json(record["text"])
+        assert record["ok"] and record["finish_reason"] == "stop", record  # closed early where need be
+        assert 0 < record["completion_tokens"] <= 60
+        schema.model_validate_json(record["text"])
+        if not record["without_closing"]["ended"]:  # max_tokens cut it: it was closed early
+            assert record["closed_early"] and not record["without_closing"]["ok"]
+    assert [run["max_tokens"] for run in objects] == [12, 30]
+    for run in objects:
+        assert [r["prompt"] for r in run["requests"]] == OBJECT_PROMPTS
+        for record in run["requests"]:
+            assert 0 < record["completion_tokens"] <= run["max_tokens"]
+            assert record["ok"] and isinstance(json.loads(record["text"]), dict)
+    assert [(r["tool"], r["prompt"]) for r in tools["requests"]] == TOOL_CASES * 2
+    for record in tools["requests"]:  # the tools fill most of the tiny model's context of 512 tokens
+        if record["ok"]:
+            [[name, arguments]] = json.loads(record["text"])
+            TOOL_ARGUMENTS[name].model_validate_json(arguments)
         else:
-            assert record["miss"]
-    for record in objects["requests"]:
-        assert 0 < record["completion_tokens"] <= 12
-        whole = record["finish_reason"] == "stop" and isinstance(json.loads(record["text"]), dict)
-        assert record["ok"] is whole and (whole or record["miss"])
-    assert parse["ok"] == sum(r["ok"] for r in parse["requests"]) and parse["of"] == 10
-    assert objects["ok"] == sum(r["ok"] for r in objects["requests"]) and objects["of"] == 10
-    assert [goal["pass"] for goal in data["goals"]] == [parse["ok"] >= 9, objects["ok"] >= 9]
-    assert "goals" in done.stdout and "json_object" in done.stdout
+            assert record["miss"].startswith("400: ")  # no room for the call, or for the prompt
+    assert tools["ok"] == sum(r["ok"] for r in tools["requests"])
+    for run in (parse, *objects):
+        assert run["ok"] == sum(r["ok"] for r in run["requests"]) == run["of"] == 10
+        assert run["unchanged"] == run["ended_alone"]
+    assert "goals" in done.stdout
 
 
 def test_the_hog_bench_serves_another_keys_chats_while_one_key_holds_every_row(

@@ -29,6 +29,7 @@ class Outcome:
     generated: int
     error: str | None = None
     error_code: ErrorCode | None = None
+    closed_early: bool = False  # the engine ended the structured output early, within max_tokens
 
 
 def running_writes(
@@ -89,9 +90,10 @@ def final_writes(
         finish_reason=outcome.finish_reason,
         error=outcome.error or None,
         error_code=outcome.error_code,
+        closed_early=outcome.closed_early,
     )
     reason = outcome.finish_reason.value if outcome.finish_reason else None
-    final = done_entry(outcome.status, reason, usage.model_dump_json())
+    final = done_entry(outcome.status, reason, usage.model_dump_json(), closed_early=outcome.closed_early)
     if outcome.status is JobStatus.failed:  # as every failed job: an error event with its code
         code = outcome.error_code or ErrorCode.job_failed
         final = error_entry(outcome.status, outcome.error or "the job failed", code.value)

@@ -45,6 +45,9 @@ class GenerationRequest:
     # first computed (prompt prefill, then one decode step each) and delivers only the tokens after them.
     # max_new_tokens and min_new_tokens count from the end of the replayed tokens.
     replay_ids: tuple[int, ...] = ()
+    # Structured output: the engine ends the document within max_tokens (worker/batcher/closing.py),
+    # on engines that can (`closes_documents`).
+    close_early: bool = True
     # OpenAI's controls over the logits, only on engines that expose them (`exposes_logits`; og.Engine
     # does not). Log-probabilities of each generated token and of the `logprobs` likeliest at its step
     # (0: the token's alone), from the model's distribution before penalties, bias, masks and temperature.
@@ -101,6 +104,9 @@ class EngineUpdate:
     cached_tokens: int | None = None
     # On a request's first update, when it asked for them: one for each prompt token after the first.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # On the last update: the engine overruled the model to end its structured document within
+    # max_tokens (the text is complete; finish is eos).
+    closed_early: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,7 @@ class Engine(Protocol):
     handles_stop_strings: bool  # the engine ends a request at its stop strings (else the job runner does)
     exposes_logits: bool  # the engine answers logprobs, presence and frequency penalties and logit_bias
     replays_guidance: bool  # a replay walks the request's grammar through the replayed tokens
+    closes_documents: bool  # structured output ends within max_tokens (GenerationRequest.close_early)
     # Prompts of at least this many tokens leave their KV for later requests to reuse (0: none do).
     prefix_block_tokens: int
     eos_token_ids: frozenset[int]

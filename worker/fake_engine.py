@@ -87,6 +87,7 @@ class FakeEngine:
         self.exposes_logits = False
         self.prefix_block_tokens = 0
         self.replays_guidance = False  # og's grammar starts again from its beginning
+        self.closes_documents = False  # it follows no grammar
         self.handles_stop_strings = continuous_batching
         self.delay_s = delay_s
         self.capacity = capacity

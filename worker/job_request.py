@@ -73,6 +73,7 @@ def engine_request(
         stop=None if sampling.include_stop_str_in_output else sampling.stop,  # kept: matched by the job
         repetition_penalty=sampling.repetition_penalty,
         guidance=(guidance.kind, guidance.grammar) if guidance is not None else None,
+        close_early=sampling.close_early,
         logprobs=sampling.logprobs,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,

@@ -303,7 +303,8 @@ class JobRun:
             return Outcome(JobStatus.failed, FinishReason.error, text, generated, update.error, code)
         if finish is Finish.length:
             return Outcome(JobStatus.succeeded, FinishReason.length, text, generated)
-        return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated)
+        closed = update.closed_early
+        return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated, closed_early=closed)
 
     async def _finish(self, outcome: Outcome, publisher: StreamPublisher) -> None:
         record, final = final_writes(

@@ -74,6 +74,7 @@ class OrtEngine(EngineThread):
         self.exposes_logits = False
         self.prefix_block_tokens = 0  # og.Engine's own prefix caching (paged models) is not reported
         self.replays_guidance = False  # og's grammar starts again from its beginning
+        self.closes_documents = False  # og runs its own sampler: a cut document stays cut
         # og.Engine's dynamic batching ends a request at a stop string, but leaves the stop text in its
         # tokens: the job runner matches the stops on the text and cuts it (the engine still stops early).
         self.handles_stop_strings = False

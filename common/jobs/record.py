@@ -98,6 +98,7 @@ class JobOutcome:
     error_code: ErrorCode | None = None
     engine_batch_peak: int | None = None
     finished_at: float | None = None
+    closed_early: bool = False  # the engine ended the structured output early, within max_tokens
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class JobRecord(JobOutcome):
             error_code=ErrorCode(code) if code else None,
             engine_batch_peak=_int(raw.get("engine_batch_peak")),
             finished_at=_float(raw.get("finished_at")),
+            closed_early=raw.get("closed_early") == "1",
             weight=float(raw.get("weight") or 1.0),
             tag=_int(raw.get("tag")),
             preemptions=int(raw.get("preemptions") or 0),
@@ -199,6 +201,7 @@ class JobRecord(JobOutcome):
             preemptions=self.preemptions,
             output=self.output,
             finish_reason=self.finish_reason,
+            closed_early=self.closed_early or None,
             usage=self.usage,
             timings=self.timings,
             error=self.error,

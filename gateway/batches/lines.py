@@ -173,7 +173,8 @@ def finished_line(
     if record is not None and status is JobStatus.succeeded:
         usage = record.usage or Usage()
         reason = record.finish_reason.value if record.finish_reason else None
-        result = ChoiceResult(record.output or "", finish_reason(reason), usage)
+        text, closed = record.output or "", record.closed_early
+        result = ChoiceResult(text, finish_reason(reason), usage, closed_early=closed)
         created = int(record.created_at)
         model = record.model
         form: ChatFormat | CompletionFormat

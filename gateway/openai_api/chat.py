@@ -77,11 +77,14 @@ class ChatFormat:
     def prompt(self, index: int, logprobs: list[dict[str, Any]], offsets: TextOffsets) -> None:
         return None  # chat never echoes
 
-    def finish(self, index: int, reason: OpenAIFinishReason) -> ChatCompletionChunk:
+    def finish(
+        self, index: int, reason: OpenAIFinishReason, closed_early: bool = False
+    ) -> ChatCompletionChunk:
         reader = self._readers.get(index)
         if reader is not None and reader.made_calls:
             reason = self._calls_reason(reason, bool(reader.complete_calls()))
-        return self._chunk([ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
+        choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=reason, closed_early=closed_early)
+        return self._chunk([choice])
 
     def read_text(
         self, index: int, text: str, logprobs: list[dict[str, Any]] | None
@@ -146,6 +149,7 @@ class ChatFormat:
                     message=message,
                     logprobs=chat_logprobs(r.logprobs or []) if self.logprobs else None,
                     finish_reason=reason,
+                    closed_early=r.closed_early,
                 )
             )
         return ChatCompletion(

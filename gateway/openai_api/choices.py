@@ -54,6 +54,8 @@ def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt
     headers = {JOB_ID_HEADER: job_id}
     if code in (ErrorCode.context_length_exceeded, ErrorCode.invalid_prompt):
         return ApiError(400, message, param=prompt_param, code=code, headers=headers)
+    if code is ErrorCode.max_tokens_too_small:
+        return ApiError(400, message, param="max_tokens", code=code, headers=headers)
     if code is ErrorCode.invalid_response_format:
         return ApiError(400, message, param="response_format", code=code, headers=headers)
     if code in (ErrorCode.unsupported_parameter, ErrorCode.unsupported_value):  # "<param>: why" (worker)
@@ -112,6 +114,7 @@ class ChoiceResult:
     usage: Usage
     logprobs: list[dict[str, Any]] | None = None  # one entry per token (common/events.py), when asked
     prompt_logprobs: list[dict[str, Any]] | None = None  # one entry per prompt token, when asked
+    closed_early: bool = False  # the engine ended the structured output early, within max_tokens
 
 
 class Choices:
@@ -234,7 +237,9 @@ class Choices:
                 continue
             reason = record.finish_reason.value if record.finish_reason else None
             usage = record.usage or Usage()
-            results.append(ChoiceResult(record.output or "", finish_reason(reason), usage, entries, prompt))
+            text, reason_name = record.output or "", finish_reason(reason)
+            closed = record.closed_early
+            results.append(ChoiceResult(text, reason_name, usage, entries, prompt, closed_early=closed))
         return results
 
     def failure(self, event: ChoiceEvent) -> ApiError:

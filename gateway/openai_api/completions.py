@@ -53,8 +53,9 @@ class CompletionFormat:
         found = completion_logprobs(logprobs, offsets)
         return self._chunk([CompletionChoice(index=index, text=text, logprobs=found, finish_reason=None)])
 
-    def finish(self, index: int, reason: OpenAIFinishReason) -> Completion:
-        return self._chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+    def finish(self, index: int, reason: OpenAIFinishReason, closed_early: bool = False) -> Completion:
+        choice = CompletionChoice(index=index, text="", finish_reason=reason, closed_early=closed_early)
+        return self._chunk([choice])
 
     def read_text(self, index: int, text: str, logprobs: list[dict[str, Any]] | None) -> None:
         return None  # text goes out as it comes
@@ -71,6 +72,7 @@ class CompletionFormat:
                 if self.logprobs
                 else None,
                 finish_reason=r.finish_reason,
+                closed_early=r.closed_early,
             )
             for i, r in enumerate(results)
         ]

@@ -68,6 +68,7 @@ def job_request(
         "stop_token_ids": body.stop_token_ids,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "response_format": guided,
+        "close_early": body.close_early,
         "priority": body.priority,
         "cache_salt": body.cache_salt,
         "presence_penalty": body.presence_penalty,

@@ -108,6 +108,11 @@ class GenerationParams(OpenAIRequest):
         None, description="Keep the stop string in the text."
     )
     # Structured output (see structured.py): at most one of these.
+    close_early: StrictBool | None = Field(
+        None,
+        description="ortfleet's extension, for structured output: true (default) ends the document early "
+        "where max_tokens would cut it (the choice says `closed_early`); false returns the cut text.",
+    )
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -330,7 +335,27 @@ class OpenAIObject(BaseModel):
     model: str
 
 
-class ChatChoice(BaseModel):
+CLOSED_EARLY = (
+    "ortfleet's: true when max_tokens would have cut the structured output (a JSON schema, a JSON object, "
+    "a tool call's arguments) and the engine ended the document early instead, so that it parses and "
+    "follows its format; finish_reason is then `stop` (or `tool_calls`). Absent otherwise."
+)
+
+
+class ClosingChoice(BaseModel):
+    """A choice that may carry ortfleet's `closed_early`, shown only when true."""
+
+    closed_early: bool | None = Field(None, description=CLOSED_EARLY)
+
+    @model_serializer(mode="wrap")
+    def _closed_early_when_true(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        shown: dict[str, Any] = handler(self)
+        if not shown.get("closed_early"):
+            shown.pop("closed_early", None)
+        return shown
+
+
+class ChatChoice(ClosingChoice):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
@@ -359,7 +384,7 @@ class Delta(BaseModel):
         return {key: value for key, value in shown.items() if value is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(ClosingChoice):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
@@ -379,7 +404,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(ClosingChoice):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None

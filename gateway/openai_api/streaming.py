@@ -42,7 +42,7 @@ class ResponseFormat(Protocol):
         """The chunk of a choice's echoed prompt with its tokens' log-probabilities, when it echoes."""
         ...
 
-    def finish(self, index: int, reason: OpenAIFinishReason) -> BaseModel: ...
+    def finish(self, index: int, reason: OpenAIFinishReason, closed_early: bool = False) -> BaseModel: ...
 
     def read_text(
         self, index: int, text: str, logprobs: list[dict[str, Any]] | None
@@ -142,9 +142,9 @@ class ChunkStream:
                 break
             elif event.kind == EventType.done.value:
                 usages[event.index] = event.usage()
-                out.append(
-                    chunk_frame(form.finish(event.index, finish_reason(event.fields.get("finish_reason"))))
-                )
+                reason = finish_reason(event.fields.get("finish_reason"))
+                closed = event.fields.get("closed_early") == "true"
+                out.append(chunk_frame(form.finish(event.index, reason, closed)))
         return b"".join(out)
 
     def failed(self) -> bytes:

@@ -166,6 +166,7 @@ class EventNumbering:
             usage=fields.get("usage"),
             truncated=truncated,
             logprobs=self.logprobs,
+            closed_early=fields.get("closed_early") == "true",
         )
         name = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             final["status"], "response.incomplete"

@@ -158,8 +158,11 @@ def response_object(
     error: dict[str, str] | None = None,
     truncated: bool = False,
     logprobs: list[dict[str, Any]] | None = None,
+    closed_early: bool = False,
 ) -> dict[str, Any]:
-    """The response object; `text` is the job's generated text (None: no output yet)."""
+    """The response object; `text` is the job's generated text (None: no output yet). `closed_early`
+    (ortfleet's field, shown only when true): the engine ended the structured output early, within
+    max_output_tokens."""
     if status == "completed" and truncated:
         status = "incomplete"
     output = [] if text is None else output_items(meta, text, status, logprobs)
@@ -187,6 +190,8 @@ def response_object(
         "store": meta.get("store", "1") == "1",
         "metadata": _json_field(meta, "metadata", {}),
     }
+    if closed_early:
+        shown["closed_early"] = True
     counted = _usage(usage)
     if counted is not None:  # none until the response ends
         shown["usage"] = counted
@@ -214,4 +219,5 @@ def view_from_job(
         error=error,
         truncated=job.finish_reason is FinishReason.length,
         logprobs=logprobs,
+        closed_early=job.closed_early,
     )

@@ -75,6 +75,11 @@ class ResponseRequest(OpenAIRequest):
     )
     include: list[str] | None = Field(None, description="`message.output_text.logprobs` gives logprobs.")
     cache_salt: str | None = Field(None, description=CACHE_SALT)
+    close_early: StrictBool | None = Field(
+        None,
+        description="ortfleet's extension, for structured output: true (default) ends the document early "
+        "where max_tokens would cut it (the response says `closed_early`); false returns the cut text.",
+    )
     # OpenAI's parameters ortfleet cannot honour: accepted only unset.
     conversation: Unset = None
     prompt: Unset = None
@@ -186,6 +191,7 @@ def response_job(
         "response_format": guided,
         "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
         "cache_salt": body.cache_salt,
+        "close_early": body.close_early,
     }
     try:
         return JobRequest.model_validate({key: value for key, value in fields.items() if value is not None})

@@ -28,6 +28,7 @@ import onnxruntime_genai as og
 from llguidance import LLTokenizer
 
 from common.error_codes import ErrorCode
+from worker.batcher.closing import ByteTokens
 from worker.batcher.counters import BatcherCounters
 from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.prefix_cache import PrefixCache
@@ -51,6 +52,7 @@ class BatchingEngine(EngineThread):
     handles_stop_strings = False  # the job runner matches stop strings on the text
     exposes_logits = True
     replays_guidance = True
+    closes_documents = True
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class BatchingEngine(EngineThread):
         self.vocab_size = layout.vocab_size
         self.prefix_block_tokens = prefill_chunk if prefix_cache else 0
         self._grammar_tokenizer: LLTokenizer | None = None
+        self._byte_tokens: ByteTokens | None = None
         self.counters = BatcherCounters()
         prefixes = PrefixCache(prefill_chunk) if prefix_cache else None
         budget = kv_budget_tokens or capacity * self.context_length
@@ -149,14 +152,18 @@ class BatchingEngine(EngineThread):
             )
         else:
             try:
-                sampler = RowSampler(request, self.eos_token_ids, self.vocab_size, self._grammar(request))
+                grammar = self._grammar(request)
+                sampler = RowSampler(request, self.eos_token_ids, self.vocab_size, grammar, self._byte_tokens)
             except GrammarError as e:
                 error, code = str(e), ErrorCode.invalid_response_format
             except BiasOutsideVocabulary as e:
                 error, code = str(e), ErrorCode.unsupported_value
             else:
-                self._rows.waiting.append(Row(stream, sampler, reserved))
-                return
+                too_small = self._too_small(request, sampler)
+                if too_small is None:
+                    self._rows.waiting.append(Row(stream, sampler, reserved))
+                    return
+                error, code = too_small, ErrorCode.max_tokens_too_small
         updates.append((stream, EngineUpdate([], Finish.error, error, error_code=code)))
 
     def _grammar(self, request: GenerationRequest) -> LLTokenizer | None:
@@ -166,7 +173,28 @@ class BatchingEngine(EngineThread):
             self._grammar_tokenizer = LLTokenizer(
                 str(self._model_dir / "tokenizer.json"), eos_token=sorted(self.eos_token_ids)
             )
+            self._byte_tokens = ByteTokens(self._grammar_tokenizer)
         return self._grammar_tokenizer
+
+    def _budget(self, request: GenerationRequest) -> int:
+        """The tokens a request may generate, replayed ones included (max_tokens, and the context)."""
+        replayed = len(request.replay_ids)
+        return min(request.max_new_tokens + replayed, self.context_length - len(request.prompt_ids))
+
+    def _too_small(self, request: GenerationRequest, sampler: RowSampler) -> str | None:
+        """Why a structured request cannot end its document within its max_tokens, if it cannot."""
+        if request.replay_ids:  # its first attempt fitted
+            return None
+        needed = sampler.closing_length()
+        budget = self._budget(request)
+        if needed is None or needed <= budget:
+            return None
+        return (
+            f"max_tokens: the answer has room for {budget} tokens (max_tokens, within the model's context "
+            f"after the prompt), and the shortest document of its response format found takes {needed} "
+            f"tokens on this model; ask for at least {needed} (or set close_early to false to get the cut "
+            "text)"
+        )
 
     def _cancel(self, stream: GenerationStream, updates: Updates) -> None:
         for row in self._rows.every():
@@ -234,7 +262,8 @@ class BatchingEngine(EngineThread):
         request = row.request
         raw = logits.copy() if request.logprobs is not None and not row.replaying else None
         try:
-            token = row.sampler.choose(logits, row.produced)
+            left = self._budget(request) - row.replayed - row.produced
+            token = row.sampler.choose(logits, row.produced, left)
             if row.replaying:
                 expected = request.replay_ids[row.replayed]
                 if token != expected:  # computed otherwise than the first time: the stream goes on as it was
@@ -261,6 +290,10 @@ class BatchingEngine(EngineThread):
             finish = Finish.eos
         elif row.produced >= request.max_new_tokens or row.length + 1 >= self.context_length:
             finish = Finish.length
+        closed = finish is not None and row.sampler.closed_early
+        if closed and finish is Finish.length:  # the closer ended the document on the last token
+            closed = row.sampler.grammar_complete
+            finish = Finish.eos if closed else finish
         rows = self._rows.running()
         if finish is not None:
             self._rows.end(row)
@@ -281,6 +314,7 @@ class BatchingEngine(EngineThread):
             logprobs=logprobs,
             cached_tokens=cached,
             prompt_logprobs=prompt_logprobs,
+            closed_early=closed,
         )
         updates.append((row.stream, update))
 

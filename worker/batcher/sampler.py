@@ -15,6 +15,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
+from worker.batcher.closing import ByteTokens, DocumentCloser
 from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
 from worker.engine_errors import failure_cause, grammar_broke, grammar_refused
@@ -38,6 +39,7 @@ class RowSampler:
         eos_token_ids: frozenset[int],
         vocab_size: int,
         grammar_tokenizer: LLTokenizer | None,
+        byte_tokens: ByteTokens | None = None,
     ) -> None:
         self.request = request
         self._eos = np.fromiter(sorted(t for t in eos_token_ids if t < vocab_size), np.int64)
@@ -60,6 +62,7 @@ class RowSampler:
         self._bitmask: np.ndarray | None = None
         self._keys: JsonKeys | None = None
         self._chosen: tuple[int, bytes] | None = None  # the token `choose` gave, and its bytes
+        self.closer: DocumentCloser | None = None  # ends the document within max_tokens (closing.py)
         if request.guidance is not None:
             assert grammar_tokenizer is not None
             self._matcher = _matcher(grammar_tokenizer, *request.guidance)
@@ -68,9 +71,14 @@ class RowSampler:
             self._grammar_tokenizer = grammar_tokenizer
             if request.guidance[0] == "json_schema":
                 self._keys = JsonKeys()
+            if request.close_early and byte_tokens is not None and self._eos.size:
+                closer = DocumentCloser(self._matcher, byte_tokens, frozenset(map(int, self._eos)))
+                if closer.ending() is not None:  # else the walk finds no ending: the row is not closed
+                    self.closer = closer
 
-    def choose(self, logits: np.ndarray, produced: int) -> int:
-        """The next token from this step's logits [vocab] (modified in place)."""
+    def choose(self, logits: np.ndarray, produced: int, left: int | None = None) -> int:
+        """The next token from this step's logits [vocab] (modified in place); `left`: the tokens the row
+        may still generate, this one included, within which its document must end (structured output)."""
         self._chosen = None
         if self._penalized:
             ids = np.fromiter(self._penalized, np.int64)
@@ -90,6 +98,8 @@ class RowSampler:
         token = self._pick(logits)
         if self._keys is not None:
             token = self._new_key(logits, token)
+        if self.closer is not None and left is not None:
+            token = self.closer.steer(token, left)
         return token
 
     def _new_key(self, logits: np.ndarray, token: int) -> int:
@@ -117,12 +127,30 @@ class RowSampler:
         if self._matcher is not None and not self._matcher.consume_token(token):
             raise self._broken()
         chosen, self._chosen = self._chosen, None
-        if self._keys is not None:  # the bytes `choose` read, unless a replay goes on with another token
+        if self._keys is not None or self.closer is not None:
+            # the bytes `choose` read, unless a replay (or the closer) goes on with another token
             piece = chosen[1] if chosen is not None and chosen[0] == token else self._token_bytes(token)
-            self._keys.feed(piece)
+            if self._keys is not None:
+                self._keys.feed(piece)
+            if self.closer is not None:
+                self.closer.accept(token, piece)
 
     def _token_bytes(self, token: int) -> bytes:
         return self._grammar_tokenizer.decode_bytes([token])
+
+    @property
+    def closed_early(self) -> bool:
+        """The closer overruled the model: the document ended early, within max_tokens."""
+        return self.closer is not None and self.closer.acted
+
+    @property
+    def grammar_complete(self) -> bool:
+        """The grammar's text is complete (it may end here)."""
+        return self._matcher is not None and self._matcher.is_accepting()
+
+    def closing_length(self) -> int | None:
+        """The tokens that end the document from the start (None: no closer, or no ending found)."""
+        return None if self.closer is None else (None if (e := self.closer.ending()) is None else len(e))
 
     @property
     def grammar_done(self) -> bool:

@@ -129,24 +129,38 @@ def add_modes(modes: Subparsers) -> None:
 
     structured = modes.add_parser(
         "structured",
-        help="does constrained JSON come back whole: chat.completions.parse on ten schemas, json_object on "
-        "ten prompts; goals checked",
+        help="does constrained JSON come back whole within max_tokens: chat.completions.parse on ten "
+        "schemas, json_object on ten prompts, named and required tool calls; goals checked",
         description="On a local fleet (Redis, a gateway, one worker on the model) or the OpenAI-compatible "
-        "server at --url: ten small pydantic models through the openai SDK's chat.completions.parse, greedy, "
-        "and ten json_object requests. Counts the answers that parse (ended on their own and validate), "
+        "server at --url: ten small pydantic models through the openai SDK's chat.completions.parse, ten "
+        "json_object requests and ten tool calls (five prompts, tool named and required), greedy, at each "
+        "max_tokens given; each request also with close_early false. Counts the answers that parse (and "
+        "validate), those closed early, and those the model ended on its own that closing left unchanged, "
         "with each answer's text and why a miss missed; then the goals.",
     )
     structured.add_argument(
         "--model", type=Path, metavar="DIR", help="model folder (default: the default model)"
     )
     structured.add_argument(
-        "--parse-tokens", type=positive, default=120, help="max_tokens of each parse request (default 120)"
+        "--parse-tokens",
+        type=positive,
+        nargs="+",
+        default=[40, 60, 120],
+        help="max_tokens of the parse requests, one run of ten each (default 40 60 120)",
     )
     structured.add_argument(
         "--object-tokens",
         type=positive,
-        default=60,
-        help="max_tokens of each json_object request (default 60)",
+        nargs="+",
+        default=[20, 60],
+        help="max_tokens of the json_object requests, one run of ten each (default 20 60)",
+    )
+    structured.add_argument(
+        "--tool-tokens",
+        type=positive,
+        nargs="+",
+        default=[24],
+        help="max_tokens of the tool-call requests, one run of ten each (default 24)",
     )
     structured.add_argument(
         "--url", help="benchmark a running OpenAI-compatible server instead of starting a local fleet"
@@ -236,6 +250,7 @@ def run_structured(args: argparse.Namespace) -> int:
         model_dir=None if args.url else model_dir(args.model),
         parse_tokens=args.parse_tokens,
         object_tokens=args.object_tokens,
+        tool_tokens=args.tool_tokens,
         url=url,
         name=args.name,
         api_key=args.api_key,
