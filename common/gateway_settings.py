@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -51,15 +50,6 @@ class GatewaySettings(FleetSettings):
         description="How long a chat waits at the head of its queue for the worker that holds the KV "
         "of its leading messages (a live worker with a free slot, at submission), before any worker may "
         "take it; 0 turns routing by prefix off.",
-    )
-    prefix_cache_scope: Literal["key", "fleet"] = Field(
-        "key",
-        description="Whose cached prompt prefixes a request may reuse (counted in cached_tokens, and "
-        "sooner to a first token): `key`, only those of its own API key's requests (or of its group in "
-        "prefix_cache_groups); `fleet`, those of every key's, for a single-tenant fleet (a key may then "
-        "learn whether another key's prompt starts with a guessed text). A gateway without API keys has one "
-        "scope for all. Either way, requests with different cache_salt values share nothing. Give every "
-        "gateway the same value.",
     )
     prefix_cache_groups: list[list[str]] = Field(
         default_factory=list,

@@ -33,6 +33,17 @@ class FleetSettings(BaseSettings):
         '{"model": "redis://host:6379/0", ...}. Other models, API keys, files, batches and responses '
         "use redis_url. Give every gateway and worker the same map.",
     )
+    prefix_cache_scope: Literal["key", "fleet"] = Field(
+        "key",
+        description="Whose cached prompt prefixes a request may reuse (counted in cached_tokens, and "
+        "sooner to a first token): `key`, only those of its own API key's requests (or of its group in "
+        "prefix_cache_groups); `fleet`, those of every key's, for a single-tenant fleet (a key may then "
+        "learn whether another key's prompt starts with a guessed text). A gateway without API keys has one "
+        "scope for all. Either way, requests with different cache_salt values share nothing. og.Engine "
+        "workers (paged-attention models on GPUs) reuse prefixes only with `fleet`, and then whatever the "
+        "cache_salt: og.Engine's own prefix cache knows no scope. Give every gateway and worker the same "
+        "value.",
+    )
     job_ttl_s: int = Field(
         86_400,
         ge=60,

@@ -5,6 +5,7 @@ with two API keys."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +19,12 @@ from common.gateway_settings import GatewaySettings
 from common.jobs.payload import job_payload, parse_job_payload
 from common.prefix_hints import hint_keys
 from common.wire import ChatMessage, JobSpec, Sampling
+from common.worker_settings import WorkerSettings
 from gateway.cache_scope import cache_scope
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 from tests.test_security import bearer, create_key
+from worker.ort_engine import engine_batching
 
 STORY = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens: two 128-token chunks
 REUSED = 256  # the whole chunks of STORY short of its last token
@@ -221,3 +224,36 @@ async def test_an_empty_or_overlong_cache_salt_is_refused_naming_the_field(
                 assert reply.status_code == status, (path, reply.text)
                 assert reply.json()["error"]["param"] == "cache_salt", (path, reply.text)
                 assert "cache_salt" in reply.json()["error"]["message"]
+
+
+def _paged_model(folder: Path, **batching: Any) -> Path:
+    """A model folder whose genai_config gives og.Engine dynamic batching (paged attention)."""
+    folder.mkdir()
+    dynamic = {"block_size": 256, **batching}
+    config = {"model": {"context_length": 4096}, "engine": {"dynamic_batching": dynamic}}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.unit
+def test_og_engines_own_prefix_cache_is_off_unless_every_request_may_share_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """og.Engine (paged models on GPUs) caches prefixes for every request alike: a worker turns it on
+    only where the fleet is one cache scope, and never where the model's build turned it off."""
+    paged = _paged_model(tmp_path / "paged")
+    assert engine_batching(paged, None, None, prefix_caching=False) == {"prefix_caching": False}
+    given_rows = engine_batching(paged, None, 32, prefix_caching=True)
+    assert given_rows == {"max_batch_size": 32, "prefix_caching": True}
+    windowed = _paged_model(tmp_path / "windowed", prefix_caching=False)
+    assert engine_batching(windowed, None, None, prefix_caching=True) == {"prefix_caching": False}
+    static = tmp_path / "static"
+    static.mkdir()
+    (static / "genai_config.json").write_text(json.dumps({"model": {}, "engine": {"static_batching": {}}}))
+    assert engine_batching(static, None, None, prefix_caching=True) == {}
+
+    # The worker asks for it only with ORTFLEET_PREFIX_CACHE_SCOPE=fleet (and its prefix cache on).
+    monkeypatch.delenv("ORTFLEET_PREFIX_CACHE_SCOPE", raising=False)
+    assert WorkerSettings().prefix_cache_scope == "key"
+    monkeypatch.setenv("ORTFLEET_PREFIX_CACHE_SCOPE", "fleet")
+    assert WorkerSettings().prefix_cache_scope == GatewaySettings().prefix_cache_scope == "fleet"

@@ -52,6 +52,8 @@ def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> Or
         settings.step_delay_s,
         target_itl_ms=settings.target_itl_ms,
         gpu_kv_fraction=settings.gpu_kv_fraction,
+        # og.Engine's prefix cache knows no tenant: shared only where every request may share
+        prefix_caching=settings.prefix_cache and settings.prefix_cache_scope == "fleet",
     )
 
 

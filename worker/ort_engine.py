@@ -63,10 +63,12 @@ class OrtEngine(EngineThread):
         *,
         target_itl_ms: float | None = None,
         gpu_kv_fraction: float | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         super().__init__("ort-engine")
         self._target_itl_ms = target_itl_ms
         self._gpu_kv_fraction = gpu_kv_fraction
+        self._prefix_caching = prefix_caching
         # On a GPU with dynamic batching and no max_batch_size given: the rows sized from the card.
         self.row_sizing: RowSizing | None = None
         self._step_delay_s = step_delay_s
@@ -96,9 +98,7 @@ class OrtEngine(EngineThread):
     def _main(self) -> None:
         try:
             kv_plan = self._kv_plan()
-            batching = kv_plan.overlay() if kv_plan is not None else {}
-            if self._max_batch_size is not None:
-                batching["max_batch_size"] = self._max_batch_size
+            batching = engine_batching(self._model_dir, kv_plan, self._max_batch_size, self._prefix_caching)
             config = load_config(self._model_dir, self._device, batching)
             self._model = og.Model(config)
             self.tokenizer = OrtTokenizer(self._model, self._vocab_size, self._model_dir)
@@ -353,3 +353,18 @@ class OrtEngine(EngineThread):
                 self._solo.remove(run)
             updates.append((run.stream, update))
         deliver_all(updates)
+
+
+def engine_batching(
+    model_dir: Path, kv_plan: KvPlan | None, max_batch_size: int | None, prefix_caching: bool
+) -> dict[str, Any]:
+    """What the worker overlays on the model's engine batching section: the rows and KV blocks sized
+    from the card, a max_batch_size given, and, on dynamic batching, og.Engine's prefix caching off
+    unless asked for (its cache is shared by every request, whatever their keys) and the model allows it."""
+    batching: dict[str, Any] = kv_plan.overlay() if kv_plan is not None else {}
+    if max_batch_size is not None:
+        batching["max_batch_size"] = max_batch_size
+    if uses_dynamic_batching(model_dir):
+        allowed = read_genai(model_dir)["engine"]["dynamic_batching"].get("prefix_caching", True)
+        batching["prefix_caching"] = bool(prefix_caching and allowed)
+    return batching
