@@ -334,6 +334,12 @@ def check_redis(url: str, timeout_s: float) -> StoreConfig:
     try:
         with connect_blocking(url, timeout_s) as client:
             client.ping()
+            if _cluster_node(client):
+                raise RedisRefused(
+                    f"{shown} is a node of a Redis Cluster, which ortfleet does not run on (its job scripts "
+                    "touch keys of many slots): give it a standalone primary (replicas and Sentinel for "
+                    "failover), and models Redis of their own with ORTFLEET_REDIS_SHARDS"
+                )
             return read_config_blocking(client)
     except AuthenticationError as e:
         if "authentication required" in str(e).lower():
@@ -347,3 +353,12 @@ def check_redis(url: str, timeout_s: float) -> StoreConfig:
         raise RedisUnreachable(f"{shown} is unreachable ({e})") from e
     except ValueError as e:  # a URL no client can be made from
         raise RedisRefused(f"{shown} cannot be used: {e}") from e
+
+
+def _cluster_node(client: SyncRedis) -> bool:
+    """Whether the server runs in cluster mode (False where INFO is disabled: nothing to tell)."""
+    try:
+        info: dict[str, Any] = client.info("cluster")  # type: ignore[assignment]
+        return bool(info.get("cluster_enabled"))
+    except ResponseError:
+        return False

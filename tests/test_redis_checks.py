@@ -76,6 +76,17 @@ def test_a_process_on_a_redis_that_evicts_keys_exits_naming_the_policy_and_the_w
     )
 
 
+@pytest.mark.parametrize("process", ["gateway", "worker"])
+def test_a_process_given_a_redis_cluster_node_exits_saying_so_and_the_way_out(
+    process: str, tmp_path: Path
+) -> None:
+    nodes = tmp_path / "nodes.conf"
+    with redis_with(tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", str(nodes)) as url:
+        exited = STARTS[process](tmp_path, ORTFLEET_REDIS_URL=url)
+
+    assert_one_line(exited, f"ortfleet-{process}", "Redis Cluster", "ORTFLEET_REDIS_SHARDS", "127.0.0.1")
+
+
 def test_a_gateway_allowed_an_evicting_redis_starts_and_says_keys_may_be_lost(tmp_path: Path) -> None:
     with (
         redis_with(tmp_path, "--maxmemory-policy", "allkeys-lru") as url,
