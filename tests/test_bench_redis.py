@@ -26,3 +26,30 @@ def test_the_redis_bench_separates_submission_and_token_costs_and_steps_up_the_r
     assert [step["streams"] for step in steps] == [20, 20]
     assert all(step["tokens_per_s"] > 0 and step["relay_p99_ms"] is not None for step in steps)
     assert data["ceiling"]["carried_within_target"] is not None
+
+
+def test_the_token_plane_bench_measures_each_level_and_coalescing_carries_several_tokens_an_event(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "tokens.json"
+    # 8 rows every 5 ms: up to 1,600 token entries a second, far above the 200 job writes a second set
+    # here, so a coalescing worker holds each job's tokens up to 8 / 200 = 40 ms.
+    done = bench(
+        "tokens", "--rows", "8", "--step-ms", "5", "--streams", "1,8", "--max-tokens", "40", "--seconds", "3",
+        "--warmup", "1", "--coalesce-ms", "0,50", "--writes-per-s", "200", "--client-processes", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert "Redis µs/token" in done.stdout and "Redis CPU per job beside its tokens" in done.stdout
+    data = json.loads(out.read_text())
+    levels = {(level["coalesce_ms"], level["streams"]): level for level in data["levels"]}
+    assert sorted(levels) == [(0, 1), (0, 8), (50, 1), (50, 8)]
+    for level in levels.values():
+        assert level["tokens"] > 0 and level["jobs_ended"] > 0 and level["redis_cpu_us_per_token"] > 0
+        assert level["relay_latency_ms"]["n"] > 0 and level["ttft_ms"]["n"] > 0
+        assert level["redis_cpu_us_per_job"] > 0 and "redis_cpu_us_per_token_plane" in level
+        assert level["redis_command_us_per_token"]["evalsha"] > 0
+    # Without coalescing an event carries a step's token (or two, when a write was still out); with
+    # it, each job's tokens of several steps.
+    assert levels[(0, 8)]["tokens_per_event"] < 1.5 and levels[(50, 8)]["tokens_per_event"] > 2
+    # One stream is below the rate: nothing waits.
+    assert levels[(50, 1)]["tokens_per_event"] < 1.5
