@@ -19,6 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common.redis_client import connect
+from common.settings import FleetSettings
 from ortfleet.fleet.launcher import FleetProcess, LocalFleet
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.openai_schema import OpenAISchema, install
@@ -105,16 +106,22 @@ async def own_redis_client(own_redis: RedisServer) -> AsyncIterator[Redis]:
     await client.aclose()
 
 
+def kept_models(name: str) -> Path:
+    """A folder for models the tests build, beside the model cache (test-models/ next to models/), so
+    that every checkout and run of the suite on a machine shares them: `name` carries a key of what
+    their build depends on, so a change to a builder or to a library it is built with builds them
+    again. The builds write a partial folder and rename it, under a lock (ortfleet/modelbuild/cache.py)."""
+    folder = FleetSettings().model_cache.parent / "test-models" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
-def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, kept in pytest's cache between sessions (unless run with -p no:cacheprovider)
-    under a key of what its build depends on: a change to its builder or to a library it is built with
-    builds it again. tests/test_model_build.py builds it afresh."""
+def tiny_model() -> Path:
+    """The tiny model, kept between runs (kept_models). tests/test_model_build.py builds it afresh."""
     from ortfleet.modelbuild.tiny import build_tiny_model
 
-    cache: pytest.Cache | None = getattr(request.config, "cache", None)
-    folder = cache.mkdir(f"tiny-model-{_tiny_build_key()}") if cache else tmp_path_factory.mktemp("models")
-    return build_tiny_model(folder / "tiny")
+    return build_tiny_model(kept_models(f"tiny-model-{_tiny_build_key()}") / "tiny")
 
 
 def _tiny_build_key() -> str:
@@ -143,7 +150,6 @@ def _tiny_build_key() -> str:
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The default model (SmolLM2-135M-Instruct int4, CPU), built into the model cache if need be."""
-    from common.settings import FleetSettings
     from ortfleet.modelbuild.default import ensure_default_model
 
     return ensure_default_model(FleetSettings().model_cache)

@@ -17,6 +17,7 @@ import pytest
 
 from ortfleet.modelbuild import cache, convert, random_weights, synthetic, tiny
 from ortfleet.modelbuild.synthetic import Shape, build_synthetic_model
+from tests.conftest import kept_models
 from worker.batcher.engine import BatchingEngine
 from worker.engine import GenerationRequest, GenerationStream
 
@@ -72,13 +73,10 @@ ARCHITECTURES = [
 
 
 @pytest.fixture(scope="module")
-def models_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the tiny models are built: pytest's cache, under a key of what their build depends on (as
-    the tiny model's in conftest.py), unless the cache provider is off."""
-    pytest_cache: pytest.Cache | None = getattr(request.config, "cache", None)
-    if pytest_cache is None:
-        return tmp_path_factory.mktemp("architectures")
-    return pytest_cache.mkdir(f"architectures-{_build_key()}")
+def models_folder() -> Path:
+    """Where the tiny models are built and kept between runs, under a key of what their build depends
+    on (as the tiny model's in conftest.py)."""
+    return kept_models(f"architectures-{_build_key()}")
 
 
 def _build_key() -> str:
