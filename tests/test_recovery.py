@@ -140,18 +140,24 @@ async def test_a_job_handed_back_by_a_stopped_worker_is_not_suspect(
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize(("kill_at", "stream_interval"), [(8, 1), (40, 1), (40, 4)])
+@pytest.mark.parametrize(
+    ("kill_at", "stream_interval", "coalescing"),
+    [(8, 1, False), (40, 1, False), (40, 4, False), (40, 1, True)],
+)
 async def test_a_greedy_job_resumed_after_a_kill_on_the_default_model_writes_the_uninterrupted_text(
-    redis_server: RedisServer, default_model: Path, kill_at: int, stream_interval: int
+    redis_server: RedisServer, default_model: Path, kill_at: int, stream_interval: int, coalescing: bool
 ) -> None:
-    # With a stream interval, the killed worker takes the tokens it held back with it: the next
-    # attempt generates them again.
+    # With a stream interval, or coalescing (here at any rate: 1 job write a second is the aim, so a
+    # job's tokens wait up to ORTFLEET_STREAM_COALESCE_MS), the killed worker takes the tokens it held
+    # back with it: the next attempt generates them again.
     fleet = Fleet(redis_server.url, default_model)
-    name = f"smollm2-resume-{kill_at}-{stream_interval}"
+    name = f"smollm2-resume-{kill_at}-{stream_interval}-{int(coalescing)}"
     env = {
         "ORTFLEET_STEP_DELAY_S": "0.03",
         "ORTFLEET_HEARTBEAT_TTL_S": "2",
         "ORTFLEET_STREAM_INTERVAL": str(stream_interval),
+        "ORTFLEET_STREAM_WRITES_PER_S": "1" if coalescing else "2000",
+        "ORTFLEET_STREAM_COALESCE_MS": "120",
     }
     try:
         fleet.start_gateway()
@@ -177,6 +183,9 @@ async def test_a_greedy_job_resumed_after_a_kill_on_the_default_model_writes_the
     assert done["resume_exact"] is True
     assert done["output"] == expected == streamed_text(events)
     assert len(assert_contiguous(events)) == 120
+    if coalescing:  # the tokens did wait: with steps 30 ms apart, about four to an event
+        tokens = [event for event in events if event.event == "token"]
+        assert len(tokens) <= 120 / 2, f"{len(tokens)} token events for 120 tokens"
 
 
 def test_the_chaos_drill_reports_no_lost_job_and_no_stream_defect_through_every_kind_of_fault(
