@@ -19,6 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
+from gateway.batches.lines import answer_line
 from tests.conftest import Fleet, RedisServer
 
 FAST_DRIVER = {"ORTFLEET_BATCH_TICK_S": "0.05", "ORTFLEET_BATCH_LEASE_S": "1"}
@@ -304,3 +305,14 @@ async def test_a_batchs_input_file_cannot_be_deleted_while_the_batch_runs_and_ev
     assert batch.request_counts is not None and batch.request_counts.completed == 20
     assert len(jsonl(sdk, batch.output_file_id)) == 20
     assert sdk.files.delete(input_id).deleted  # the batch has ended: the file is the key's to delete
+
+
+@pytest.mark.unit
+def test_an_answer_with_unicode_line_breaks_stays_one_line_of_its_file() -> None:
+    """JSON leaves U+0085, U+2028 and U+2029 raw inside strings, where Python's splitlines (and older
+    JavaScript) breaks lines: an output line escapes them, so every reader finds one record a line."""
+    text = "one\x85two\u2028three\u2029four é"
+    line = answer_line("req-1", "job_x", 200, {"choices": [{"message": {"content": text}}]})
+    assert line.endswith("\n") and len(line.splitlines()) == 1
+    assert json.loads(line)["response"]["body"]["choices"][0]["message"]["content"] == text
+    assert "é" in line  # other text stays as it is

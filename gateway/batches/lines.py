@@ -122,6 +122,16 @@ def _one_choice(count: int) -> None:
         raise ApiError(400, "n: a batch line asks for one choice (one prompt, n=1)", param="n")
 
 
+# Characters JSON leaves raw in a string that Python's str.splitlines (and JavaScript before ES2019)
+# take for line breaks: escaped, so that every way of splitting a JSONL file finds one line per record.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def jsonl(line: dict[str, Any]) -> str:
+    """One JSONL line: compact JSON, non-ASCII text as it is but for line breaks, and a newline."""
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS) + "\n"
+
+
 def answer_line(
     custom_id: str, job_id: str, status_code: int, body: dict[str, Any], number: int | None = None
 ) -> str:
@@ -133,7 +143,7 @@ def answer_line(
     }
     if number is not None:
         line["line"] = number
-    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+    return jsonl(line)
 
 
 def refused_line(custom_id: str, number: int, batch_id: str, error: ApiError) -> str:
@@ -149,7 +159,7 @@ def refused_line(custom_id: str, number: int, batch_id: str, error: ApiError) ->
         "error": None,
         "line": number,
     }
-    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+    return jsonl(line)
 
 
 def unanswered_line(custom_id: str, number: int, batch_id: str, code: str, message: str) -> str:
@@ -161,7 +171,7 @@ def unanswered_line(custom_id: str, number: int, batch_id: str, code: str, messa
         "error": {"code": code, "message": message},
         "line": number,
     }
-    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+    return jsonl(line)
 
 
 def finished_line(
