@@ -34,9 +34,10 @@ def token_entry(
 
 def merge_token_entries(entries: list[dict[str, str]]) -> list[dict[str, str]]:
     """`entries` with each run of consecutive token entries of a job (each starting where the one before
-    ends) made one token entry: its text, ids and log-probabilities those of the run, in order, and its
-    index the run's first. A reader gets the same tokens and text in fewer entries; the entries given are
-    left as they are."""
+    ends) made one token entry: its text and ids those of the run, in order, and its index the run's
+    first. A reader gets the same tokens and text in fewer entries; the entries given are left as they
+    are. Entries with log-probabilities stay apart: each is large already (up to 2 KB a token), and a
+    joined one would pass the size a stream packs its entries in, costing Redis more memory, not less."""
     runs: list[list[dict[str, str]]] = []
     for entry in entries:
         if runs and _joins(runs[-1][-1], entry):
@@ -47,26 +48,20 @@ def merge_token_entries(entries: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def _one_entry(run: list[dict[str, str]]) -> dict[str, str]:
-    merged = {
+    return {
         "type": TOKEN,
         "text": "".join(entry["text"] for entry in run),
         "ids": ",".join(entry["ids"] for entry in run if entry["ids"]),
         "index": run[0]["index"],
     }
-    logprobs = [entry["logprobs"][1:-1] for entry in run if entry.get("logprobs", "[]") != "[]"]
-    if any("logprobs" in entry for entry in run):
-        merged["logprobs"] = "[" + ",".join(logprobs) + "]"
-    return merged
 
 
 def _joins(last: dict[str, str], entry: dict[str, str]) -> bool:
-    """Whether `entry` continues the token entry `last`: a token entry of the same kind (log-probabilities
-    or none; an entry of no tokens, a held-back text's tail, joins either) at the index where it ends."""
-    if last.get("type") != TOKEN or entry.get("type") != TOKEN or set(entry) - {"logprobs"} != _TOKEN_FIELDS:
+    """Whether `entry` continues the token entry `last`: both plain token entries (no log-probabilities),
+    `entry` at the index where `last` ends."""
+    if last.keys() != _TOKEN_FIELDS or entry.keys() != _TOKEN_FIELDS:
         return False
-    if set(last) - {"logprobs"} != _TOKEN_FIELDS:
-        return False
-    if entry["ids"] and ("logprobs" in last) != ("logprobs" in entry):
+    if last["type"] != TOKEN or entry["type"] != TOKEN:
         return False
     ends = int(last["index"]) + (last["ids"].count(",") + 1 if last["ids"] else 0)
     return int(entry["index"]) == ends

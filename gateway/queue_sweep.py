@@ -25,8 +25,10 @@ async def sweep_queue_deadlines(queue: JobQueue, label: str) -> None:
         expired = 0
         try:
             expired = await queue.expire_overdue(int(time.time() * 1000), SWEEP_MOST)
-        except (RedisError, OSError) as e:
+        except (RedisError, OSError) as e:  # Redis away: the next sweep tries again
             logger.debug("sweeping the queue deadlines on %s failed (%s)", label, e)
+        except Exception:  # a fault of this process: said, and the sweep goes on rather than stop for good
+            logger.exception("sweeping the queue deadlines on %s failed", label)
         if expired:
             logger.info("%d job(s) on %s expired in the queue (ORTFLEET_QUEUE_TIMEOUT_S)", expired, label)
         await asyncio.sleep(0 if expired >= SWEEP_MOST else SWEEP_EVERY_S)

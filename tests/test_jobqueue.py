@@ -274,3 +274,19 @@ def test_every_entry_a_script_adds_to_a_jobs_stream_keeps_the_records_tail() -> 
         assert script.count("'XADD'") == helper.count("'XADD'") * ("append_event(" in script), name
     step = SCRIPTS["publish_step.lua"]
     assert step.count("'XADD'") == 1 and "'tail'" in step
+
+
+async def test_a_deadline_whose_job_cannot_be_read_holds_up_no_other_jobs_expiry(
+    redis: Redis, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    broken = f"job_broken_{uuid.uuid4().hex[:8]}"
+    await redis.set(keys.job(broken), "not a hash")  # any command on it as a hash answers WRONGTYPE
+    await redis.zadd(keys.QUEUE_DEADLINES, {broken: 1})  # overdue before every other deadline
+    expiring = await submit(queue, model, limits=QueueLimits(1000, 10**9, 1.0), age_s=5.0)
+    try:
+        assert await queue.expire_overdue(int(time.time() * 1000)) >= 1
+        assert await redis.hget(keys.job(expiring), "status") == "failed"
+    finally:
+        await redis.zrem(keys.QUEUE_DEADLINES, broken)
+        await redis.delete(keys.job(broken))

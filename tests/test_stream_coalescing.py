@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common import keys
-from common.events import entry_logprobs, entry_token_ids, merge_token_entries, status_entry, token_entry
+from common.events import entry_token_ids, merge_token_entries, status_entry, token_entry
 from common.jobs.queue import JobQueue
 from common.wire import JobStatus
 from tests.fake_workers import Started
@@ -24,10 +24,10 @@ def _logprob(token: str) -> dict[str, object]:
 
 
 @pytest.mark.unit
-def test_consecutive_token_entries_become_one_with_the_same_text_ids_and_logprobs() -> None:
+def test_consecutive_token_entries_become_one_with_the_same_text_and_ids() -> None:
     entries = [
-        token_entry("He", [10], 0, [_logprob("He")]),
-        token_entry("llo", [11, 12], 1, [_logprob("l"), _logprob("lo")]),
+        token_entry("He", [10], 0),
+        token_entry("llo", [11, 12], 1),
         token_entry("", [], 3),  # a held-back text's tail: no tokens
         status_entry(JobStatus.running),
         token_entry("!", [13], 3),
@@ -39,15 +39,18 @@ def test_consecutive_token_entries_become_one_with_the_same_text_ids_and_logprob
 
     assert entries == given  # the caller's entries are left as they were
     assert [entry.get("index") for entry in merged] == ["0", None, "3", "9"]
-    first = merged[0]
-    assert first["text"] == "Hello" and entry_token_ids(first) == [10, 11, 12]
-    assert [lp["token"] for lp in entry_logprobs(first) or []] == ["He", "l", "lo"]
+    assert merged[0]["text"] == "Hello" and entry_token_ids(merged[0]) == [10, 11, 12]
     assert merged[2] is entries[4] and merged[3] is entries[5]  # alone: the entry itself
 
 
 @pytest.mark.unit
-def test_entries_with_and_without_logprobs_stay_apart() -> None:
-    entries = [token_entry("a", [1], 0, [_logprob("a")]), token_entry("b", [2], 1)]
+def test_entries_with_logprobs_stay_apart() -> None:
+    """Each is large already: joined, they would pass the size a stream packs its entries in."""
+    entries = [
+        token_entry("a", [1], 0, [_logprob("a")]),
+        token_entry("b", [2], 1, [_logprob("b")]),
+        token_entry("c", [3], 2),
+    ]
     assert merge_token_entries(entries) == entries
 
 

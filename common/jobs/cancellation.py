@@ -3,10 +3,12 @@ of queue deadlines (expire_queued.lua)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from enum import Enum
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from common import keys, lua
 from common.error_codes import ErrorCode
@@ -14,6 +16,8 @@ from common.events import done_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.jobs.record import JobRecord, load_record
 from common.wire import FinishReason, JobStatus, PriorityClass
+
+logger = logging.getLogger(__name__)
 
 _WINDOW_MS = str(RECENT_WINDOW_S * 1000)
 
@@ -164,18 +168,25 @@ class JobCancellation:
         due: list[str] = await self._redis.zrangebyscore(keys.QUEUE_DEADLINES, "-inf", now_ms, 0, most)
         expired = 0
         for job_id in due:
-            fields = ["model", "priority", "owner", "idempotency_key"]
-            model, priority, owner, idem = await self._redis.hmget(keys.job(job_id), fields)  # type: ignore[misc]
-            if model is None:  # expired or purged meanwhile
-                await self._redis.zrem(keys.QUEUE_DEADLINES, job_id)
-                continue
-            expired += await self._expire_queued(
-                job_id=job_id,
-                model=model,
-                priority=priority or PriorityClass.interactive.value,
-                owner=owner or "",
-                idempotency_key=idem or None,
-                now_ms=now_ms,
-                ttl_s=self.ttl_s,
-            )
+            try:
+                expired += await self._expire_one(job_id, now_ms)
+            except ResponseError as e:  # this job's keys, not Redis: the others expire all the same
+                logger.warning("job %s: cannot expire it in the queue (%s); the sweep goes on", job_id, e)
         return expired
+
+    async def _expire_one(self, job_id: str, now_ms: int) -> int:
+        fields = ["model", "priority", "owner", "idempotency_key"]
+        model, priority, owner, idem = await self._redis.hmget(keys.job(job_id), fields)  # type: ignore[misc]
+        if model is None:  # expired or purged meanwhile
+            await self._redis.zrem(keys.QUEUE_DEADLINES, job_id)
+            return 0
+        expired: bool = await self._expire_queued(
+            job_id=job_id,
+            model=model,
+            priority=priority or PriorityClass.interactive.value,
+            owner=owner or "",
+            idempotency_key=idem or None,
+            now_ms=now_ms,
+            ttl_s=self.ttl_s,
+        )
+        return int(expired)

@@ -12,8 +12,8 @@ local function past_deadline(rec, now)
 end
 -- job: {rec, events, arq, active, held} and ended.lua's {id, idem, jobs, ended}
 local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, code, noticed, ttl)
-  local created = tonumber(redis.call('HGET', job.rec, 'created_at'))
-  local waited = string.format('%.1f', (now - created * 1000) / 1000)
+  local created = tonumber(redis.call('HGET', job.rec, 'created_at') or '')
+  local waited = created and string.format('%.1f', (now - created * 1000) / 1000) or '?'
   local message = 'expired in queue: waited ' .. waited .. ' s, past the queue deadline'
   redis.call('HSET', job.rec, 'status', 'failed', 'finish_reason', 'error', 'error', message,
     'error_code', code, 'finished_at', now / 1000)
