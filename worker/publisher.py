@@ -18,10 +18,10 @@ work per job: fence, stream tail, XADD, record). While the worker adds more toke
 together: up to (jobs streaming) / `writes_per_s` seconds after the first of them arrived, at most
 `max_wait_s`, so that the worker makes about `writes_per_s` job writes a second however many rows it
 steps. A write for a first token or an urgent entry takes only those; one for tokens due by their age
-takes every job's, so that the jobs share one write per wait. Every write makes a job's consecutive
-token entries one entry: Redis' work, the notice's and each relay's go per write of a job, not per
-token. Below that rate every step's tokens go out at once, so a stream's inter-token latency stays the
-engine's step time. Below that rate every step's tokens go out at once, so a
+takes every job's, so that the jobs share one write per wait. While coalescing (or with a stream
+interval), a write makes a job's consecutive token entries one entry: Redis' work, the notice's and
+each relay's go per write of a job, not per token. Otherwise each engine step's tokens keep an entry of
+their own, as readers at a low rate expect. Below that rate every step's tokens go out at once, so a
 stream's inter-token latency stays the engine's step time.
 
 Replication to Redis replicas is asynchronous: after a failover, the new primary may lack the last
@@ -281,8 +281,9 @@ class StepWriter:
             record, publisher.record = publisher.record, {}
             entries = publisher.pending[: self._max_batch]
             taken.append(len(entries))
-            kept = publisher.verbatim
-            entries = entries[:kept] + merge_token_entries(entries[kept:])
+            if self.coalescing or self._interval > 1:  # tokens that waited to go together: one entry
+                kept = publisher.verbatim
+                entries = entries[:kept] + merge_token_entries(entries[kept:])
             check = not publisher.unfillable
             writes.append(StepWrite(publisher.job_id, publisher.attempt, entries, record, check_gap=check))
         # A write's outcome is read when the next write is due, unless someone waits for it: the
