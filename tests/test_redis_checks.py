@@ -81,7 +81,10 @@ def test_a_process_given_a_redis_cluster_node_exits_saying_so_and_the_way_out(
     process: str, tmp_path: Path
 ) -> None:
     nodes = tmp_path / "nodes.conf"
-    with redis_with(tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", str(nodes)) as url:
+    # the cluster bus on a free port of its own (by default the port + 10000, past 65535 for a high one)
+    bus = str(free_port())
+    cluster = ("--cluster-enabled", "yes", "--cluster-config-file", str(nodes), "--cluster-port", bus)
+    with redis_with(tmp_path, *cluster) as url:
         exited = STARTS[process](tmp_path, ORTFLEET_REDIS_URL=url)
 
     assert_one_line(exited, f"ortfleet-{process}", "Redis Cluster", "ORTFLEET_REDIS_SHARDS", "127.0.0.1")
