@@ -93,6 +93,12 @@ class StreamPublisher:
         self.idle.clear()
         self._writer.wake(self)
 
+    @property
+    def pressing(self) -> bool:
+        """Whether what it has pending never waits: something urgent, a gap to fill, or the job's first
+        token not out yet."""
+        return self.urgent or self.gap or not self.token_written
+
     async def drain(self) -> None:
         """Wait until everything added so far is in Redis; raises LeaseLost if the job was taken over."""
         self._flush()
@@ -201,7 +207,7 @@ class StepWriter:
     def _due(self, publisher: StreamPublisher, now: float) -> bool:
         """Whether the publisher's pending entries must go now (unless coalescing, taking every other
         job's along)."""
-        if publisher.urgent or publisher.gap or not publisher.token_written:
+        if publisher.pressing:
             return True
         # only token entries pending, since not urgent
         if len(publisher.pending) < self._interval:
@@ -245,7 +251,7 @@ class StepWriter:
         due = [p for p in waiting if self._due(p, now)]
         if not due:
             return due
-        if self.coalescing and all(p.urgent or p.gap or not p.token_written for p in due):
+        if self.coalescing and all(p.pressing for p in due):
             return due
         return waiting
 
