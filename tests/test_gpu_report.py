@@ -29,21 +29,31 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def test_a_gpu_runs_figures_merge_into_one_json_and_one_markdown_report(tmp_path: Path) -> None:
     shutil.copy(ROOT / "docs" / "bench" / "gpu-h200-serving.json", tmp_path / "serving.json")
     (tmp_path / "card.txt").write_text("NVIDIA H200, 143771 MiB, 580.159.04\n")
-    steps = [{"step": "model-default", "rc": 0, "seconds": 46}, {"step": "gpu-tests", "rc": 1, "seconds": 30}]
+    steps = [
+        {"step": "model-default", "rc": 0, "start": 1000, "seconds": 46},
+        {"step": "gpu-tests", "rc": 1, "start": 1046, "seconds": 30},
+    ]
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    # a second's sample each: busy while building, idle in the tests but for one unreadable sample
+    samples = [f"{t},{90 if t < 1046 else 10},{2000 + t - 1000}" for t in range(1000, 1077)]
+    (tmp_path / "gpu-samples.csv").write_text("\n".join([*samples, "1050,[N/A],[N/A]"]) + "\n")
     (tmp_path / "gpu-tests.xml").write_text(JUNIT)
 
     assert gpu_report.main([str(tmp_path)]) == 0
 
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["card"].startswith("NVIDIA H200") and report["steps"] == steps
+    assert report["card"].startswith("NVIDIA H200")
+    assert [{k: v for k, v in s.items() if k != "gpu"} for s in report["steps"]] == steps
+    building, testing = (s["gpu"] for s in report["steps"])
+    assert building["utilization_max_pct"] == 90 and building["memory_max_mib"] == 2046
+    assert testing["utilization_mean_pct"] == 10 and testing["memory_max_mib"] == 2076
     assert list(report["benches"]) == ["serving"]  # the steps that left no JSON are left out
     tests = report["gpu_tests"]
     assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
     assert "'Paris' not in" in tests["cases"][1]["message"]
     page = (tmp_path / "report.md").read_text()
     assert page.startswith("# GPU report: NVIDIA H200")
-    assert "| gpu-tests | 1 | 30 |" in page
+    assert "| gpu-tests | 1 | 30 | 10.0 / 10.0 | 2076.0 |" in page
     assert "engine alone" in page and "ortfleet bench serving" in page  # the bench's own table and command
     assert "failure: test_stop_strings_end_a_gpu_completion_before_the_stop_text" in page
 

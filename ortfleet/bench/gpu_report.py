@@ -14,7 +14,8 @@ from ortfleet.bench import serving
 
 BENCHES = {
     "serving": "default model, engine alone and fleet",
-    "serving-workers": "default model, two workers sharing the card",
+    "serving-workers2": "default model, two workers sharing the card",
+    "serving-workers4": "default model, four workers sharing the card",
     "serving-phi3": "Phi-3-mini shape (random weights), fp16",
     "sweep": "default model, a worker of 256 rows: where ITL grows",
     "overhead": "`ortfleet bench`: the fleet against its engine in-process",
@@ -31,7 +32,38 @@ def collect(folder: Path) -> dict[str, Any]:
         if path.is_file():
             report["benches"][name] = json.loads(path.read_text())
     report["gpu_tests"] = _junit(folder / "gpu-tests.xml")
+    samples = _samples(folder / "gpu-samples.csv")
+    for step in report["steps"]:
+        step["gpu"] = _busy(samples, step)
     return report
+
+
+def _samples(path: Path) -> list[tuple[int, float, float]]:
+    """(epoch second, GPU utilization %, memory used MiB) of each line scripts/gpu-report sampled."""
+    rows = []
+    for line in _read(path).splitlines():
+        try:
+            second, utilization, memory = (part.strip() for part in line.split(","))
+            rows.append((int(second), float(utilization), float(memory)))
+        except ValueError:
+            continue  # a sample nvidia-smi could not give
+    return rows
+
+
+def _busy(samples: list[tuple[int, float, float]], step: dict[str, Any]) -> dict[str, float] | None:
+    """How busy the card was during a step: mean and peak utilization, peak memory used."""
+    start = step.get("start")
+    if start is None:
+        return None
+    inside = [s for s in samples if start <= s[0] <= start + step["seconds"]]
+    if not inside:
+        return None
+    utilization = [s[1] for s in inside]
+    return {
+        "utilization_mean_pct": round(sum(utilization) / len(utilization), 1),
+        "utilization_max_pct": max(utilization),
+        "memory_max_mib": max(s[2] for s in inside),
+    }
 
 
 def _read(path: Path) -> str:
@@ -62,8 +94,13 @@ def _junit(path: Path) -> dict[str, Any] | None:
 
 def markdown(report: dict[str, Any]) -> str:
     parts = [f"# GPU report: {report['card'] or 'card unknown'}", ""]
-    parts += ["| step | exit | seconds |", "| --- | --- | --- |"]
-    parts += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in report["steps"]]
+    parts += ["| step | exit | seconds | GPU utilization mean / max (%) | GPU memory max (MiB) |"]
+    parts += ["| --- | --- | --- | --- | --- |"]
+    for s in report["steps"]:
+        gpu = s.get("gpu") or {}
+        busy = f"{gpu['utilization_mean_pct']} / {gpu['utilization_max_pct']}" if gpu else ""
+        memory = gpu.get("memory_max_mib", "")
+        parts.append(f"| {s['step']} | {s['rc']} | {s['seconds']} | {busy} | {memory} |")
     for name, title in BENCHES.items():
         figures = report["benches"].get(name)
         if figures is None:
