@@ -320,6 +320,18 @@ def test_a_terminated_bench_stops_the_fleet_it_started() -> None:
     assert not running, f"left running: {[child.cmdline() for child in running]}\n{stderr[-2000:]}"
 
 
+def test_the_serving_benchs_engine_alone_runs_and_ends_in_a_process_of_its_own(tiny_model: Path) -> None:
+    """og.Engine keeps a GPU's KV cache until its process ends: the engine alone's must have ended before
+    the fleet's workers start, or they start short of memory (or not at all)."""
+    from ortfleet.bench.completions import Planned
+    from ortfleet.bench.engine_alone import engine_alone
+
+    levels, shape = engine_alone(tiny_model, [(1, [Planned(0, "Hello", 4)])], "cpu")
+
+    assert levels[0]["output_tokens"] == 4 and shape["engine"] == "BatchingEngine"
+    assert shape["pid"] != os.getpid() and not psutil.pid_exists(shape["pid"])
+
+
 def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurrency_and_interference(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -83,16 +83,22 @@ class Backend(Protocol):
     async def close_clients(self) -> None: ...
 
 
-def open_worker_engine(model_dir: Path, device: str = "auto") -> OrtEngine | BatchingEngine:
+def open_worker_engine(
+    model_dir: Path, device: str = "auto", kv_fraction: float | None = None
+) -> OrtEngine | BatchingEngine:
     """The engine a worker on `device` runs the model with, with the worker's settings from the
-    environment (ORTFLEET_*), in this process."""
+    environment (ORTFLEET_*), in this process; `kv_fraction`: its share of a GPU's memory for its KV
+    cache, as a worker sharing the card gets (ORTFLEET_GPU_KV_FRACTION)."""
     import onnxruntime_genai as og
 
     from common.worker_settings import WorkerSettings
     from worker.device import parse_device
     from worker.engine_choice import open_engine
 
-    return open_engine(model_dir, parse_device(device, og.is_cuda_available), WorkerSettings())
+    settings = WorkerSettings()
+    if kv_fraction is not None:
+        settings = settings.model_copy(update={"gpu_kv_fraction": kv_fraction})
+    return open_engine(model_dir, parse_device(device, og.is_cuda_available), settings)
 
 
 class DirectBackend:
@@ -101,8 +107,10 @@ class DirectBackend:
 
     name = "direct"
 
-    def __init__(self, model_dir: Path, max_tokens: int, device: str = "auto") -> None:
-        self.engine = open_worker_engine(model_dir, device)
+    def __init__(
+        self, model_dir: Path, max_tokens: int, device: str = "auto", kv_fraction: float | None = None
+    ) -> None:
+        self.engine = open_worker_engine(model_dir, device, kv_fraction)
         self.max_tokens = max_tokens
         self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
 

@@ -1,12 +1,15 @@
 """The serving bench's baseline: the engine a worker on the device runs (ortfleet's batcher, or og.Engine
-with the model's dynamic batching), alone in this process, at each concurrency: closed-loop clients hand
-it the same requests the server gets, with no Redis, gateway or HTTP between."""
+with the model's dynamic batching), alone in a process of its own, at each concurrency: closed-loop
+clients hand it the same requests the server gets, with no Redis, gateway or HTTP between."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +21,22 @@ from ortfleet.bench.completions import Planned, Served, level_figures
 def engine_alone(
     model_dir: Path, levels: list[tuple[int, list[Planned]]], device: str = "auto"
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`engine_in_this_process`, run in a child process: its engine's device memory (og.Engine keeps a
+    GPU's KV cache until its process ends) is the card's again before the fleet's workers start."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(engine_in_this_process, model_dir, levels, device).result()
+
+
+def engine_in_this_process(
+    model_dir: Path, levels: list[tuple[int, list[Planned]]], device: str = "auto"
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The figures of each (concurrency, requests) level, as the server's levels give them
     (level_figures), on one engine opened once; and the engine's shape: its kind, its rows and, on a GPU,
     how they were sized from the card."""
     engine = open_worker_engine(model_dir, device)
     sizing = getattr(engine, "row_sizing", None)
     shape = {
+        "pid": os.getpid(),  # of the process it ran in
         "engine": type(engine).__name__,
         "rows": engine.capacity,
         "row_sizing": sizing.as_dict() if sizing is not None else None,

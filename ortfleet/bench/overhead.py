@@ -30,6 +30,7 @@ from ortfleet.bench.http import served_model
 from ortfleet.bench.machine import cpu_seconds, describe, wakeups
 from ortfleet.bench.pinning import Pinning
 from ortfleet.bench.stats import summary
+from ortfleet.fleet.gpu_plan import KV_FRACTION, gpu_share_env
 from ortfleet.fleet.launcher import throwaway_fleet
 from ortfleet.fleet.processes import StartupError
 
@@ -191,6 +192,11 @@ class OverheadOptions:
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
 
+    def shared_card_env(self) -> dict[str, str]:
+        """On a GPU, the direct engine and the local fleet's worker run side by side: each gets half of
+        what workers sharing a card get (gpu_share_env), so neither starts short of memory."""
+        return gpu_share_env(self.device, 2) if self.url is None else {}
+
 
 def run(options: OverheadOptions) -> dict[str, Any]:
     """Starts a local fleet (unless given a URL), measures both sides, returns every figure."""
@@ -200,7 +206,9 @@ def run(options: OverheadOptions) -> dict[str, Any]:
             fleet = stack.enter_context(throwaway_fleet())
             (_, url), name = fleet.start_gateway(), "bench"
             interval = options.stream_interval
-            env = {"ORTFLEET_STREAM_INTERVAL": str(interval)} if interval is not None else None
+            env = {**options.shared_card_env()}
+            if interval is not None:
+                env["ORTFLEET_STREAM_INTERVAL"] = str(interval)
             worker = fleet.start_worker(
                 name, model=options.model_dir, device=options.device, env=env, wait=False
             )
@@ -305,7 +313,10 @@ class CpuMeter:
 async def _measure(
     options: OverheadOptions, url: str, name: str, cpu: CpuMeter, redis_url: str | None
 ) -> dict[str, Any]:
-    direct = DirectBackend(options.model_dir, options.max_tokens, options.device)
+    share = options.shared_card_env().get(KV_FRACTION)
+    direct = DirectBackend(
+        options.model_dir, options.max_tokens, options.device, float(share) if share else None
+    )
     fleet = FleetBackend(url, name, options.max_tokens, options.api)
     if options.pinning is not None:
         options.pinning.pin_this_process()

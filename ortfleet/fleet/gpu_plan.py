@@ -23,6 +23,7 @@ class GpuPlanError(ValueError):
 # The share of a GPU's memory the paged KV caches of the workers on it take together, when several share
 # it (each gets its part: ORTFLEET_GPU_KV_FRACTION); the rest holds their weights and activations.
 SHARED_GPU_KV = 0.8
+KV_FRACTION = "ORTFLEET_GPU_KV_FRACTION"  # the setting that gives a worker its share
 
 
 @dataclass(frozen=True)
@@ -132,4 +133,4 @@ def gpu_share_env(device: str, workers: int) -> dict[str, str]:
     KV cache (nothing for one worker, or off a GPU)."""
     if workers == 1 or not device.startswith("cuda"):
         return {}
-    return {"ORTFLEET_GPU_KV_FRACTION": f"{SHARED_GPU_KV / workers:.4f}"}
+    return {KV_FRACTION: f"{SHARED_GPU_KV / workers:.4f}"}
