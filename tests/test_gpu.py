@@ -57,7 +57,11 @@ def gpu_fleet(redis_server: RedisServer, cuda_model: Path) -> Iterator[Fleet]:
     fleet = Fleet(redis_server.url, cuda_model)
     try:
         fleet.start_gateway()
-        fleet.start_worker(NAME, "--metrics-port", str(METRICS_PORT), device="cuda:0", timeout_s=180)
+        # half the card: the tests below start more workers on it, each with a share of its own
+        share = {"ORTFLEET_GPU_KV_FRACTION": "0.5"}
+        fleet.start_worker(
+            NAME, "--metrics-port", str(METRICS_PORT), device="cuda:0", env=share, timeout_s=180
+        )
         yield fleet
     finally:
         fleet.stop_all()
