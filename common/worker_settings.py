@@ -28,10 +28,12 @@ class WorkerSettings(FleetSettings):
     target_itl_ms: float = Field(
         12.0,
         gt=0,
-        description="On a GPU (og.Engine's dynamic batching), when max_batch_size is not set: at start "
-        "the worker times decode steps at 1, 2, 4, ... rows up to what the KV memory allows at the full "
-        "context (at most 256) and serves with the most rows whose step takes at most this long, the "
-        "knee past which more rows slow every stream. The chosen rows and the timings are logged.",
+        description="On a GPU (og.Engine's dynamic batching), when max_batch_size is not set: the "
+        "inter-token latency the worker sizes its rows for. At start it times decode steps at 1, 2, 4, "
+        "... rows up to what the KV memory allows at the full context (at most 256) and serves with the "
+        "most rows whose step takes at most half of it, the other half left to its own work on each "
+        "step's tokens (detokenizing, stop strings, stream writes). The chosen rows and the timings are "
+        "logged.",
     )
     gpu_kv_fraction: float | None = Field(
         None,
