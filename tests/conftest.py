@@ -52,6 +52,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 LOGS = Path(os.environ.get("ORTFLEET_TEST_LOGS", tempfile.mkdtemp(prefix="ortfleet-test-logs-")))
+LOGS.mkdir(parents=True, exist_ok=True)  # a folder named by ORTFLEET_TEST_LOGS may not exist yet
 
 
 @dataclass

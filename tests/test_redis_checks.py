@@ -173,3 +173,15 @@ async def test_an_evicting_policy_set_while_the_gateway_runs_makes_it_not_ready(
         assert reply.status_code == 503
         assert "allkeys-lfu" in reply.json()["reason"], reply.json()
         await until(lambda: "allkeys-lfu" in gateway.log(), "the change logged", 5)
+
+
+def test_a_redis_started_with_its_log_in_a_folder_not_made_yet_starts_and_logs_there(tmp_path: Path) -> None:
+    """redis-server exits at once when its log file's folder is missing (a fresh ORTFLEET_TEST_LOGS did it
+    to every test of a GPU run): start_redis makes the folder."""
+    port = free_port()
+    log = tmp_path / "not" / "made" / "redis.log"
+    process = start_redis(port, tmp_path / "data", appendonly=False, log=log)
+    try:
+        assert SyncRedis(port=port).ping() and log.stat().st_size > 0
+    finally:
+        stop(process)

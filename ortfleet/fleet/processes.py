@@ -49,6 +49,8 @@ def start_redis(
     """A redis-server on 127.0.0.1:port (and on `unix_socket`, if given) keeping its data (AOF, fsync
     every second) in data_dir; `options` are more of its command-line options (`--requirepass`, …)."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    if log is not None:  # redis-server exits at once when its log file's folder is missing
+        log.parent.mkdir(parents=True, exist_ok=True)
     command = [
         redis_server_binary(),
         "--port",
