@@ -339,13 +339,19 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     done = bench(
         "serving", "--model", str(tiny_model), "--concurrency", "1,2", "--requests", "2",
         "--long-prompt-tokens", "200", "--lengths", "4:12", "--gateways", "2", "--client-processes", "2",
-        "--json", str(out),
+        "--workers", "2", "--json", str(out),
     )  # fmt: skip
 
     data = figures(out)
     assert data["bench"] == "serving" and "bench serving" in data["command_line"]
     assert data["machine"]["cores"] >= 1 and data["served_name"] == "bench"
     assert data["options"]["gateways"] == 2 and data["options"]["client_processes"] == 2
+    # Each level names the fleet's workers, their rows and the tokens each generated in it: all of them.
+    for level in data["levels"]:
+        workers = level.pop("workers")
+        assert len(workers) == 2 and all(w["device"] == "cpu" and w["rows"] >= 1 for w in workers)
+        assert sum(w["tokens"] for w in workers) == level["output_tokens"]
+    assert "streams, tokens by worker: cpu" in done.stdout
     planned = [request["max_tokens"] for request in data["requests"]]
     # --requests 2, and two for each client: 2 at one stream, the list's 4 at two streams
     assert len(planned) == 4 and all(4 <= tokens <= 12 for tokens in planned)

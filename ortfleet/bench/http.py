@@ -113,3 +113,23 @@ async def served_model(url: str) -> str:
         raise StartupError(f"{url} serves {names or 'no model'}: pick one with --name")
     name: str = names[0]
     return name
+
+
+async def fleet_workers(url: str, model: str) -> dict[str, dict[str, Any]] | None:
+    """The live workers of `model` as an ortfleet gateway's /v1/fleet lists them, by id (device, rows and
+    tokens generated since each started); None from a server that has no such list or refuses it."""
+    connection = Connection(url)
+    try:
+        fleet = await connection.json("GET", "/v1/fleet")
+    except (HttpError, ConnectionError, ValueError):
+        return None
+    finally:
+        await connection.close()
+    try:
+        return {
+            w["id"]: {"device": w["device"], "rows": int(w["capacity"]), "tokens": int(w["generated_tokens"])}
+            for w in fleet["workers"]
+            if w["model"] == model
+        }
+    except (KeyError, TypeError, ValueError):
+        return None

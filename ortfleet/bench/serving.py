@@ -27,9 +27,11 @@ The goals are checked against the figures of this same run.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from ortfleet.bench.backends import PROMPTS
 from ortfleet.bench.client_pool import pooled_closed_loop
 from ortfleet.bench.completions import Planned, closed_loop, level_figures
 from ortfleet.bench.engine_alone import engine_alone
-from ortfleet.bench.http import served_model
+from ortfleet.bench.http import fleet_workers, served_model
 from ortfleet.bench.interference import interference
 from ortfleet.bench.report import figures_header, table
 from ortfleet.fleet.gpu_plan import gpu_share_env
@@ -150,14 +152,21 @@ def _measure_server(
     options: ServingOptions, url: str, model: str, planned: list[Planned], bar: tqdm[Any]
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     warm = [Planned(-1 - i, PROMPTS[i], 8) for i in range(2)]
-    aio.run(closed_loop(url, model, warm, 2))  # first requests pay for allocations and caches: not measured
+    counts = aio.run(fleet_workers(url, model))  # an ortfleet fleet's workers' token counts, else None
+    warmed, _ = aio.run(closed_loop(url, model, warm, 2))  # allocations and caches: not measured
+    if counts is not None:
+        counts = aio.run(counted(url, model, counts, sum(r.tokens for r in warmed)))
     levels = []
     for concurrency in options.concurrency:
         bar.set_description(f"c={concurrency}")
         results, wall = pooled_closed_loop(
             url, model, planned[: options.requests_at(concurrency)], concurrency, options.client_processes
         )
-        levels.append({"concurrency": concurrency, **level_figures(results, wall)})
+        level = {"concurrency": concurrency, **level_figures(results, wall)}
+        if counts is not None and (now := aio.run(counted(url, model, counts, level["output_tokens"]))):
+            level["workers"] = worker_split(counts, now)
+            counts = now
+        levels.append(level)
         bar.update()
     measured = None
     if options.interference:
@@ -165,6 +174,36 @@ def _measure_server(
         measured = aio.run(interference(url, model, options.long_prompt_tokens))
         bar.update()
     return levels, measured
+
+
+async def counted(
+    url: str, model: str, before: dict[str, dict[str, Any]], tokens: int, timeout_s: float = 15.0
+) -> dict[str, dict[str, Any]] | None:
+    """The workers' counts (fleet_workers) once they hold `tokens` more than `before` (each worker's
+    heartbeat refreshes its own, every few seconds); what they hold after `timeout_s` otherwise; None when
+    the fleet stops answering."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = await fleet_workers(url, model)
+        if after is None:
+            return None
+        if sum(w["tokens"] for w in worker_split(before, after)) >= tokens or time.monotonic() > deadline:
+            return after
+        await asyncio.sleep(0.25)
+
+
+def worker_split(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each worker's part of a level: its device, its rows and the tokens it generated in the level (from
+    /v1/fleet before and after it), so the split shows how the pull balanced the work."""
+    return [
+        {
+            "worker": worker,
+            "device": now["device"],
+            "rows": now["rows"],
+            "tokens": now["tokens"] - before.get(worker, {"tokens": 0})["tokens"],
+        }
+        for worker, now in sorted(after.items())
+    ]
 
 
 def goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
@@ -265,6 +304,11 @@ def text(figures: dict[str, Any]) -> str:
                 f"{sizing['ceiling']}; decode step by rows: {steps or 'not timed'})"
             )
         parts.append(line)
+    for level in figures["levels"]:
+        if workers := level.get("workers"):
+            total = sum(w["tokens"] for w in workers) or 1
+            split = ", ".join(f"{w['device']} {w['rows']} rows {w['tokens'] / total:.0%}" for w in workers)
+            parts.append(f"{level['concurrency']} streams, tokens by worker: {split}")
     if (i := figures["interference"]) is not None:
         tokens = round(sum(i["long_prompt_tokens"]) / len(i["long_prompt_tokens"]))
         runs = [["long", t, d] for t, d in zip(i["long_ttft_ms"], i["long_done_ms"], strict=True)]
