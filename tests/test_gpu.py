@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
-from tests.test_reliability import assert_contiguous, stream_until_tokens
+from tests.test_reliability import assert_contiguous, kill_while_streaming, stream_until_tokens
 
 
 def _cuda_available() -> bool:
@@ -234,13 +234,7 @@ async def test_a_gpu_job_whose_worker_is_killed_resumes_on_another_gpu_worker_wi
     first = gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180)
     second = gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180)
     body = {"model": name, "prompt": "The history of the harbour town", "max_tokens": 300, "ignore_eos": True}
-    second.pause()  # the first worker takes the job
-    try:
-        job = await submit(gpu_client, body)
-        await stream_until_tokens(gpu_client, job["id"], 40)
-        first.kill()
-    finally:
-        second.resume()
+    job = await kill_while_streaming(gpu_client, body, first, second, 40)
     events = await read_events(gpu_client, job["id"])
     done = await wait_done(gpu_client, job["id"])
     assert done["status"] == "succeeded" and done["attempts"] == 2

@@ -18,7 +18,13 @@ from common import keys
 from common.jobs.queue import JobQueue
 from tests.conftest import Fleet, Proc, RedisServer
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
-from tests.test_reliability import SLOW, assert_contiguous, reference_output, stream_until_tokens
+from tests.test_reliability import (
+    SLOW,
+    assert_contiguous,
+    kill_while_streaming,
+    reference_output,
+    stream_until_tokens,
+)
 
 MARKER = "POISON-PILL"
 
@@ -166,13 +172,7 @@ async def test_a_greedy_job_resumed_after_a_kill_on_the_default_model_writes_the
         body = {"model": name, "prompt": "Once upon a time, in a quiet village,", "max_tokens": 120}
         async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=60) as client:
             expected = await reference_output(client, body)
-            second.pause()  # the first worker takes the job
-            try:
-                job = await submit(client, body)
-                await stream_until_tokens(client, job["id"], kill_at)
-                first.kill()
-            finally:
-                second.resume()
+            job = await kill_while_streaming(client, body, first, second, kill_at)
             done = await wait_done(client, job["id"])
             events = await read_events(client, job["id"])
     finally:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from redis.asyncio import Redis
@@ -15,6 +16,7 @@ from common import keys
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
 from common.wire import JobStatus
+from ortfleet.fleet.launcher import FleetProcess
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 
@@ -48,6 +50,25 @@ async def stream_until_tokens(client: httpx.AsyncClient, job_id: str, tokens: in
     raise AssertionError(f"the stream ended before {tokens} tokens")
 
 
+async def kill_while_streaming(
+    client: httpx.AsyncClient,
+    body: dict[str, object],
+    doomed: FleetProcess,
+    standby: FleetProcess,
+    tokens: int,
+) -> dict[str, Any]:
+    """Submits `body` while `standby` is paused, so that `doomed` takes it; once `tokens` tokens have
+    streamed, kills `doomed` (SIGKILL) and lets `standby` go on. Returns the job as submitted."""
+    standby.pause()
+    try:
+        job: dict[str, Any] = await submit(client, body)
+        await stream_until_tokens(client, str(job["id"]), tokens)
+        doomed.kill()
+    finally:
+        standby.resume()
+    return job
+
+
 async def reference_output(client: httpx.AsyncClient, body: dict[str, object]) -> str:
     done = await wait_done(client, (await submit(client, body))["id"])
     assert done["status"] == "succeeded" and done["attempts"] == 1
@@ -62,14 +83,8 @@ async def test_a_job_whose_worker_is_killed_resumes_on_another_worker_without_ga
     first = fleet.start_worker(model_name, env=SLOW)
     second = fleet.start_worker(model_name, env=SLOW)
     expected = await reference_output(client, body)
-    second.pause()  # the first worker takes the job
-    try:
-        job = await submit(client, body)
-        await stream_until_tokens(client, job["id"], 40)
-        first.kill()
-        killed_at = time.time()
-    finally:
-        second.resume()
+    job = await kill_while_streaming(client, body, first, second, 40)
+    killed_at = time.time()
 
     events = await read_events(client, job["id"])
     done = await wait_done(client, job["id"])

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from ortfleet.bench import structured_cases as bench
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
-from tests.test_reliability import stream_until_tokens
+from tests.test_reliability import kill_while_streaming
 
 pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
 
@@ -332,13 +332,7 @@ async def test_a_job_resumed_after_its_worker_died_replays_to_the_same_closed_do
     second = fleet.start_worker(model_name, env=slow)
     expected = await wait_done(client, (await submit(client, body))["id"])
     assert expected["closed_early"] is True
-    second.pause()  # the first worker takes the job
-    try:
-        job = await submit(client, body)
-        await stream_until_tokens(client, job["id"], kill_at)
-        first.kill()
-    finally:
-        second.resume()
+    job = await kill_while_streaming(client, body, first, second, kill_at)
     done = await wait_done(client, job["id"])
     assert done["attempts"] == 2 and done["resume_exact"] is True
     assert kill_at <= done["resumed_from"] < 40
