@@ -4,8 +4,10 @@ report with the card's name."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,15 @@ def test_the_gpu_report_script_parses_and_names_every_bench_it_runs() -> None:
     text = script.read_text()
     for name in gpu_report.BENCHES:
         assert f'"$OUT/{name}.json"' in text
+
+
+def test_the_gpu_test_wheels_are_locked_and_cover_what_the_gpu_tests_import_beyond_the_runtime() -> None:
+    script = ROOT / "scripts" / "gpu-test-wheels"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    text = script.read_text()
+    listed = set(re.search(r"PACKAGES=\(([^)]*)\)", text).group(1).split())  # type: ignore[union-attr]
+    locked = {p["name"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
+    assert listed <= locked, listed - locked
+    # what tests/test_gpu.py, tests/conftest.py and the helpers they import take from the dev extra
+    assert {"pytest", "pytest-asyncio", "pytest-timeout", "httpx-sse", "openai", "jsonschema"} <= listed
+    assert {"referencing", "jsonpointer", "httpx2", "sniffio", "jiter"} <= listed  # found missing on a host
