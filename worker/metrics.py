@@ -6,12 +6,14 @@ Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` ->
 
 from __future__ import annotations
 
+import bisect
 import importlib.metadata
 import itertools
 import logging
 import platform
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from redis.exceptions import RedisError
 
@@ -71,9 +73,13 @@ class WorkerMetrics:
         self.ttft = histogram(
             "time_to_first_token_seconds", "Submission to the first generated token.", TTFT_BUCKETS
         )
-        self.inter_token = histogram(
-            "inter_token_latency_seconds", "Time between successive generated tokens.", INTER_TOKEN_BUCKETS
+        self.inter_token = GapHistogram(
+            f"{NAMESPACE}_inter_token_latency_seconds",
+            "Time between successive generated tokens.",
+            INTER_TOKEN_BUCKETS,
+            values,
         )
+        registry.register(self.inter_token)
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Submission to the end of the job.", REQUEST_BUCKETS
         )
@@ -121,8 +127,7 @@ class WorkerMetrics:
         self.prompt_tokens.inc(run.prompt_tokens)
         if times and not run.progress.token_ids:  # this attempt generated the job's first token
             self.ttft.observe(times[0] - submitted)
-        for earlier, later in itertools.pairwise(times):
-            self.inter_token.observe(later - earlier)
+        self.inter_token.observe_gaps(times)
         if run.claim.attempt == 1:
             self.queue_time.observe(max(0.0, run.started_at - submitted))
         if run.preempted:
@@ -145,6 +150,41 @@ class WorkerMetrics:
             await record_outcome(self.service.redis, model, job_id, status.value)
         except RedisError as e:
             logger.warning("could not note job %s as %s (%s)", job_id, status.value, e)
+
+
+class GapHistogram:
+    """A histogram of the gaps between successive times, observed a job's whole list at once: at a GPU's
+    rates a worker observes every gap between its jobs' tokens, and prometheus_client's Histogram.observe
+    (a lock and a bucket search each) cost 2.5 µs a token of the event loop's time. Exposed as Histogram's
+    series are (_bucket by le, _sum, _count), with one label set."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], values: tuple[str, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = list(buckets)
+        self.values = list(values)
+        self._counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # the event loop observes, the /metrics thread reads
+
+    def observe_gaps(self, times: list[float]) -> None:
+        bounds, counts = self.bounds, self._counts
+        total = 0.0
+        with self._lock:
+            for earlier, later in itertools.pairwise(times):
+                gap = later - earlier
+                counts[bisect.bisect_left(bounds, gap)] += 1  # the first bound it is at or below
+                total += gap
+            self._sum += total
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
+        cumulative = list(itertools.accumulate(counts))
+        edges = [*(repr(float(bound)) for bound in self.bounds), "+Inf"]  # as prometheus_client writes le
+        family.add_metric(self.values, list(zip(edges, cumulative, strict=True)), total)
+        return [family]
 
 
 class EngineLoad:
