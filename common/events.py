@@ -38,36 +38,42 @@ def merge_token_entries(entries: list[dict[str, str]]) -> list[dict[str, str]]:
     first. A reader gets the same tokens and text in fewer entries; the entries given are left as they
     are. Entries with log-probabilities stay apart: each is large already (up to 2 KB a token), and a
     joined one would pass the size a stream packs its entries in, costing Redis more memory, not less."""
-    runs: list[list[dict[str, str]]] = []
+    merged: list[dict[str, str]] = []
+    run: list[dict[str, str]] = []  # the current run of plain token entries
+    end = -1  # the index where the run's tokens end
     for entry in entries:
-        if runs and _joins(runs[-1][-1], entry):
-            runs[-1].append(entry)
-        else:
-            runs.append([entry])
-    return [run[0] if len(run) == 1 else _one_entry(run) for run in runs]
+        if not _plain_token(entry):
+            if run:
+                merged.append(_one_entry(run))
+                run = []
+            merged.append(entry)
+            continue
+        ids = entry["ids"]
+        index = int(entry["index"])
+        if run and index != end:
+            merged.append(_one_entry(run))
+            run = []
+        run.append(entry)
+        end = index + (ids.count(",") + 1 if ids else 0)
+    if run:
+        merged.append(_one_entry(run))
+    return merged
+
+
+def _plain_token(entry: dict[str, str]) -> bool:
+    """A token entry with nothing but its text, ids and index (no log-probabilities)."""
+    return len(entry) == 4 and entry.get("type") == TOKEN and "logprobs" not in entry  # token_entry's fields
 
 
 def _one_entry(run: list[dict[str, str]]) -> dict[str, str]:
+    if len(run) == 1:
+        return run[0]
     return {
         "type": TOKEN,
         "text": "".join(entry["text"] for entry in run),
         "ids": ",".join(entry["ids"] for entry in run if entry["ids"]),
         "index": run[0]["index"],
     }
-
-
-def _joins(last: dict[str, str], entry: dict[str, str]) -> bool:
-    """Whether `entry` continues the token entry `last`: both plain token entries (no log-probabilities),
-    `entry` at the index where `last` ends."""
-    if last.keys() != _TOKEN_FIELDS or entry.keys() != _TOKEN_FIELDS:
-        return False
-    if last["type"] != TOKEN or entry["type"] != TOKEN:
-        return False
-    ends = int(last["index"]) + (last["ids"].count(",") + 1 if last["ids"] else 0)
-    return int(entry["index"]) == ends
-
-
-_TOKEN_FIELDS = frozenset({"type", "text", "ids", "index"})
 
 
 def prompt_entry(token_ids: list[int], logprobs: list[dict[str, Any]]) -> dict[str, str]:
