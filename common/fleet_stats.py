@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from redis.asyncio import Redis
 
@@ -30,6 +31,15 @@ class QueueStats:
     by_class: dict[str, int] = field(default_factory=dict)  # jobs waiting per priority class
     waiting_keys: dict[str, int] = field(default_factory=dict)  # "<class>:<key>" -> jobs near the heads
 
+    def __add__(self, other: QueueStats) -> QueueStats:
+        """The figures of one model's queues on two Redis stores, together."""
+        return QueueStats(
+            self.depth + other.depth,
+            max(self.oldest_wait_s, other.oldest_wait_s),
+            dict(Counter(self.by_class) + Counter(other.by_class)),
+            dict(Counter(self.waiting_keys) + Counter(other.waiting_keys)),
+        )
+
 
 @dataclass(frozen=True)
 class RecentOutcomes:
@@ -37,6 +47,9 @@ class RecentOutcomes:
     while queued (noted by the queue's scripts)."""
 
     by_status: Counter[str] = field(default_factory=Counter)
+
+    def __add__(self, other: RecentOutcomes) -> RecentOutcomes:
+        return RecentOutcomes(self.by_status + other.by_status)
 
     @property
     def finished(self) -> int:
@@ -76,6 +89,18 @@ async def queue_stats(redis: Redis, models: list[str], now: float | None = None)
         model: QueueStats(sum(depths[model].values()), oldest[model], depths[model], dict(waiting[model]))
         for model in models
     }
+
+
+_Summable = TypeVar("_Summable", QueueStats, RecentOutcomes, Counter[str])
+
+
+def summed(per_store: list[dict[str, _Summable]]) -> dict[str, _Summable]:
+    """Each model's figures from every Redis store that holds some of its jobs, added up."""
+    total: dict[str, _Summable] = {}
+    for figures in per_store:
+        for model, value in figures.items():
+            total[model] = total[model] + value if model in total else value
+    return total
 
 
 async def served_tokens(redis: Redis, model: str) -> dict[str, int]:

@@ -27,11 +27,14 @@ class FleetSettings(BaseSettings):
         "redis+sentinel://[:password@]host:port,host:port/SERVICE[/db][?sentinel_password=...] to follow "
         "the primary that Redis Sentinel names.",
     )
-    redis_shards: dict[str, SecretStr] = Field(
+    redis_shards: dict[str, list[SecretStr]] = Field(
         default_factory=dict,
-        description="Models whose queue, jobs and streams live on a Redis of their own, as JSON: "
-        '{"model": "redis://host:6379/0", ...}. Other models, API keys, files, batches and responses '
-        "use redis_url. Give every gateway and worker the same map.",
+        description="Models whose queue, jobs and streams live on Redis servers of their own, as JSON: "
+        '{"model": "redis://host:6379/0", ...}, or a list of URLs for a model whose jobs spread over '
+        'several Redis servers (its stores: {"model": ["redis://a:6379/0", "redis://b:6379/0"]}; each '
+        "worker serves one of them, see ORTFLEET_STORE, and gateways place each job on the store with the "
+        "most free rows). Other models, API keys, files, batches and responses use redis_url. Give every "
+        "gateway and worker the same map.",
     )
     prefix_cache_scope: Literal["key", "fleet"] = Field(
         "key",
@@ -70,20 +73,34 @@ class FleetSettings(BaseSettings):
         "start and reported by /readyz while it runs.",
     )
 
-    def redis_url_for(self, model: str) -> str:
-        """The URL of the Redis that holds `model`'s jobs."""
-        return (self.redis_shards.get(model) or self.redis_url).get_secret_value()
+    def redis_urls_for(self, model: str) -> list[str]:
+        """The URLs of the Redis servers that hold `model`'s jobs: its stores (one, unless the shard map
+        gives it several)."""
+        return [url.get_secret_value() for url in self.redis_shards.get(model) or [self.redis_url]]
+
+    @field_validator("redis_shards", mode="before")
+    @classmethod
+    def _one_url_is_one_store(cls, shards: Any) -> Any:
+        if isinstance(shards, dict):
+            return {model: [urls] if isinstance(urls, str) else urls for model, urls in shards.items()}
+        return shards
 
     @field_validator("redis_shards")
     @classmethod
-    def _shard_urls(cls, shards: dict[str, SecretStr]) -> dict[str, SecretStr]:
-        for model, url in shards.items():
+    def _shard_urls(cls, shards: dict[str, list[SecretStr]]) -> dict[str, list[SecretStr]]:
+        for model, urls in shards.items():
             if not model:
                 raise ValueError("a model name in redis_shards is empty")
-            try:
-                check_redis_url(url.get_secret_value())
-            except ValueError as e:
-                raise ValueError(f"the Redis of model {model!r}: {e}") from e
+            if not urls:
+                raise ValueError(f"model {model!r} has an empty list of Redis URLs in redis_shards")
+            plain = [url.get_secret_value() for url in urls]
+            if len(set(plain)) < len(plain):
+                raise ValueError(f"model {model!r} names one Redis twice in redis_shards")
+            for url in plain:
+                try:
+                    check_redis_url(url)
+                except ValueError as e:
+                    raise ValueError(f"the Redis of model {model!r}: {e}") from e
         return shards
 
     @field_validator("redis_url")
@@ -100,12 +117,20 @@ def effective_settings(settings: BaseSettings) -> dict[str, Any]:
         if isinstance(value, SecretStr):
             shown[name] = _masked(value)
         elif isinstance(value, dict):
-            shown[name] = {k: _masked(v) if isinstance(v, SecretStr) else v for k, v in value.items()}
+            shown[name] = {k: _shown(v) for k, v in value.items()}
         elif isinstance(value, Path):
             shown[name] = str(value)
         else:
             shown[name] = value
     return shown
+
+
+def _shown(value: Any) -> Any:
+    """A map's value as shown: a secret masked; a list of one secret (a model's one store) as that one."""
+    if isinstance(value, list):
+        shown = [_shown(v) for v in value]
+        return shown[0] if len(shown) == 1 else shown
+    return _masked(value) if isinstance(value, SecretStr) else value
 
 
 def _masked(value: SecretStr) -> str:

@@ -199,6 +199,13 @@ class WorkerSettings(FleetSettings):
         description="A job resumed after a preemption runs this long before a worker may preempt it for "
         "another key again (ORTFLEET_PREEMPT_FOR_KEYS), so that no job is preempted again and again.",
     )
+    store: int = Field(
+        0,
+        ge=0,
+        description="Which of its model's Redis stores the worker serves, when ORTFLEET_REDIS_SHARDS gives "
+        "the model several (1 the first listed, ...; --store). 0: the one with the fewest live workers "
+        "of the model when the worker starts (a tie is broken at random), among those that answer.",
+    )
     metrics_port: int = Field(
         0,
         ge=0,

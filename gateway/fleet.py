@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
@@ -28,6 +28,8 @@ class ModelState:
 class FleetSnapshot:
     known: dict[str, int]  # model -> context length, for every model a worker ever registered
     live: dict[str, ModelState]
+    # (id of a Redis client, model) -> the model's workers registered there: a model with several stores
+    by_store: dict[tuple[int, str], ModelState] = field(default_factory=dict)
 
 
 class FleetView:
@@ -47,27 +49,33 @@ class FleetView:
 
     async def _read(self) -> FleetSnapshot:
         known: dict[str, int] = {}
-        workers: list[dict[str, str]] = []
+        live: dict[str, ModelState] = {}
+        by_store: dict[tuple[int, str], ModelState] = {}
         for redis in self._redises:
             known_raw: dict[str, str] = await redis.hgetall(keys.MODELS)  # type: ignore[misc]
             known |= {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
-            workers += await live_workers(redis)
-        live: dict[str, ModelState] = {}
-        for worker in workers:
-            name = worker["model"]
-            before = live.get(name, ModelState(name, int(worker["context_length"]), 0, 0, 0))
-            live[name] = ModelState(
-                name,
-                before.context_length,
-                before.workers + 1,
-                before.capacity + int(worker["capacity"]),
-                before.in_flight + int(worker.get("in_flight", "0")),
-                before.ready + int(serving(worker)),
-                before.speed_tokens_per_s + (_speed(worker) if serving(worker) else 0.0),
-                max(before.kv_budget_tokens, _kv_budget(worker)),
-            )
-            known.setdefault(name, before.context_length)
-        return FleetSnapshot(known, live)
+            for worker in await live_workers(redis):
+                name = worker["model"]
+                live[name] = _with_worker(live.get(name), worker)
+                by_store[id(redis), name] = _with_worker(by_store.get((id(redis), name)), worker)
+                known.setdefault(name, live[name].context_length)
+        return FleetSnapshot(known, live, by_store)
+
+
+def _with_worker(before: ModelState | None, worker: dict[str, str]) -> ModelState:
+    """A model's state with one more live worker counted."""
+    if before is None:
+        before = ModelState(worker["model"], int(worker["context_length"]), 0, 0, 0)
+    return ModelState(
+        before.name,
+        before.context_length,
+        before.workers + 1,
+        before.capacity + int(worker["capacity"]),
+        before.in_flight + int(worker.get("in_flight", "0")),
+        before.ready + int(serving(worker)),
+        before.speed_tokens_per_s + (_speed(worker) if serving(worker) else 0.0),
+        max(before.kv_budget_tokens, _kv_budget(worker)),
+    )
 
 
 def _kv_budget(worker: dict[str, str]) -> int:

@@ -11,16 +11,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common.fleet_stats import known_models, queue_stats, recent_outcomes
+from common.fleet_stats import known_models, queue_stats, recent_outcomes, summed
 from common.registry import live_workers, serving
 from gateway.auth import principal_of
 from gateway.operations import OBJECT, Operation, Reply
-from gateway.state import app_state
+from gateway.state import AppState, app_state
 
 LOAD_FIELDS = ("in_flight", "tokens_per_s", "generated_tokens")
 MODEL_LOAD_FIELDS = (
@@ -52,9 +51,14 @@ def worker_entry(entry: dict[str, str], now: float) -> dict[str, Any]:
     }
 
 
-async def _models_of(redis: Redis, names: list[str], workers: list[dict[str, Any]], now: float) -> list[Any]:
-    queues = await queue_stats(redis, names, now)
-    outcomes = await recent_outcomes(redis, names, now)
+async def _models_of(
+    state: AppState, names: list[str], workers: list[dict[str, Any]], now: float
+) -> list[dict[str, Any]]:
+    queues, outcomes = [], []
+    for shard, mine in state.shards.holding(names):  # a model's figures from each of its stores, summed
+        queues.append(await queue_stats(shard.redis, mine, now))
+        outcomes.append(await recent_outcomes(shard.redis, mine, now))
+    queue, outcome = summed(queues), summed(outcomes)
     models = []
     for name in names:
         serving_it = [w for w in workers if w["model"] == name]
@@ -66,11 +70,11 @@ async def _models_of(redis: Redis, names: list[str], workers: list[dict[str, Any
                 "capacity": sum(w["capacity"] for w in serving_it),
                 "in_flight": sum(w["in_flight"] for w in serving_it),
                 "tokens_per_s": round(sum(w["tokens_per_s"] for w in serving_it), 2),
-                "queued": queues[name].depth,
-                "queued_by_class": queues[name].by_class,
-                "oldest_wait_s": round(queues[name].oldest_wait_s, 3),
-                "finished_last_minute": outcomes[name].finished,
-                "failed_last_minute": outcomes[name].failed,
+                "queued": queue[name].depth,
+                "queued_by_class": queue[name].by_class,
+                "oldest_wait_s": round(queue[name].oldest_wait_s, 3),
+                "finished_last_minute": outcome[name].finished,
+                "failed_last_minute": outcome[name].failed,
             }
         )
     return models
@@ -90,14 +94,7 @@ async def fleet_overview(request: Request) -> Response:
         names |= set(await known_models(shard.redis))
     names |= {w["model"] for w in workers}
     workers.sort(key=lambda w: (w["model"], w["id"]))
-    by_shard: dict[int, list[str]] = {}
-    for name in sorted(names):
-        by_shard.setdefault(id(state.shards.of_model(name)), []).append(name)
-    models: list[dict[str, Any]] = []
-    for shard in state.shards.all:
-        if shard_names := by_shard.get(id(shard)):
-            models += await _models_of(shard.redis, shard_names, workers, now)
-    models.sort(key=lambda m: m["id"])
+    models = await _models_of(state, sorted(names), workers, now)
     problems = [line for name, shard in state.shards.named() for line in shard.watch.problems(name)]
     load = principal_of(request.scope).name == ""  # no keys, or the metrics key (see gateway.auth)
     if not load:

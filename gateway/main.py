@@ -166,8 +166,10 @@ def check_redis_urls(settings: GatewaySettings) -> None:
     configuration) or evicts keys (unless allowed). An unreachable one is only logged: the gateway
     starts, and answers 503 on /readyz until Redis is back, as a load balancer in front expects of it."""
     urls = {settings.redis_url.get_secret_value(): "ORTFLEET_REDIS_URL (or --redis-url)"}
-    for model, shard in settings.redis_shards.items():
-        urls.setdefault(shard.get_secret_value(), f"ORTFLEET_REDIS_SHARDS[{model}]")
+    for model, stores in settings.redis_shards.items():
+        for i, store in enumerate(stores):
+            where = f"[{i}]" if len(stores) > 1 else ""
+            urls.setdefault(store.get_secret_value(), f"ORTFLEET_REDIS_SHARDS[{model}]{where}")
     for url, setting in urls.items():
         try:
             config = check_redis(url, settings.redis_connect_timeout_s)

@@ -6,6 +6,7 @@ from Redis when Prometheus scrapes, so every gateway replica reports the same, c
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from redis.exceptions import RedisError
 
-from common.fleet_stats import QueueStats, queue_stats, served_tokens
+from common.fleet_stats import QueueStats, queue_stats, served_tokens, summed
 from common.store_watch import StoreMetrics, StoreWatch
 from gateway.batch_progress import BatchMetrics
 from gateway.fleet import FleetView
@@ -107,20 +108,22 @@ class GatewayMetrics:
         try:
             snapshot = await fleet.snapshot(fresh=True)
             models = sorted(snapshot.known)
-            queues: dict[str, QueueStats] = {}
-            served: dict[str, dict[str, int]] = {}
-            for shard in shards.all:
-                mine = [name for name in models if shards.of_model(name) is shard]
-                queues |= await queue_stats(shard.redis, mine)
-                served |= {name: await served_tokens(shard.redis, name) for name in mine}
+            queues: list[dict[str, QueueStats]] = []
+            served: list[dict[str, collections.Counter[str]]] = []
+            for shard, mine in shards.holding(models):
+                queues.append(await queue_stats(shard.redis, mine))
+                served.append(
+                    {name: collections.Counter(await served_tokens(shard.redis, name)) for name in mine}
+                )
             await self.batches.refresh(shards.home.redis)
         except (RedisError, OSError) as e:
             logger.warning("metrics: Redis is unreachable, queue figures left out (%s)", e)
             self.fleet.models = {}
             return
+        queue, tokens = summed(queues), summed(served)
         self.fleet.models = {
             name: ModelFigures(
-                queues[name], snapshot.live[name].workers if name in snapshot.live else 0, served[name]
+                queue[name], snapshot.live[name].workers if name in snapshot.live else 0, dict(tokens[name])
             )
             for name in models
         }

@@ -1,9 +1,10 @@
-"""Where a model's jobs live: the fleet's Redis, or a Redis of the model's own (ORTFLEET_REDIS_SHARDS).
+"""Where a model's jobs live: the fleet's Redis, or Redis servers of the model's own
+(ORTFLEET_REDIS_SHARDS): one, or several (the model's stores, each served by workers of its own).
 
 A shard is one Redis as the gateway uses it: a pooled client, the job queue on it and the relay that
-reads its job streams. A job lives on its model's shard from submission to expiry; API keys, rate
-limits, files, batches and responses live on the home shard (ORTFLEET_REDIS_URL), as do the jobs of
-every model the map leaves out.
+reads its job streams. A job lives on one store of its model from submission to expiry (its id carries
+that Redis's epoch, so the store is known from the id); API keys, rate limits, files, batches and
+responses live on the home shard (ORTFLEET_REDIS_URL), as do the jobs of every model the map leaves out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from common.jobs.queue import JobQueue
 from common.jobs.record import JobRecord
 from common.redis_client import connect, gateway_client_name
 from common.redis_url import mask_url
+from common.store_epoch import epoch_of
 from common.store_watch import StoreWatch
 from common.wire import JobStatus
 from gateway.queue_sweep import sweep_queue_deadlines
@@ -41,12 +43,13 @@ class Shard:
 
 
 class Shards:
-    """The gateway's shards: the home one, and the one of each model given a Redis of its own."""
+    """The gateway's shards: the home one, and the stores of each model given Redis servers of its own."""
 
-    def __init__(self, home: Shard, by_model: dict[str, Shard]) -> None:
+    def __init__(self, home: Shard, by_model: dict[str, list[Shard]]) -> None:
         self.home = home
         self._by_model = by_model
-        self.all = [home, *{id(s): s for s in by_model.values() if s is not home}.values()]
+        others = {id(s): s for stores in by_model.values() for s in stores if s is not home}
+        self.all = [home, *others.values()]
 
     def named(self) -> list[tuple[str, Shard]]:
         """Each shard with the name answers give it (`store 1` is the home one): a caller learns how the
@@ -54,7 +57,28 @@ class Shards:
         return [(f"store {i}", shard) for i, shard in enumerate(self.all, 1)]
 
     def of_model(self, model: str) -> Shard:
-        return self._by_model.get(model, self.home)
+        """The model's first store: where what any of its workers answers is asked (tokenizer calls)."""
+        return self.stores_of(model)[0]
+
+    def stores_of(self, model: str) -> list[Shard]:
+        """Every Redis that holds jobs of the model, in the order the shard map lists them."""
+        return self._by_model.get(model) or [self.home]
+
+    def holding(self, models: list[str]) -> list[tuple[Shard, list[str]]]:
+        """Each shard with the models, of those given, whose jobs it holds (a model with several stores
+        is in each of theirs)."""
+        return [
+            (shard, mine)
+            for shard in self.all
+            if (mine := [model for model in models if any(s is shard for s in self.stores_of(model))])
+        ]
+
+    def of_job(self, job_id: str, model: str) -> Shard:
+        """The store of the model that holds the job: the one whose epoch its id carries (the model's
+        first store for an id of a lost epoch, whose job is gone wherever it was)."""
+        stores = self.stores_of(model)
+        epoch = epoch_of(job_id)
+        return next((store for store in stores if store.watch.epoch == epoch), stores[0])
 
     async def owned_record(self, job_id: str, owner: str) -> tuple[Shard, JobRecord] | None:
         """The shard holding the job and its record, if `owner` owns it (each shard is asked at once)."""
@@ -101,17 +125,21 @@ async def open_shards(settings: GatewaySettings) -> AsyncIterator[Shards]:
     """Connects to each distinct Redis of the settings (redis_url and the shard map) and starts its
     relay; closes them all on exit. Each Redis gets the gateway's connection bounds of its own."""
     home_url = settings.redis_url.get_secret_value()
-    model_urls = {model: url.get_secret_value() for model, url in settings.redis_shards.items()}
+    model_urls = {
+        model: [url.get_secret_value() for url in urls] for model, urls in settings.redis_shards.items()
+    }
     shards: dict[str, Shard] = {}
     watching: list[asyncio.Task[None]] = []
     try:
-        for url in dict.fromkeys([home_url, *model_urls.values()]):
+        for url in dict.fromkeys([home_url, *(url for urls in model_urls.values() for url in urls)]):
             shards[url] = shard = await _open(settings, url)
             watching.append(asyncio.create_task(shard.watch.run(), name="store-watch"))
             watching.append(
                 asyncio.create_task(sweep_queue_deadlines(shard.queue, shard.label), name="sweep")
             )
-        yield Shards(shards[home_url], {model: shards[url] for model, url in model_urls.items()})
+        yield Shards(
+            shards[home_url], {model: [shards[url] for url in urls] for model, urls in model_urls.items()}
+        )
     finally:
         for task in watching:
             await cancel_and_wait(task)

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from common.gateway_settings import GatewaySettings
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
+from gateway.placement import Placement
 from gateway.shards import Shards
 from gateway.stopping import Stopping
 from gateway.streaming.slots import StreamSlots
@@ -17,7 +18,7 @@ from gateway.streaming.slots import StreamSlots
 @dataclass
 class AppState:
     settings: GatewaySettings
-    shards: Shards  # a job's Redis: its model's shard
+    shards: Shards  # a job's Redis: a store of its model
     fleet: FleetView
     metrics: GatewayMetrics
     streams: StreamSlots
@@ -27,6 +28,8 @@ class AppState:
     # Set when the gateway is told to stop (SIGTERM): long-polls answer at once and OpenAI calls end with
     # server_shutting_down, before the server's graceful shutdown runs out and cuts them.
     stopping: Stopping = field(default_factory=Stopping)
+    # Where this gateway placed jobs of models with several stores since its registry snapshot.
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def redis(self) -> Redis:

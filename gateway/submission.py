@@ -30,6 +30,8 @@ from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Samp
 from gateway import guidance_check
 from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
+from gateway.placement import share_of_limit
+from gateway.shards import Shard
 from gateway.state import AppState
 from gateway.stream_cost import estimated_stream_bytes
 
@@ -220,21 +222,21 @@ async def submit_job(
     idempotency_key: str | None,
     principal: Principal = ANONYMOUS,
     priority: PriorityClass | None = None,
+    store: Shard | None = None,
 ) -> SubmittedJob:
     """Queue the job for `principal`, who owns it; idempotency keys are per owner. `priority` (a batch
-    line's) overrides the request's class."""
+    line's) overrides the request's class. `store`: the store of its model it must go to (where the other
+    choices of its request went), else the one placement picks."""
     effective = priority or request.priority
     check_priority(effective, principal)
     guidance = await guidance_of(request)
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
-    shard = state.shards.of_model(model)
-    if (full := shard.watch.full) is not None:  # it would take the job, then fail to run it
-        raise store_full(full)
-    epoch = shard.watch.epoch or await shard.watch.check_epoch()
+    idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
+    digest = request_digest(request, effective) if idem else None
     spec = JobSpec(
-        id=new_job_id(epoch),
+        id="",  # it carries the epoch of the store that takes it
         model=model,
         prompt=request.prompt,
         messages=request.messages,
@@ -244,24 +246,130 @@ async def submit_job(
         guidance=guidance,
         cache_scope=cache_scope(state.settings, principal.name, request.cache_salt),
     )
-    idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
-    digest = request_digest(request, effective) if idem else None
-    route = await _route(state, spec, now)
-    kv = await kv_tokens_needed(state, spec, context_length)
-    try:
-        try:
-            submitted = await _submit(state, spec, context_length, kv, idem, principal, digest, epoch, route)
-        except EpochChanged:  # the Redis lost its data since its epoch was read: note it, then go on
-            epoch = await shard.watch.check_epoch()
-            spec = spec.model_copy(update={"id": new_job_id(epoch)})
-            submitted = await _submit(state, spec, context_length, kv, idem, principal, digest, epoch, route)
-    except (NotReplicated, EpochChanged, OwnerBusy, PromptTokensBusy, StreamBytesBusy, QueueFull) as e:
-        raise _refused(e) from e
+    every = state.shards.stores_of(model)
+    stores = [store] if store else state.placement.order(every, model, await state.fleet.snapshot(), idem)
+    counted = stores[0] if store is None and len(stores) > 1 else None
+    if idem is not None and len(every) > 1 and (existing := await _idempotent_job(every, idem)):
+        if counted is not None:
+            state.placement.moved(counted, None, model)
+        submitted = Submitted(existing, created=False)
+    else:
+        submitted = await _place(
+            state, stores, len(every), spec, context_length, idem, principal, digest, counted
+        )
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
     else:
         await check_same_request(state, submitted.job_id, digest, idempotency_key or "")
     return SubmittedJob(submitted.job_id, submitted.created, model, now)
+
+
+async def _place(
+    state: AppState,
+    stores: list[Shard],
+    of_model: int,
+    spec: JobSpec,
+    context_length: int,
+    idem: str | None,
+    principal: Principal,
+    digest: str | None,
+    counted: Shard | None,
+) -> Submitted:
+    """Submits the job to the first of `stores` (in placement order, those whose worker holds the chat's
+    prefix first) that takes it, each given its share of the key's limits (the model has `of_model`
+    stores); the first refusal when none does. `counted`: the store placement counted it on."""
+    routes = await _routes(state, stores, spec, now=spec.submitted_at)
+    refusals: list[Exception] = []
+    taken_by: Shard | None = None
+    try:
+        for store, route in sorted(zip(stores, routes, strict=True), key=lambda pair: pair[1][0] is None):
+            if (full := store.watch.full) is not None:  # it would take the job, then fail to run it
+                refusals.append(store_full(full))
+                continue
+            try:
+                submitted = await _submit_to(
+                    state, store, of_model, spec, context_length, idem, principal, digest, route
+                )
+            except _FALLS_OVER as e:  # another store may have room
+                refusals.append(e)
+                continue
+            except (NotReplicated, EpochChanged) as e:
+                raise _refused(e) from e
+            taken_by = store
+            return submitted
+        raise _first_refusal(refusals, principal)
+    finally:
+        if counted is not None:
+            state.placement.moved(counted, taken_by, spec.model)
+
+
+# Refusals of one store that another store of the model may not give: each store counts its own jobs.
+_FALLS_OVER = (OwnerBusy, PromptTokensBusy, StreamBytesBusy, QueueFull)
+
+
+async def _submit_to(
+    state: AppState,
+    store: Shard,
+    stores: int,
+    spec: JobSpec,
+    context_length: int,
+    idem: str | None,
+    principal: Principal,
+    digest: str | None,
+    route: tuple[str | None, int | None],
+) -> Submitted:
+    """Submits the job to one of its model's `stores` stores, its id carrying that Redis's epoch; a key's
+    limits are shared out over the stores (share_of_limit)."""
+    kv_tokens = await kv_tokens_needed(state, spec, context_length)
+    prompt_tokens = estimated_prompt_tokens(spec, context_length)
+
+    async def submit(epoch: str) -> Submitted:
+        job = spec.model_copy(update={"id": new_job_id(epoch)})
+        return await store.queue.submit(
+            job,
+            limits=queue_limits(state),
+            cost=estimated_cost(job, context_length),
+            kv_tokens=kv_tokens,
+            idempotency_key=idem,
+            owner=principal.name,
+            owner_max_active=share_of_limit(principal.max_concurrent_jobs or 0, stores),
+            weight=principal.weight,
+            prompt_tokens=prompt_tokens,
+            owner_max_prompt_tokens=share_of_limit(principal.max_prompt_tokens_in_flight or 0, stores),
+            stream_bytes=estimated_stream_bytes(job, prompt_tokens),
+            owner_max_stream_bytes=share_of_limit(
+                state.settings.key_max_stream_bytes_in_flight if principal.name else 0, stores
+            ),
+            request_digest=digest,
+            replicas=state.settings.submit_replicas,
+            replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,
+            epoch=epoch,
+            preferred_worker=route[0],
+            preferred_until_ms=route[1],
+        )
+
+    try:
+        return await submit(store.watch.epoch or await store.watch.check_epoch())
+    except EpochChanged:  # the Redis lost its data since its epoch was read: note it, then go on
+        return await submit(await store.watch.check_epoch())
+
+
+def _first_refusal(refusals: list[Exception], principal: Principal) -> ApiError:
+    """The answer when every store of the model refused the job: the first store's refusal, the key's
+    whole limit named where it is one of the key's limits."""
+    first = refusals[0]
+    if isinstance(first, ApiError):
+        return first
+    if isinstance(first, OwnerBusy) and len(refusals) > 1:
+        first = OwnerBusy(first.owner, principal.max_concurrent_jobs or first.limit)
+    return _refused(first)  # type: ignore[arg-type]
+
+
+async def _idempotent_job(stores: list[Shard], idem: str) -> str | None:
+    """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
+    first try went)."""
+    values = await asyncio.gather(*(store.redis.get(idem) for store in stores))
+    return next((value for value in values if value is not None), None)
 
 
 def _refused(
@@ -290,46 +398,16 @@ def _refused(
     return ApiError(status, message, code=code, headers={"Retry-After": "1"})
 
 
-async def _route(state: AppState, spec: JobSpec, now: float) -> tuple[str | None, int | None]:
-    """The worker that holds the KV of the chat's leading messages, and until when the job waits for it
-    (common/prefix_hints.py), left by a job of its cache scope; none for a prompt, or with routing off."""
+async def _routes(
+    state: AppState, stores: list[Shard], spec: JobSpec, now: float
+) -> list[tuple[str | None, int | None]]:
+    """For each store, the worker there that holds the KV of the chat's leading messages, and until when
+    the job waits for it (common/prefix_hints.py), left by a job of its cache scope; none for a prompt,
+    or with routing off."""
     wait_s = state.settings.prefix_route_wait_s
     if not spec.messages or wait_s <= 0:
-        return None, None
-    redis = state.shards.of_model(spec.model).redis
-    worker = await preferred_worker(redis, spec.model, spec.cache_scope, spec.messages)
-    return (worker, int((now + wait_s) * 1000)) if worker else (None, None)
-
-
-async def _submit(
-    state: AppState,
-    spec: JobSpec,
-    context_length: int,
-    kv_tokens: int,
-    idem: str | None,
-    principal: Principal,
-    digest: str | None,
-    epoch: str,
-    route: tuple[str | None, int | None],
-) -> Submitted:
-    prompt_tokens = estimated_prompt_tokens(spec, context_length)
-    return await state.shards.of_model(spec.model).queue.submit(
-        spec,
-        limits=queue_limits(state),
-        cost=estimated_cost(spec, context_length),
-        kv_tokens=kv_tokens,
-        idempotency_key=idem,
-        owner=principal.name,
-        owner_max_active=principal.max_concurrent_jobs or 0,
-        weight=principal.weight,
-        prompt_tokens=prompt_tokens,
-        owner_max_prompt_tokens=principal.max_prompt_tokens_in_flight or 0,
-        stream_bytes=estimated_stream_bytes(spec, prompt_tokens),
-        owner_max_stream_bytes=state.settings.key_max_stream_bytes_in_flight if principal.name else 0,
-        request_digest=digest,
-        replicas=state.settings.submit_replicas,
-        replicas_timeout_ms=state.settings.submit_replicas_timeout_ms,
-        epoch=epoch,
-        preferred_worker=route[0],
-        preferred_until_ms=route[1],
+        return [(None, None)] * len(stores)
+    workers = await asyncio.gather(
+        *(preferred_worker(store.redis, spec.model, spec.cache_scope, spec.messages) for store in stores)
     )
+    return [(worker, int((now + wait_s) * 1000)) if worker else (None, None) for worker in workers]

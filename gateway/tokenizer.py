@@ -126,7 +126,8 @@ async def tokenize_budget_wait(
 async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:
     call = TokenizerCall(id=secrets.token_urlsafe(12), deadline=time.time() + CALL_TIMEOUT_S, **fields)
     calls = keys.tokenizer_calls(model)
-    redis = state.shards.of_model(model).redis  # the model's workers answer on its shard
+    stores = state.placement.order(state.shards.stores_of(model), model, await state.fleet.snapshot(), None)
+    redis = stores[0].redis  # the model's workers answer on their store: the one with room, if several
     async with redis.pipeline(transaction=True) as pipe:
         pipe.lpush(calls, call.model_dump_json(exclude_none=True))
         pipe.expire(calls, int(CALL_TIMEOUT_S) + 1)  # calls nobody took go away with their callers

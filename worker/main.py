@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from redis.exceptions import RedisError
+
 from common import aio
 from common.model_folder import (
     GENAI_CONFIG,
@@ -48,6 +50,7 @@ FLAGS = {
     "max_batch_size": "--max-batch-size",
     "scheduler": "--scheduler",
     "metrics_port": "--metrics-port",
+    "store": "--store",
 }
 REDIS_CHECK_TIMEOUT_S = 5.0
 REBUILD = "rebuild the folder (`ortfleet model`), or pass another --model"
@@ -70,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--metrics-port", type=int, help="port of /metrics, 0 picks a free one (ORTFLEET_METRICS_PORT)"
+    )
+    parser.add_argument(
+        "--store",
+        type=int,
+        help="which of the model's Redis stores to serve, 1 the first (ORTFLEET_STORE, default 0: "
+        "the one with the fewest workers of the model)",
     )
     parser.add_argument(
         "--fake-engine",
@@ -132,11 +141,15 @@ async def check_one_model_per_name(settings: WorkerSettings, name: str, model_di
     models under one name would answer alike requests differently, and a job resumed on the other would
     feed it token ids of another vocabulary)."""
     fingerprint = model_fingerprint(model_dir) if model_dir is not None else "fake-engine"
-    redis = connect(settings.redis_url_for(name))
-    try:
-        workers = await live_workers(redis)
-    finally:
-        await redis.aclose()
+    workers: list[dict[str, str]] = []
+    for url in settings.redis_urls_for(name):  # every store of the model: gateways place its jobs on any
+        redis = connect(url)
+        try:
+            workers += await live_workers(redis)
+        except RedisError:  # a store down now: its workers are checked against this one when it is back
+            continue
+        finally:
+            await redis.aclose()
     for other in workers:
         theirs = other.get("fingerprint", "")
         if other.get("model") == name and theirs and theirs != fingerprint:
@@ -193,11 +206,9 @@ def job_kv_budget(engine: Engine) -> int:
     return budget if 0 < budget < engine.context_length else 0
 
 
-def check_redis_url(settings: WorkerSettings, name: str) -> None:
+def check_redis_url(url: str, setting: str, settings: WorkerSettings) -> None:
     """CannotStart when the Redis of the model's jobs is unreachable, refuses its URL (a worker without
     its Redis has nothing to do) or evicts keys (unless allowed)."""
-    setting = f"ORTFLEET_REDIS_SHARDS[{name}]" if name in settings.redis_shards else "ORTFLEET_REDIS_URL"
-    url = settings.redis_url_for(name)
     try:
         config = check_redis(url, REDIS_CHECK_TIMEOUT_S)
     except RedisRefused as e:
@@ -205,6 +216,47 @@ def check_redis_url(settings: WorkerSettings, name: str) -> None:
     except RedisUnreachable as e:
         raise CannotStart(f"{e}; start it, or set {setting} (or --redis-url) to one that runs") from e
     check_store_config(config, mask_url(url), settings.allow_evicting_redis)
+
+
+async def chosen_store(settings: WorkerSettings, name: str) -> str:
+    """The URL of the Redis store the worker serves: the model's one, the one ORTFLEET_STORE names, or the
+    one with the fewest live workers of the model among those that pass check_redis_url."""
+    urls = settings.redis_urls_for(name)
+    if name not in settings.redis_shards:
+        check_redis_url(urls[0], "ORTFLEET_REDIS_URL", settings)
+        return urls[0]
+    setting = f"ORTFLEET_REDIS_SHARDS[{name}]"
+    if settings.store:
+        if settings.store > len(urls):
+            raise CannotStart(
+                f"ORTFLEET_STORE={settings.store}, but {setting} lists {len(urls)} store(s) for the model"
+            )
+        url = urls[settings.store - 1]
+        check_redis_url(url, f"{setting}[{settings.store - 1}]", settings)
+        return url
+    usable: dict[str, int] = {}
+    refusals: list[CannotStart] = []
+    for i, url in enumerate(urls):
+        try:
+            check_redis_url(url, f"{setting}[{i}]", settings)
+        except CannotStart as e:
+            refusals.append(e)
+            continue
+        usable[url] = await _workers_of_model(url, name)
+    if not usable:
+        raise refusals[0]
+    fewest = min(usable.values())
+    url = secrets.choice([url for url, count in usable.items() if count == fewest])
+    logger.info("serving store %d of %d for %r (%s)", urls.index(url) + 1, len(urls), name, mask_url(url))
+    return url
+
+
+async def _workers_of_model(url: str, name: str) -> int:
+    redis = connect(url)
+    try:
+        return sum(worker["model"] == name for worker in await live_workers(redis))
+    finally:
+        await redis.aclose()
 
 
 def open_metrics_port(settings: WorkerSettings) -> MetricsServer:
@@ -234,7 +286,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     started = time.monotonic()
     model_dir = resolve_model(settings) if fake_engine is None else None
     name = served_name(settings, model_dir)
-    check_redis_url(settings, name)
+    store_url = await chosen_store(settings, name)
     fingerprint = await check_one_model_per_name(settings, name, model_dir)
     metrics = open_metrics_port(settings)  # before the model loads: its port may be taken
     try:
@@ -242,7 +294,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     except BaseException:
         metrics.close()
         raise
-    redis = connect(settings.redis_url_for(name))  # its model's shard, if the model has one
+    redis = connect(store_url)  # its model's store
     info = WorkerInfo(
         id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
         model=name,
@@ -275,7 +327,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
             width,
         )
         engine.capacity = info.capacity = width
-    label = mask_url(settings.redis_url_for(name))
+    label = mask_url(store_url)
     watch = StoreWatch(redis, label, settings.allow_evicting_redis, settings.job_ttl_s)
     metrics.observe(service, watch)
     logger.info("metrics on %s", metrics.url)

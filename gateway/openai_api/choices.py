@@ -129,6 +129,7 @@ class Choices:
         self.prompt_of = prompt_of
         self.prompt_param = prompt_param
         self._slot_owner: str | None = None
+        self._store: Shard | None = None  # the store of the model its jobs went to (all to one)
 
     @classmethod
     async def submit(
@@ -157,8 +158,10 @@ class Choices:
         choices = cls(state, model, [], prompt_of, prompt_param)
         choices._slot_owner = owner.name
         try:
-            for request in requests:
-                choices.job_ids.append((await submit_job(state, request, None, owner)).job_id)
+            for request in requests:  # one store for all: the request follows its jobs on one relay
+                submitted = await submit_job(state, request, None, owner, store=choices._store)
+                choices.job_ids.append(submitted.job_id)
+                choices._store = choices._store or state.shards.of_job(submitted.job_id, model)
         except BaseException as e:
             choices.release()
             await asyncio.shield(choices.cancel())
@@ -175,7 +178,8 @@ class Choices:
 
     @property
     def shard(self) -> Shard:
-        return self.state.shards.of_model(self.model)
+        """The store of the model that holds the request's jobs."""
+        return self._store or self.state.shards.of_model(self.model)
 
     async def cancel(self) -> None:
         await asyncio.gather(*(self.shard.queue.cancel(job_id, self.model) for job_id in self.job_ids))

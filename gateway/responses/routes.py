@@ -68,7 +68,7 @@ class ResponseEventStream(JobEventsResponse):
         self, state: AppState, meta: dict[str, str], starting_after: int, owner: str, owned: bool
     ) -> None:
         self._state = state
-        self._shard = state.shards.of_model(meta["model"])
+        self._shard = state.shards.of_job(meta["job_id"], meta["model"])
         self._meta = meta
         self._owned = owned
         render = EventFrames(meta, starting_after)
@@ -169,12 +169,12 @@ async def create_response(request: Request) -> Response:
     try:
         await until_disconnect(request, _until_final(state, model, meta["job_id"]))
     except ClientGone:
-        await state.shards.of_model(model).queue.cancel(meta["job_id"], model)
+        await state.shards.of_job(meta["job_id"], model).queue.cancel(meta["job_id"], model)
         await store.forget_unstored(state, meta)
         return Response(status_code=499)
     finally:
         state.streams.give_back(principal.name)
-    record = await state.shards.of_model(model).queue.record(meta["job_id"])
+    record = await state.shards.of_job(meta["job_id"], model).queue.record(meta["job_id"])
     logprobs = await store.job_logprobs(state, meta) if record is not None else None
     await store.forget_unstored(state, meta)
     if record is None:  # purged (or expired) meanwhile
@@ -185,7 +185,7 @@ async def create_response(request: Request) -> Response:
 
 
 async def _until_final(state: AppState, model: str, job_id: str) -> None:
-    shard = state.shards.of_model(model)
+    shard = state.shards.of_job(job_id, model)
     while True:
         await wait_final(shard.relay, shard.redis, job_id, state.settings.max_wait_s)
         record = await shard.queue.record(job_id)
@@ -221,7 +221,7 @@ async def cancel_response(request: Request) -> Response:
     meta = await store.load_meta(state, resp_id, principal_of(request.scope).name)
     if meta.get("background") != "1":
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
-    shard = state.shards.of_model(meta["model"])
+    shard = state.shards.of_job(meta["job_id"], meta["model"])
     outcome = await shard.queue.cancel(meta["job_id"], meta["model"])
     if outcome is CancelOutcome.cancelling:
         deadline = time.monotonic() + CANCEL_WAIT_S

@@ -44,7 +44,7 @@ async def job_logprobs(state: AppState, meta: dict[str, str]) -> list[dict[str, 
     """The logprobs of the job's tokens, read from its stream, when the request asked for them."""
     if meta.get("logprobs") != "1":
         return None
-    shard = state.shards.of_model(meta["model"])
+    shard = state.shards.of_job(meta["job_id"], meta["model"])
     sent, found = SentTokens(), []
     for _id, fields in await shard.redis.xrange(keys.events(meta["job_id"])):
         if sent.fresh(fields) and (entries := entry_logprobs(fields)):
@@ -53,7 +53,7 @@ async def job_logprobs(state: AppState, meta: dict[str, str]) -> list[dict[str, 
 
 
 async def current_view(state: AppState, meta: dict[str, str]) -> dict[str, Any]:
-    record = await state.shards.of_model(meta["model"]).queue.record(meta["job_id"])
+    record = await state.shards.of_job(meta["job_id"], meta["model"]).queue.record(meta["job_id"])
     return view_from_job(meta, record, await job_logprobs(state, meta))
 
 
@@ -62,14 +62,16 @@ async def forget_unstored(state: AppState, meta: dict[str, str]) -> None:
     client left): as on OpenAI, such a response cannot be retrieved later, as a response or a job."""
     if meta["store"] != "1":
         with anyio.CancelScope(shield=True):
-            await state.shards.of_model(meta["model"]).queue.purge(meta["job_id"], meta["model"])
+            await state.shards.of_job(meta["job_id"], meta["model"]).queue.purge(
+                meta["job_id"], meta["model"]
+            )
 
 
 async def delete(state: AppState, meta: dict[str, str]) -> None:
     """Removes the response and its job (a running one stops)."""
     with anyio.CancelScope(shield=True):
         await state.redis.delete(keys.response(meta["id"]))
-        await state.shards.of_model(meta["model"]).queue.purge(meta["job_id"], meta["model"])
+        await state.shards.of_job(meta["job_id"], meta["model"]).queue.purge(meta["job_id"], meta["model"])
 
 
 async def earlier_items(state: AppState, previous_id: str, owner: str) -> list[dict[str, Any]]:
@@ -90,7 +92,7 @@ async def earlier_items(state: AppState, previous_id: str, owner: str) -> list[d
             param=param,
             code=ErrorCode.response_not_found,
         )
-    record = await state.shards.of_model(meta["model"]).queue.record(meta["job_id"])
+    record = await state.shards.of_job(meta["job_id"], meta["model"]).queue.record(meta["job_id"])
     if record is None:
         raise ApiError(
             404,

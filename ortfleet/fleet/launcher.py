@@ -187,31 +187,39 @@ class LocalFleet:
         child = self._spawn(label or f"worker-{name}", "worker", command, env)
         child.grace_s = worker_grace_s({**self.env, **(env or {})})
         if wait:
-            self.wait_registered(child, timeout_s=timeout_s, url=self.redis_url_for(name, env))
+            self.wait_registered(child, timeout_s=timeout_s, urls=self.redis_urls_for(name, env))
         return child
 
-    def redis_url_for(self, model: str, env: Mapping[str, str] | None = None) -> str:
-        """The Redis a worker of `model` registers on: its shard's, if ORTFLEET_REDIS_SHARDS gives one."""
-        shards = {**os.environ, **self.env, **(env or {})}.get("ORTFLEET_REDIS_SHARDS")
-        shard: str | None = json.loads(shards).get(model) if shards else None
-        return shard or self.redis_url
+    def redis_urls_for(self, model: str, env: Mapping[str, str] | None = None) -> list[str]:
+        """The Redis servers a worker of `model` may register on: its stores, if ORTFLEET_REDIS_SHARDS
+        gives it some (the one ORTFLEET_STORE names, if it names one)."""
+        settings = {**os.environ, **self.env, **(env or {})}
+        shards = settings.get("ORTFLEET_REDIS_SHARDS")
+        stores: str | list[str] | None = json.loads(shards).get(model) if shards else None
+        if stores is None:
+            return [self.redis_url]
+        stores = [stores] if isinstance(stores, str) else stores
+        store = int(settings.get("ORTFLEET_STORE", "0") or 0)
+        return [stores[store - 1]] if 0 < store <= len(stores) else stores
 
     def wait_registered(
-        self, child: FleetProcess, *, timeout_s: float = 60.0, url: str | None = None
+        self, child: FleetProcess, *, timeout_s: float = 60.0, urls: list[str] | None = None
     ) -> None:
-        """Until the worker process `child` has a live entry in the registry of `url` (the fleet's Redis
-        by default)."""
+        """Until the worker process `child` has a live entry in the registry of one of `urls` (the fleet's
+        Redis by default)."""
         deadline = time.monotonic() + timeout_s
-        with connect_blocking(url or self.redis_url) as redis:
+        with contextlib.ExitStack() as stack:
+            redises = [stack.enter_context(connect_blocking(url)) for url in urls or [self.redis_url]]
             while time.monotonic() < deadline:
                 if not child.alive():
                     raise StartupError(
                         f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}"
                     )
                 now_ms = int(time.time() * 1000)
-                for worker_id in redis.zrangebyscore(keys.WORKERS, now_ms, "+inf"):
-                    if redis.hget(keys.worker(worker_id), "pid") == str(child.pid):
-                        return
+                for redis in redises:
+                    for worker_id in redis.zrangebyscore(keys.WORKERS, now_ms, "+inf"):
+                        if redis.hget(keys.worker(worker_id), "pid") == str(child.pid):
+                            return
                 time.sleep(0.05)
         raise StartupError(f"{child.name} did not register within {timeout_s:g} s:\n{child.log_tail()}")
 

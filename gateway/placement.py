@@ -1,0 +1,70 @@
+"""Which of a model's stores takes a job, when ORTFLEET_REDIS_SHARDS gives the model several.
+
+Each store of a model is a Redis of its own with workers of its own (each worker serves one store), so
+the gateway balances the model's load by where it places jobs: on the store whose ready workers have the
+smallest share of their rows busy, counting the jobs this gateway placed since its registry snapshot was
+read (the snapshot is at most half a second old; the workers' counts in it at most a heartbeat). A store
+with no ready worker comes last: it takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS).
+
+A job with an `Idempotency-Key` tries the stores in an order fixed by the key, so that its retries go
+where the first try went and find the job there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from gateway.fleet import FleetSnapshot
+
+if TYPE_CHECKING:
+    from gateway.shards import Shard
+
+
+class Placement:
+    """A gateway's placements of jobs on stores since its last registry snapshot."""
+
+    def __init__(self) -> None:
+        self._placed: Counter[tuple[int, str]] = Counter()
+        self._snapshot: FleetSnapshot | None = None
+
+    def order(
+        self, stores: list[Shard], model: str, snapshot: FleetSnapshot, idempotency_key: str | None
+    ) -> list[Shard]:
+        """The model's stores, the one to try first first; the job counts as placed on that one at once
+        (so that submissions awaiting Redis together spread), until `moved` says where it went instead."""
+        if len(stores) == 1:
+            return stores
+        if snapshot is not self._snapshot:  # the workers' counts are new: so are the placements beside them
+            self._placed.clear()
+            self._snapshot = snapshot
+        if idempotency_key is not None:
+            start = int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:8], "big") % len(stores)
+            ordered = stores[start:] + stores[:start]
+        else:
+            ordered = sorted(stores, key=lambda store: self._load(store, model, snapshot))
+        self._placed[id(ordered[0].redis), model] += 1
+        return ordered
+
+    def moved(self, first: Shard, taken_by: Shard | None, model: str) -> None:
+        """The job counted on `first` went to `taken_by` (None: to no store)."""
+        if taken_by is first:
+            return
+        if self._placed[id(first.redis), model] > 0:
+            self._placed[id(first.redis), model] -= 1
+        if taken_by is not None:
+            self._placed[id(taken_by.redis), model] += 1
+
+    def _load(self, store: Shard, model: str, snapshot: FleetSnapshot) -> float:
+        state = snapshot.by_store.get((id(store.redis), model))
+        if state is None or state.ready == 0 or state.capacity == 0:
+            return math.inf
+        return (state.in_flight + self._placed[id(store.redis), model]) / state.capacity
+
+
+def share_of_limit(limit: int, stores: int) -> int:
+    """A key's limit on one of a model's `stores` (0: none): its even share, rounded up, so that the key's
+    jobs spread over the stores can reach the whole limit (a little over it when it does not divide)."""
+    return limit if limit <= 0 or stores == 1 else -(-limit // stores)

@@ -1,0 +1,185 @@
+"""One model over several Redis stores (ORTFLEET_REDIS_SHARDS with a list of URLs): each worker serves
+one store, gateways place each job on the store with the most free rows, and every route finds a job on
+whichever store holds it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+from redis.asyncio import Redis
+
+from common import keys
+from common.gateway_settings import GatewaySettings
+from gateway.fleet import FleetSnapshot, ModelState
+from gateway.placement import Placement, share_of_limit
+from gateway.shards import Shard
+from tests.conftest import Fleet, RedisServer
+from tests.jobs_client import read_events, streamed_text, submit, wait_done
+
+
+async def jobs_held(redis: Redis, job_ids: list[str]) -> set[str]:
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.exists(keys.job(job_id))
+        found = await pipe.execute()
+    return {job_id for job_id, there in zip(job_ids, found, strict=True) if there}
+
+
+async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_route_finds_them(
+    redis_server: RedisServer, own_redis: RedisServer, redis: Redis, own_redis_client: Redis,
+    tiny_model: Path, model_name: str,
+) -> None:  # fmt: skip
+    stores = {model_name: [redis_server.url, own_redis.url]}
+    fleet = Fleet(redis_server.url, tiny_model, env={"ORTFLEET_REDIS_SHARDS": json.dumps(stores)})
+    try:
+        _, url = fleet.start_gateway()
+        first = fleet.start_worker(model_name, env={"ORTFLEET_STORE": "1"})
+        # No store named: it takes the one with the fewest workers of the model, the second.
+        second = fleet.start_worker(model_name, env={"ORTFLEET_STEP_DELAY_S": "0.005"})
+        fleet.wait_workers(model_name, 2)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            overview = (await client.get("/v1/fleet")).json()
+            [model] = [m for m in overview["models"] if m["id"] == model_name]
+            assert model["workers"] == 2
+            body = {"model": model_name, "max_tokens": 12, "ignore_eos": True}
+            submitted = await asyncio.gather(
+                *(submit(client, {**body, "prompt": f"Hello {i}"}) for i in range(8))
+            )
+            ids = [job["id"] for job in submitted]
+            on_first, on_second = await jobs_held(redis, ids), await jobs_held(own_redis_client, ids)
+            assert on_first and on_second, "the jobs went to one store only"
+            assert on_first | on_second == set(ids) and not on_first & on_second
+            # Streams, records and the caller's list reach the jobs on either store.
+            for job_id in (next(iter(on_first)), next(iter(on_second))):
+                events = await read_events(client, job_id)
+                assert events[-1].event == "done"
+                assert streamed_text(events) == (await wait_done(client, job_id))["output"]
+            done = [await wait_done(client, job_id) for job_id in ids]
+            assert {job["status"] for job in done} == {"succeeded"}
+            listed = (await client.get("/v1/jobs", params={"limit": 100})).json()["data"]
+            assert set(ids) <= {job["id"] for job in listed}
+            workers = {w["id"]: w for w in overview["workers"] if w["model"] == model_name}
+            assert len(workers) == 2
+
+            # A cancel reaches the job on the second store (its worker steps slowly).
+            await idle(client, model_name)
+            slow = [
+                await submit(client, {**body, "prompt": f"Slow {i}", "max_tokens": 400}) for i in range(4)
+            ]
+            there = await jobs_held(own_redis_client, [job["id"] for job in slow])
+            assert there, "no job of four went to the second store"
+            job_id = next(iter(there))
+            assert (await client.delete(f"/v1/jobs/{job_id}")).status_code in (200, 202)
+            assert (await wait_done(client, job_id))["status"] == "cancelled"
+            for job in slow:
+                await client.delete(f"/v1/jobs/{job['id']}")
+
+            # A request's choices go to one store, and the OpenAI SDK gets them all.
+            openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            chat = await openai.chat.completions.create(
+                model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=3
+            )
+            assert sorted(choice.index for choice in chat.choices) == [0, 1, 2]
+            assert all(choice.finish_reason in ("stop", "length") for choice in chat.choices)
+            metrics = (await client.get("/metrics")).text
+            assert f'ortfleet_workers_live{{model="{model_name}"}} 2.0' in metrics
+
+            # With the second store's worker gone, every job goes to the first store.
+            second.process.send_signal(signal.SIGTERM)
+            second.process.wait(timeout=60)
+            fleet.wait_workers(model_name, 1)
+            await asyncio.sleep(0.6)  # the gateway's registry snapshot is at most 0.5 s old
+            later = [(await submit(client, {**body, "prompt": f"Later {i}"}))["id"] for i in range(6)]
+            assert await jobs_held(redis, later) == set(later)
+            assert {(await wait_done(client, job_id))["status"] for job_id in later} == {"succeeded"}
+            assert first.alive()
+    finally:
+        fleet.stop_all()
+
+
+async def idle(client: httpx.AsyncClient, model: str) -> None:
+    """Until the model's workers report no job in flight (their heartbeats lag their jobs by up to one)."""
+    async with asyncio.timeout(30):
+        while True:
+            overview = (await client.get("/v1/fleet")).json()
+            if not sum(w["in_flight"] for w in overview["workers"] if w["model"] == model):
+                return
+            await asyncio.sleep(0.1)
+
+
+def _store(name: str) -> Shard:
+    return cast(Shard, SimpleNamespace(label=name, redis=SimpleNamespace(name=name)))
+
+
+def _snapshot(model: str, states: list[tuple[Shard, tuple[int, int, int]]]) -> FleetSnapshot:
+    """A registry snapshot with, per store, (ready workers, capacity, in flight)."""
+    by_store = {
+        (id(store.redis), model): ModelState(model, 2048, ready, capacity, busy, ready=ready)
+        for store, (ready, capacity, busy) in states
+    }
+    return FleetSnapshot({model: 2048}, {}, by_store)
+
+
+@pytest.mark.unit
+def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempotent_jobs_store() -> None:
+    a, b, c = _store("a"), _store("b"), _store("c")
+    placement = Placement()
+    snapshot = _snapshot("m", [(a, (1, 8, 6)), (b, (1, 8, 2)), (c, (0, 0, 0))])
+    assert placement.order([a, b, c], "m", snapshot, None) == [b, a, c]  # c has no ready worker: last
+    placement.moved(b, None, "m")
+    # Each order counts a job on its first store, so that submissions awaiting Redis together spread;
+    # this gateway's placements count until the next snapshot.
+    picks = [placement.order([a, b, c], "m", snapshot, None)[0] for _ in range(6)]
+    assert [store.label for store in picks] == ["b", "b", "b", "b", "a", "b"]
+    placement.moved(b, a, "m")  # the last went to a instead (b refused it): b has the more room now
+    assert placement.order([a, b, c], "m", snapshot, None)[0] is b
+    placement.moved(b, None, "m")  # no store took that one: b keeps its room
+    assert placement.order([a, b, c], "m", snapshot, None)[0] is b
+    # A new snapshot counts the workers' own figures again.
+    fresh = _snapshot("m", [(a, (1, 8, 8)), (b, (1, 8, 0)), (c, (0, 0, 0))])
+    assert placement.order([a, b, c], "m", fresh, None) == [b, a, c]
+    # An idempotency key gives one order, whatever the load.
+    keyed = placement.order([a, b, c], "m", snapshot, "ortfleet:idem:x")
+    assert keyed == placement.order([a, b, c], "m", fresh, "ortfleet:idem:x")
+    assert sorted(store.label for store in keyed) == ["a", "b", "c"]
+    assert placement.order([a], "m", snapshot, None) == [a]
+
+
+@pytest.mark.unit
+def test_a_keys_limits_are_shared_out_over_a_models_stores() -> None:
+    assert share_of_limit(0, 3) == 0  # no limit
+    assert share_of_limit(8, 1) == 8
+    assert share_of_limit(8, 2) == 4
+    assert share_of_limit(8, 3) == 3  # rounded up: the shares reach the whole limit
+    assert share_of_limit(1, 3) == 1
+    assert all(share_of_limit(limit, n) * n >= limit for limit in range(1, 40) for n in range(1, 6))
+    assert all(share_of_limit(limit, n) * n < limit + n for limit in range(1, 40) for n in range(1, 6))
+
+
+@pytest.mark.unit
+def test_a_model_may_name_a_list_of_stores_each_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.settings import effective_settings
+
+    shards: dict[str, Any] = {"big": ["redis://:pw@10.0.0.9:6379/0", "redis://10.0.0.10:6379/0"]}
+    monkeypatch.setenv("ORTFLEET_REDIS_SHARDS", json.dumps(shards))
+    settings = GatewaySettings()
+    assert settings.redis_urls_for("big") == shards["big"]
+    assert effective_settings(settings)["redis_shards"] == {
+        "big": ["redis://:****@10.0.0.9:6379/0", "redis://10.0.0.10:6379/0"]
+    }
+    for wrong, said in (
+        (["redis://a:1/0", "redis://a:1/0"], "names one Redis twice"),
+        ([], "empty list"),
+        (["redis://a:1/0", "a:2"], r"the Redis of model 'big': .*scheme"),
+    ):
+        monkeypatch.setenv("ORTFLEET_REDIS_SHARDS", json.dumps({"big": wrong}))
+        with pytest.raises(ValueError, match=said):
+            GatewaySettings()
