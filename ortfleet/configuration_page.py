@@ -111,7 +111,7 @@ def _annotation(annotation: Any) -> str:
     if origin is Literal:
         return " \\| ".join(f"`{value}`" for value in arguments)
     if origin is dict:
-        return f"JSON object of {_annotation(arguments[1])}"
+        return f"JSON object of {_annotation(arguments[1]).removeprefix('JSON ')}"
     if origin is list:
         return f"JSON list of {_annotation(arguments[0]).removeprefix('JSON ')}"
     names = {str: "text", int: "integer", float: "number", bool: "boolean", Path: "path", SecretStr: "secret"}
