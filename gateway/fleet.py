@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common import keys
 from common.registry import live_workers, serving
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,26 @@ class FleetView:
         known: dict[str, int] = {}
         live: dict[str, ModelState] = {}
         by_store: dict[tuple[int, str], ModelState] = {}
+        unreachable: list[RedisError] = []
         for redis in self._redises:
-            known_raw: dict[str, str] = await redis.hgetall(keys.MODELS)  # type: ignore[misc]
+            try:
+                known_raw: dict[str, str] = await redis.hgetall(keys.MODELS)  # type: ignore[misc]
+                registered = await live_workers(redis)
+            except RedisError as e:  # its models' other stores, and other models, are served meanwhile
+                unreachable.append(e)
+                continue
             known |= {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
-            for worker in await live_workers(redis):
+            for worker in registered:
                 name = worker["model"]
                 live[name] = _with_worker(live.get(name), worker)
                 by_store[id(redis), name] = _with_worker(by_store.get((id(redis), name)), worker)
                 known.setdefault(name, live[name].context_length)
+        if unreachable and len(unreachable) == len(self._redises):
+            raise unreachable[0]
+        if unreachable:
+            logger.warning(
+                "%d of %d Redis servers unreachable: %s", len(unreachable), len(self._redises), unreachable[0]
+            )
         return FleetSnapshot(known, live, by_store)
 
 

@@ -44,23 +44,26 @@ async def version(request: Request) -> Response:
 )
 async def readyz(request: Request) -> Response:
     state = app_state(request)
-    checking: str | None = None  # the store being checked, for the answer when it cannot be reached
+    unreachable: list[str] = []  # stores other than the home one: the models of the others are served
     try:
         for name, shard in state.shards.named():
-            checking = name
-            await shard.redis.ping()
-            await shard.watch.check_config()
-            await shard.watch.check_memory()
-        checking = None
+            try:
+                await shard.redis.ping()
+                await shard.watch.check_config()
+                await shard.watch.check_memory()
+            except (RedisError, OSError) as e:
+                logger.warning("readiness: Redis (%s) is unreachable: %s", name, e)
+                line = f"Redis is unreachable ({name}): {type(e).__name__}; the gateway's log has the address"
+                if shard is state.shards.home:
+                    return JSONResponse({"status": "unavailable", "reason": line}, 503)
+                unreachable.append(line)
         fleet = await state.fleet.snapshot(fresh=True)
     except (RedisError, OSError) as e:
-        logger.warning("readiness: Redis (%s) is unreachable: %s", checking or "a store", e)
-        which = f" ({checking})" if checking else ""
-        reason = f"Redis is unreachable{which}: {type(e).__name__}; the gateway's log has the address"
+        reason = f"Redis is unreachable: {type(e).__name__}; the gateway's log has the address"
         return JSONResponse({"status": "unavailable", "reason": reason}, 503)
     # What an operator must hear of each Redis (no persistence, settings unreadable), ready or not, each
     # named `store N`: this answer is public, and the gateway's log has the addresses.
-    said = [line for name, shard in state.shards.named() for line in shard.watch.warnings(name)]
+    said = unreachable + [line for name, shard in state.shards.named() for line in shard.watch.warnings(name)]
     warnings = {"warnings": said} if said else {}
     refused = [line for name, shard in state.shards.named() for line in shard.watch.refusals(name)]
     if refused:

@@ -116,8 +116,16 @@ class Shards:
     async def _find(
         self, lookup: Callable[[Shard], Awaitable[JobRecord | None]]
     ) -> tuple[Shard, JobRecord] | None:
-        found = await asyncio.gather(*(lookup(shard) for shard in self.all))
-        return next(((s, r) for s, r in zip(self.all, found, strict=True) if r is not None), None)
+        """The first shard where `lookup` finds the record; None when no shard has it. A shard that
+        cannot be read matters only when no other has it (it might): its error is raised then."""
+        found = await asyncio.gather(*(lookup(shard) for shard in self.all), return_exceptions=True)
+        for shard, record in zip(self.all, found, strict=True):
+            if isinstance(record, JobRecord):
+                return shard, record
+        for error in found:
+            if isinstance(error, BaseException):
+                raise error
+        return None
 
 
 @contextlib.asynccontextmanager

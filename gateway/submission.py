@@ -368,8 +368,10 @@ def _first_refusal(refusals: list[Exception], principal: Principal) -> ApiError:
 async def _idempotent_job(stores: list[Shard], idem: str) -> str | None:
     """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
     first try went)."""
-    values = await asyncio.gather(*(store.redis.get(idem) for store in stores))
-    return next((value for value in values if value is not None), None)
+    values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
+    if all(isinstance(value, BaseException) for value in values):
+        raise next(value for value in values if isinstance(value, BaseException))
+    return next((value for value in values if isinstance(value, str)), None)
 
 
 def _refused(

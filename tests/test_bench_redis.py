@@ -4,6 +4,8 @@ asserts: the machine may be loaded)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.test_bench import bench
@@ -53,3 +55,25 @@ def test_the_token_plane_bench_measures_each_level_and_coalescing_carries_severa
     assert levels[(0, 8)]["tokens_per_event"] < 1.5 and levels[(50, 8)]["tokens_per_event"] > 2
     # One stream is below the rate: nothing waits.
     assert levels[(50, 1)]["tokens_per_event"] < 1.5
+
+
+def test_the_token_plane_bench_spreads_a_model_over_stores_and_shows_each_ones_redis(tmp_path: Path) -> None:
+    out = tmp_path / "stores.json"
+    done = bench(
+        "tokens", "--workers", "2", "--rows", "8", "--step-ms", "5", "--streams", "8", "--max-tokens", "40",
+        "--seconds", "3", "--warmup", "1", "--coalesce-ms", "50", "--stores", "1,2",
+        "--client-processes", "1", "--json", str(out),
+    )  # fmt: skip
+    assert "tokens/s at a full Redis core" in done.stdout
+    levels = {level["stores"]: level for level in json.loads(out.read_text())["levels"]}
+    assert sorted(levels) == [1, 2]
+    for stores, level in levels.items():
+        assert len(level["store_cpu_cores"]) == stores
+        assert all(cores > 0 for cores in level["store_cpu_cores"]), "a store's Redis did no work"
+        assert level["tokens"] > 0 and level["tokens_per_s_at_busiest_redis_core"] > level["tokens_per_s"]
+        assert level["redis_cpu_us_per_job"] > 0
+    refused = subprocess.run(
+        [sys.executable, "-m", "ortfleet", "bench", "tokens", "--workers", "1", "--stores", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "each store needs one" in refused.stderr

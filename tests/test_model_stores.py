@@ -100,6 +100,13 @@ async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_rout
             later = [(await submit(client, {**body, "prompt": f"Later {i}"}))["id"] for i in range(6)]
             assert await jobs_held(redis, later) == set(later)
             assert {(await wait_done(client, job_id))["status"] for job_id in later} == {"succeeded"}
+
+            # With the second store's Redis down too, the model is served from the first.
+            own_redis.process.kill()
+            own_redis.process.wait(timeout=10)
+            await asyncio.sleep(0.6)
+            last = [(await submit(client, {**body, "prompt": f"Last {i}"}))["id"] for i in range(4)]
+            assert {(await wait_done(client, job_id))["status"] for job_id in last} == {"succeeded"}
             assert first.alive()
     finally:
         fleet.stop_all()

@@ -110,16 +110,30 @@ def test_the_shard_map_is_checked_at_startup_and_masked_when_shown(monkeypatch: 
         GatewaySettings()
 
 
-async def test_a_gateway_with_an_unreachable_shard_says_so_on_readyz(
+async def test_a_gateway_with_an_unreachable_shard_stays_ready_for_the_other_models_and_says_so(
     redis_server: RedisServer, tiny_model: Path, model_name: str
 ) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     fleet = Fleet(redis_server.url, tiny_model, env={"ORTFLEET_REDIS_SHARDS": json.dumps({model_name: dead})})
     try:
         _, url = fleet.start_gateway()
+        fleet.start_worker(f"{model_name}-home")
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            # The home Redis serves its models: ready, the other store named in the warnings.
+            ready = await client.get("/readyz")
+            assert ready.status_code == 200, ready.text
+            assert any("Redis is unreachable (store 2)" in line for line in ready.json()["warnings"])
+            job = await submit(client, {"model": f"{model_name}-home", "prompt": "Hi", "max_tokens": 4})
+            assert (await wait_done(client, job["id"]))["status"] == "succeeded"
+            shard_job = await client.post("/v1/jobs", json={"model": model_name, "prompt": "Hi"})
+            assert shard_job.status_code in (404, 503), shard_job.text
+        fleet.stop_all()
+        # Without its home Redis a gateway is not ready.
+        fleet = Fleet(dead, tiny_model)
+        _, url = fleet.start_gateway()
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             ready = await client.get("/readyz")
             assert ready.status_code == 503
-            assert "Redis is unreachable" in ready.json()["reason"]
+            assert "Redis is unreachable (store 1)" in ready.json()["reason"]
     finally:
         fleet.stop_all()

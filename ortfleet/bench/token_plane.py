@@ -21,7 +21,7 @@ import multiprocessing
 import sys
 import time
 from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
@@ -57,6 +57,7 @@ class TokenPlaneOptions:
     client_processes: int
     coalesce_ms: list[float]  # ORTFLEET_STREAM_COALESCE_MS, one fleet each (0: off)
     writes_per_s: float  # ORTFLEET_STREAM_WRITES_PER_S
+    stores: list[int] = field(default_factory=lambda: [1])  # Redis stores of the model, a fleet each
 
 
 @dataclass
@@ -75,21 +76,25 @@ class _Seen:
 
 def run(options: TokenPlaneOptions) -> dict[str, Any]:
     runs = []
-    for coalesce_ms in options.coalesce_ms:
-        env = {
-            "ORTFLEET_STREAM_COALESCE_MS": f"{coalesce_ms:g}",
-            "ORTFLEET_STREAM_WRITES_PER_S": f"{options.writes_per_s:g}",
-            "ORTFLEET_MAX_QUEUED_JOBS": "100000000",
-            "ORTFLEET_MAX_QUEUED_TOKENS": "1000000000000",
-        }
-        with throwaway_fleet(env) as fleet:
-            gateways = fleet.start_gateways(options.gateways, port=free_port())
-            workers = _start_workers(fleet, options)
-            url = gateways[0].url
-            per_job = aio.run(_job_cost(url, fleet.redis_url))
-            for streams in options.streams:
-                level = _level(options, fleet, url, gateways, workers, streams)
-                runs.append({"coalesce_ms": coalesce_ms, **_token_plane_cost(level, per_job)})
+    for stores in options.stores:
+        for coalesce_ms in options.coalesce_ms:
+            env = {
+                "ORTFLEET_STREAM_COALESCE_MS": f"{coalesce_ms:g}",
+                "ORTFLEET_STREAM_WRITES_PER_S": f"{options.writes_per_s:g}",
+                "ORTFLEET_MAX_QUEUED_JOBS": "100000000",
+                "ORTFLEET_MAX_QUEUED_TOKENS": "1000000000000",
+            }
+            with throwaway_fleet(env) as fleet:
+                urls = fleet.spread_model(MODEL, stores, appendonly=False)
+                gateways = fleet.start_gateways(options.gateways, port=free_port())
+                workers = _start_workers(fleet, options, stores)
+                url = gateways[0].url
+                per_job = aio.run(_job_cost(url, urls))
+                for streams in options.streams:
+                    level = _level(options, urls, url, gateways, workers, streams)
+                    runs.append(
+                        {"stores": stores, "coalesce_ms": coalesce_ms, **_token_plane_cost(level, per_job)}
+                    )
     return {
         "bench": "tokens",
         "machine": describe(),
@@ -98,18 +103,19 @@ def run(options: TokenPlaneOptions) -> dict[str, Any]:
     }
 
 
-async def _job_cost(url: str, redis_url: str, jobs: int = 200) -> float:
-    """Redis' CPU seconds for one job of one token, its whole life (submitted, claimed, run, ended and
-    read over SSE): what a job costs beside its tokens."""
-    redis: Redis = connect(redis_url)
+async def _job_cost(url: str, redis_urls: list[str], jobs: int = 200) -> float:
+    """Redis' CPU seconds (every store's) for one job of one token, its whole life (submitted, claimed,
+    run, ended and read over SSE): what a job costs beside its tokens."""
+    redises: list[Redis] = [connect(redis_url) for redis_url in redis_urls]
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             await read_jobs(client, jobs // 4, 1, model=MODEL)  # warm-up: scripts loaded, connections open
-            _, before = await redis_counters(redis)
+            before = sum([(await redis_counters(redis))[1] for redis in redises])
             await read_jobs(client, jobs, 1, model=MODEL)
-            _, after = await redis_counters(redis)
+            after = sum([(await redis_counters(redis))[1] for redis in redises])
     finally:
-        await redis.aclose()
+        for redis in redises:
+            await redis.aclose()
     return (after - before) / jobs
 
 
@@ -127,16 +133,20 @@ def _token_plane_cost(level: dict[str, Any], per_job_s: float) -> dict[str, Any]
     }
 
 
-def _start_workers(fleet: LocalFleet, options: TokenPlaneOptions) -> list[FleetProcess]:
+def _start_workers(fleet: LocalFleet, options: TokenPlaneOptions, stores: int) -> list[FleetProcess]:
+    """The fake-engine workers, spread over the model's stores in turn."""
     spec = f"{options.step_ms:g}:{options.rows}"
-    workers = [fleet.start_worker(MODEL, "--fake-engine", spec) for _ in range(options.workers)]
+    workers = [
+        fleet.start_worker(MODEL, "--fake-engine", spec, env={"ORTFLEET_STORE": str(i % stores + 1)})
+        for i in range(options.workers)
+    ]
     fleet.await_workers(MODEL, options.workers, workers)
     return workers
 
 
 def _level(
     options: TokenPlaneOptions,
-    fleet: LocalFleet,
+    redis_urls: list[str],
     url: str,
     gateways: list[FleetProcess],
     workers: list[FleetProcess],
@@ -157,7 +167,7 @@ def _level(
     for client in clients:
         client.start()
     started.wait(_START_TIMEOUT_S)
-    measured = aio.run(_measure(options, fleet.redis_url, gateways, workers, streams))
+    measured = aio.run(_measure(options, redis_urls, gateways, workers, streams))
     stop.set()
     seen: list[_Seen] = []
     try:
@@ -176,13 +186,14 @@ def _level(
 
 async def _measure(
     options: TokenPlaneOptions,
-    redis_url: str,
+    redis_urls: list[str],
     gateways: list[FleetProcess],
     workers: list[FleetProcess],
     streams: int,
 ) -> dict[str, Any]:
-    """Counters at the window's ends: Redis' commands and CPU, the gateways' and workers' CPU."""
-    redis: Redis = connect(redis_url)
+    """Counters at the window's ends: Redis' commands and CPU (each store's), the gateways' and workers'
+    CPU."""
+    redises: list[Redis] = [connect(redis_url) for redis_url in redis_urls]
     try:
         with tqdm(
             total=round(options.warmup_s + options.seconds),
@@ -193,29 +204,32 @@ async def _measure(
         ) as bar:
             await asyncio.sleep(options.warmup_s)
             bar.update(round(options.warmup_s))
-            before = await _counters(redis, gateways, workers)
+            before = await _counters(redises, gateways, workers)
             for _ in range(round(options.seconds)):
                 await asyncio.sleep(options.seconds / round(options.seconds))
                 bar.update()
-            after = await _counters(redis, gateways, workers)
+            after = await _counters(redises, gateways, workers)
     finally:
-        await redis.aclose()
+        for redis in redises:
+            await redis.aclose()
     return {"before": before, "after": after}
 
 
 async def _counters(
-    redis: Redis, gateways: list[FleetProcess], workers: list[FleetProcess]
-) -> dict[str, float]:
-    commands, redis_cpu = await redis_counters(redis)
-    stats = await redis.info("commandstats")
-    return {
-        **{f"usec:{name.removeprefix('cmdstat_')}": float(v["usec"]) for name, v in stats.items()},
-        "at": time.time(),
-        "redis_commands": commands,
-        "redis_cpu_s": redis_cpu,
-        "gateway_cpu_s": sum(cpu_seconds(gateway.pid) for gateway in gateways),
-        "worker_cpu_s": sum(cpu_seconds(worker.pid) for worker in workers),
-    }
+    redises: list[Redis], gateways: list[FleetProcess], workers: list[FleetProcess]
+) -> dict[str, Any]:
+    counted: dict[str, Any] = {"at": time.time(), "redis_commands": 0, "redis_cpu_s": 0.0, "store_cpu_s": []}
+    for redis in redises:
+        commands, redis_cpu = await redis_counters(redis)
+        counted["redis_commands"] += commands
+        counted["redis_cpu_s"] += redis_cpu
+        counted["store_cpu_s"].append(redis_cpu)
+        for name, v in (await redis.info("commandstats")).items():
+            key = f"usec:{name.removeprefix('cmdstat_')}"
+            counted[key] = counted.get(key, 0.0) + float(v["usec"])
+    counted["gateway_cpu_s"] = sum(cpu_seconds(gateway.pid) for gateway in gateways)
+    counted["worker_cpu_s"] = sum(cpu_seconds(worker.pid) for worker in workers)
+    return counted
 
 
 def _figures(
@@ -237,6 +251,7 @@ def _figures(
         return round((after[key] - before[key]) / tokens * 1e6, 2) if tokens else None
 
     rows = min(streams, options.workers * options.rows)
+    busy = [a - b for a, b in zip(after["store_cpu_s"], before["store_cpu_s"], strict=True)]
     by_command = {
         key.removeprefix("usec:"): round((after[key] - before.get(key, 0.0)) / tokens, 3)
         for key in after
@@ -254,6 +269,9 @@ def _figures(
         if tokens
         else None,
         "redis_cpu_cores": round((after["redis_cpu_s"] - before["redis_cpu_s"]) / elapsed, 3),
+        # each store's Redis, and the tokens/s at which the busiest one would fill its core
+        "store_cpu_cores": [round(b / elapsed, 3) for b in busy],
+        "tokens_per_s_at_busiest_redis_core": round(tokens / max(busy), 0) if tokens and max(busy) else None,
         # Redis' own time in each command, per token (a script's includes the commands it runs)
         "redis_command_us_per_token": dict(sorted(by_command.items(), key=lambda item: -item[1])),
         "gateway_cpu_us_per_token": per_token_us("gateway_cpu_s"),
@@ -322,6 +340,10 @@ async def _clients(url: str, lanes: int, max_tokens: int, started: Any, stop: Ev
     return seen
 
 
+def _thousands(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def text(figures: dict[str, Any]) -> str:
     options = figures["options"]
     head = (
@@ -334,6 +356,7 @@ def text(figures: dict[str, Any]) -> str:
         relay, gap, ttft = level["relay_latency_ms"], level["event_gap_ms"], level["ttft_ms"]
         rows.append(
             [
+                level.get("stores", 1),
                 f"{level['coalesce_ms']:g}",
                 level["streams"],
                 f"{level['tokens_per_s']:,.0f}",
@@ -346,9 +369,11 @@ def text(figures: dict[str, Any]) -> str:
                 f"{relay.get('p50', '-')} / {relay.get('p99', '-')}",
                 f"{gap.get('p50', '-')}",
                 f"{ttft.get('p50', '-')}",
+                _thousands(level.get("tokens_per_s_at_busiest_redis_core")),
             ]
         )
     header = [
+        "stores",
         "coalesce ms",
         "streams",
         "tokens/s",
@@ -361,9 +386,13 @@ def text(figures: dict[str, Any]) -> str:
         "relay p50 / p99 ms",
         "event gap p50 ms",
         "TTFT p50 ms",
+        "tokens/s at a full Redis core",
     ]
-    costs = {f"{level['coalesce_ms']:g}": level.get("redis_cpu_us_per_job") for level in figures["levels"]}
-    per_job = ", ".join(f"{cost} µs (coalesce {ms} ms)" for ms, cost in costs.items())
+    costs = {
+        (level.get("stores", 1), f"{level['coalesce_ms']:g}"): level.get("redis_cpu_us_per_job")
+        for level in figures["levels"]
+    }
+    per_job = ", ".join(f"{cost} µs ({n} store(s), coalesce {ms} ms)" for (n, ms), cost in costs.items())
     return (
         head
         + "\n"

@@ -136,14 +136,29 @@ class LocalFleet:
     def workers(self) -> list[FleetProcess]:
         return self._role("worker")
 
-    def start_redis(self, *, appendonly: bool = True, data_dir: Path | None = None) -> FleetProcess:
-        """A redis-server of the fleet's own on a free port (AOF on unless `appendonly` is False)."""
+    def start_redis(
+        self, *, appendonly: bool = True, data_dir: Path | None = None, home: bool = True
+    ) -> FleetProcess:
+        """A redis-server of the fleet's own on a free port (AOF on unless `appendonly` is False): the
+        fleet's Redis, or with `home` False one more (a store of a model, given to processes in
+        ORTFLEET_REDIS_SHARDS)."""
         port = free_port()
         log = self.log_dir / f"redis-{port}.log"
         data = data_dir or self.log_dir / f"redis-{port}"
         process = start_redis(port, data, appendonly=appendonly, log=log)
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        return self._adopt(FleetProcess("redis", "redis", process, log, url=self.redis_url))
+        url = f"redis://127.0.0.1:{port}/0"
+        if home:
+            self.redis_url = url
+        return self._adopt(FleetProcess("redis", "redis", process, log, url=url))
+
+    def spread_model(self, model: str, stores: int, *, appendonly: bool = True) -> list[str]:
+        """Gives `model` `stores` Redis stores, the fleet's Redis the first and the others started now,
+        in the environment of every process started after (ORTFLEET_REDIS_SHARDS); their URLs."""
+        extra = [self.start_redis(appendonly=appendonly, home=False).url for _ in range(stores - 1)]
+        urls = [self.redis_url, *extra]
+        shards = json.loads(self.env.get("ORTFLEET_REDIS_SHARDS", "{}"))
+        self.env["ORTFLEET_REDIS_SHARDS"] = json.dumps({**shards, model: urls})
+        return urls
 
     def start_gateway(
         self,

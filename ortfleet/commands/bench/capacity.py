@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,10 @@ def add_modes(modes: Subparsers) -> None:
         "streams open (submit, read the events over SSE, submit again). Per level: tokens/s received; "
         "Redis CPU and commands, gateway CPU and worker CPU per generated token; relay latency (an "
         "event's arrival less its stream entry's time); the gap between a stream's events; TTFT. Each "
-        "--coalesce-ms value runs a fleet of its own (ORTFLEET_STREAM_COALESCE_MS; 0 is off).",
+        "--coalesce-ms value runs a fleet of its own (ORTFLEET_STREAM_COALESCE_MS; 0 is off), and so does "
+        "each --stores value: the model's jobs spread over that many redis-servers (ORTFLEET_REDIS_SHARDS), "
+        "the workers over the stores in turn; each store's Redis CPU is reported, and the tokens/s at "
+        "which the busiest would fill its core.",
     )
     tokens.add_argument("--workers", type=positive, default=1, help="fake-engine workers (default 1)")
     tokens.add_argument("--rows", type=positive, default=64, help="each worker's rows (default 64)")
@@ -100,6 +104,12 @@ def add_modes(modes: Subparsers) -> None:
         type=float,
         default=2000.0,
         help="ORTFLEET_STREAM_WRITES_PER_S for every fleet (default 2000, the setting's default)",
+    )
+    tokens.add_argument(
+        "--stores",
+        type=int_list,
+        default=[1],
+        help="Redis stores of the model, a fleet each (default 1; --workers at least the largest)",
     )
     tokens.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     tokens.set_defaults(func=run_tokens)
@@ -151,6 +161,13 @@ def run_tokens(args: argparse.Namespace) -> int:
         client_processes=args.client_processes,
         coalesce_ms=args.coalesce_ms,
         writes_per_s=args.writes_per_s,
+        stores=args.stores,
     )
+    if args.workers < max(args.stores):
+        print(
+            f"--workers {args.workers}: fewer than --stores {max(args.stores)}; each store needs one",
+            file=sys.stderr,
+        )
+        return 2
     figures = token_plane.run(options)
     return finish(figures, token_plane.text(figures), args.json)
