@@ -6,14 +6,16 @@ smallest share of their rows busy, counting the jobs this gateway placed since i
 read (the snapshot is at most half a second old; the workers' counts in it at most a heartbeat). A store
 with no ready worker comes last: it takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS).
 
-A job with an `Idempotency-Key` tries the stores in an order fixed by the key, so that its retries go
-where the first try went and find the job there.
+A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
+model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores in an order
+fixed by the key, so that its retries go where the first try went and find the job there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,8 @@ from gateway.fleet import FleetSnapshot
 if TYPE_CHECKING:
     from gateway.shards import Shard
 
+DOWN_S = 2.0  # how long a store that could not be reached goes last
+
 
 class Placement:
     """A gateway's placements of jobs on stores since its last registry snapshot."""
@@ -29,6 +33,7 @@ class Placement:
     def __init__(self) -> None:
         self._placed: Counter[tuple[int, str]] = Counter()
         self._snapshot: FleetSnapshot | None = None
+        self._down_until: dict[int, float] = {}  # id of a store's Redis client -> monotonic time
 
     def order(
         self, stores: list[Shard], model: str, snapshot: FleetSnapshot, idempotency_key: str | None
@@ -44,7 +49,14 @@ class Placement:
             start = int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:8], "big") % len(stores)
             ordered = stores[start:] + stores[:start]
         else:
-            ordered = sorted(stores, key=lambda store: self._load(store, model, snapshot))
+            now = time.monotonic()
+            ordered = sorted(
+                stores,
+                key=lambda store: (
+                    self._down_until.get(id(store.redis), 0.0) > now,
+                    self._load(store, model, snapshot),
+                ),
+            )
         self._placed[id(ordered[0].redis), model] += 1
         return ordered
 
@@ -56,6 +68,10 @@ class Placement:
             self._placed[id(first.redis), model] -= 1
         if taken_by is not None:
             self._placed[id(taken_by.redis), model] += 1
+
+    def unreachable(self, store: Shard) -> None:
+        """The store's Redis did not answer a submission: it goes last for DOWN_S."""
+        self._down_until[id(store.redis)] = time.monotonic() + DOWN_S
 
     def _load(self, store: Shard, model: str, snapshot: FleetSnapshot) -> float:
         state = snapshot.by_store.get((id(store.redis), model))

@@ -9,6 +9,9 @@ import time
 from dataclasses import dataclass
 
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
 from common.apikeys import ANONYMOUS, Principal
@@ -295,6 +298,12 @@ async def _place(
                 continue
             except (NotReplicated, EpochChanged) as e:
                 raise _refused(e) from e
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                state.placement.unreachable(store)
+                if idem is not None:  # a retry with the key must find the job where this try went
+                    raise
+                refusals.append(e)  # the next store takes it, as a client's retry would
+                continue
             taken_by = store
             return submitted
         raise _first_refusal(refusals, principal)
@@ -354,11 +363,12 @@ async def _submit_to(
         return await submit(await store.watch.check_epoch())
 
 
-def _first_refusal(refusals: list[Exception], principal: Principal) -> ApiError:
-    """The answer when every store of the model refused the job: the first store's refusal, the key's
-    whole limit named where it is one of the key's limits."""
+def _first_refusal(refusals: list[Exception], principal: Principal) -> Exception:
+    """The answer when every store of the model refused the job: the first store's refusal (a Redis
+    error as it came, for the gateway's handler), the key's whole limit named where it is one of the key's
+    limits."""
     first = refusals[0]
-    if isinstance(first, ApiError):
+    if isinstance(first, ApiError | RedisError):
         return first
     if isinstance(first, OwnerBusy) and len(refusals) > 1:
         first = OwnerBusy(first.owner, principal.max_concurrent_jobs or first.limit)
@@ -410,6 +420,10 @@ async def _routes(
     if not spec.messages or wait_s <= 0:
         return [(None, None)] * len(stores)
     workers = await asyncio.gather(
-        *(preferred_worker(store.redis, spec.model, spec.cache_scope, spec.messages) for store in stores)
+        *(preferred_worker(store.redis, spec.model, spec.cache_scope, spec.messages) for store in stores),
+        return_exceptions=len(stores) > 1,  # a store that cannot be read has no hint: the others serve
     )
-    return [(worker, int((now + wait_s) * 1000)) if worker else (None, None) for worker in workers]
+    return [
+        (worker, int((now + wait_s) * 1000)) if isinstance(worker, str) else (None, None)
+        for worker in workers
+    ]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import openai
@@ -23,6 +24,9 @@ from common.settings import FleetSettings
 from ortfleet.fleet.launcher import FleetProcess, LocalFleet
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.openai_schema import OpenAISchema, install
+
+if TYPE_CHECKING:
+    from tests.sentinel_group import SentinelGroup
 
 # start_worker: fake-engine worker services; model: a model name of the test's own for jobs put on the queue
 pytest_plugins = ["tests.fake_workers", "tests.queued_jobs"]
@@ -83,6 +87,24 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = _start_redis_server(tmp_path_factory.mktemp("redis"))
     yield server
     stop(server.process)
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path) -> Iterator[SentinelGroup]:
+    """A Redis primary, its replica and three Sentinels watching them (tests/sentinel_group.py)."""
+    from tests.sentinel_group import SentinelGroup
+
+    group = SentinelGroup(tmp_path)
+    try:
+        group.primary_port = group.start_redis()
+        group.replica_port = group.start_redis("--replicaof", "127.0.0.1", str(group.primary_port))
+        for _ in range(3):
+            group.start_sentinel()
+        group.wait_until(group.replica_synced, "the replica has synced with the primary")
+        group.wait_until(group.watching, "the sentinels watch the primary, its replica and each other")
+        yield group
+    finally:
+        group.stop_all()
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ whichever store holds it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 from pathlib import Path
@@ -23,6 +24,8 @@ from gateway.placement import Placement, share_of_limit
 from gateway.shards import Shard
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
+from tests.sentinel_group import Reader, SentinelGroup
+from tests.waiting import until
 
 
 async def jobs_held(redis: Redis, job_ids: list[str]) -> set[str]:
@@ -110,6 +113,60 @@ async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_rout
             assert first.alive()
     finally:
         fleet.stop_all()
+
+
+@pytest.mark.slow
+async def test_a_stores_primary_killed_mid_load_loses_no_job_and_the_other_store_goes_on(
+    redis_server: RedisServer, own_redis: RedisServer, own_redis_client: Redis, sentinels: SentinelGroup,
+    tiny_model: Path, model_name: str,
+) -> None:  # fmt: skip
+    """The second store is a primary with a replica under Sentinel: its primary is killed (SIGKILL) while
+    jobs stream on both stores; every job ends succeeded, each stream with no gap or duplicate. Every
+    store has a replica, so that each submission is confirmed by one (ORTFLEET_SUBMIT_REPLICAS)."""
+    replica_of_first = sentinels.start_redis("--replicaof", "127.0.0.1", str(own_redis.port))
+    sentinels.wait_until(
+        lambda: sentinels.replica_synced(replica_of_first), "the first store's replica syncs"
+    )
+    stores = {model_name: [own_redis.url, sentinels.url]}
+    env = {
+        "ORTFLEET_REDIS_SHARDS": json.dumps(stores),
+        "ORTFLEET_SUBMIT_REPLICAS": "1",
+        "ORTFLEET_STEP_DELAY_S": "0.02",
+        "ORTFLEET_HEARTBEAT_TTL_S": "15",  # the failover takes seconds: the worker keeps its jobs
+    }
+    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
+        fleet.start_gateway()
+        for store in ("1", "2"):
+            fleet.start_worker(model_name, env={"ORTFLEET_STORE": store})
+        fleet.wait_workers(model_name, 2)
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=120) as client:
+            body = {"model": model_name, "max_tokens": 200, "ignore_eos": True}
+            jobs = [await submit(client, {**body, "prompt": f"Story {i}:"}) for i in range(6)]
+            on_first = await jobs_held(own_redis_client, [job["id"] for job in jobs])
+            assert 0 < len(on_first) < len(jobs), "the jobs did not spread over both stores"
+            readers = [Reader(job["id"]) for job in jobs]
+            reading = [asyncio.create_task(reader.read(client)) for reader in readers]
+            await until(lambda: all(r.tokens() >= 10 for r in readers), "every reader gets tokens", 60)
+
+            sentinels.processes[sentinels.primary_port].kill()
+            # Meanwhile the first store takes new jobs and runs them.
+            during = [(await submit(client, {**body, "prompt": f"Meanwhile {i}:"}))["id"] for i in range(2)]
+            port = sentinels.sentinel_ports[0]
+            sentinels.wait_until(
+                lambda: sentinels.primary(port) == sentinels.replica_port, "the replica is promoted"
+            )
+            await asyncio.wait_for(asyncio.gather(*reading), 120)
+            for job_id in during:
+                assert (await wait_done(client, job_id))["status"] == "succeeded"
+            for reader in readers:
+                final = await wait_done(client, reader.job_id)
+                assert final["status"] == "succeeded", final
+                tokens = [event for event in reader.events if event.event == "token"]
+                assert [event.data["index"] for event in tokens] == list(
+                    itertools.accumulate((len(e.data["token_ids"]) for e in tokens[:-1]), initial=0)
+                ), "a gap or a duplicate in the stream"
+                assert "".join(event.data["text"] for event in tokens) == final["output"]
+                assert reader.events[-1].event == "done"
 
 
 async def idle(client: httpx.AsyncClient, model: str) -> None:
