@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from common.store_epoch import epoch_of
 from ortfleet.fleet.launcher import worker_grace_s
 from ortfleet.fleet.processes import REDIS_MISSING, free_port
 
@@ -161,6 +162,45 @@ def test_up_runs_a_fleet_that_serves_jobs_and_stops_cleanly_on_ctrl_c(
     data_dir = re.search(r"AOF in (\S+)/data\)", up.logs())
     assert data_dir is not None, up.logs()
     assert not Path(data_dir.group(1)).exists()
+
+
+def test_up_spreads_a_model_over_stores_with_a_worker_each(tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with ortfleet_up(
+        tmp_path / "up.log",
+        "--model",
+        str(tiny_model),
+        "--workers",
+        "2",
+        "--stores",
+        "2",
+        "--port",
+        str(port),
+    ) as up:
+        printed = up.read_until("curl -N", timeout_s=120)
+        assert "spread over 2 stores" in up.logs(), up.logs()
+        assert base in printed
+        commands = [" ".join(child.cmdline()) for child in up.descendants()]
+        assert sum("redis-server" in c for c in commands) == 2, commands
+        with httpx.Client(base_url=base, timeout=60) as http:
+            assert http.get("/readyz").json()["models"][tiny_model.name]["workers"] == 2
+            ids = []
+            for i in range(6):
+                submitted = http.post("/v1/jobs", json={"prompt": f"Hello {i}", "max_tokens": 4})
+                assert submitted.status_code == 202, submitted.text
+                ids.append(submitted.json()["id"])
+            for job_id in ids:
+                job = http.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()
+                assert job["status"] == "succeeded", job
+        # A job id carries the epoch of the Redis that holds it: the jobs went to both stores.
+        assert len({epoch_of(job_id) for job_id in ids}) == 2, ids
+
+
+def test_up_refuses_more_stores_than_workers(tiny_model: Path) -> None:
+    result = ortfleet("up", "--model", str(tiny_model), "--stores", "3", "--workers", "2", "--port", "0")
+    assert result.returncode == 1
+    assert "--stores 3 with 2 worker(s): each store needs a worker" in result.stderr + result.stdout
 
 
 def test_up_reports_a_worker_that_dies_and_stops_the_rest(tmp_path: Path) -> None:

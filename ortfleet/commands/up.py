@@ -103,6 +103,14 @@ def register(subparsers: Subparsers) -> None:
         help="use this Redis instead of starting a redis-server (redis://[:password@]host:port/db)",
     )
     parser.add_argument(
+        "--stores",
+        metavar="N",
+        type=_positive_int,
+        default=1,
+        help="spread the model's jobs over N redis-servers, the workers over them in turn "
+        "(ORTFLEET_REDIS_SHARDS, ORTFLEET_STORE); at most one per worker (default 1)",
+    )
+    parser.add_argument(
         "--startup-timeout",
         metavar="SECONDS",
         type=float,
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         port = args.port or free_port()
         _check_port_free(args.host, port)
         plan = _plan_workers(args)
+        _check_stores(args, len(plan))
         served = _resolve_model(args, settings.model_cache, console)
         if args.redis_url:
             fleet.redis_url = args.redis_url
@@ -156,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             data_dir = Path(tempfile.mkdtemp(prefix="ortfleet-up-"))
             _start_redis(fleet, console, signals, data_dir)
+            if args.stores > 1:
+                with signals.held():
+                    stores = fleet.spread_model(served.name, args.stores, data_dir=data_dir)
+                console.say(f"{served.name!r} spread over {len(stores)} stores: {', '.join(stores)}")
         redis_url = fleet.redis_url
         with signals.held():
             metrics_ports = _start_fleet(fleet, console, args, plan, served, port)
@@ -187,6 +200,16 @@ def run(args: argparse.Namespace) -> int:
             signals.restore()
         if fleet.processes:
             console.say("fleet stopped")
+
+
+def _check_stores(args: argparse.Namespace, workers: int) -> None:
+    if args.stores > 1 and args.redis_url:
+        raise StartupError(
+            "--stores starts its own redis-servers; with --redis-url, give the model its stores in "
+            "ORTFLEET_REDIS_SHARDS instead"
+        )
+    if args.stores > workers:
+        raise StartupError(f"--stores {args.stores} with {workers} worker(s): each store needs a worker")
 
 
 def _load_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -282,6 +305,7 @@ def _start_fleet(
     ports."""
     extra = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
     for index, planned in enumerate(plan, 1):
+        store = {"ORTFLEET_STORE": str((index - 1) % args.stores + 1)} if args.stores > 1 else {}
         child = fleet.start_worker(
             served.name,
             *extra,
@@ -289,7 +313,7 @@ def _start_fleet(
             str(planned.metrics_port),
             model=served.model_dir,
             device=planned.device,
-            env=planned.env,
+            env={**planned.env, **store},
             wait=False,
             label=planned.name,
         )

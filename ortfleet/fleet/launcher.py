@@ -151,10 +151,18 @@ class LocalFleet:
             self.redis_url = url
         return self._adopt(FleetProcess("redis", "redis", process, log, url=url))
 
-    def spread_model(self, model: str, stores: int, *, appendonly: bool = True) -> list[str]:
-        """Gives `model` `stores` Redis stores, the fleet's Redis the first and the others started now,
-        in the environment of every process started after (ORTFLEET_REDIS_SHARDS); their URLs."""
-        extra = [self.start_redis(appendonly=appendonly, home=False).url for _ in range(stores - 1)]
+    def spread_model(
+        self, model: str, stores: int, *, appendonly: bool = True, data_dir: Path | None = None
+    ) -> list[str]:
+        """Gives `model` `stores` Redis stores, the fleet's Redis the first and the others started now
+        (their data in `data_dir`/store-N, if given), in the environment of every process started after
+        (ORTFLEET_REDIS_SHARDS); their URLs."""
+        extra = [
+            self.start_redis(
+                appendonly=appendonly, home=False, data_dir=data_dir / f"store-{n}" if data_dir else None
+            ).url
+            for n in range(2, stores + 1)
+        ]
         urls = [self.redis_url, *extra]
         shards = json.loads(self.env.get("ORTFLEET_REDIS_SHARDS", "{}"))
         self.env["ORTFLEET_REDIS_SHARDS"] = json.dumps({**shards, model: urls})
