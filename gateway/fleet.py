@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common import keys
 from common.registry import live_workers, serving
+from common.wire import PRIORITY_ORDER
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class ModelState:
     ready: int = 0  # workers that can run jobs now: not those rebuilding a failed engine
     speed_tokens_per_s: float = 0.0  # what its ready workers measured while running jobs (WorkerInfo's)
     kv_budget_tokens: int = 0  # the most KV tokens a job may need on one of its live workers (their largest)
+    queued: int = 0  # jobs waiting in its queues: read only per store, for a model with several stores
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,11 @@ class FleetSnapshot:
 class FleetView:
     """A snapshot of the registry, refreshed at most every `max_age_s` so submissions stay cheap."""
 
-    def __init__(self, redises: list[Redis], max_age_s: float = 0.5) -> None:
+    def __init__(
+        self, redises: list[Redis], max_age_s: float = 0.5, spread: frozenset[str] = frozenset()
+    ) -> None:
         self._redises = redises  # every shard's: a model's workers register on its shard
+        self._spread = spread  # models with several stores: each store's queue depth is read too
         self._max_age_s = max_age_s
         self._snapshot: FleetSnapshot | None = None
         self._taken_at = 0.0
@@ -69,6 +74,14 @@ class FleetView:
                 live[name] = _with_worker(live.get(name), worker)
                 by_store[id(redis), name] = _with_worker(by_store.get((id(redis), name)), worker)
                 known.setdefault(name, live[name].context_length)
+            spread_here = [name for name in self._spread if (id(redis), name) in by_store]
+            try:
+                depths = await _queue_depths(redis, spread_here)
+            except RedisError as e:
+                unreachable.append(e)
+                continue
+            for name, depth in depths.items():
+                by_store[id(redis), name] = replace(by_store[id(redis), name], queued=depth)
         if unreachable and len(unreachable) == len(self._redises):
             raise unreachable[0]
         if unreachable:
@@ -76,6 +89,19 @@ class FleetView:
                 "%d of %d Redis servers unreachable: %s", len(unreachable), len(self._redises), unreachable[0]
             )
         return FleetSnapshot(known, live, by_store)
+
+
+async def _queue_depths(redis: Redis, models: list[str]) -> dict[str, int]:
+    """The jobs waiting in each model's queues (every class) on this Redis."""
+    if not models:
+        return {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for model in models:
+            for cls in PRIORITY_ORDER:
+                pipe.zcard(keys.queue(model, cls.value))
+        counts: list[int] = await pipe.execute()
+    per = len(PRIORITY_ORDER)
+    return {model: sum(counts[i * per : (i + 1) * per]) for i, model in enumerate(models)}
 
 
 def _with_worker(before: ModelState | None, worker: dict[str, str]) -> ModelState:

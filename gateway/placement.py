@@ -1,9 +1,10 @@
 """Which of a model's stores takes a job, when ORTFLEET_REDIS_SHARDS gives the model several.
 
 Each store of a model is a Redis of its own with workers of its own (each worker serves one store), so
-the gateway balances the model's load by where it places jobs: on the store whose ready workers have the
-smallest share of their rows busy, counting the jobs this gateway placed since its registry snapshot was
-read (the snapshot is at most half a second old; the workers' counts in it at most a heartbeat). A store
+the gateway balances the model's load by where it places jobs: on the store with the fewest jobs (running
+and queued) for its ready workers' rows, counting the jobs this gateway placed since its registry snapshot
+was read (the snapshot, with each store's queue depth, is at most half a second old; the workers' counts in
+it at most a heartbeat). A store
 with no ready worker comes last: it takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS).
 
 A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
@@ -77,7 +78,7 @@ class Placement:
         state = snapshot.by_store.get((id(store.redis), model))
         if state is None or state.ready == 0 or state.capacity == 0:
             return math.inf
-        return (state.in_flight + self._placed[id(store.redis), model]) / state.capacity
+        return (state.in_flight + state.queued + self._placed[id(store.redis), model]) / state.capacity
 
 
 def share_of_limit(limit: int, stores: int) -> int:

@@ -64,6 +64,10 @@ class Shards:
         """Every Redis that holds jobs of the model, in the order the shard map lists them."""
         return self._by_model.get(model) or [self.home]
 
+    def spread_models(self) -> frozenset[str]:
+        """The models with several stores."""
+        return frozenset(model for model, stores in self._by_model.items() if len(stores) > 1)
+
     def holding(self, models: list[str]) -> list[tuple[Shard, list[str]]]:
         """Each shard with the models, of those given, whose jobs it holds (a model with several stores
         is in each of theirs)."""

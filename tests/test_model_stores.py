@@ -183,11 +183,13 @@ def _store(name: str) -> Shard:
     return cast(Shard, SimpleNamespace(label=name, redis=SimpleNamespace(name=name)))
 
 
-def _snapshot(model: str, states: list[tuple[Shard, tuple[int, int, int]]]) -> FleetSnapshot:
-    """A registry snapshot with, per store, (ready workers, capacity, in flight)."""
+def _snapshot(model: str, states: list[tuple[Shard, tuple[int, ...]]]) -> FleetSnapshot:
+    """A registry snapshot with, per store, (ready workers, capacity, in flight[, queued])."""
     by_store = {
-        (id(store.redis), model): ModelState(model, 2048, ready, capacity, busy, ready=ready)
-        for store, (ready, capacity, busy) in states
+        (id(store.redis), model): ModelState(model, 2048, ready, capacity, busy, ready=ready, queued=queued)
+        for store, (ready, capacity, busy, queued) in (
+            (store, (*figures, 0)[:4]) for store, figures in states
+        )
     }
     return FleetSnapshot({model: 2048}, {}, by_store)
 
@@ -207,9 +209,10 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     assert placement.order([a, b, c], "m", snapshot, None)[0] is b
     placement.moved(b, None, "m")  # no store took that one: b keeps its room
     assert placement.order([a, b, c], "m", snapshot, None)[0] is b
-    # A new snapshot counts the workers' own figures again.
-    fresh = _snapshot("m", [(a, (1, 8, 8)), (b, (1, 8, 0)), (c, (0, 0, 0))])
-    assert placement.order([a, b, c], "m", fresh, None) == [b, a, c]
+    # A new snapshot counts the workers' own figures again, their queues included: b's 16 waiting jobs
+    # weigh more than a's full rows.
+    fresh = _snapshot("m", [(a, (1, 8, 8)), (b, (1, 8, 0, 16)), (c, (0, 0, 0))])
+    assert placement.order([a, b, c], "m", fresh, None) == [a, b, c]
     # An idempotency key gives one order, whatever the load.
     keyed = placement.order([a, b, c], "m", snapshot, "ortfleet:idem:x")
     assert keyed == placement.order([a, b, c], "m", fresh, "ortfleet:idem:x")
