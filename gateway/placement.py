@@ -37,10 +37,17 @@ class Placement:
         self._down_until: dict[int, float] = {}  # id of a store's Redis client -> monotonic time
 
     def order(
-        self, stores: list[Shard], model: str, snapshot: FleetSnapshot, idempotency_key: str | None
+        self,
+        stores: list[Shard],
+        model: str,
+        snapshot: FleetSnapshot,
+        idempotency_key: str | None,
+        *,
+        placing: bool = True,
     ) -> list[Shard]:
-        """The model's stores, the one to try first first; the job counts as placed on that one at once
-        (so that submissions awaiting Redis together spread), until `moved` says where it went instead."""
+        """The model's stores, the one to try first first. When `placing` a job, it counts as placed on that
+        one at once (so that submissions awaiting Redis together spread), until `moved` says where it went
+        instead."""
         if len(stores) == 1:
             return stores
         if snapshot is not self._snapshot:  # the workers' counts are new: so are the placements beside them
@@ -58,7 +65,8 @@ class Placement:
                     self._load(store, model, snapshot),
                 ),
             )
-        self._placed[id(ordered[0].redis), model] += 1
+        if placing:
+            self._placed[id(ordered[0].redis), model] += 1
         return ordered
 
     def moved(self, first: Shard, taken_by: Shard | None, model: str) -> None:

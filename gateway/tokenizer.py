@@ -126,7 +126,8 @@ async def tokenize_budget_wait(
 async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:
     call = TokenizerCall(id=secrets.token_urlsafe(12), deadline=time.time() + CALL_TIMEOUT_S, **fields)
     calls = keys.tokenizer_calls(model)
-    stores = state.placement.order(state.shards.stores_of(model), model, await state.fleet.snapshot(), None)
+    snapshot = await state.fleet.snapshot()
+    stores = state.placement.order(state.shards.stores_of(model), model, snapshot, None, placing=False)
     redis = stores[0].redis  # the model's workers answer on their store: the one with room, if several
     async with redis.pipeline(transaction=True) as pipe:
         pipe.lpush(calls, call.model_dump_json(exclude_none=True))

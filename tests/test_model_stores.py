@@ -218,6 +218,9 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     assert keyed == placement.order([a, b, c], "m", fresh, "ortfleet:idem:x")
     assert sorted(store.label for store in keyed) == ["a", "b", "c"]
     assert placement.order([a], "m", snapshot, None) == [a]
+    # A tokenizer call asks the store with the most room, placing nothing there.
+    looked = [placement.order([a, b, c], "m", fresh, None, placing=False)[0] for _ in range(3)]
+    assert looked == [a, a, a]
 
 
 @pytest.mark.unit
