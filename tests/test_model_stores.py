@@ -25,6 +25,7 @@ from gateway.shards import Shard
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.sentinel_group import Reader, SentinelGroup
+from tests.test_cli import ortfleet
 from tests.waiting import until
 
 
@@ -71,6 +72,13 @@ async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_rout
             assert set(ids) <= {job["id"] for job in listed}
             workers = {w["id"]: w for w in overview["workers"] if w["model"] == model_name}
             assert len(workers) == 2
+            # `ortfleet status` reads every Redis of the shard map: both workers, the jobs of both stores.
+            shown = ortfleet("status", "--json", env={"ORTFLEET_REDIS_URL": redis_server.url, **fleet.env})
+            assert shown.returncode == 0, shown.stderr
+            status = json.loads(shown.stdout)
+            assert {w["id"] for w in status["workers"] if w["model"] == model_name} == set(workers)
+            [row] = [m for m in status["models"] if m["name"] == model_name]
+            assert row["workers"] == 2 and row["finished_last_minute"] >= len(ids)
 
             # A cancel reaches the job on the second store (its worker steps slowly).
             await idle(client, model_name)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common.fleet_stats import known_models, queue_stats, recent_outcomes
+from common.fleet_stats import known_models, queue_stats, recent_outcomes, summed
 from common.redis_client import connect
 from common.redis_url import mask_url
 from common.registry import live_workers
@@ -103,62 +103,71 @@ def _add_redis_url(parser: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    url = _redis_url(args)
-    if url is None:
+    urls = _redis_urls(args)
+    if urls is None:
         return 2
     try:
-        status = asyncio.run(_read_once(url))
+        status = asyncio.run(_read_once(urls))
     except (RedisError, OSError) as e:
-        print(f"ortfleet status: cannot read the fleet from Redis at {mask_url(url)}: {e}", file=sys.stderr)
+        print(f"ortfleet status: cannot read the fleet from Redis at {_shown(urls)}: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(asdict(status), indent=2))
     else:
-        print(render(status, mask_url(url)))
+        print(render(status, _shown(urls)))
     return 0
 
 
 def run_top(args: argparse.Namespace) -> int:
-    url = _redis_url(args)
-    if url is None:
+    urls = _redis_urls(args)
+    if urls is None:
         return 2
     try:
-        asyncio.run(_watch(url, max(0.1, args.interval), args.iterations))
+        asyncio.run(_watch(urls, max(0.1, args.interval), args.iterations))
     except KeyboardInterrupt:
         pass
     except (RedisError, OSError) as e:
-        print(f"ortfleet top: cannot read the fleet from Redis at {mask_url(url)}: {e}", file=sys.stderr)
+        print(f"ortfleet top: cannot read the fleet from Redis at {_shown(urls)}: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def _redis_url(args: argparse.Namespace) -> str | None:
+def _redis_urls(args: argparse.Namespace) -> list[str] | None:
+    """The Redis to read: the one --redis-url names, else the fleet's and every one of its shard map (the
+    models' own Redis servers and stores)."""
     if args.redis_url:
         url: str = args.redis_url
-        return url
+        return [url]
     try:
-        return FleetSettings().redis_url.get_secret_value()
+        settings = FleetSettings()
     except ValidationError as e:
         print(f"ortfleet: invalid settings:\n{e}", file=sys.stderr)
         return None
+    shards = [url.get_secret_value() for urls in settings.redis_shards.values() for url in urls]
+    return list(dict.fromkeys([settings.redis_url.get_secret_value(), *shards]))
 
 
-async def _read_once(url: str) -> FleetStatus:
-    redis = connect(url)
+def _shown(urls: list[str]) -> str:
+    return ", ".join(mask_url(url) for url in urls)
+
+
+async def _read_once(urls: list[str]) -> FleetStatus:
+    redises = [connect(url) for url in urls]
     try:
-        return await read_status(redis)
+        return await read_status(redises)
     finally:
-        await redis.aclose()
+        for redis in redises:
+            await redis.aclose()
 
 
-async def _watch(url: str, interval_s: float, iterations: int) -> None:
-    redis = connect(url)
-    shown = mask_url(url)
+async def _watch(urls: list[str], interval_s: float, iterations: int) -> None:
+    redises = [connect(url) for url in urls]
+    shown = _shown(urls)
     tty = sys.stdout.isatty()
     try:
         count = 0
         while True:
-            status = await read_status(redis)
+            status = await read_status(redises)
             frame = render(status, shown, width=shutil.get_terminal_size().columns if tty else None)
             print(CLEAR_SCREEN + frame if tty else frame + "\n", flush=True)
             count += 1
@@ -166,17 +175,23 @@ async def _watch(url: str, interval_s: float, iterations: int) -> None:
                 return
             await asyncio.sleep(interval_s)
     finally:
-        await redis.aclose()
+        for redis in redises:
+            await redis.aclose()
 
 
-async def read_status(redis: Redis) -> FleetStatus:
-    """Workers with a live heartbeat, and every model known to the fleet with its queue and recent jobs."""
+async def read_status(redises: Sequence[Redis]) -> FleetStatus:
+    """Workers with a live heartbeat, and every model known to the fleet with its queue and recent jobs,
+    from each Redis (the first the fleet's own, with the batches), a model's figures summed over them."""
     now = time.time()
-    entries = await live_workers(redis)
+    entries: list[dict[str, str]] = []
+    known: set[str] = set()
+    for redis in redises:
+        entries += await live_workers(redis)
+        known |= set(await known_models(redis))
     workers = sorted((_worker_row(entry, now) for entry in entries), key=lambda w: (w.model, w.id))
-    names = sorted(set(await known_models(redis)) | {w.model for w in workers})
-    queues = await queue_stats(redis, names, now)
-    outcomes = await recent_outcomes(redis, names, now)
+    names = sorted(known | {w.model for w in workers})
+    queues = summed([await queue_stats(redis, names, now) for redis in redises])
+    outcomes = summed([await recent_outcomes(redis, names, now) for redis in redises])
     models = []
     for name in names:
         serving = [w for w in workers if w.model == name]
@@ -195,7 +210,7 @@ async def read_status(redis: Redis) -> FleetStatus:
                 waiting_keys=queues[name].waiting_keys,
             )
         )
-    return FleetStatus(now, workers, models, await active_batches(redis))
+    return FleetStatus(now, workers, models, await active_batches(redises[0]))
 
 
 def _worker_row(entry: dict[str, str], now: float) -> WorkerRow:
