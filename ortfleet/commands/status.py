@@ -98,7 +98,9 @@ def register(subparsers: Subparsers) -> None:
 
 def _add_redis_url(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--redis-url", metavar="URL", help="the fleet's Redis (default: ORTFLEET_REDIS_URL, then the default)"
+        "--redis-url",
+        metavar="URL",
+        help="read this Redis only (default: ORTFLEET_REDIS_URL and every Redis of ORTFLEET_REDIS_SHARDS)",
     )
 
 
