@@ -4,6 +4,7 @@ exit status; a gateway whose Redis is only unreachable starts and reports not re
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -187,6 +188,25 @@ def test_a_worker_whose_redis_is_unreachable_exits_naming_it(unreachable_redis: 
     masked = unreachable_redis.replace(PASSWORD, "****")
     assert_one_line(exited, "ortfleet-worker", masked, "ORTFLEET_REDIS_URL")
     assert PASSWORD not in exited.stderr
+
+
+def test_a_worker_given_a_store_its_model_lacks_exits_naming_the_stores(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    stores = json.dumps({"fake": [redis_server.url, redis_server.url.replace("/0", "/1")]})
+    exited = worker(
+        tmp_path,
+        "--name",
+        "fake",
+        "--store",
+        "3",
+        ORTFLEET_REDIS_URL=redis_server.url,
+        ORTFLEET_REDIS_SHARDS=stores,
+    )
+
+    assert_one_line(
+        exited, "ortfleet-worker", "--store", "is 3", "has 2 store(s)", "ORTFLEET_REDIS_SHARDS[fake]"
+    )
 
 
 def test_a_worker_whose_metrics_port_is_taken_exits_naming_the_port(

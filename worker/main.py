@@ -222,17 +222,15 @@ async def chosen_store(settings: WorkerSettings, name: str) -> str:
     """The URL of the Redis store the worker serves: the model's one, the one ORTFLEET_STORE names, or the
     one with the fewest live workers of the model among those that pass check_redis_url."""
     urls = settings.redis_urls_for(name)
-    if name not in settings.redis_shards:
-        check_redis_url(urls[0], "ORTFLEET_REDIS_URL", settings)
-        return urls[0]
-    setting = f"ORTFLEET_REDIS_SHARDS[{name}]"
-    if settings.store:
-        if settings.store > len(urls):
-            raise CannotStart(
-                f"ORTFLEET_STORE={settings.store}, but {setting} lists {len(urls)} store(s) for the model"
-            )
-        url = urls[settings.store - 1]
-        check_redis_url(url, f"{setting}[{settings.store - 1}]", settings)
+    setting = f"ORTFLEET_REDIS_SHARDS[{name}]" if name in settings.redis_shards else "ORTFLEET_REDIS_URL"
+    if settings.store > len(urls):
+        raise CannotStart(
+            f"ORTFLEET_STORE (--store) is {settings.store}, but model {name!r} has {len(urls)} store(s) "
+            f"({setting}); give 1 to {len(urls)}, or 0 for the one with the fewest workers"
+        )
+    if len(urls) == 1 or settings.store:
+        url = urls[max(settings.store, 1) - 1]
+        check_redis_url(url, setting + (f"[{settings.store - 1}]" if len(urls) > 1 else ""), settings)
         return url
     usable: dict[str, int] = {}
     refusals: list[CannotStart] = []
