@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.gateway_settings import GatewaySettings
+from common.store_epoch import epoch_of
 from gateway.fleet import FleetSnapshot, ModelState
 from gateway.placement import Placement, share_of_limit
 from gateway.shards import Shard
@@ -26,6 +27,7 @@ from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.sentinel_group import Reader, SentinelGroup
 from tests.test_cli import ortfleet
+from tests.test_prefix_routing import conversation, follow_up, run
 from tests.waiting import until
 
 
@@ -92,6 +94,16 @@ async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_rout
             assert (await wait_done(client, job_id))["status"] == "cancelled"
             for job in slow:
                 await client.delete(f"/v1/jobs/{job['id']}")
+
+            # A chat's next turn goes to the store whose worker holds its first turn's prompt.
+            openings = [await run(client, model_name, conversation(k)) for k in range(4)]
+            assert len({epoch_of(opening["id"]) for opening in openings}) == 2, (
+                "the first turns used one store"
+            )
+            for k, opening in reversed(list(enumerate(openings))):  # not the order placement would take
+                turn = await run(client, model_name, follow_up(conversation(k), opening["output"]))
+                assert epoch_of(turn["id"]) == epoch_of(opening["id"]) and turn["worker"] == opening["worker"]
+                assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
             # A request's choices go to one store, and the OpenAI SDK gets them all.
             openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
