@@ -33,8 +33,8 @@ class FleetSettings(BaseSettings):
         '{"model": "redis://host:6379/0", ...}, or a list of URLs for a model whose jobs spread over '
         'several Redis servers (its stores: {"model": ["redis://a:6379/0", "redis://b:6379/0"]}; each '
         "worker serves one of them, see ORTFLEET_STORE, and gateways place each job on the store with the "
-        "fewest jobs for its rows). Other models, API keys, files, batches and responses use redis_url. Give every "
-        "gateway and worker the same map.",
+        "fewest jobs for its rows). Other models, API keys, files, batches and responses use redis_url. "
+        "Give every gateway and worker the same map.",
     )
     prefix_cache_scope: Literal["key", "fleet"] = Field(
         "key",
