@@ -194,7 +194,7 @@ async def test_status_shows_the_waiting_jobs_per_class_and_the_keys_waiting(redi
         await submit(queue, model, owner="bob", priority=PriorityClass.batch)
     await redis.hset(keys.MODELS, model, "{}")  # type: ignore[misc]
     try:
-        status = await read_status(redis)
+        status = await read_status([redis])
     finally:
         await redis.hdel(keys.MODELS, model)  # type: ignore[misc]
 
