@@ -282,7 +282,7 @@ async def _place(
     prefix first) that takes it, each given its share of the key's limits (the model has `of_model`
     stores); the first refusal when none does. `counted`: the store placement counted it on."""
     routes = await _routes(state, stores, spec, now=spec.submitted_at)
-    refusals: list[Exception] = []
+    refusals: list[_Refusal] = []
     taken_by: Shard | None = None
     try:
         for store, route in sorted(zip(stores, routes, strict=True), key=lambda pair: pair[1][0] is None):
@@ -314,6 +314,7 @@ async def _place(
 
 # Refusals of one store that another store of the model may not give: each store counts its own jobs.
 _FALLS_OVER = (OwnerBusy, PromptTokensBusy, StreamBytesBusy, QueueFull)
+_Refusal = ApiError | RedisError | OwnerBusy | PromptTokensBusy | StreamBytesBusy | QueueFull
 
 
 async def _submit_to(
@@ -363,7 +364,7 @@ async def _submit_to(
         return await submit(await store.watch.check_epoch())
 
 
-def _first_refusal(refusals: list[Exception], principal: Principal) -> Exception:
+def _first_refusal(refusals: list[_Refusal], principal: Principal) -> Exception:
     """The answer when every store of the model refused the job: the first store's refusal (a Redis
     error as it came, for the gateway's handler), the key's whole limit named where it is one of the key's
     limits."""
@@ -372,7 +373,7 @@ def _first_refusal(refusals: list[Exception], principal: Principal) -> Exception
         return first
     if isinstance(first, OwnerBusy) and len(refusals) > 1:
         first = OwnerBusy(first.owner, principal.max_concurrent_jobs or first.limit)
-    return _refused(first)  # type: ignore[arg-type]
+    return _refused(first)
 
 
 async def _idempotent_job(stores: list[Shard], idem: str) -> str | None:
