@@ -5,7 +5,8 @@ the gateway balances the model's load by where it places jobs: on the store with
 and queued) for its ready workers' rows, counting the jobs this gateway placed since its registry snapshot
 was read (the snapshot, with each store's queue depth, is at most half a second old; the workers' counts in
 it at most a heartbeat). A store
-with no ready worker comes last: it takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS).
+with no ready worker takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS), or, with that
+setting, after every store that has one refused it.
 
 A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
 model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores in an order
@@ -44,10 +45,12 @@ class Placement:
         idempotency_key: str | None,
         *,
         placing: bool = True,
+        keep_idle: bool = False,
     ) -> list[Shard]:
-        """The model's stores, the one to try first first. When `placing` a job, it counts as placed on that
-        one at once (so that submissions awaiting Redis together spread), until `moved` says where it went
-        instead."""
+        """The model's stores to try, the first first: those with a ready worker, and the others after them
+        only with `keep_idle` (ORTFLEET_QUEUE_WITHOUT_WORKERS) or when none has one. When `placing` a job,
+        it counts as placed on the first at once (so that submissions awaiting Redis together spread),
+        until `moved` says where it went instead."""
         if len(stores) == 1:
             return stores
         if snapshot is not self._snapshot:  # the workers' counts are new: so are the placements beside them
@@ -65,6 +68,9 @@ class Placement:
                     self._load(store, model, snapshot),
                 ),
             )
+            served = [store for store in ordered if math.isfinite(self._load(store, model, snapshot))]
+            if served and not keep_idle:  # a job never waits on a store nobody serves while one is served
+                ordered = served
         if placing:
             self._placed[id(ordered[0].redis), model] += 1
         return ordered

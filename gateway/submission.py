@@ -250,7 +250,9 @@ async def submit_job(
         cache_scope=cache_scope(state.settings, principal.name, request.cache_salt),
     )
     every = state.shards.stores_of(model)
-    stores = [store] if store else state.placement.order(every, model, await state.fleet.snapshot(), idem)
+    snapshot = await state.fleet.snapshot()
+    keep_idle = state.settings.queue_without_workers
+    stores = [store] if store else state.placement.order(every, model, snapshot, idem, keep_idle=keep_idle)
     counted = stores[0] if store is None and len(stores) > 1 else None
     if idem is not None and len(every) > 1 and (existing := await _idempotent_job(every, idem)):
         if counted is not None:
@@ -306,7 +308,7 @@ async def _place(
                 continue
             taken_by = store
             return submitted
-        raise _first_refusal(refusals, principal)
+        raise _first_refusal(refusals, principal, of_model)
     finally:
         if counted is not None:
             state.placement.moved(counted, taken_by, spec.model)
@@ -364,15 +366,15 @@ async def _submit_to(
         return await submit(await store.watch.check_epoch())
 
 
-def _first_refusal(refusals: list[_Refusal], principal: Principal) -> Exception:
+def _first_refusal(refusals: list[_Refusal], principal: Principal, of_model: int) -> Exception:
     """The answer when every store of the model refused the job: the first store's refusal (a Redis
     error as it came, for the gateway's handler), the key's whole limit named where it is one of the key's
     limits."""
     first = refusals[0]
     if isinstance(first, ApiError | RedisError):
         return first
-    if isinstance(first, OwnerBusy) and len(refusals) > 1:
-        first = OwnerBusy(first.owner, principal.max_concurrent_jobs or first.limit)
+    if isinstance(first, OwnerBusy) and of_model > 1:
+        first = OwnerBusy(first.owner, principal.max_concurrent_jobs or first.limit, of_model)
     return _refused(first)
 
 

@@ -135,6 +135,54 @@ async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_rout
         fleet.stop_all()
 
 
+async def test_a_keys_active_jobs_limit_holds_over_the_stores_with_each_store_its_share(
+    redis_server: RedisServer,
+    own_redis: RedisServer,
+    own_redis_client: Redis,
+    tiny_model: Path,
+    model_name: str,
+) -> None:
+    """A key may have 2 active jobs: each of the 2 stores takes 1, and a third is refused naming the key's
+    whole limit; with one store's worker gone, a job never waits on that store."""
+    stores = {model_name: [redis_server.url, own_redis.url]}
+    key = "sk-stores-" + model_name[-8:]
+    env = {
+        "ORTFLEET_REDIS_SHARDS": json.dumps(stores),
+        "ORTFLEET_API_KEYS": f"alice:{key}",
+        "ORTFLEET_KEY_MAX_CONCURRENT_JOBS": "2",
+        "ORTFLEET_STEP_DELAY_S": "0.02",
+    }
+    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
+        _, url = fleet.start_gateway()
+        _, second = (fleet.start_worker(model_name, env={"ORTFLEET_STORE": n}) for n in ("1", "2"))
+        fleet.wait_workers(model_name, 2)
+        async with httpx.AsyncClient(
+            base_url=url, timeout=60, headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            body = {"model": model_name, "prompt": "Long", "max_tokens": 400, "ignore_eos": True}
+            taken = [await submit(client, body) for _ in range(2)]
+            assert len({epoch_of(job["id"]) for job in taken}) == 2, "both active jobs on one store"
+            refused = await client.post("/v1/jobs", json=body)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "too_many_active_jobs" and "limit of 2 active jobs" in error["message"]
+            for job in taken:
+                await client.delete(f"/v1/jobs/{job['id']}")
+            assert {(await wait_done(client, job["id"]))["status"] for job in taken} == {"cancelled"}
+
+            # With the second store's worker gone, its share is out of reach: the first store takes one
+            # job, and the next is refused rather than left waiting on a store nobody serves.
+            second.process.send_signal(signal.SIGTERM)
+            second.process.wait(timeout=60)
+            fleet.wait_workers(model_name, 1)
+            await asyncio.sleep(0.6)  # the gateway's registry snapshot is at most 0.5 s old
+            alone = await submit(client, body)
+            refused = await client.post("/v1/jobs", json=body)
+            assert refused.status_code == 429, refused.text
+            assert await jobs_held(own_redis_client, [alone["id"]]) == set()
+            await client.delete(f"/v1/jobs/{alone['id']}")
+
+
 @pytest.mark.slow
 async def test_a_stores_primary_killed_mid_load_loses_no_job_and_the_other_store_goes_on(
     redis_server: RedisServer, own_redis: RedisServer, own_redis_client: Redis, sentinels: SentinelGroup,
@@ -219,7 +267,7 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     a, b, c = _store("a"), _store("b"), _store("c")
     placement = Placement()
     snapshot = _snapshot("m", [(a, (1, 8, 6)), (b, (1, 8, 2)), (c, (0, 0, 0))])
-    assert placement.order([a, b, c], "m", snapshot, None) == [b, a, c]  # c has no ready worker: last
+    assert placement.order([a, b, c], "m", snapshot, None) == [b, a]  # c has no ready worker: left out
     placement.moved(b, None, "m")
     # Each order counts a job on its first store, so that submissions awaiting Redis together spread;
     # this gateway's placements count until the next snapshot.
@@ -232,12 +280,17 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     # A new snapshot counts the workers' own figures again, their queues included: b's 16 waiting jobs
     # weigh more than a's full rows.
     fresh = _snapshot("m", [(a, (1, 8, 8)), (b, (1, 8, 0, 16)), (c, (0, 0, 0))])
-    assert placement.order([a, b, c], "m", fresh, None) == [a, b, c]
+    assert placement.order([a, b, c], "m", fresh, None) == [a, b]
     # An idempotency key gives one order, whatever the load.
     keyed = placement.order([a, b, c], "m", snapshot, "ortfleet:idem:x")
     assert keyed == placement.order([a, b, c], "m", fresh, "ortfleet:idem:x")
     assert sorted(store.label for store in keyed) == ["a", "b", "c"]
     assert placement.order([a], "m", snapshot, None) == [a]
+    # A store nobody serves is left out while another is served, unless jobs may wait for workers.
+    assert placement.order([c, a], "m", fresh, None, placing=False) == [a]
+    assert placement.order([c, a], "m", fresh, None, placing=False, keep_idle=True) == [a, c]
+    idle_only = _snapshot("m", [(c, (0, 0, 0))])
+    assert placement.order([a, c], "m", idle_only, None, placing=False) == [a, c]
     # A tokenizer call asks the store with the most room, placing nothing there.
     looked = [placement.order([a, b, c], "m", fresh, None, placing=False)[0] for _ in range(3)]
     assert looked == [a, a, a]

@@ -28,8 +28,15 @@ class Submitted:
 
 
 class OwnerBusy(Exception):
-    def __init__(self, owner: str, limit: int) -> None:
-        super().__init__(f"key {owner!r} has {limit} active jobs, its limit; wait for one to end")
+    def __init__(self, owner: str, limit: int, stores: int = 1) -> None:
+        if stores > 1:
+            said = (
+                f"key {owner!r} is at its limit of {limit} active jobs, shared over the model's {stores} "
+                "Redis stores (each store holds its share, rounded up); wait for one to end"
+            )
+        else:
+            said = f"key {owner!r} has {limit} active jobs, its limit; wait for one to end"
+        super().__init__(said)
         self.owner = owner
         self.limit = limit
 
