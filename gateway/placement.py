@@ -4,9 +4,8 @@ Each store of a model is a Redis of its own with workers of its own (each worker
 the gateway balances the model's load by where it places jobs: on the store with the fewest jobs (running
 and queued) for its ready workers' rows, counting the jobs this gateway placed since its registry snapshot
 was read (the snapshot, with each store's queue depth, is at most half a second old; the workers' counts in
-it at most a heartbeat). A store
-with no ready worker takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS), or, with that
-setting, after every store that has one refused it.
+it at most a heartbeat). A store with no ready worker takes a job only when no store has one
+(ORTFLEET_QUEUE_WITHOUT_WORKERS), or, with that setting, after every store that has one refused it.
 
 A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
 model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores in an order
@@ -61,14 +60,11 @@ class Placement:
             ordered = stores[start:] + stores[:start]
         else:
             now = time.monotonic()
+            load = {id(store): self._load(store, model, snapshot) for store in stores}
             ordered = sorted(
-                stores,
-                key=lambda store: (
-                    self._down_until.get(id(store.redis), 0.0) > now,
-                    self._load(store, model, snapshot),
-                ),
+                stores, key=lambda store: (self._down_until.get(id(store.redis), 0.0) > now, load[id(store)])
             )
-            served = [store for store in ordered if math.isfinite(self._load(store, model, snapshot))]
+            served = [store for store in ordered if math.isfinite(load[id(store)])]
             if served and not keep_idle:  # a job never waits on a store nobody serves while one is served
                 ordered = served
         if placing:

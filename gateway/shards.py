@@ -57,7 +57,7 @@ class Shards:
         return [(f"store {i}", shard) for i, shard in enumerate(self.all, 1)]
 
     def of_model(self, model: str) -> Shard:
-        """The model's first store: where what any of its workers answers is asked (tokenizer calls)."""
+        """The model's first store (its only one, unless the shard map gives it several)."""
         return self.stores_of(model)[0]
 
     def stores_of(self, model: str) -> list[Shard]:
