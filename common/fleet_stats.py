@@ -110,20 +110,6 @@ async def served_tokens(redis: Redis, model: str) -> dict[str, int]:
     return {name: int(value) for name, value in raw.items()}
 
 
-async def record_outcome(
-    redis: Redis, model: str, job_id: str, status: str, now: float | None = None
-) -> None:
-    """Note that a job ended on a worker (status: succeeded, failed or cancelled); older notes are
-    dropped. Jobs that end while queued are noted by the queue's scripts, in the same form."""
-    now_ms = int((time.time() if now is None else now) * 1000)
-    key = keys.finished(model)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.zadd(key, {f"{status}:{job_id}": now_ms})
-        pipe.zremrangebyscore(key, "-inf", now_ms - RECENT_WINDOW_S * 1000)
-        pipe.pexpire(key, 2 * RECENT_WINDOW_S * 1000)
-        await pipe.execute()
-
-
 async def recent_outcomes(
     redis: Redis, models: list[str], now: float | None = None
 ) -> dict[str, RecentOutcomes]:

@@ -93,6 +93,26 @@ async def test_a_job_cancelled_while_queued_counts_in_the_recent_outcomes(redis:
     assert outcomes.by_status["cancelled"] == 1 and outcomes.finished == 1
 
 
+async def test_a_job_a_worker_ends_counts_once_in_the_recent_outcomes_and_a_late_attempt_not_at_all(
+    redis: Redis, model: str
+) -> None:
+    queue = JobQueue(redis, 3600)
+    await submit(queue, model)
+    [late] = await queue.claim(model, "late-worker", 1, lease_s=0)  # its lease has run out already
+    [taken] = await queue.claim(model, "next-worker", 1, lease_s=30)
+    update = RecordUpdate(
+        status=JobStatus.succeeded, output="hi", finish_reason=FinishReason.stop, finished_at=1.0
+    )
+
+    assert not await queue.finish(late, update, {"type": "done", "status": "succeeded"})
+    assert (await recent_outcomes(redis, [model]))[model].finished == 0
+
+    assert await queue.finish(taken, update, {"type": "done", "status": "succeeded"})
+    await queue.finish(taken, update, {"type": "done", "status": "succeeded"})  # a retry, its reply lost
+    outcomes = (await recent_outcomes(redis, [model]))[model]
+    assert outcomes.by_status == {"succeeded": 1}
+
+
 async def test_a_job_that_expires_in_the_queue_counts_as_failed_in_the_recent_outcomes(
     redis: Redis, model: str
 ) -> None:

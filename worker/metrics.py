@@ -25,9 +25,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
-from redis.exceptions import RedisError
 
-from common.fleet_stats import record_outcome
 from common.jobs.claims import Claim
 from common.store_watch import StoreMetrics, StoreWatch
 from common.wire import TERMINAL, FinishReason, JobStatus
@@ -121,7 +119,7 @@ class WorkerMetrics:
         )
         registry.register(EngineLoad(service, values))
 
-    async def job_done(self, run: JobRun) -> None:
+    def job_done(self, run: JobRun) -> None:
         submitted = run.spec.submitted_at
         times = run.token_times
         self.prompt_tokens.inc(run.prompt_tokens)
@@ -139,17 +137,9 @@ class WorkerMetrics:
         self.finished[outcome.status].inc()
         if outcome.status is JobStatus.succeeded and outcome.finish_reason in self.success:
             self.success[outcome.finish_reason].inc()
-        await self._note(run.spec.model, run.job_id, outcome.status)
 
-    async def job_failed(self, claim: Claim, model: str) -> None:
+    def job_failed(self, claim: Claim, model: str) -> None:
         self.finished[JobStatus.failed].inc()
-        await self._note(model, claim.job_id, JobStatus.failed)
-
-    async def _note(self, model: str, job_id: str, status: JobStatus) -> None:
-        try:
-            await record_outcome(self.service.redis, model, job_id, status.value)
-        except RedisError as e:
-            logger.warning("could not note job %s as %s (%s)", job_id, status.value, e)
 
 
 class GapHistogram:

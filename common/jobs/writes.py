@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from common import keys, lua
 from common.error_codes import ErrorCode
 from common.events import TOKEN, entry_token_ids, error_entry
+from common.fleet_stats import RECENT_WINDOW_S
 from common.jobs.claims import Claim, claim_priority
 from common.jobs.record import RecordUpdate
 from common.redis_client import HeldConnection
@@ -152,6 +153,7 @@ class FinishScript:
                 keys.prompt_tokens_in_flight(claim.owner),
                 keys.owner_jobs(claim.owner),
                 keys.owner_ended_jobs(claim.owner),
+                keys.finished(claim.model),
                 *([claim.idempotency_key] if claim.idempotency_key else []),
             ],
             args=[
@@ -162,6 +164,8 @@ class FinishScript:
                 priority,
                 "" if streamed is None else str(streamed),
                 str(int(time.time() * 1000)),
+                record.get("status", ""),
+                str(RECENT_WINDOW_S * 1000),
                 *lua.flat_fields(record),
                 *lua.flat_fields(final_entry),
                 keys.STREAM_NOTICES,

@@ -11,10 +11,11 @@
 --       notices channel
 -- Returns 'cancelled' (was queued), 'cancelling' (running: its worker is told), 'missing', or the
 -- job's terminal status.
-local st = redis.call('HGET', KEYS[1], 'status')
+local held = redis.call('HMGET', KEYS[1], 'status', 'attempts', 'cost')
+local st = held[1]
 if not st then return 'missing' end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
-  if redis.call('HGET', KEYS[1], 'attempts') == '0' then uncount(KEYS[5], KEYS[1]) end
+  if held[2] == '0' then uncount(KEYS[5], held[3]) end
   leave_active(KEYS[6], KEYS[8], ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   append_event(KEYS[1], KEYS[3], (pairs_at(8)))

@@ -91,15 +91,27 @@ end
 
 -- The next job to consider: the head of the highest class with waiting jobs, if the caller passed its
 -- keys, passing over the jobs that need more KV than the worker's budget; with its class and score.
+-- What the claim reads of a candidate's record, in one HMGET when first needed: only
+-- requeue_expired_leases (which runs before) writes a field read here.
+local READ = {'status', 'attempts', 'owner', 'kv_tokens', 'suspect', 'preferred_worker', 'preferred_until_ms',
+  'quarantine_deaths', 'idempotency_key', 'deadline_ms', 'cost'}
+local function fields(job)
+  if not job.fields then
+    local values = redis.call('HMGET', job.rec, unpack(READ))
+    job.fields = {}
+    for i, name in ipairs(READ) do job.fields[name] = values[i] end
+  end
+  return job.fields
+end
 local function fits(job)
-  return budget <= 0 or tonumber(redis.call('HGET', job.rec, 'kv_tokens') or '0') <= budget
+  return budget <= 0 or tonumber(fields(job).kv_tokens or '0') <= budget
 end
 local function claimable()
   for c = 1, nclass do
     local waiting = redis.call('ZRANGE', queues[c], 0, scan - 1, 'WITHSCORES')
     for i = 1, #waiting, 2 do
       local job = candidates[waiting[i]]
-      if not job or (job.known and (redis.call('HGET', job.rec, 'owner') or '') ~= job.owner) then
+      if not job or (job.known and (fields(job).owner or '') ~= job.owner) then
         return nil, true
       end
       if fits(job) then return waiting[i], false, c, tonumber(waiting[i + 1]) end
@@ -123,30 +135,32 @@ local wanted = tonumber(ARGV[3])
 
 -- The job leaves its queue (c, at score): claimed, or failed as expired in the queue.
 local function take(id, job, c, score, suspect)
-  local st = redis.call('HGET', job.rec, 'status')
-  local first = redis.call('HGET', job.rec, 'attempts') == '0'
-  local expired = past_deadline(job.rec, now)
+  local f = fields(job)
+  local expired = past_deadline(f, now)
   redis.call('ZREM', queues[c], id)
   advance(tags[c], score)
-  if first then
-    uncount(KEYS[2], job.rec)
+  if f.attempts == '0' then
+    uncount(KEYS[2], f.cost)
     redis.call('ZREM', KEYS[4], id)
   end
   if expired then
     expire_in_queue(id, job, KEYS[4], KEYS[3], now, tonumber(ARGV[5]), ARGV[6], noticed, ttl)
-  elseif st == 'queued' or st == 'running' then
+  elseif f.status == 'queued' or f.status == 'running' then
     redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
     local attempt = redis.call('HINCRBY', job.rec, 'attempts', 1)
-    redis.call('HSET', job.rec, 'status', 'running', 'worker', ARGV[4], 'started_at', now / 1000)
-    local payload = redis.call('GET', job.arq) or ''
+    local started = {'status', 'running', 'worker', ARGV[4], 'started_at', now / 1000}
+    if suspect then
+      started[#started + 1] = 'quarantined_attempt'
+      started[#started + 1] = attempt
+    end
+    redis.call('HSET', job.rec, unpack(started))
     out[#out + 1] = id
     out[#out + 1] = attempt
-    out[#out + 1] = payload
-    out[#out + 1] = redis.call('HGET', job.rec, 'owner') or ''
-    if suspect then redis.call('HSET', job.rec, 'quarantined_attempt', attempt) end
+    out[#out + 1] = redis.call('GET', job.arq) or ''
+    out[#out + 1] = f.owner or ''
     out[#out + 1] = suspect and '1' or '0'
-    out[#out + 1] = redis.call('HGET', job.rec, 'quarantine_deaths') or '0'
-    out[#out + 1] = redis.call('HGET', job.rec, 'idempotency_key') or ''
+    out[#out + 1] = f.quarantine_deaths or '0'
+    out[#out + 1] = f.idempotency_key or ''
     taken = taken + 1
   end
 end
@@ -154,7 +168,7 @@ end
 for _, id in ipairs(promised) do
   local job = candidates[id]
   local c, score = queued_in(id)
-  if taken < wanted and c and job.known and fits(job) and redis.call('HGET', job.rec, 'suspect') ~= '1' then
+  if taken < wanted and c and job.known and fits(job) and fields(job).suspect ~= '1' then
     take(id, job, c, score, false)
   end
 end
@@ -165,17 +179,18 @@ while taken < wanted do
     break
   end
   local job = candidates[id]
-  local suspect = redis.call('HGET', job.rec, 'suspect') == '1'
+  local f = fields(job)
+  local suspect = f.suspect == '1'
   if suspect and (taken > 0 or not idle) then
     out[2] = '1'
     break
   end
-  local preferred = redis.call('HMGET', job.rec, 'preferred_worker', 'preferred_until_ms')
-  if preferred[1] and preferred[1] ~= ARGV[4] and not suspect and now < tonumber(preferred[2] or '0') then
+  if f.preferred_worker and f.preferred_worker ~= ARGV[4] and not suspect
+    and now < tonumber(f.preferred_until_ms or '0') then
     out[1] = 3
     break
   end
-  if not job.known and past_deadline(job.rec, now) then
+  if not job.known and past_deadline(f, now) then
     out[1] = 2
     break
   end

@@ -5,10 +5,14 @@
 -- include: active.lua
 -- include: note_outcome.lua
 -- include: ended.lua
-local function past_deadline(rec, now)
-  local deadline = tonumber(redis.call('HGET', rec, 'deadline_ms') or '0')
-  return redis.call('HGET', rec, 'attempts') == '0' and redis.call('HGET', rec, 'status') == 'queued'
-    and deadline > 0 and now > deadline
+-- f: the record's deadline_ms, attempts and status (false where missing, as HMGET gives them).
+local function past_deadline(f, now)
+  local deadline = tonumber(f.deadline_ms or '0')
+  return f.attempts == '0' and f.status == 'queued' and deadline > 0 and now > deadline
+end
+local function deadline_fields(rec)
+  local v = redis.call('HMGET', rec, 'deadline_ms', 'attempts', 'status', 'cost')
+  return {deadline_ms = v[1], attempts = v[2], status = v[3], cost = v[4]}
 end
 -- job: {rec, events, arq, active, held} and ended.lua's {id, idem, jobs, ended}
 local function expire_in_queue(id, job, deadlines, outcomes, now, window_ms, code, noticed, ttl)

@@ -17,11 +17,12 @@ local job = {id = id, rec = KEYS[5], events = KEYS[6], arq = KEYS[7], active = K
 if redis.call('EXISTS', job.rec) == 1 and (redis.call('HGET', job.rec, 'owner') or '') ~= ARGV[5] then
   return 0
 end
-if not past_deadline(job.rec, now) or redis.call('ZREM', KEYS[4], id) == 0 then
+local f = deadline_fields(job.rec)
+if not past_deadline(f, now) or redis.call('ZREM', KEYS[4], id) == 0 then
   redis.call('ZREM', KEYS[1], id)
   return 0
 end
-uncount(KEYS[2], job.rec)
+uncount(KEYS[2], f.cost)
 local noticed = {}
 expire_in_queue(id, job, KEYS[1], KEYS[3], now, tonumber(ARGV[3]), ARGV[4], noticed, ARGV[6])
 redis.call('PUBLISH', ARGV[7], table.concat(noticed, ' '))

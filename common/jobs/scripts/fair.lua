@@ -7,8 +7,8 @@
 local UNIT, SEQ = 8, 1024
 local function num(x) return string.format('%.0f', x) end
 local function fair_tag(tags, owner, cost, weight)
-  local v = tonumber(redis.call('HGET', tags, ':v') or '0')
-  local s = math.max(v, tonumber(redis.call('HGET', tags, owner) or '0'))
+  local held = redis.call('HMGET', tags, ':v', owner)
+  local s = math.max(tonumber(held[1] or '0'), tonumber(held[2] or '0'))
   redis.call('HSET', tags, owner, num(s + math.ceil(cost * UNIT / weight)))
   local seq = redis.call('HINCRBY', tags, ':seq', 1) % SEQ
   return num(s * SEQ + seq)

@@ -28,12 +28,13 @@ local horizon = tonumber(ARGV[3]) - tonumber(ARGV[2]) * 1000
 local max_active = tonumber(ARGV[9])
 if max_active > 0 and redis.call('ZCARD', KEYS[6]) >= max_active then return {'busy', ''} end
 local prompt, max_prompt = tonumber(ARGV[12]), tonumber(ARGV[13])
-local holding = tonumber(redis.call('HGET', KEYS[11], ':total') or '0')
+local totals = redis.call('HMGET', KEYS[11], ':total', ':bytes')
+local holding = tonumber(totals[1] or '0')
 if max_prompt > 0 and holding > 0 and holding + prompt > max_prompt then
   return {'prompt_tokens', tostring(holding)}
 end
 local bytes, max_bytes = tonumber(ARGV[14]), tonumber(ARGV[15])
-local holding_bytes = tonumber(redis.call('HGET', KEYS[11], ':bytes') or '0')
+local holding_bytes = tonumber(totals[2] or '0')
 if max_bytes > 0 and holding_bytes > 0 and holding_bytes + bytes > max_bytes then
   return {'stream_bytes', tostring(holding_bytes)}
 end
@@ -52,9 +53,8 @@ redis.call('SET', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[4], tag, ARGV[1])
 redis.call('INCRBY', KEYS[5], cost)
 redis.call('ZADD', KEYS[6], ARGV[3], ARGV[1])
-redis.call('HSET', KEYS[11], ARGV[1], prompt)
+redis.call('HSET', KEYS[11], ARGV[1], prompt, 'bytes:' .. ARGV[1], bytes)
 redis.call('HINCRBY', KEYS[11], ':total', prompt)
-redis.call('HSET', KEYS[11], 'bytes:' .. ARGV[1], bytes)
 redis.call('HINCRBY', KEYS[11], ':bytes', bytes)
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[12], '-inf', horizon)) do
   redis.call('ZREM', KEYS[7], gone)  -- it ended a job TTL ago: its record expired
