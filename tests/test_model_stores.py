@@ -183,6 +183,65 @@ async def test_a_keys_active_jobs_limit_holds_over_the_stores_with_each_store_it
             await client.delete(f"/v1/jobs/{alone['id']}")
 
 
+async def test_fair_share_and_priorities_keep_their_meaning_over_the_stores(
+    redis_server: RedisServer,
+    own_redis: RedisServer,
+    redis: Redis,
+    own_redis_client: Redis,
+    tiny_model: Path,
+    model_name: str,
+) -> None:
+    """One row a store, both workers held while the jobs arrive: a key that floods both stores with batch
+    jobs does not hold back another key's batch jobs, nor anyone's interactive jobs, on either store."""
+    stores = {model_name: [redis_server.url, own_redis.url]}
+    tokens = {name: f"sk-{name}-{model_name[-8:]}-0123456789" for name in ("alice", "bob")}
+    env = {
+        "ORTFLEET_REDIS_SHARDS": json.dumps(stores),
+        "ORTFLEET_API_KEYS": ",".join(f"{name}:{token}" for name, token in tokens.items()),
+        "ORTFLEET_MAX_BATCH_SIZE": "1",
+    }
+    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
+        _, url = fleet.start_gateway()
+        workers = [fleet.start_worker(model_name, env={"ORTFLEET_STORE": n}) for n in ("1", "2")]
+        fleet.wait_workers(model_name, 2)
+        for worker in workers:
+            worker.pause()
+        try:
+            clients = {
+                name: httpx.AsyncClient(
+                    base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+                )
+                for name, token in tokens.items()
+            }
+            body = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "priority": "batch"}
+            flood = [(await submit(clients["alice"], body))["id"] for _ in range(12)]
+            later = [(await submit(clients["bob"], body))["id"] for _ in range(4)]
+            urgent = [
+                (await submit(clients["alice"], {**body, "priority": "interactive"}))["id"] for _ in range(2)
+            ]
+        finally:
+            for worker in workers:
+                worker.resume()
+        for name, job_ids in (("alice", flood + urgent), ("bob", later)):
+            assert {(await wait_done(clients[name], job_id))["status"] for job_id in job_ids} == {"succeeded"}
+        for client in clients.values():
+            await client.aclose()
+    started: dict[str, list[tuple[float, str]]] = {}  # store -> (started_at, job id)
+    for store, client in (("1", redis), ("2", own_redis_client)):
+        for job_id in await jobs_held(client, flood + later + urgent):
+            record = await client.hgetall(keys.job(job_id))  # type: ignore[misc]
+            started.setdefault(store, []).append((float(record["started_at"]), job_id))
+    assert len(started) == 2, "the jobs went to one store only"
+    for store, runs in started.items():
+        order = [job_id for _, job_id in sorted(runs)]
+        interactive = [job_id for job_id in order if job_id in urgent]
+        assert order[: len(interactive)] == interactive, f"store {store}: interactive jobs waited"
+        batch = [job_id for job_id in order if job_id not in urgent]
+        bobs = [i for i, job_id in enumerate(batch) if job_id in later]
+        # Fair share alternates the keys: each of bob's jobs is among the first two per job of his.
+        assert bobs and max(bobs) < 2 * len(bobs), f"store {store}: {batch} (bob's at {bobs})"
+
+
 @pytest.mark.slow
 async def test_a_stores_primary_killed_mid_load_loses_no_job_and_the_other_store_goes_on(
     redis_server: RedisServer, own_redis: RedisServer, own_redis_client: Redis, sentinels: SentinelGroup,
