@@ -338,7 +338,8 @@ def check_redis(url: str, timeout_s: float) -> StoreConfig:
                 raise RedisRefused(
                     f"{shown} is a node of a Redis Cluster, which ortfleet does not run on (its job scripts "
                     "touch keys of many slots): give it a standalone primary (replicas and Sentinel for "
-                    "failover), and models Redis of their own with ORTFLEET_REDIS_SHARDS"
+                    "failover); to spread one model over several primaries, list them as its stores in "
+                    "ORTFLEET_REDIS_SHARDS"
                 )
             return read_config_blocking(client)
     except AuthenticationError as e:
