@@ -49,6 +49,8 @@ def test_the_token_plane_bench_measures_each_level_and_coalescing_carries_severa
         assert level["tokens"] > 0 and level["jobs_ended"] > 0 and level["redis_cpu_us_per_token"] > 0
         assert level["relay_latency_ms"]["n"] > 0 and level["ttft_ms"]["n"] > 0
         assert level["redis_cpu_us_per_job"] > 0 and "redis_cpu_us_per_token_plane" in level
+        # A job's life: its submission, claim and finish scripts, step writes and reads, at the least.
+        assert 10 < level["redis_commands_per_job"] < 1000
         assert level["redis_command_us_per_token"]["evalsha"] > 0
     # Without coalescing an event carries a step's token (or two, when a write was still out); with
     # it, each job's tokens of several steps.

@@ -103,32 +103,47 @@ def run(options: TokenPlaneOptions) -> dict[str, Any]:
     }
 
 
-async def _job_cost(url: str, redis_urls: list[str], jobs: int = 200) -> float:
-    """Redis' CPU seconds (every store's) for one job of one token, its whole life (submitted, claimed,
-    run, ended and read over SSE): what a job costs beside its tokens."""
+@dataclass(frozen=True)
+class _JobCost:
+    """What one job of one token costs Redis beside its tokens, its whole life (submitted, claimed, run,
+    ended and read over SSE), on every store together."""
+
+    cpu_s: float
+    commands: float  # those inside scripts included; the fleet's periodic reads in the window too
+
+
+async def _job_cost(url: str, redis_urls: list[str], jobs: int = 200) -> _JobCost:
     redises: list[Redis] = [connect(redis_url) for redis_url in redis_urls]
+
+    async def counters() -> tuple[int, float]:
+        each = [await redis_counters(redis) for redis in redises]
+        return sum(calls for calls, _ in each), sum(cpu for _, cpu in each)
+
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             await read_jobs(client, jobs // 4, 1, model=MODEL)  # warm-up: scripts loaded, connections open
-            before = sum([(await redis_counters(redis))[1] for redis in redises])
+            calls_before, cpu_before = await counters()
             await read_jobs(client, jobs, 1, model=MODEL)
-            after = sum([(await redis_counters(redis))[1] for redis in redises])
+            calls_after, cpu_after = await counters()
     finally:
         for redis in redises:
             await redis.aclose()
-    return (after - before) / jobs
+    # The second read of the counters counts in the commands: 2 INFO calls a store.
+    commands = calls_after - calls_before - 2 * len(redises)
+    return _JobCost((cpu_after - cpu_before) / jobs, commands / jobs)
 
 
-def _token_plane_cost(level: dict[str, Any], per_job_s: float) -> dict[str, Any]:
+def _token_plane_cost(level: dict[str, Any], per_job: _JobCost) -> dict[str, Any]:
     """The level's Redis CPU per token less what the jobs ended in its window cost beside their tokens."""
     tokens, jobs = level["tokens"], level["jobs_ended"]
     if not tokens:
         return level
     total = level["redis_cpu_us_per_token"]
-    plane = total - jobs * per_job_s * 1e6 / tokens
+    plane = total - jobs * per_job.cpu_s * 1e6 / tokens
     return {
         **level,
-        "redis_cpu_us_per_job": round(per_job_s * 1e6, 1),
+        "redis_cpu_us_per_job": round(per_job.cpu_s * 1e6, 1),
+        "redis_commands_per_job": round(per_job.commands, 1),
         "redis_cpu_us_per_token_plane": round(plane, 2),
     }
 
@@ -389,10 +404,16 @@ def text(figures: dict[str, Any]) -> str:
         "tokens/s at a full Redis core",
     ]
     costs = {
-        (level.get("stores", 1), f"{level['coalesce_ms']:g}"): level.get("redis_cpu_us_per_job")
+        (level.get("stores", 1), f"{level['coalesce_ms']:g}"): (
+            level.get("redis_cpu_us_per_job"),
+            level.get("redis_commands_per_job"),
+        )
         for level in figures["levels"]
     }
-    per_job = ", ".join(f"{cost} µs ({n} store(s), coalesce {ms} ms)" for (n, ms), cost in costs.items())
+    per_job = ", ".join(
+        f"{cpu} µs and {commands} commands ({n} store(s), coalesce {ms} ms)"
+        for (n, ms), (cpu, commands) in costs.items()
+    )
     return (
         head
         + "\n"
