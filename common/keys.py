@@ -134,6 +134,12 @@ def idempotency(digest: str) -> str:
     return f"{PREFIX}idem:{digest}"
 
 
+def idempotency_tries(idempotency_key: str) -> str:
+    """set, on the key's home store of a model with several (gateway/placement.py's key_home): the other
+    stores a try of the key went to, by label; job TTL."""
+    return f"{idempotency_key}:tried"
+
+
 # The OpenAI async APIs (files, batches, responses), kept by the gateways.
 BATCHES_ACTIVE = (
     PREFIX + "batches:active"

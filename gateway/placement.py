@@ -9,7 +9,8 @@ it at most a heartbeat). A store with no ready worker takes a job only when no s
 
 A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
 model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores in an order
-fixed by the key, so that its retries go where the first try went and find the job there.
+fixed by the key, from its home store (key_home), so that its retries go where the first try went and
+find the job there.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Placement:
             self._placed.clear()
             self._snapshot = snapshot
         if idempotency_key is not None:
-            start = int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:8], "big") % len(stores)
+            start = stores.index(key_home(stores, idempotency_key))
             ordered = stores[start:] + stores[:start]
         else:
             now = time.monotonic()
@@ -89,6 +90,12 @@ class Placement:
         if state is None or state.ready == 0 or state.capacity == 0:
             return math.inf
         return (state.in_flight + state.queued + self._placed[id(store.redis), model]) / state.capacity
+
+
+def key_home(stores: list[Shard], idempotency_key: str) -> Shard:
+    """The store an idempotency key's job tries first, fixed by the key: it also lists the other stores a
+    try of the key went to (gateway/submission.py)."""
+    return stores[int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:8], "big") % len(stores)]
 
 
 def share_of_limit(limit: int, stores: int) -> int:

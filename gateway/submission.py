@@ -33,7 +33,7 @@ from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Samp
 from gateway import guidance_check
 from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
-from gateway.placement import share_of_limit
+from gateway.placement import key_home, share_of_limit
 from gateway.shards import Shard
 from gateway.state import AppState
 from gateway.stream_cost import estimated_stream_bytes
@@ -254,13 +254,14 @@ async def submit_job(
     keep_idle = state.settings.queue_without_workers
     stores = [store] if store else state.placement.order(every, model, snapshot, idem, keep_idle=keep_idle)
     counted = stores[0] if store is None and len(stores) > 1 else None
-    if idem is not None and len(every) > 1 and (existing := await _idempotent_job(every, idem)):
+    home = key_home(every, idem) if idem is not None and len(every) > 1 else None
+    if home is not None and idem is not None and (existing := await _idempotent_job(every, idem, home)):
         if counted is not None:
             state.placement.moved(counted, None, model)
         submitted = Submitted(existing, created=False)
     else:
         submitted = await _place(
-            state, stores, len(every), spec, context_length, idem, principal, digest, counted
+            state, stores, len(every), spec, context_length, idem, principal, digest, counted, home
         )
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
@@ -279,10 +280,12 @@ async def _place(
     principal: Principal,
     digest: str | None,
     counted: Shard | None,
+    home: Shard | None,
 ) -> Submitted:
     """Submits the job to the first of `stores` (in placement order, those whose worker holds the chat's
     prefix first) that takes it, each given its share of the key's limits (the model has `of_model`
-    stores); the first refusal when none does. `counted`: the store placement counted it on."""
+    stores); the first refusal when none does. `counted`: the store placement counted it on. `home`: its
+    idempotency key's home store, which lists every other store the job is sent to before it goes there."""
     routes = await _routes(state, stores, spec, now=spec.submitted_at)
     refusals: list[_Refusal] = []
     taken_by: Shard | None = None
@@ -291,6 +294,12 @@ async def _place(
             if (full := store.watch.full) is not None:  # it would take the job, then fail to run it
                 refusals.append(store_full(full))
                 continue
+            if home is not None and idem is not None and store is not home:
+                try:
+                    await _note_try(home, idem, store, state.settings.job_ttl_s)
+                except RedisError as e:  # unlisted, a retry could miss the job there: not sent
+                    refusals.append(e)
+                    break
             try:
                 submitted = await _submit_to(
                     state, store, of_model, spec, context_length, idem, principal, digest, route
@@ -378,13 +387,45 @@ def _first_refusal(refusals: list[_Refusal], principal: Principal, of_model: int
     return _refused(first)
 
 
-async def _idempotent_job(stores: list[Shard], idem: str) -> str | None:
+async def _idempotent_job(stores: list[Shard], idem: str, home: Shard) -> str | None:
     """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
-    first try went)."""
+    first try went); None when there is none. While a store does not answer, the key's home store says
+    whether a try went there: then the job may be there, and the answer is 503, never a second job."""
     values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
     if all(isinstance(value, BaseException) for value in values):
         raise next(value for value in values if isinstance(value, BaseException))
-    return next((value for value in values if isinstance(value, str)), None)
+    if (found := next((value for value in values if isinstance(value, str)), None)) is not None:
+        return found
+    silent = [store for store, value in zip(stores, values, strict=True) if isinstance(value, BaseException)]
+    if not silent:
+        return None
+    if home in silent:  # the first try went there, or it lists where it went: either way, unknown
+        raise _unknown()
+    tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
+    if any(store.label in tried for store in silent):
+        raise _unknown()
+    return None
+
+
+async def _note_try(home: Shard, idem: str, store: Shard, ttl_s: int) -> None:
+    """Lists `store` on the key's home store before the job is sent there, for the job's TTL (reset when
+    an entry is added, so that it outlives the newest try's job)."""
+    tries = keys.idempotency_tries(idem)
+    async with home.redis.pipeline(transaction=True) as pipe:
+        pipe.sadd(tries, store.label)
+        pipe.expire(tries, ttl_s)
+        await pipe.execute()
+
+
+def _unknown() -> ApiError:
+    """A caller learns that a store is down, never where it is."""
+    return ApiError(
+        503,
+        "a Redis store of the model does not answer, and an earlier try with this Idempotency-Key may have "
+        "queued the job there: retry with the same key (a new job is not made while that is unknown)",
+        code=ErrorCode.store_unavailable,
+        headers={"Retry-After": "1"},
+    )
 
 
 def _refused(

@@ -18,17 +18,19 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from common import keys
+from common.apikeys import Principal
 from common.gateway_settings import GatewaySettings
 from common.store_epoch import epoch_of
 from gateway.fleet import FleetSnapshot, ModelState
-from gateway.placement import Placement, share_of_limit
+from gateway.placement import Placement, key_home, share_of_limit
 from gateway.shards import Shard
+from gateway.submission import idempotency_redis_key
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.sentinel_group import Reader, SentinelGroup
 from tests.test_cli import ortfleet
 from tests.test_prefix_routing import conversation, follow_up, run
-from tests.waiting import until
+from tests.waiting import until, until_seen
 
 
 async def jobs_held(redis: Redis, job_ids: list[str]) -> set[str]:
@@ -181,6 +183,78 @@ async def test_a_keys_active_jobs_limit_holds_over_the_stores_with_each_store_it
             assert refused.status_code == 429, refused.text
             assert await jobs_held(own_redis_client, [alone["id"]]) == set()
             await client.delete(f"/v1/jobs/{alone['id']}")
+
+
+def key_homed_on(stores: list[str], home: int, owner: str, tag: str) -> str:
+    """An Idempotency-Key of `owner` whose home store (gateway/placement.py's key_home) is stores[home]."""
+    labels = [SimpleNamespace(label=url) for url in stores]
+    for n in itertools.count():
+        key = f"{tag}-{n}"
+        idem = idempotency_redis_key(Principal(owner), key)
+        if key_home(cast(list[Shard], labels), idem) is labels[home]:
+            return key
+    raise AssertionError("unreachable")
+
+
+async def test_a_retry_never_makes_a_second_job_while_the_store_its_first_try_went_to_is_down(
+    redis_server: RedisServer,
+    own_redis: RedisServer,
+    tiny_model: Path,
+    model_name: str,
+) -> None:
+    """The key's home store refuses the first try (its owner's share of active jobs is held there), so
+    the job goes to the second store. With that store down, a retry is answered 503, not queued on the
+    home store as a second job; once it is back, the retry finds the first job. A key that never went
+    there is served meanwhile."""
+    stores = [redis_server.url, own_redis.url]
+    token = f"sk-idem-{model_name[-8:]}-0123456789"
+    env = {
+        "ORTFLEET_REDIS_SHARDS": json.dumps({model_name: stores}),
+        "ORTFLEET_API_KEYS": f"alice:{token}",
+        "ORTFLEET_KEY_MAX_CONCURRENT_JOBS": "2",  # a share of 1 a store
+        "ORTFLEET_STEP_DELAY_S": "0.02",
+    }
+    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
+        _, url = fleet.start_gateway()
+        for n in ("1", "2"):
+            fleet.start_worker(model_name, env={"ORTFLEET_STORE": n})
+        fleet.wait_workers(model_name, 2)
+        async with Redis.from_url(redis_server.url, decode_responses=True) as home:
+            home_epoch = await home.get(keys.EPOCH)  # what the ids of the home store's jobs carry
+        async with httpx.AsyncClient(
+            base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+        ) as client:
+            body = {"model": model_name, "prompt": "Long", "max_tokens": 400, "ignore_eos": True}
+            keyed = {tag: key_homed_on(stores, 0, "alice", tag) for tag in ("blocker", "order", "other")}
+            blocker = await submit(client, body, **{"Idempotency-Key": keyed["blocker"]})
+            assert epoch_of(blocker["id"]) == home_epoch
+            first = await submit(client, body, **{"Idempotency-Key": keyed["order"]})
+            assert epoch_of(first["id"]) != home_epoch, "the home store took it: its share was free"
+            await client.delete(f"/v1/jobs/{blocker['id']}")  # the home store would take a job now
+            assert (await wait_done(client, blocker["id"]))["status"] == "cancelled"
+
+            own_redis.stop()
+            retry = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": keyed["order"]})
+            assert retry.status_code == 503, retry.text
+            assert retry.json()["error"]["code"] == "store_unavailable"
+            assert "Idempotency-Key" in retry.json()["error"]["message"]
+            served = await submit(client, {**body, "max_tokens": 2}, **{"Idempotency-Key": keyed["other"]})
+            assert epoch_of(served["id"]) == home_epoch
+
+            own_redis.start()
+
+            replies: list[httpx.Response] = []
+
+            async def replayed() -> bool:
+                again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": keyed["order"]})
+                replies.append(again)
+                return again.status_code != 503
+
+            await until_seen(replayed, "the retry answered once the store is back", timeout_s=30)
+            again = replies[-1]
+            assert again.status_code == 202, again.text
+            assert again.json()["id"] == first["id"] and again.headers["Idempotent-Replayed"] == "true"
+            await client.delete(f"/v1/jobs/{first['id']}")
 
 
 async def test_fair_share_and_priorities_keep_their_meaning_over_the_stores(
