@@ -8,9 +8,9 @@ it at most a heartbeat). A store with no ready worker takes a job only when no s
 (ORTFLEET_QUEUE_WITHOUT_WORKERS), or, with that setting, after every store that has one refused it.
 
 A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
-model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores in an order
-fixed by the key, from its home store (key_home), so that its retries go where the first try went and
-find the job there.
+model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores (those served, as
+any job) in an order fixed by the key, from its home store (key_home), so that its retries go where the
+first try went and find the job there.
 """
 
 from __future__ import annotations
@@ -56,18 +56,18 @@ class Placement:
         if snapshot is not self._snapshot:  # the workers' counts are new: so are the placements beside them
             self._placed.clear()
             self._snapshot = snapshot
+        load = {id(store): self._load(store, model, snapshot) for store in stores}
         if idempotency_key is not None:
             start = stores.index(key_home(stores, idempotency_key))
             ordered = stores[start:] + stores[:start]
         else:
             now = time.monotonic()
-            load = {id(store): self._load(store, model, snapshot) for store in stores}
             ordered = sorted(
                 stores, key=lambda store: (self._down_until.get(id(store.redis), 0.0) > now, load[id(store)])
             )
-            served = [store for store in ordered if math.isfinite(load[id(store)])]
-            if served and not keep_idle:  # a job never waits on a store nobody serves while one is served
-                ordered = served
+        served = [store for store in ordered if math.isfinite(load[id(store)])]
+        if served and not keep_idle:  # a job never waits on a store nobody serves while one is served
+            ordered = served
         if placing:
             self._placed[id(ordered[0].redis), model] += 1
         return ordered

@@ -414,10 +414,13 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     # weigh more than a's full rows.
     fresh = _snapshot("m", [(a, (1, 8, 8)), (b, (1, 8, 0, 16)), (c, (0, 0, 0))])
     assert placement.order([a, b, c], "m", fresh, None) == [a, b]
-    # An idempotency key gives one order, whatever the load.
+    # An idempotency key gives one order, whatever the load, of the stores served (as for any job).
     keyed = placement.order([a, b, c], "m", snapshot, "ortfleet:idem:x")
     assert keyed == placement.order([a, b, c], "m", fresh, "ortfleet:idem:x")
-    assert sorted(store.label for store in keyed) == ["a", "b", "c"]
+    assert sorted(store.label for store in keyed) == ["a", "b"]
+    on_c = next(f"ortfleet:idem:{n}" for n in range(100) if key_home([a, b, c], f"ortfleet:idem:{n}") is c)
+    assert placement.order([a, b, c], "m", fresh, on_c, placing=False) == [a, b]  # its home is not served
+    assert placement.order([a, b, c], "m", fresh, on_c, placing=False, keep_idle=True) == [c, a, b]
     assert placement.order([a], "m", snapshot, None) == [a]
     # A store nobody serves is left out while another is served, unless jobs may wait for workers.
     assert placement.order([c, a], "m", fresh, None, placing=False) == [a]
