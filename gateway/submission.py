@@ -399,7 +399,8 @@ async def _idempotent_job(stores: list[Shard], idem: str, home: Shard) -> str | 
     silent = [store for store, value in zip(stores, values, strict=True) if isinstance(value, BaseException)]
     if not silent:
         return None
-    if home in silent:  # the first try went there, or it lists where it went: either way, unknown
+    # The home store silent: the first try went there, or it lists where it went; either way, unknown.
+    if any(store is home for store in silent):
         raise _unknown()
     tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
     if any(store.label in tried for store in silent):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import importlib.metadata
 import itertools
-import logging
 import platform
 import selectors
 import socket
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from worker.job_runner import JobRun
     from worker.service import WorkerService
 
-logger = logging.getLogger(__name__)
 
 NAMESPACE = "ortfleet"
 LABELS = ("model", "device", "gpu")

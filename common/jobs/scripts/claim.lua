@@ -89,8 +89,6 @@ local function requeue_expired_leases()
   end
 end
 
--- The next job to consider: the head of the highest class with waiting jobs, if the caller passed its
--- keys, passing over the jobs that need more KV than the worker's budget; with its class and score.
 -- What the claim reads of a candidate's record, in one HMGET when first needed: only
 -- requeue_expired_leases (which runs before) writes a field read here.
 local READ = {'status', 'attempts', 'owner', 'kv_tokens', 'suspect', 'preferred_worker', 'preferred_until_ms',
@@ -103,6 +101,8 @@ local function fields(job)
   end
   return job.fields
 end
+-- The next job to consider: the head of the highest class with waiting jobs, if the caller passed its
+-- keys, passing over the jobs that need more KV than the worker's budget; with its class and score.
 local function fits(job)
   return budget <= 0 or tonumber(fields(job).kv_tokens or '0') <= budget
 end
