@@ -25,6 +25,7 @@ import yaml
 
 from common.gateway_settings import GatewaySettings
 from common.redis_url import parse_sentinel_url
+from common.settings import FleetSettings
 from common.worker_settings import WorkerSettings
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
@@ -205,6 +206,47 @@ def served_model(container: dict[str, Any]) -> str:
         if flag in command:
             return Path(command[command.index(flag) + 1]).name
     return DEFAULT_MODEL_NAME
+
+
+@pytest.mark.unit
+def test_the_stores_overlay_spreads_the_gpu_model_over_three_sentinel_backed_stores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = yaml.safe_load((KUBERNETES / "redis" / "values.yaml").read_text())
+    store = yaml.safe_load((KUBERNETES / "redis" / "values-store.yaml").read_text())
+    # The further releases open with the first release's password, the one every container reads.
+    assert store["auth"] == {
+        "existingSecret": "ortfleet-redis",
+        "existingSecretPasswordKey": "redis-password",
+    }
+    models = {served_model(d["spec"]["template"]["spec"]["containers"][0]) for d in workers("gpu-stores")}
+    assert models == {served_model(d["spec"]["template"]["spec"]["containers"][0]) for d in workers("gpu")}
+    maps = set()
+    for deployment in objects("gpu-stores", "Deployment"):
+        main = deployment["spec"]["template"]["spec"]["containers"][0]
+        names = [item["name"] for item in main["env"]]
+        assert names.index("REDIS_PASSWORD") < names.index("ORTFLEET_REDIS_SHARDS"), "$(VAR) needs VAR first"
+        values = {k: v.replace("$(REDIS_PASSWORD)", "secret") for k, v in env(main).items()}
+        for name in ("ORTFLEET_REDIS_URL", "ORTFLEET_REDIS_SHARDS"):  # read as the process reads them
+            monkeypatch.setenv(name, values[name])
+        settings = FleetSettings()
+        maps.add(values["ORTFLEET_REDIS_SHARDS"])
+        for model in models:
+            urls = [parse_sentinel_url(url) for url in settings.redis_urls_for(model)]
+            assert [url.sentinels for url in urls] == [
+                (("ortfleet-redis", 26379),),
+                (("ortfleet-redis-store-2", 26379),),
+                (("ortfleet-redis-store-3", 26379),),
+            ]
+            assert {url.service for url in urls} == {base["sentinel"]["masterSet"]}
+            assert all(url.password == url.sentinel_password == "secret" for url in urls)
+    assert len(maps) == 1, "every gateway and worker must get the same map"
+    # At least one worker per store, so that no store is left without one.
+    assert all(s["spec"]["minReplicaCount"] >= 3 for s in objects("gpu-stores", "ScaledObject"))
+    assert all(
+        "ORTFLEET_REDIS_SHARDS" not in env(d["spec"]["template"]["spec"]["containers"][0])
+        for d in objects("gpu", "Deployment")
+    )
 
 
 @pytest.mark.unit
