@@ -216,14 +216,15 @@ class LocalFleet:
     def redis_urls_for(self, model: str, env: Mapping[str, str] | None = None) -> list[str]:
         """The Redis servers a worker of `model` may register on: its stores, if ORTFLEET_REDIS_SHARDS
         gives it some (the one ORTFLEET_STORE names, if it names one)."""
-        settings = {**os.environ, **self.env, **(env or {})}
-        shards = settings.get("ORTFLEET_REDIS_SHARDS")
-        stores: str | list[str] | None = json.loads(shards).get(model) if shards else None
-        if stores is None:
-            return [self.redis_url]
-        stores = [stores] if isinstance(stores, str) else stores
-        store = int(settings.get("ORTFLEET_STORE", "0") or 0)
-        return [stores[store - 1]] if 0 < store <= len(stores) else stores
+        given = {**os.environ, **self.env, **(env or {})}
+        shards = given.get("ORTFLEET_REDIS_SHARDS")
+        settings = WorkerSettings(
+            redis_url=self.redis_url,
+            redis_shards=json.loads(shards) if shards else {},
+            store=int(given.get("ORTFLEET_STORE") or 0),
+        )
+        stores = settings.redis_urls_for(model)
+        return [stores[settings.store - 1]] if 0 < settings.store <= len(stores) else stores
 
     def wait_registered(
         self, child: FleetProcess, *, timeout_s: float = 60.0, urls: list[str] | None = None
