@@ -54,3 +54,4 @@ class ErrorCode(str, Enum):
     invalid_prompt = "invalid_prompt"
     job_purged = "job_purged"
     idempotency_key_reused = "idempotency_key_reused"
+    idempotency_key_in_use = "idempotency_key_in_use"

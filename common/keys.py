@@ -134,6 +134,12 @@ def idempotency(digest: str) -> str:
     return f"{PREFIX}idem:{digest}"
 
 
+def idempotency_try(idempotency_key: str) -> str:
+    """string, on the key's home store of a model with several: a token of the gateway whose try of the key
+    is in flight, so that tries of one key go one at a time (gateway/submission.py); short-lived."""
+    return f"{idempotency_key}:trying"
+
+
 def idempotency_tries(idempotency_key: str) -> str:
     """set, on the key's home store of a model with several (gateway/placement.py's key_home): the other
     stores a try of the key went to, by label; job TTL."""

@@ -110,7 +110,7 @@ def job_response(view: JobView, status: int = 200, headers: dict[str, str] | Non
     "Submit a generation job",
     request=JobRequest,
     responses={202: Reply("queued", JobView)},
-    errors=(400, 404, 413, 422, 429, 503),
+    errors=(400, 404, 409, 413, 422, 429, 503),
     params=(header("Idempotency-Key"),),
 )
 async def create_job(request: Request) -> Response:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -255,14 +258,15 @@ async def submit_job(
     stores = [store] if store else state.placement.order(every, model, snapshot, idem, keep_idle=keep_idle)
     counted = stores[0] if store is None and len(stores) > 1 else None
     home = key_home(every, idem) if idem is not None and len(every) > 1 else None
-    if home is not None and idem is not None and (existing := await _idempotent_job(every, idem, home)):
-        if counted is not None:
-            state.placement.moved(counted, None, model)
-        submitted = Submitted(existing, created=False)
-    else:
-        submitted = await _place(
-            state, stores, len(every), spec, context_length, idem, principal, digest, counted, home
-        )
+    async with _one_try_at_a_time(state, home, idem, len(every)):
+        if home is not None and idem is not None and (existing := await _idempotent_job(every, idem, home)):
+            if counted is not None:
+                state.placement.moved(counted, None, model)
+            submitted = Submitted(existing, created=False)
+        else:
+            submitted = await _place(
+                state, stores, len(every), spec, context_length, idem, principal, digest, counted, home
+            )
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
     else:
@@ -416,6 +420,44 @@ async def _note_try(home: Shard, idem: str, store: Shard, ttl_s: int) -> None:
         pipe.sadd(tries, store.label)
         pipe.expire(tries, ttl_s)
         await pipe.execute()
+
+
+@contextlib.asynccontextmanager
+async def _one_try_at_a_time(
+    state: AppState, home: Shard | None, idem: str | None, stores: int
+) -> AsyncIterator[None]:
+    """Over a model's several stores, the tries of one Idempotency-Key go one at a time. Each holds a
+    token on the key's home store while it looks for the key's job and places it; otherwise two tries in
+    flight at once could both find no job, the home store refuse one and take the other, and two jobs
+    exist. A try that finds the token held gets 409 `idempotency_key_in_use`. Should a gateway die
+    holding it, the token expires after the longest a try can take: each store's Redis calls, then the
+    wait for replicas."""
+    if home is None or idem is None:
+        yield
+        return
+    settings = state.settings
+    each_s = 2 * settings.redis_socket_timeout_s + settings.submit_replicas_timeout_ms / 1000
+    longest_s = stores * each_s + 1
+    trying, token = keys.idempotency_try(idem), secrets.token_hex(8)
+    try:
+        taken = await home.redis.set(trying, token, nx=True, px=int(longest_s * 1000))
+    except (RedisConnectionError, RedisTimeoutError) as e:  # whether a try went elsewhere is unknown
+        state.placement.unreachable(home)
+        raise _unknown() from e
+    if not taken:
+        raise ApiError(
+            409,
+            "another request with this Idempotency-Key is being submitted: retry with the same key, which "
+            "then returns its job",
+            code=ErrorCode.idempotency_key_in_use,
+            headers={"Retry-After": "1"},
+        )
+    try:
+        yield
+    finally:
+        with contextlib.suppress(RedisError):  # else it expires
+            if await home.redis.get(trying) == token:
+                await home.redis.delete(trying)
 
 
 def _unknown() -> ApiError:

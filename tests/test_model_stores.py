@@ -257,6 +257,74 @@ async def test_a_retry_never_makes_a_second_job_while_the_store_its_first_try_we
             await client.delete(f"/v1/jobs/{first['id']}")
 
 
+async def test_tries_of_one_key_go_one_at_a_time_over_the_stores(
+    redis_server: RedisServer,
+    own_redis: RedisServer,
+    own_redis_client: Redis,
+    tiny_model: Path,
+    model_name: str,
+) -> None:
+    """The key's home store refuses its first try (the owner's share of active jobs is held there), and
+    the second store holds it (writes paused). A second try of the key meanwhile gets 409
+    idempotency_key_in_use rather than a look of its own, which could find no job and queue one; once the
+    first try is answered, every try returns its job."""
+    stores = [redis_server.url, own_redis.url]
+    token = f"sk-once-{model_name[-8:]}-0123456789"
+    env = {
+        "ORTFLEET_REDIS_SHARDS": json.dumps({model_name: stores}),
+        "ORTFLEET_API_KEYS": f"alice:{token}",
+        "ORTFLEET_KEY_MAX_CONCURRENT_JOBS": "2",  # a share of 1 a store
+        "ORTFLEET_STEP_DELAY_S": "0.02",
+    }
+    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
+        _, url = fleet.start_gateway()
+        for n in ("1", "2"):
+            fleet.start_worker(model_name, env={"ORTFLEET_STORE": n})
+        fleet.wait_workers(model_name, 2)
+        async with (
+            Redis.from_url(redis_server.url, decode_responses=True) as home,
+            httpx.AsyncClient(
+                base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
+            ) as client,
+        ):
+            home_epoch = await home.get(keys.EPOCH)
+            body = {"model": model_name, "prompt": "Long", "max_tokens": 400, "ignore_eos": True}
+            blocker = await submit(
+                client, body, **{"Idempotency-Key": key_homed_on(stores, 0, "alice", "holder")}
+            )
+            assert epoch_of(blocker["id"]) == home_epoch
+            key = key_homed_on(stores, 0, "alice", "once")
+            trying = keys.idempotency_try(idempotency_redis_key(Principal("alice"), key))
+
+            await own_redis_client.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+            try:
+                first = asyncio.create_task(
+                    client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+                )
+
+                async def held() -> bool:
+                    return bool(await home.exists(trying))
+
+                await until_seen(held, "the first try's token on the key's home store", timeout_s=15)
+                second = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+                assert second.status_code == 409, second.text
+                assert second.json()["error"]["code"] == "idempotency_key_in_use"
+                assert second.headers["Retry-After"] == "1"
+                assert not first.done()
+            finally:
+                await own_redis_client.execute_command("CLIENT", "UNPAUSE")
+            answered = await first
+            assert answered.status_code == 202, answered.text
+            job = answered.json()["id"]
+            assert epoch_of(job) != home_epoch, "the home store took it: its share was free"
+            assert not await home.exists(trying), "the try's token outlived it"
+            again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+            assert again.status_code == 202 and again.json()["id"] == job, again.text
+            assert again.headers["Idempotent-Replayed"] == "true"
+            for done in (blocker["id"], job):
+                await client.delete(f"/v1/jobs/{done}")
+
+
 async def test_fair_share_and_priorities_keep_their_meaning_over_the_stores(
     redis_server: RedisServer,
     own_redis: RedisServer,

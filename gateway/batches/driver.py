@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from common.aio import wait_set
 from common.apikeys import Principal
+from common.error_codes import ErrorCode
 from common.wire import TERMINAL, JobStatus, PriorityClass
 from gateway.batches.lines import (
     MAX_REPORTED_ERRORS,
@@ -210,7 +211,7 @@ class BatchDriver:
                 PriorityClass.batch,
             )
         except ApiError as e:
-            if e.status in TRANSIENT:
+            if e.status in TRANSIENT or e.code == ErrorCode.idempotency_key_in_use:
                 return False
             line = refused_line(custom_id_of(raw), index + 1, batch.id, e)
             if await self.batches.answer(batch, index=index, expected=PENDING, kind="error", line=line):
