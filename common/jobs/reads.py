@@ -40,12 +40,17 @@ class JobReads:
         return await load_record(self._redis, job_id)
 
     async def owned_record(self, job_id: str, owner: str) -> JobRecord | None:
-        """The job's record if `owner` owns it. The owner's index is asked first, so another owner's job
-        and a missing one take the same path (one lookup that finds nothing) and cannot be told apart."""
-        if await self._redis.zscore(keys.owner_jobs(owner), job_id) is None:
+        """The job's record if `owner` owns it. The owner's index and the record are read in one round
+        trip whatever they hold, so another owner's job and a missing one take the same path and cannot be
+        told apart."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zscore(keys.owner_jobs(owner), job_id)
+            pipe.hgetall(keys.job(job_id))
+            listed, raw = await pipe.execute()
+        if listed is None or not raw:
             return None
-        record = await load_record(self._redis, job_id)
-        return record if record is not None and record.owner == owner else None
+        record = JobRecord.from_fields(raw)
+        return record if record.owner == owner else None
 
     async def queue_position(
         self, model: str, job_id: str, priority: PriorityClass = PriorityClass.interactive
