@@ -5,9 +5,12 @@ whichever store holds it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -196,18 +199,25 @@ def key_homed_on(stores: list[str], home: int, owner: str, tag: str) -> str:
     raise AssertionError("unreachable")
 
 
-async def test_a_retry_never_makes_a_second_job_while_the_store_its_first_try_went_to_is_down(
-    redis_server: RedisServer,
-    own_redis: RedisServer,
-    tiny_model: Path,
-    model_name: str,
-) -> None:
-    """The key's home store refuses the first try (its owner's share of active jobs is held there), so
-    the job goes to the second store. With that store down, a retry is answered 503, not queued on the
-    home store as a second job; once it is back, the retry finds the first job. A key that never went
-    there is served meanwhile."""
+@dataclass
+class HomeShareHeld:
+    """A fleet of one model over two stores, a worker each, where alice may hold one active job a store,
+    and a job of hers holds the share of the first store: her next keyed job whose home is that store goes
+    to the second one."""
+
+    client: httpx.AsyncClient  # alice's
+    stores: list[str]
+    home_epoch: str  # what the ids of the home store's jobs carry
+    body: dict[str, Any]  # a job that runs for a while
+    holder: str  # the job that holds the home store's share
+
+
+@contextlib.asynccontextmanager
+async def home_share_held(
+    redis_server: RedisServer, own_redis: RedisServer, tiny_model: Path, model_name: str
+) -> AsyncIterator[HomeShareHeld]:
     stores = [redis_server.url, own_redis.url]
-    token = f"sk-idem-{model_name[-8:]}-0123456789"
+    token = f"sk-home-{model_name[-8:]}-0123456789"
     env = {
         "ORTFLEET_REDIS_SHARDS": json.dumps({model_name: stores}),
         "ORTFLEET_API_KEYS": f"alice:{token}",
@@ -220,47 +230,65 @@ async def test_a_retry_never_makes_a_second_job_while_the_store_its_first_try_we
             fleet.start_worker(model_name, env={"ORTFLEET_STORE": n})
         fleet.wait_workers(model_name, 2)
         async with Redis.from_url(redis_server.url, decode_responses=True) as home:
-            home_epoch = await home.get(keys.EPOCH)  # what the ids of the home store's jobs carry
+            home_epoch = await home.get(keys.EPOCH)
         async with httpx.AsyncClient(
             base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
         ) as client:
             body = {"model": model_name, "prompt": "Long", "max_tokens": 400, "ignore_eos": True}
-            keyed = {tag: key_homed_on(stores, 0, "alice", tag) for tag in ("blocker", "order", "other")}
-            blocker = await submit(client, body, **{"Idempotency-Key": keyed["blocker"]})
-            assert epoch_of(blocker["id"]) == home_epoch
-            first = await submit(client, body, **{"Idempotency-Key": keyed["order"]})
-            assert epoch_of(first["id"]) != home_epoch, "the home store took it: its share was free"
-            await client.delete(f"/v1/jobs/{blocker['id']}")  # the home store would take a job now
-            assert (await wait_done(client, blocker["id"]))["status"] == "cancelled"
+            holder = await submit(
+                client, body, **{"Idempotency-Key": key_homed_on(stores, 0, "alice", f"holder-{model_name}")}
+            )
+            assert epoch_of(holder["id"]) == home_epoch
+            yield HomeShareHeld(client, stores, home_epoch, body, holder["id"])
 
-            own_redis.stop()
-            retry = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": keyed["order"]})
-            assert retry.status_code == 503, retry.text
-            assert retry.json()["error"]["code"] == "store_unavailable"
-            assert "Idempotency-Key" in retry.json()["error"]["message"]
-            served = await submit(client, {**body, "max_tokens": 2}, **{"Idempotency-Key": keyed["other"]})
-            assert epoch_of(served["id"]) == home_epoch
 
-            own_redis.start()
+async def test_a_retry_never_makes_a_second_job_while_the_store_its_first_try_went_to_is_down(
+    redis_server: RedisServer,
+    own_redis: RedisServer,
+    tiny_model: Path,
+    model_name: str,
+) -> None:
+    """The key's home store refuses the first try (its owner's share of active jobs is held there), so
+    the job goes to the second store. With that store down, a retry is answered 503, not queued on the
+    home store as a second job; once it is back, the retry finds the first job. A key that never went
+    there is served meanwhile."""
+    async with home_share_held(redis_server, own_redis, tiny_model, model_name) as held:
+        client, body = held.client, held.body
+        keyed = {tag: key_homed_on(held.stores, 0, "alice", tag) for tag in ("order", "other")}
+        first = await submit(client, body, **{"Idempotency-Key": keyed["order"]})
+        assert epoch_of(first["id"]) != held.home_epoch, "the home store took it: its share was free"
+        await client.delete(f"/v1/jobs/{held.holder}")  # the home store would take a job now
+        assert (await wait_done(client, held.holder))["status"] == "cancelled"
 
-            replies: list[httpx.Response] = []
+        own_redis.stop()
+        retry = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": keyed["order"]})
+        assert retry.status_code == 503, retry.text
+        assert retry.json()["error"]["code"] == "store_unavailable"
+        assert "Idempotency-Key" in retry.json()["error"]["message"]
+        served = await submit(client, {**body, "max_tokens": 2}, **{"Idempotency-Key": keyed["other"]})
+        assert epoch_of(served["id"]) == held.home_epoch
 
-            async def replayed() -> bool:
-                again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": keyed["order"]})
-                replies.append(again)
-                return again.status_code != 503
+        own_redis.start()
 
-            await until_seen(replayed, "the retry answered once the store is back", timeout_s=30)
-            again = replies[-1]
-            assert again.status_code == 202, again.text
-            assert again.json()["id"] == first["id"] and again.headers["Idempotent-Replayed"] == "true"
-            await client.delete(f"/v1/jobs/{first['id']}")
+        replies: list[httpx.Response] = []
+
+        async def replayed() -> bool:
+            again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": keyed["order"]})
+            replies.append(again)
+            return again.status_code != 503
+
+        await until_seen(replayed, "the retry answered once the store is back", timeout_s=30)
+        again = replies[-1]
+        assert again.status_code == 202, again.text
+        assert again.json()["id"] == first["id"] and again.headers["Idempotent-Replayed"] == "true"
+        await client.delete(f"/v1/jobs/{first['id']}")
 
 
 async def test_tries_of_one_key_go_one_at_a_time_over_the_stores(
     redis_server: RedisServer,
     own_redis: RedisServer,
     own_redis_client: Redis,
+    redis: Redis,
     tiny_model: Path,
     model_name: str,
 ) -> None:
@@ -268,61 +296,35 @@ async def test_tries_of_one_key_go_one_at_a_time_over_the_stores(
     the second store holds it (writes paused). A second try of the key meanwhile gets 409
     idempotency_key_in_use rather than a look of its own, which could find no job and queue one; once the
     first try is answered, every try returns its job."""
-    stores = [redis_server.url, own_redis.url]
-    token = f"sk-once-{model_name[-8:]}-0123456789"
-    env = {
-        "ORTFLEET_REDIS_SHARDS": json.dumps({model_name: stores}),
-        "ORTFLEET_API_KEYS": f"alice:{token}",
-        "ORTFLEET_KEY_MAX_CONCURRENT_JOBS": "2",  # a share of 1 a store
-        "ORTFLEET_STEP_DELAY_S": "0.02",
-    }
-    with Fleet(redis_server.url, tiny_model, env=env) as fleet:
-        _, url = fleet.start_gateway()
-        for n in ("1", "2"):
-            fleet.start_worker(model_name, env={"ORTFLEET_STORE": n})
-        fleet.wait_workers(model_name, 2)
-        async with (
-            Redis.from_url(redis_server.url, decode_responses=True) as home,
-            httpx.AsyncClient(
-                base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
-            ) as client,
-        ):
-            home_epoch = await home.get(keys.EPOCH)
-            body = {"model": model_name, "prompt": "Long", "max_tokens": 400, "ignore_eos": True}
-            blocker = await submit(
-                client, body, **{"Idempotency-Key": key_homed_on(stores, 0, "alice", "holder")}
-            )
-            assert epoch_of(blocker["id"]) == home_epoch
-            key = key_homed_on(stores, 0, "alice", "once")
-            trying = keys.idempotency_try(idempotency_redis_key(Principal("alice"), key))
+    async with home_share_held(redis_server, own_redis, tiny_model, model_name) as held:
+        client, body = held.client, held.body
+        key = key_homed_on(held.stores, 0, "alice", "once")
+        trying = keys.idempotency_try(idempotency_redis_key(Principal("alice"), key))
 
-            await own_redis_client.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
-            try:
-                first = asyncio.create_task(
-                    client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
-                )
+        async def token_held() -> bool:
+            return bool(await redis.exists(trying))
 
-                async def held() -> bool:
-                    return bool(await home.exists(trying))
-
-                await until_seen(held, "the first try's token on the key's home store", timeout_s=15)
-                second = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
-                assert second.status_code == 409, second.text
-                assert second.json()["error"]["code"] == "idempotency_key_in_use"
-                assert second.headers["Retry-After"] == "1"
-                assert not first.done()
-            finally:
-                await own_redis_client.execute_command("CLIENT", "UNPAUSE")
-            answered = await first
-            assert answered.status_code == 202, answered.text
-            job = answered.json()["id"]
-            assert epoch_of(job) != home_epoch, "the home store took it: its share was free"
-            assert not await home.exists(trying), "the try's token outlived it"
-            again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
-            assert again.status_code == 202 and again.json()["id"] == job, again.text
-            assert again.headers["Idempotent-Replayed"] == "true"
-            for done in (blocker["id"], job):
-                await client.delete(f"/v1/jobs/{done}")
+        await own_redis_client.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+        try:
+            first = asyncio.create_task(client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key}))
+            await until_seen(token_held, "the first try's token on the key's home store", timeout_s=15)
+            second = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+            assert second.status_code == 409, second.text
+            assert second.json()["error"]["code"] == "idempotency_key_in_use"
+            assert second.headers["Retry-After"] == "1"
+            assert not first.done()
+        finally:
+            await own_redis_client.execute_command("CLIENT", "UNPAUSE")
+        answered = await first
+        assert answered.status_code == 202, answered.text
+        job = answered.json()["id"]
+        assert epoch_of(job) != held.home_epoch, "the home store took it: its share was free"
+        assert not await token_held(), "the try's token outlived it"
+        again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+        assert again.status_code == 202 and again.json()["id"] == job, again.text
+        assert again.headers["Idempotent-Replayed"] == "true"
+        for done in (held.holder, job):
+            await client.delete(f"/v1/jobs/{done}")
 
 
 async def test_fair_share_and_priorities_keep_their_meaning_over_the_stores(
