@@ -136,7 +136,7 @@ def idempotency(digest: str) -> str:
 
 def idempotency_try(idempotency_key: str) -> str:
     """string, on the key's home store of a model with several: a token of the gateway whose try of the key
-    is in flight, so that tries of one key go one at a time (gateway/submission.py); short-lived."""
+    is in flight, so that tries of one key go one at a time (gateway/idempotency.py); short-lived."""
     return f"{idempotency_key}:trying"
 
 

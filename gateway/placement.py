@@ -94,7 +94,7 @@ class Placement:
 
 def key_home(stores: list[Shard], idempotency_key: str) -> Shard:
     """The store an idempotency key's job tries first, fixed by the key: it also lists the other stores a
-    try of the key went to (gateway/submission.py)."""
+    try of the key went to (gateway/idempotency.py)."""
     return stores[int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:8], "big") % len(stores)]
 
 

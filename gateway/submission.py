@@ -1,14 +1,10 @@
-"""Turning a validated job request into a queued job: model resolution, limits, idempotency."""
+"""Turning a validated job request into a queued job: model resolution, limits, placement over a model's
+stores (its Idempotency-Key's part in gateway/idempotency.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import json
-import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -16,7 +12,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common import keys
 from common.apikeys import ANONYMOUS, Principal
 from common.error_codes import ErrorCode
 from common.guidance import Guidance
@@ -36,6 +31,14 @@ from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Samp
 from gateway import guidance_check
 from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
+from gateway.idempotency import (
+    check_same_request,
+    idempotency_redis_key,
+    idempotent_job,
+    note_try,
+    one_try_at_a_time,
+    request_digest,
+)
 from gateway.placement import key_home, share_of_limit
 from gateway.shards import Shard
 from gateway.state import AppState
@@ -172,37 +175,6 @@ def estimated_cost(spec: JobSpec, context_length: int) -> int:
     return estimated_prompt_tokens(spec, context_length) + (spec.sampling.max_tokens or 0)
 
 
-def idempotency_redis_key(principal: Principal, idempotency_key: str) -> str:
-    """Where the job submitted under `idempotency_key` is found; idempotency keys are per owner."""
-    scoped = f"{principal.name}\n{idempotency_key}"
-    return keys.idempotency(hashlib.sha256(scoped.encode()).hexdigest())
-
-
-def request_digest(request: JobRequest, priority: PriorityClass) -> str:
-    """What an idempotent retry must repeat: the request and its class, as canonical JSON, hashed."""
-    canonical = json.dumps(
-        {"request": request.model_dump(mode="json"), "priority": priority.value},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-async def check_same_request(state: AppState, job_id: str, digest: str | None, idempotency_key: str) -> None:
-    """422 when an Idempotency-Key comes back with another request than the one it was first used for."""
-    found = await state.shards.record(job_id)
-    record = found[1] if found else None
-    if record is None or record.request_digest is None or record.request_digest == digest:
-        return
-    raise ApiError(
-        422,
-        f"Idempotency-Key {idempotency_key!r} was first used for another request (job {job_id}); "
-        "a retry must repeat the request exactly, and a new request needs a new key",
-        param="Idempotency-Key",
-        code=ErrorCode.idempotency_key_reused,
-    )
-
-
 def check_priority(requested: PriorityClass, principal: Principal) -> None:
     """403 when the key may not submit jobs of this class (its ceiling is lower)."""
     ceiling = PriorityClass(principal.max_class)
@@ -258,8 +230,8 @@ async def submit_job(
     stores = [store] if store else state.placement.order(every, model, snapshot, idem, keep_idle=keep_idle)
     counted = stores[0] if store is None and len(stores) > 1 else None
     home = key_home(every, idem) if idem is not None and len(every) > 1 else None
-    async with _one_try_at_a_time(state, home, idem, len(every)):
-        if home is not None and idem is not None and (existing := await _idempotent_job(every, idem, home)):
+    async with one_try_at_a_time(state, home, idem, len(every)):
+        if home is not None and idem is not None and (existing := await idempotent_job(every, idem, home)):
             if counted is not None:
                 state.placement.moved(counted, None, model)
             submitted = Submitted(existing, created=False)
@@ -300,7 +272,7 @@ async def _place(
                 continue
             if home is not None and idem is not None and store is not home:
                 try:
-                    await _note_try(home, idem, store, state.settings.job_ttl_s)
+                    await note_try(home, idem, store, state.settings.job_ttl_s)
                 except RedisError as e:  # unlisted, a retry could miss the job there: not sent
                     refusals.append(e)
                     break
@@ -389,86 +361,6 @@ def _first_refusal(refusals: list[_Refusal], principal: Principal, of_model: int
     if isinstance(first, OwnerBusy) and of_model > 1:
         first = OwnerBusy(first.owner, principal.max_concurrent_jobs or first.limit, of_model)
     return _refused(first)
-
-
-async def _idempotent_job(stores: list[Shard], idem: str, home: Shard) -> str | None:
-    """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
-    first try went); None when there is none. While a store does not answer, the key's home store says
-    whether a try went there: then the job may be there, and the answer is 503, never a second job."""
-    values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
-    if all(isinstance(value, BaseException) for value in values):
-        raise next(value for value in values if isinstance(value, BaseException))
-    if (found := next((value for value in values if isinstance(value, str)), None)) is not None:
-        return found
-    silent = [store for store, value in zip(stores, values, strict=True) if isinstance(value, BaseException)]
-    if not silent:
-        return None
-    # The home store silent: the first try went there, or it lists where it went; either way, unknown.
-    if any(store is home for store in silent):
-        raise _unknown()
-    tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
-    if any(store.label in tried for store in silent):
-        raise _unknown()
-    return None
-
-
-async def _note_try(home: Shard, idem: str, store: Shard, ttl_s: int) -> None:
-    """Lists `store` on the key's home store before the job is sent there, for the job's TTL (reset when
-    an entry is added, so that it outlives the newest try's job)."""
-    tries = keys.idempotency_tries(idem)
-    async with home.redis.pipeline(transaction=True) as pipe:
-        pipe.sadd(tries, store.label)
-        pipe.expire(tries, ttl_s)
-        await pipe.execute()
-
-
-@contextlib.asynccontextmanager
-async def _one_try_at_a_time(
-    state: AppState, home: Shard | None, idem: str | None, stores: int
-) -> AsyncIterator[None]:
-    """Over a model's several stores, the tries of one Idempotency-Key go one at a time. Each holds a
-    token on the key's home store while it looks for the key's job and places it; otherwise two tries in
-    flight at once could both find no job, the home store refuse one and take the other, and two jobs
-    exist. A try that finds the token held gets 409 `idempotency_key_in_use`. Should a gateway die
-    holding it, the token expires after the longest a try can take: each store's Redis calls, then the
-    wait for replicas."""
-    if home is None or idem is None:
-        yield
-        return
-    settings = state.settings
-    each_s = 2 * settings.redis_socket_timeout_s + settings.submit_replicas_timeout_ms / 1000
-    longest_s = stores * each_s + 1
-    trying, token = keys.idempotency_try(idem), secrets.token_hex(8)
-    try:
-        taken = await home.redis.set(trying, token, nx=True, px=int(longest_s * 1000))
-    except (RedisConnectionError, RedisTimeoutError) as e:  # whether a try went elsewhere is unknown
-        state.placement.unreachable(home)
-        raise _unknown() from e
-    if not taken:
-        raise ApiError(
-            409,
-            "another request with this Idempotency-Key is being submitted: retry with the same key, which "
-            "then returns its job",
-            code=ErrorCode.idempotency_key_in_use,
-            headers={"Retry-After": "1"},
-        )
-    try:
-        yield
-    finally:
-        with contextlib.suppress(RedisError):  # else it expires
-            if await home.redis.get(trying) == token:
-                await home.redis.delete(trying)
-
-
-def _unknown() -> ApiError:
-    """A caller learns that a store is down, never where it is."""
-    return ApiError(
-        503,
-        "a Redis store of the model does not answer, and an earlier try with this Idempotency-Key may have "
-        "queued the job there: retry with the same key (a new job is not made while that is unknown)",
-        code=ErrorCode.store_unavailable,
-        headers={"Retry-After": "1"},
-    )
 
 
 def _refused(

@@ -25,9 +25,9 @@ from common.apikeys import Principal
 from common.gateway_settings import GatewaySettings
 from common.store_epoch import epoch_of
 from gateway.fleet import FleetSnapshot, ModelState
+from gateway.idempotency import idempotency_redis_key
 from gateway.placement import Placement, key_home, share_of_limit
 from gateway.shards import Shard
-from gateway.submission import idempotency_redis_key
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.sentinel_group import Reader, SentinelGroup

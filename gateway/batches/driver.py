@@ -34,9 +34,10 @@ from gateway.batches.lines import (
 from gateway.batches.state import ENDED, PENDING, Batch, BatchState, BatchStatus
 from gateway.errors import ApiError
 from gateway.files.store import FileStore
+from gateway.idempotency import idempotency_redis_key
 from gateway.request_body import JsonLimits
 from gateway.state import AppState
-from gateway.submission import idempotency_redis_key, submit_job
+from gateway.submission import submit_job
 
 logger = logging.getLogger(__name__)
 

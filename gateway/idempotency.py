@@ -1,0 +1,140 @@
+"""Idempotency-Key: where a key's job is found, that a retry repeats its request, and, for a model
+whose jobs spread over several Redis stores, a key's tries over them.
+
+On one Redis, the submit script writes the key and its job in one step. Over several stores each key
+has a home store (gateway/placement.py's `key_home`), the first in its order: it lists every other store
+a try of the key is sent to, before it is sent, and it holds the token of the try in flight, so that the
+tries of a key go one at a time. A retry looks for the job on every store; while a store does not
+answer and the job may be there, the retry gets 503 rather than a second job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common import keys
+from common.apikeys import Principal
+from common.error_codes import ErrorCode
+from common.wire import JobRequest, PriorityClass
+from gateway.errors import ApiError
+from gateway.shards import Shard
+from gateway.state import AppState
+
+
+def idempotency_redis_key(principal: Principal, idempotency_key: str) -> str:
+    """Where the job submitted under `idempotency_key` is found; idempotency keys are per owner."""
+    scoped = f"{principal.name}\n{idempotency_key}"
+    return keys.idempotency(hashlib.sha256(scoped.encode()).hexdigest())
+
+
+def request_digest(request: JobRequest, priority: PriorityClass) -> str:
+    """What an idempotent retry must repeat: the request and its class, as canonical JSON, hashed."""
+    canonical = json.dumps(
+        {"request": request.model_dump(mode="json"), "priority": priority.value},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+async def check_same_request(state: AppState, job_id: str, digest: str | None, idempotency_key: str) -> None:
+    """422 when an Idempotency-Key comes back with another request than the one it was first used for."""
+    found = await state.shards.record(job_id)
+    record = found[1] if found else None
+    if record is None or record.request_digest is None or record.request_digest == digest:
+        return
+    raise ApiError(
+        422,
+        f"Idempotency-Key {idempotency_key!r} was first used for another request (job {job_id}); "
+        "a retry must repeat the request exactly, and a new request needs a new key",
+        param="Idempotency-Key",
+        code=ErrorCode.idempotency_key_reused,
+    )
+
+
+async def idempotent_job(stores: list[Shard], idem: str, home: Shard) -> str | None:
+    """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
+    first try went); None when there is none. While a store does not answer, the key's home store says
+    whether a try went there: then the job may be there, and the answer is 503, never a second job."""
+    values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
+    if all(isinstance(value, BaseException) for value in values):
+        raise next(value for value in values if isinstance(value, BaseException))
+    if (found := next((value for value in values if isinstance(value, str)), None)) is not None:
+        return found
+    silent = [store for store, value in zip(stores, values, strict=True) if isinstance(value, BaseException)]
+    if not silent:
+        return None
+    # The home store silent: the first try went there, or it lists where it went; either way, unknown.
+    if any(store is home for store in silent):
+        raise unknown()
+    tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
+    if any(store.label in tried for store in silent):
+        raise unknown()
+    return None
+
+
+async def note_try(home: Shard, idem: str, store: Shard, ttl_s: int) -> None:
+    """Lists `store` on the key's home store before the job is sent there, for the job's TTL (reset when
+    an entry is added, so that it outlives the newest try's job)."""
+    tries = keys.idempotency_tries(idem)
+    async with home.redis.pipeline(transaction=True) as pipe:
+        pipe.sadd(tries, store.label)
+        pipe.expire(tries, ttl_s)
+        await pipe.execute()
+
+
+@contextlib.asynccontextmanager
+async def one_try_at_a_time(
+    state: AppState, home: Shard | None, idem: str | None, stores: int
+) -> AsyncIterator[None]:
+    """Over a model's several stores, the tries of one Idempotency-Key go one at a time. Each holds a
+    token on the key's home store while it looks for the key's job and places it; otherwise two tries in
+    flight at once could both find no job, the home store refuse one and take the other, and two jobs
+    exist. A try that finds the token held gets 409 `idempotency_key_in_use`. Should a gateway die
+    holding it, the token expires after the longest a try can take: each store's Redis calls, then the
+    wait for replicas."""
+    if home is None or idem is None:
+        yield
+        return
+    settings = state.settings
+    each_s = 2 * settings.redis_socket_timeout_s + settings.submit_replicas_timeout_ms / 1000
+    longest_s = stores * each_s + 1
+    trying, token = keys.idempotency_try(idem), secrets.token_hex(8)
+    try:
+        taken = await home.redis.set(trying, token, nx=True, px=int(longest_s * 1000))
+    except (RedisConnectionError, RedisTimeoutError) as e:  # whether a try went elsewhere is unknown
+        state.placement.unreachable(home)
+        raise unknown() from e
+    if not taken:
+        raise ApiError(
+            409,
+            "another request with this Idempotency-Key is being submitted: retry with the same key, which "
+            "then returns its job",
+            code=ErrorCode.idempotency_key_in_use,
+            headers={"Retry-After": "1"},
+        )
+    try:
+        yield
+    finally:
+        with contextlib.suppress(RedisError):  # else it expires
+            if await home.redis.get(trying) == token:
+                await home.redis.delete(trying)
+
+
+def unknown() -> ApiError:
+    """A caller learns that a store is down, never where it is."""
+    return ApiError(
+        503,
+        "a Redis store of the model does not answer, and an earlier try with this Idempotency-Key may have "
+        "queued the job there: retry with the same key (a new job is not made while that is unknown)",
+        code=ErrorCode.store_unavailable,
+        headers={"Retry-After": "1"},
+    )
