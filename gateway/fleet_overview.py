@@ -89,8 +89,8 @@ async def fleet_overview(request: Request) -> Response:
     now = time.time()
     workers: list[dict[str, Any]] = []
     names: set[str] = set()
-    for shard in state.shards.all:
-        workers += [worker_entry(entry, now) for entry in await live_workers(shard.redis)]
+    for store, shard in state.shards.named():
+        workers += [{**worker_entry(entry, now), "store": store} for entry in await live_workers(shard.redis)]
         names |= set(await known_models(shard.redis))
     names |= {w["model"] for w in workers}
     workers.sort(key=lambda w: (w["model"], w["id"]))

@@ -60,6 +60,11 @@ async def test_a_model_over_two_stores_spreads_its_jobs_over_both_and_every_rout
             overview = (await client.get("/v1/fleet")).json()
             [model] = [m for m in overview["models"] if m["id"] == model_name]
             assert model["workers"] == 2
+            # Each worker is shown with the Redis it serves, named as /readyz names them.
+            assert sorted(w["store"] for w in overview["workers"] if w["model"] == model_name) == [
+                "store 1",
+                "store 2",
+            ]
             body = {"model": model_name, "max_tokens": 12, "ignore_eos": True}
             submitted = await asyncio.gather(
                 *(submit(client, {**body, "prompt": f"Hello {i}"}) for i in range(8))
