@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from common.jobs.claims import Claim
 from common.store_watch import StoreMetrics, StoreWatch
 from common.wire import TERMINAL, FinishReason, JobStatus
 
@@ -136,7 +135,7 @@ class WorkerMetrics:
         if outcome.status is JobStatus.succeeded and outcome.finish_reason in self.success:
             self.success[outcome.finish_reason].inc()
 
-    def job_failed(self, claim: Claim, model: str) -> None:
+    def job_failed(self) -> None:
         self.finished[JobStatus.failed].inc()
 
 

@@ -78,9 +78,9 @@ class WorkerService:
         self.preemption = Preemption(settings, self.queue, engine, info.model, self.runs, self.free_slots)
         self.static_batches = StaticBatches(settings, self.queue, info.model, info.id, self._wake)
         self._suspect_waiting = False  # a suspect job waits for this worker to run nothing else
-        self.on_job_done: Callable[[JobRun], Awaitable[None] | None] | None = None
+        self.on_job_done: Callable[[JobRun], None] | None = None
         # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
-        self.on_job_failed: Callable[[Claim, str], Awaitable[None] | None] | None = None
+        self.on_job_failed: Callable[[], None] | None = None
         self.preemptions = 0
         self.engine_restarts = 0  # failed engines replaced by a working one
         self._recovery: asyncio.Task[None] | None = None  # while the engine is rebuilt after a failure
@@ -292,7 +292,7 @@ class WorkerService:
 
     def _refuse(self, run: JobRun, message: str, code: ErrorCode) -> None:
         """The job fails before its run starts, and leaves this worker."""
-        self._spawn(self._fail(run.claim, run.spec.model, message, code))
+        self._spawn(self._fail(run.claim, message, code))
         self.runs.pop(run.job_id, None)
 
     async def _prepare(self, claim: Claim) -> JobRun | None:
@@ -300,10 +300,10 @@ class WorkerService:
             spec = parse_job_payload(claim.payload)
         except MalformedJob as e:
             logger.error("job %s: %s", claim.job_id, e)
-            await self._fail(claim, self.model, f"{e}; the job cannot run")
+            await self._fail(claim, f"{e}; the job cannot run")
             return None
         if claim.quarantine_deaths >= self.settings.max_attempts:
-            await self._fail(claim, spec.model, poison_message(claim.quarantine_deaths), ErrorCode.poison)
+            await self._fail(claim, poison_message(claim.quarantine_deaths), ErrorCode.poison)
             return None
         run = JobRun(
             claim,
@@ -319,12 +319,10 @@ class WorkerService:
         self.runs[claim.job_id] = run
         return run
 
-    async def _fail(self, claim: Claim, model: str, message: str, code: ErrorCode | None = None) -> None:
+    async def _fail(self, claim: Claim, message: str, code: ErrorCode | None = None) -> None:
         failed = await self.queue.fail(claim, message, code)
         if failed and self.on_job_failed is not None:
-            result = self.on_job_failed(claim, model)
-            if result is not None:
-                await result
+            self.on_job_failed()
 
     async def _execute(self, run: JobRun) -> None:
         try:
@@ -339,7 +337,7 @@ class WorkerService:
         except Exception:
             logger.exception("job %s failed in the worker", run.job_id)
             with contextlib.suppress(RedisError):
-                await self._fail(run.claim, run.spec.model, "the worker failed while running the job")
+                await self._fail(run.claim, "the worker failed while running the job")
         finally:
             self.heartbeat.count_finished(run)
             self.runs.pop(run.job_id, None)
@@ -348,9 +346,7 @@ class WorkerService:
             else:
                 self._engine_released()
         if self.on_job_done is not None:
-            result = self.on_job_done(run)
-            if result is not None:
-                await result
+            self.on_job_done(run)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
