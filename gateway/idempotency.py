@@ -15,6 +15,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -25,6 +26,7 @@ from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.wire import JobRequest, PriorityClass
 from gateway.errors import ApiError
+from gateway.placement import key_home
 from gateway.shards import Shard
 from gateway.state import AppState
 
@@ -60,10 +62,25 @@ async def check_same_request(state: AppState, job_id: str, digest: str | None, i
     )
 
 
-async def idempotent_job(stores: list[Shard], idem: str, home: Shard) -> str | None:
+@dataclass(frozen=True)
+class KeyTries:
+    """An Idempotency-Key of a model with several stores: the Redis key of its entry, and its home store."""
+
+    idem: str
+    home: Shard
+
+
+def key_tries(stores: list[Shard], idem: str | None) -> KeyTries | None:
+    """The key's tries over the model's stores; None without a key, or on one store (where the submit
+    script alone keeps it to one job)."""
+    return KeyTries(idem, key_home(stores, idem)) if idem is not None and len(stores) > 1 else None
+
+
+async def idempotent_job(stores: list[Shard], tries: KeyTries) -> str | None:
     """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
     first try went); None when there is none. While a store does not answer, the key's home store says
     whether a try went there: then the job may be there, and the answer is 503, never a second job."""
+    idem, home = tries.idem, tries.home
     values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
     if all(isinstance(value, BaseException) for value in values):
         raise next(value for value in values if isinstance(value, BaseException))
@@ -74,45 +91,43 @@ async def idempotent_job(stores: list[Shard], idem: str, home: Shard) -> str | N
         return None
     # The home store silent: the first try went there, or it lists where it went; either way, unknown.
     if any(store is home for store in silent):
-        raise unknown()
+        raise _unknown()
     tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
     if any(store.label in tried for store in silent):
-        raise unknown()
+        raise _unknown()
     return None
 
 
-async def note_try(home: Shard, idem: str, store: Shard, ttl_s: int) -> None:
+async def note_try(tries: KeyTries, store: Shard, ttl_s: int) -> None:
     """Lists `store` on the key's home store before the job is sent there, for the job's TTL (reset when
     an entry is added, so that it outlives the newest try's job)."""
-    tries = keys.idempotency_tries(idem)
-    async with home.redis.pipeline(transaction=True) as pipe:
-        pipe.sadd(tries, store.label)
-        pipe.expire(tries, ttl_s)
+    tried = keys.idempotency_tries(tries.idem)
+    async with tries.home.redis.pipeline(transaction=True) as pipe:
+        pipe.sadd(tried, store.label)
+        pipe.expire(tried, ttl_s)
         await pipe.execute()
 
 
 @contextlib.asynccontextmanager
-async def one_try_at_a_time(
-    state: AppState, home: Shard | None, idem: str | None, stores: int
-) -> AsyncIterator[None]:
+async def one_try_at_a_time(state: AppState, tries: KeyTries | None, stores: int) -> AsyncIterator[None]:
     """Over a model's several stores, the tries of one Idempotency-Key go one at a time. Each holds a
     token on the key's home store while it looks for the key's job and places it; otherwise two tries in
     flight at once could both find no job, the home store refuse one and take the other, and two jobs
     exist. A try that finds the token held gets 409 `idempotency_key_in_use`. Should a gateway die
     holding it, the token expires after the longest a try can take: each store's Redis calls, then the
     wait for replicas."""
-    if home is None or idem is None:
+    if tries is None:
         yield
         return
-    settings = state.settings
+    home, settings = tries.home, state.settings
     each_s = 2 * settings.redis_socket_timeout_s + settings.submit_replicas_timeout_ms / 1000
     longest_s = stores * each_s + 1
-    trying, token = keys.idempotency_try(idem), secrets.token_hex(8)
+    trying, token = keys.idempotency_try(tries.idem), secrets.token_hex(8)
     try:
         taken = await home.redis.set(trying, token, nx=True, px=int(longest_s * 1000))
     except (RedisConnectionError, RedisTimeoutError) as e:  # whether a try went elsewhere is unknown
         state.placement.unreachable(home)
-        raise unknown() from e
+        raise _unknown() from e
     if not taken:
         raise ApiError(
             409,
@@ -129,7 +144,7 @@ async def one_try_at_a_time(
                 await home.redis.delete(trying)
 
 
-def unknown() -> ApiError:
+def _unknown() -> ApiError:
     """A caller learns that a store is down, never where it is."""
     return ApiError(
         503,

@@ -32,14 +32,16 @@ from gateway import guidance_check
 from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
 from gateway.idempotency import (
+    KeyTries,
     check_same_request,
     idempotency_redis_key,
     idempotent_job,
+    key_tries,
     note_try,
     one_try_at_a_time,
     request_digest,
 )
-from gateway.placement import key_home, share_of_limit
+from gateway.placement import share_of_limit
 from gateway.shards import Shard
 from gateway.state import AppState
 from gateway.stream_cost import estimated_stream_bytes
@@ -229,15 +231,15 @@ async def submit_job(
     keep_idle = state.settings.queue_without_workers
     stores = [store] if store else state.placement.order(every, model, snapshot, idem, keep_idle=keep_idle)
     counted = stores[0] if store is None and len(stores) > 1 else None
-    home = key_home(every, idem) if idem is not None and len(every) > 1 else None
-    async with one_try_at_a_time(state, home, idem, len(every)):
-        if home is not None and idem is not None and (existing := await idempotent_job(every, idem, home)):
+    tries = key_tries(every, idem)
+    async with one_try_at_a_time(state, tries, len(every)):
+        if tries is not None and (existing := await idempotent_job(every, tries)):
             if counted is not None:
                 state.placement.moved(counted, None, model)
             submitted = Submitted(existing, created=False)
         else:
             submitted = await _place(
-                state, stores, len(every), spec, context_length, idem, principal, digest, counted, home
+                state, stores, len(every), spec, context_length, idem, principal, digest, counted, tries
             )
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
@@ -256,12 +258,13 @@ async def _place(
     principal: Principal,
     digest: str | None,
     counted: Shard | None,
-    home: Shard | None,
+    tries: KeyTries | None,
 ) -> Submitted:
     """Submits the job to the first of `stores` (in placement order, those whose worker holds the chat's
     prefix first) that takes it, each given its share of the key's limits (the model has `of_model`
-    stores); the first refusal when none does. `counted`: the store placement counted it on. `home`: its
-    idempotency key's home store, which lists every other store the job is sent to before it goes there."""
+    stores); the first refusal when none does. `counted`: the store placement counted it on. `tries`: its
+    Idempotency-Key's over the stores; the key's home store lists every other store the job is sent to
+    before it goes there."""
     routes = await _routes(state, stores, spec, now=spec.submitted_at)
     refusals: list[_Refusal] = []
     taken_by: Shard | None = None
@@ -270,9 +273,9 @@ async def _place(
             if (full := store.watch.full) is not None:  # it would take the job, then fail to run it
                 refusals.append(store_full(full))
                 continue
-            if home is not None and idem is not None and store is not home:
+            if tries is not None and store is not tries.home:
                 try:
-                    await note_try(home, idem, store, state.settings.job_ttl_s)
+                    await note_try(tries, store, state.settings.job_ttl_s)
                 except RedisError as e:  # unlisted, a retry could miss the job there: not sent
                     refusals.append(e)
                     break
