@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -36,10 +37,12 @@ class FleetSnapshot:
     live: dict[str, ModelState]
     # (id of a Redis client, model) -> the model's workers registered there: a model with several stores
     by_store: dict[tuple[int, str], ModelState] = field(default_factory=dict)
+    read_at: float = field(default_factory=time.monotonic)  # when its read began (the monotonic clock)
 
 
 class FleetView:
-    """A snapshot of the registry, refreshed at most every `max_age_s` so submissions stay cheap."""
+    """A snapshot of the registry, refreshed at most every `max_age_s` so submissions stay cheap. Callers
+    that find it stale at once share one read of it."""
 
     def __init__(
         self, redises: list[Redis], max_age_s: float = 0.5, spread: frozenset[str] = frozenset()
@@ -48,15 +51,33 @@ class FleetView:
         self._spread = spread  # models with several stores: each store's queue depth is read too
         self._max_age_s = max_age_s
         self._snapshot: FleetSnapshot | None = None
-        self._taken_at = 0.0
+        self._reading: asyncio.Task[FleetSnapshot] | None = None
 
     async def snapshot(self, *, fresh: bool = False) -> FleetSnapshot:
-        if fresh or self._snapshot is None or time.monotonic() - self._taken_at > self._max_age_s:
-            self._snapshot = await self._read()
-            self._taken_at = time.monotonic()
-        return self._snapshot
+        """The registry as last read, read again when older than `max_age_s`; with `fresh`, as read by a
+        read that began after this call."""
+        asked_at = time.monotonic()
+        while True:
+            snapshot = self._snapshot
+            if snapshot is not None and (snapshot.read_at >= asked_at if fresh else self._young(snapshot)):
+                return snapshot
+            if self._reading is None:
+                self._reading = asyncio.create_task(self._read(), name="fleet-read")
+                self._reading.add_done_callback(self._read_done)
+            snapshot = await asyncio.shield(self._reading)
+            if not fresh or snapshot.read_at >= asked_at:
+                return snapshot
+
+    def _young(self, snapshot: FleetSnapshot) -> bool:
+        return time.monotonic() - snapshot.read_at <= self._max_age_s
+
+    def _read_done(self, reading: asyncio.Task[FleetSnapshot]) -> None:
+        self._reading = None
+        if not reading.cancelled() and reading.exception() is None:
+            self._snapshot = reading.result()
 
     async def _read(self) -> FleetSnapshot:
+        read_at = time.monotonic()
         known: dict[str, int] = {}
         live: dict[str, ModelState] = {}
         by_store: dict[tuple[int, str], ModelState] = {}
@@ -88,7 +109,7 @@ class FleetView:
             logger.warning(
                 "%d of %d Redis servers unreachable: %s", len(unreachable), len(self._redises), unreachable[0]
             )
-        return FleetSnapshot(known, live, by_store)
+        return FleetSnapshot(known, live, by_store, read_at)
 
 
 async def _queue_depths(redis: Redis, models: list[str]) -> dict[str, int]:

@@ -2,10 +2,12 @@
 
 Each store of a model is a Redis of its own with workers of its own (each worker serves one store), so
 the gateway balances the model's load by where it places jobs: on the store with the fewest jobs (running
-and queued) for its ready workers' rows, counting the jobs this gateway placed since its registry snapshot
-was read (the snapshot, with each store's queue depth, is at most half a second old; the workers' counts in
-it at most a heartbeat). A store with no ready worker takes a job only when no store has one
-(ORTFLEET_QUEUE_WITHOUT_WORKERS), or, with that setting, after every store that has one refused it.
+and queued) for its ready workers' rows, counting the jobs this gateway placed that its registry snapshot
+cannot show: those still being submitted, and those submitted since the snapshot's read began (the
+snapshot, with each store's queue depth, is at most half a second old; the workers' counts in it at most a
+heartbeat). A burst of submissions thus spreads over the stores, whichever snapshot each one reads. A
+store with no ready worker takes a job only when no store has one (ORTFLEET_QUEUE_WITHOUT_WORKERS), or,
+with that setting, after every store that has one refused it.
 
 A store that could not be reached goes last for DOWN_S (its Redis failing over, or gone), so that the
 model is served by the others meanwhile. A job with an `Idempotency-Key` tries the stores (those served, as
@@ -18,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections import Counter
+from collections import defaultdict, deque
 from typing import TYPE_CHECKING
 
 from gateway.fleet import FleetSnapshot
@@ -27,14 +29,17 @@ if TYPE_CHECKING:
     from gateway.shards import Shard
 
 DOWN_S = 2.0  # how long a store that could not be reached goes last
+KEPT_S = 30.0  # how long a placement is counted at most (one whose submission never said where it went)
 
 
 class Placement:
-    """A gateway's placements of jobs on stores since its last registry snapshot."""
+    """A gateway's placements of jobs on stores that its registry snapshot may not show yet."""
 
     def __init__(self) -> None:
-        self._placed: Counter[tuple[int, str]] = Counter()
-        self._snapshot: FleetSnapshot | None = None
+        # (id of a store's Redis client, model) -> monotonic times: of the placements being submitted (when
+        # ordered), and of those submitted (when the store took them), oldest first
+        self._submitting: defaultdict[tuple[int, str], deque[float]] = defaultdict(deque)
+        self._submitted: defaultdict[tuple[int, str], deque[float]] = defaultdict(deque)
         self._down_until: dict[int, float] = {}  # id of a store's Redis client -> monotonic time
 
     def order(
@@ -53,15 +58,12 @@ class Placement:
         until `moved` says where it went instead."""
         if len(stores) == 1:
             return stores
-        if snapshot is not self._snapshot:  # the workers' counts are new: so are the placements beside them
-            self._placed.clear()
-            self._snapshot = snapshot
-        load = {id(store): self._load(store, model, snapshot) for store in stores}
+        now = time.monotonic()
+        load = {id(store): self._load(store, model, snapshot, now) for store in stores}
         if idempotency_key is not None:
             start = stores.index(key_home(stores, idempotency_key))
             ordered = stores[start:] + stores[:start]
         else:
-            now = time.monotonic()
             ordered = sorted(
                 stores, key=lambda store: (self._down_until.get(id(store.redis), 0.0) > now, load[id(store)])
             )
@@ -69,27 +71,39 @@ class Placement:
         if served and not keep_idle:  # a job never waits on a store nobody serves while one is served
             ordered = served
         if placing:
-            self._placed[id(ordered[0].redis), model] += 1
+            self._submitting[id(ordered[0].redis), model].append(now)
         return ordered
 
     def moved(self, first: Shard, taken_by: Shard | None, model: str) -> None:
-        """The job counted on `first` went to `taken_by` (None: to no store)."""
-        if taken_by is first:
-            return
-        if self._placed[id(first.redis), model] > 0:
-            self._placed[id(first.redis), model] -= 1
+        """The job counted on `first` at its order was submitted: to `taken_by` (None: to no store). It
+        counts there until a registry snapshot read after that shows it."""
+        submitting = self._submitting[id(first.redis), model]
+        if submitting:
+            submitting.popleft()
         if taken_by is not None:
-            self._placed[id(taken_by.redis), model] += 1
+            self._submitted[id(taken_by.redis), model].append(time.monotonic())
 
     def unreachable(self, store: Shard) -> None:
         """The store's Redis did not answer a submission: it goes last for DOWN_S."""
         self._down_until[id(store.redis)] = time.monotonic() + DOWN_S
 
-    def _load(self, store: Shard, model: str, snapshot: FleetSnapshot) -> float:
+    def _load(self, store: Shard, model: str, snapshot: FleetSnapshot, now: float) -> float:
         state = snapshot.by_store.get((id(store.redis), model))
         if state is None or state.ready == 0 or state.capacity == 0:
             return math.inf
-        return (state.in_flight + state.queued + self._placed[id(store.redis), model]) / state.capacity
+        return (state.in_flight + state.queued + self._unseen(id(store.redis), model, snapshot, now)) / (
+            state.capacity
+        )
+
+    def _unseen(self, redis: int, model: str, snapshot: FleetSnapshot, now: float) -> int:
+        """This gateway's jobs on the store that the snapshot does not count: those being submitted, and
+        those submitted after its read began (before it, its queue depth or its workers count them)."""
+        submitting, submitted = self._submitting[redis, model], self._submitted[redis, model]
+        while submitting and submitting[0] < now - KEPT_S:
+            submitting.popleft()
+        while submitted and submitted[0] < snapshot.read_at:
+            submitted.popleft()
+        return len(submitting) + len(submitted)
 
 
 def key_home(stores: list[Shard], idempotency_key: str) -> Shard:

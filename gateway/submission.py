@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.apikeys import ANONYMOUS, Principal
@@ -210,6 +210,8 @@ async def submit_job(
     effective = priority or request.priority
     check_priority(effective, principal)
     guidance = await guidance_of(request)
+    if (full := state.shards.full(request.model)) is not None:  # its workers look dead: heartbeats fail
+        raise store_full(full)
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
@@ -232,15 +234,18 @@ async def submit_job(
     stores = [store] if store else state.placement.order(every, model, snapshot, idem, keep_idle=keep_idle)
     counted = stores[0] if store is None and len(stores) > 1 else None
     tries = key_tries(every, idem)
-    async with one_try_at_a_time(state, tries, len(every)):
-        if tries is not None and (existing := await idempotent_job(every, tries)):
-            if counted is not None:
-                state.placement.moved(counted, None, model)
-            submitted = Submitted(existing, created=False)
-        else:
-            submitted = await _place(
-                state, stores, len(every), spec, context_length, idem, principal, digest, counted, tries
-            )
+    taken_by: Shard | None = None
+    try:
+        async with one_try_at_a_time(state, tries, len(every)):
+            if tries is not None and (existing := await idempotent_job(every, tries)):
+                submitted = Submitted(existing, created=False)
+            else:
+                submitted, taken_by = await _place(
+                    state, stores, len(every), spec, context_length, idem, principal, digest, tries
+                )
+    finally:
+        if counted is not None:  # placement counted the job on its first store: where did it go?
+            state.placement.moved(counted, taken_by, model)
     if submitted.created:
         state.metrics.jobs_submitted.labels(model).inc()
     else:
@@ -257,49 +262,44 @@ async def _place(
     idem: str | None,
     principal: Principal,
     digest: str | None,
-    counted: Shard | None,
     tries: KeyTries | None,
-) -> Submitted:
+) -> tuple[Submitted, Shard]:
     """Submits the job to the first of `stores` (in placement order, those whose worker holds the chat's
     prefix first) that takes it, each given its share of the key's limits (the model has `of_model`
-    stores); the first refusal when none does. `counted`: the store placement counted it on. `tries`: its
-    Idempotency-Key's over the stores; the key's home store lists every other store the job is sent to
-    before it goes there."""
+    stores), and says which took it; the first refusal when none does. `tries`: its Idempotency-Key's over
+    the stores; the key's home store lists every other store the job is sent to before it goes there."""
     routes = await _routes(state, stores, spec, now=spec.submitted_at)
     refusals: list[_Refusal] = []
-    taken_by: Shard | None = None
-    try:
-        for store, route in sorted(zip(stores, routes, strict=True), key=lambda pair: pair[1][0] is None):
-            if (full := store.watch.full) is not None:  # it would take the job, then fail to run it
-                refusals.append(store_full(full))
-                continue
-            if tries is not None and store is not tries.home:
-                try:
-                    await note_try(tries, store, state.settings.job_ttl_s)
-                except RedisError as e:  # unlisted, a retry could miss the job there: not sent
-                    refusals.append(e)
-                    break
+    for store, route in sorted(zip(stores, routes, strict=True), key=lambda pair: pair[1][0] is None):
+        if (full := store.watch.full) is not None:  # it would take the job, then fail to run it
+            refusals.append(store_full(full))
+            continue
+        if tries is not None and store is not tries.home:
             try:
-                submitted = await _submit_to(
-                    state, store, of_model, spec, context_length, idem, principal, digest, route
-                )
-            except _FALLS_OVER as e:  # another store may have room
+                await note_try(tries, store, state.settings.job_ttl_s)
+            except RedisError as e:  # unlisted, a retry could miss the job there: not sent
                 refusals.append(e)
-                continue
-            except (NotReplicated, EpochChanged) as e:
-                raise _refused(e) from e
-            except (RedisConnectionError, RedisTimeoutError) as e:
-                state.placement.unreachable(store)
-                if idem is not None:  # a retry with the key must find the job where this try went
-                    raise
-                refusals.append(e)  # the next store takes it, as a client's retry would
-                continue
-            taken_by = store
-            return submitted
-        raise _first_refusal(refusals, principal, of_model)
-    finally:
-        if counted is not None:
-            state.placement.moved(counted, taken_by, spec.model)
+                break
+        try:
+            submitted = await _submit_to(
+                state, store, of_model, spec, context_length, idem, principal, digest, route
+            )
+        except _FALLS_OVER as e:  # another store may have room
+            refusals.append(e)
+            continue
+        except (NotReplicated, EpochChanged) as e:
+            raise _refused(e) from e
+        except OutOfMemoryError:
+            store.watch.note_refused()  # the next submissions hear of it before its memory is read
+            raise
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            state.placement.unreachable(store)
+            if idem is not None:  # a retry with the key must find the job where this try went
+                raise
+            refusals.append(e)  # the next store takes it, as a client's retry would
+            continue
+        return submitted, store
+    raise _first_refusal(refusals, principal, of_model)
 
 
 # Refusals of one store that another store of the model may not give: each store counts its own jobs.

@@ -478,15 +478,15 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     assert placement.order([a, b, c], "m", snapshot, None) == [b, a]  # c has no ready worker: left out
     placement.moved(b, None, "m")
     # Each order counts a job on its first store, so that submissions awaiting Redis together spread;
-    # this gateway's placements count until the next snapshot.
+    # it counts there until a snapshot read after its submission shows it.
     picks = [placement.order([a, b, c], "m", snapshot, None)[0] for _ in range(6)]
     assert [store.label for store in picks] == ["b", "b", "b", "b", "a", "b"]
     placement.moved(b, a, "m")  # the last went to a instead (b refused it): b has the more room now
     assert placement.order([a, b, c], "m", snapshot, None)[0] is b
     placement.moved(b, None, "m")  # no store took that one: b keeps its room
     assert placement.order([a, b, c], "m", snapshot, None)[0] is b
-    # A new snapshot counts the workers' own figures again, their queues included: b's 16 waiting jobs
-    # weigh more than a's full rows.
+    # A new snapshot counts the workers' own figures again, their queues included, beside the jobs still
+    # being submitted: b's 16 waiting jobs weigh more than a's full rows.
     fresh = _snapshot("m", [(a, (1, 8, 8)), (b, (1, 8, 0, 16)), (c, (0, 0, 0))])
     assert placement.order([a, b, c], "m", fresh, None) == [a, b]
     # An idempotency key gives one order, whatever the load, of the stores served (as for any job).
@@ -505,6 +505,26 @@ def test_placement_fills_the_store_with_the_most_free_rows_and_keeps_an_idempote
     # A tokenizer call asks the store with the most room, placing nothing there.
     looked = [placement.order([a, b, c], "m", fresh, None, placing=False)[0] for _ in range(3)]
     assert looked == [a, a, a]
+
+
+@pytest.mark.unit
+def test_placements_count_across_registry_snapshots_until_one_shows_them() -> None:
+    """Submissions that each read a snapshot of their own still spread: a job being submitted counts on
+    its store whatever the snapshot, and a submitted one until a snapshot read after it shows it."""
+    a, b = _store("a"), _store("b")
+    placement = Placement()
+    idle = [(a, (1, 8, 0)), (b, (1, 8, 0))]
+    picks = [placement.order([a, b], "m", _snapshot("m", idle), None)[0] for _ in range(4)]
+    assert [store.label for store in picks] == ["a", "b", "a", "b"]
+    before = _snapshot("m", idle)  # read while the four are being submitted
+    for store in picks[:3]:
+        placement.moved(store, store, "m")
+    placement.moved(b, a, "m")  # the fourth went to a instead
+    assert placement.order([a, b], "m", before, None, placing=False)[0] is b  # a: 3, b: 1
+    # Read after them, a snapshot shows them (a's worker runs its 3, b's queue holds 1 and 3 of another
+    # gateway's): each counts once.
+    after = _snapshot("m", [(a, (1, 8, 3)), (b, (1, 8, 0, 4))])
+    assert placement.order([a, b], "m", after, None, placing=False)[0] is a
 
 
 @pytest.mark.unit
