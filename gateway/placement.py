@@ -23,6 +23,8 @@ import time
 from collections import defaultdict, deque
 from typing import TYPE_CHECKING
 
+from common.error_codes import ErrorCode
+from gateway.errors import ApiError
 from gateway.fleet import FleetSnapshot
 
 if TYPE_CHECKING:
@@ -116,3 +118,20 @@ def share_of_limit(limit: int, stores: int) -> int:
     """A key's limit on one of a model's `stores` (0: none): its even share, rounded up, so that the key's
     jobs spread over the stores can reach the whole limit (a little over it when it does not divide)."""
     return limit if limit <= 0 or stores == 1 else -(-limit // stores)
+
+
+def check_choices_fit(choices: int, limit: int, stores: int, model: str) -> None:
+    """400 `too_many_choices` when a request's `choices` (which all go to one of the model's `stores`)
+    exceed the share of the key's active-job `limit` that one store holds: it could never be admitted, and
+    a 429 would be retried without end."""
+    share = share_of_limit(limit, stores)
+    if not share or choices <= share:
+        return
+    message = f"n: {choices} choices requested, more than this key's {limit} active jobs"
+    if share < limit:
+        message = (
+            f"n: {choices} choices requested, more than the {share} active jobs this key may hold on one "
+            f"store of model {model!r}: its limit of {limit} is shared out over the model's {stores} "
+            "stores, and a request's choices all go to one"
+        )
+    raise ApiError(400, message, param="n", code=ErrorCode.too_many_choices)

@@ -87,3 +87,23 @@ async def test_a_burst_of_jobs_spreads_evenly_over_a_models_two_stores(
         split = Counter(fleet.store_of(job["id"]) for job in burst)
         assert abs(split[1] - split[2]) <= 2, f"the burst split {split[1]}/{split[2]}"
 
+
+async def test_more_choices_than_one_stores_share_of_the_keys_active_jobs_get_400_at_once(
+    redis_server: RedisServer, own_redis: RedisServer, tiny_model: Path, model_name: str
+) -> None:
+    """A key may hold 4 active jobs, 2 on each of the model's 2 stores; a request's choices all go to
+    one store, so n: 3 could never be admitted: 400 too_many_choices naming the share, and no job made,
+    rather than a 429 to retry forever. n: 2 runs."""
+    env = {"ORTFLEET_KEY_MAX_CONCURRENT_JOBS": "4"}
+    async with two_stores(redis_server, own_redis, tiny_model, model_name, env) as fleet:
+        chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        refused = await fleet.client.post("/v1/chat/completions", json={**chat, "n": 3})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "too_many_choices" and error["param"] == "n"
+        assert "2 active jobs" in error["message"] and "4" in error["message"], error["message"]
+        assert "Retry-After" not in refused.headers
+        assert (await fleet.client.get("/v1/jobs")).json()["data"] == []  # no job was made
+        answered = await fleet.client.post("/v1/chat/completions", json={**chat, "n": 2})
+        assert answered.status_code == 200, answered.text
+        assert len(answered.json()["choices"]) == 2

@@ -14,6 +14,7 @@ from common.events import entry_logprobs, is_failure, is_final
 from common.wire import EventType, JobRequest, JobStatus, PromptTokensDetails, Usage
 from gateway.errors import ApiError
 from gateway.openai_api.protocol import OpenAIFinishReason
+from gateway.placement import check_choices_fit
 from gateway.shards import Shard
 from gateway.state import AppState
 from gateway.streaming.follower import Follower
@@ -146,14 +147,9 @@ class Choices:
 
         The request holds one of its key's stream slots until `release`: it waits on Redis meanwhile.
         """
-        limit = owner.max_concurrent_jobs
-        if limit and len(requests) > limit:  # could never be admitted: say so, rather than a 429 to retry
-            raise ApiError(
-                400,
-                f"n: {len(requests)} choices requested, more than this key's {limit} active jobs",
-                param="n",
-                code=ErrorCode.too_many_choices,
-            )
+        check_choices_fit(
+            len(requests), owner.max_concurrent_jobs or 0, len(state.shards.stores_of(model)), model
+        )
         state.streams.take(owner.name)
         choices = cls(state, model, [], prompt_of, prompt_param)
         choices._slot_owner = owner.name
