@@ -27,6 +27,7 @@ class ErrorCode(str, Enum):
     job_not_found = "job_not_found"
     file_not_found = "file_not_found"
     file_in_use = "file_in_use"  # a batch that has not ended reads it
+    file_quota_exceeded = "file_quota_exceeded"  # the key keeps its most bytes or files of files
     batch_not_found = "batch_not_found"
     response_not_found = "response_not_found"
     priority_not_allowed = "priority_not_allowed"

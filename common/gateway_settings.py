@@ -171,8 +171,23 @@ class GatewaySettings(FleetSettings):
     )
     file_ttl_s: int = Field(
         86_400 * 7,
-        ge=60,
+        ge=1,
         description="Seconds an uploaded file, and a batch's output and error files, are kept.",
+    )
+    key_max_stored_file_bytes: int = Field(
+        2**30,
+        ge=0,
+        description="Bytes of files (uploads, and batches' output and error files) one API key may keep "
+        "in Redis at once, counted until each is deleted or expires; an upload that would pass it gets "
+        "400 file_quota_exceeded before its bytes are stored. Keep the keys' sum under Redis's maxmemory. "
+        "0: no limit.",
+    )
+    key_max_stored_files: int = Field(
+        10_000,
+        ge=0,
+        description="Files one API key may keep at once (as key_max_stored_file_bytes counts them; one "
+        "page of `GET /v1/files` lists them all); one more upload gets 400 file_quota_exceeded. 0: no "
+        "limit.",
     )
     batch_max_lines: int = Field(50_000, ge=1, description="Most requests one batch's input file may hold.")
     batch_max_in_flight: int = Field(

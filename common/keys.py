@@ -165,6 +165,20 @@ def owner_files(owner: str) -> str:
     return f"{PREFIX}files-of:{owner}"
 
 
+class FileQuotaKeys(NamedTuple):
+    """What one key keeps in files (gateway/files/quota.py), each living as long as its latest file."""
+
+    sizes: str  # hash: file id -> bytes (a file still arriving: those held for it)
+    expiries: str  # zset: file id -> its expiry (ms)
+    total: str  # string: the sum of the sizes
+
+
+def file_quota(owner: str) -> FileQuotaKeys:
+    return FileQuotaKeys(
+        f"{PREFIX}file-sizes:{owner}", f"{PREFIX}file-expiries:{owner}", f"{PREFIX}file-bytes:{owner}"
+    )
+
+
 def batch(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}"
 

@@ -28,6 +28,14 @@ OUT_OF_MEMORY = "used memory > 'maxmemory'"  # in Redis's refusal of a write (OO
 OUT_OF_MEMORY_LOG_EVERY_S = 30.0
 
 
+def headroom(maxmemory: int) -> int:
+    """The memory short of `maxmemory` at which a Redis counts as full: 1/64 of it, between 1 and 64 MiB.
+    Redis refuses a write when the memory in use, its clients' buffers included, is past maxmemory, so a
+    Redis kept at its limit by a trickle of writes reads a little under it between two refusals; full
+    from this much under, it stays full until twice this much is free again."""
+    return min(max(maxmemory // 64, 2**20), 64 * 2**20)
+
+
 @dataclass(frozen=True)
 class StoreLoss:
     """A Redis found to have lost its data: its epoch `old` was gone, `new` in its place."""
@@ -55,6 +63,7 @@ class StoreWatch:
         self.on_loss: list[Callable[[str], None]] = []
         self._reading_epoch = asyncio.Lock()
         self.memory: tuple[int, int] | None = None  # used_memory, maxmemory (0: no limit), as last read
+        self._filled = False  # full when last judged (headroom): past the high mark, or a write refused
 
     async def check_memory(self) -> None:
         """Reads the memory in use and its limit; says so in the log when Redis fills up, and when it has
@@ -62,28 +71,45 @@ class StoreWatch:
         try:
             info = await self.redis.info("memory")
         except ResponseError:  # INFO disabled (some managed Redis): memory is not watched
-            self.memory = None
+            self.memory, self._filled = None, False
             return
         was_full = self.full is not None
-        self.memory = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        self.memory = used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        if limit <= 0 or used < limit - 2 * headroom(limit):
+            self._filled = False
+        elif used >= limit - headroom(limit):
+            self._filled = True
         full = self.full
         if full is not None and not was_full:
             logger.error("%s", full)
         elif full is None and was_full:
             logger.info("Redis at %s has memory again: writes are accepted", self.label)
 
+    def note_refused(self) -> None:
+        """A write was refused for memory: the Redis is full until a reading finds room (headroom)."""
+        if not self._filled:
+            logger.error("Redis at %s refused a write for memory: it is full", self.label)
+        self._filled = True
+
     @property
     def full(self) -> str | None:
-        """Why this Redis refuses writes for memory (used_memory at maxmemory, and a policy that evicts
-        nothing), if it does."""
+        """Why this Redis refuses writes for memory (used_memory at maxmemory, or about to be, and a
+        policy that evicts nothing), if it does."""
         return self._full(self.label)
 
+    def full_as(self, name: str) -> str | None:
+        """`full`, naming this Redis `name` instead of its address."""
+        return self._full(name)
+
     def _full(self, label: str) -> str | None:
-        if self.memory is None:
+        if not self._filled or (self.config is not None and self.config.evicts):
             return None
+        if self.memory is None:  # a refused write, with INFO disabled: until the next reading
+            return (
+                f"Redis at {label} is out of memory (maxmemory reached): it refuses writes, so no job can "
+                "be submitted or run; raise maxmemory or free memory"
+            )
         used, limit = self.memory
-        if limit <= 0 or used < limit or (self.config is not None and self.config.evicts):
-            return None
         return (
             f"Redis at {label} is out of memory (used_memory {used / 2**20:.1f} MiB of maxmemory "
             f"{limit / 2**20:.1f} MiB): it refuses writes, so no job can be submitted or run; raise "

@@ -64,6 +64,15 @@ class Shards:
         """Every Redis that holds jobs of the model, in the order the shard map lists them."""
         return self._by_model.get(model) or [self.home]
 
+    def full(self, model: str | None) -> str | None:
+        """Why every store a job of `model` may go to (any store, for a job that names none) refuses writes
+        for memory, if each does; each named as `named` names it. Read from the watches' last memory
+        readings and refused writes: no round trip."""
+        stores = self.stores_of(model) if model is not None else self.all
+        names = {id(shard): name for name, shard in self.named()}
+        said = [shard.watch.full_as(names[id(shard)]) for shard in stores]
+        return "; ".join(line for line in said if line) if all(said) else None
+
     def spread_models(self) -> frozenset[str]:
         """The models with several stores."""
         return frozenset(model for model, stores in self._by_model.items() if len(stores) > 1)

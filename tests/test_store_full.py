@@ -5,6 +5,7 @@ period rather than at every retry, and every job finishes once Redis has room ag
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from ortfleet.fleet.launcher import FleetProcess
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, submit
 from tests.test_reliability import assert_contiguous
+from tests.test_security import bearer, create_key
 
 TOKENS = 40
 
@@ -94,3 +96,58 @@ async def test_a_full_redis_is_named_in_errors_readyz_and_once_in_the_workers_lo
     # no gap, no duplicate (the tokens that waited while Redis was full go out together, as one event)
     assert len(assert_contiguous(events)) == TOKENS
     assert after.status_code == 202, after.text
+
+
+MAXMEMORY = 8 * 2**20
+
+
+async def fill_with_files(client: httpx.AsyncClient, headers: dict[str, str], size: int) -> list[str]:
+    """Uploads files of `size` bytes until Redis refuses one for memory; the ids of those it took."""
+    taken: list[str] = []
+    line = b'{"custom_id": "x", "pad": "' + b"x" * 200 + b'"}\n'
+    content = (line * (size // len(line) + 1))[:size]
+    for _ in range(4 * MAXMEMORY // size):
+        files = {"file": ("in.jsonl", content)}
+        reply = await client.post("/v1/files", files=files, data={"purpose": "batch"}, headers=headers)
+        if reply.status_code != 200:
+            assert reply.json()["error"]["code"] == "store_full", reply.text
+            return taken
+        taken.append(reply.json()["id"])
+    raise AssertionError(f"Redis took {len(taken)} files of {size} bytes without filling")
+
+
+async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_until_it_has_room(
+    own_redis: RedisServer, own_redis_client: Redis, tiny_model: Path, model_name: str, tmp_path: Path
+) -> None:
+    key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
+    heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
+    light = bearer(create_key(key_file, f"light-{suffix}"))
+    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_API_KEYS_FILE": str(key_file)})
+    try:
+        fleet.start_gateway()
+        fleet.start_worker(model_name, "--fake-engine", "1:1")
+        await own_redis_client.config_set("maxmemory", str(MAXMEMORY))
+        chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=10) as client:
+            taken = await fill_with_files(client, heavy, 2**20)
+            taken += await fill_with_files(client, heavy, 1024)  # a trickle, up to the last kilobyte
+            chats = [await client.post("/v1/chat/completions", json=chat, headers=light) for _ in range(6)]
+            job = await client.post("/v1/jobs", json={"model": model_name, "prompt": "Hi"}, headers=light)
+            unnamed = await client.post("/v1/jobs", json={"prompt": "Hi"}, headers=light)
+            ready = await client.get("/readyz")
+
+            for file_id in taken:  # the key frees what it filled
+                deleted = await client.delete(f"/v1/files/{file_id}", headers=heavy)
+                assert deleted.status_code == 200, deleted.text
+            await readyz_says(client, "ready")
+            after = await client.post("/v1/chat/completions", json=chat, headers=light)
+    finally:
+        fleet.stop_all()
+    for reply in [*chats, job, unnamed]:
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "store_full", reply.text
+        assert reply.headers["Retry-After"]
+    reason = ready.json().get("reason", "")
+    assert ready.status_code == 503 and "store 1" in reason and "out of memory" in reason, ready.json()
+    assert str(own_redis.port) not in reason, reason  # a caller learns how the store fares, not where
+    assert after.status_code == 200, after.text

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import urllib.parse
 
+from redis.exceptions import OutOfMemoryError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from common import keys
 from common.error_codes import ErrorCode
 from gateway.auth import principal_of
 from gateway.errors import ApiError
+from gateway.files.quota import FileQuota, OverQuota
 from gateway.files.store import PURPOSES, FileInUse, FileStore, StoredFile, new_file_id
 from gateway.files.upload import receive_upload
 from gateway.operations import OBJECT, STRING, Operation, Param, Reply, page_of
@@ -23,7 +25,9 @@ MAX_LIST = 10_000
 
 def file_store(request: Request) -> FileStore:
     state = app_state(request)
-    return FileStore(state.redis, state.settings.file_ttl_s)
+    settings = state.settings
+    quota = FileQuota(state.redis, settings.key_max_stored_file_bytes, settings.key_max_stored_files)
+    return FileStore(state.redis, settings.file_ttl_s, quota)
 
 
 _FILE = Reply("the file", OBJECT)
@@ -41,7 +45,8 @@ async def owned_file(request: Request) -> StoredFile:
 
 
 @Operation(
-    "Upload a JSONL file (purpose batch), read as a stream; capped by max_file_bytes",
+    "Upload a JSONL file (purpose batch), read as a stream; capped by max_file_bytes, and what the key "
+    "keeps by key_max_stored_file_bytes and key_max_stored_files",
     request=_UPLOAD,
     request_media_type="multipart/form-data",
     responses={200: _FILE},
@@ -50,16 +55,20 @@ async def owned_file(request: Request) -> StoredFile:
 async def create_file(request: Request) -> Response:
     state = app_state(request)
     store = file_store(request)
+    owner = principal_of(request.scope).name
     file_id = new_file_id()
-    upload = await receive_upload(
-        request.stream(),
-        request.headers.get("content-type", ""),
-        store,
-        file_id,
-        max_bytes=state.settings.max_file_bytes,
-        max_line_bytes=state.settings.max_body_bytes,
-    )
     try:
+        # held before the body is read: its Content-Length, which holds the file and its multipart frame
+        await store.hold(owner, file_id, declared_bytes(request, state.settings.max_file_bytes))
+        upload = await receive_upload(
+            request.stream(),
+            request.headers.get("content-type", ""),
+            store,
+            file_id,
+            max_bytes=state.settings.max_file_bytes,
+            max_line_bytes=state.settings.max_body_bytes,
+            hold=functools.partial(store.hold, owner, file_id),
+        )
         purpose = upload.fields.get("purpose")
         if purpose is None:
             raise ApiError(400, "purpose: required (batch)", param="purpose")
@@ -69,12 +78,29 @@ async def create_file(request: Request) -> Response:
             )
         if upload.filename is None:
             raise ApiError(400, "file: required, as a multipart file part named `file`", param="file")
-    except ApiError:
-        await store.redis.delete(keys.file_lines(file_id))
+        stored = await store.register(file_id, owner, purpose, upload.filename, upload.size, upload.lines)
+    except OverQuota as e:
+        await store.discard(owner, file_id)
+        raise ApiError(
+            400,
+            f"{e}; delete files it no longer needs (DELETE /v1/files/{{file_id}}) or wait for them to expire",
+            param="file",
+            code=ErrorCode.file_quota_exceeded,
+        ) from e
+    except OutOfMemoryError:
+        state.shards.home.watch.note_refused()  # submissions hear of it before the next memory reading
+        await store.discard(owner, file_id)
         raise
-    owner = principal_of(request.scope).name
-    stored = await store.register(file_id, owner, purpose, upload.filename, upload.size, upload.lines)
+    except BaseException:
+        await store.discard(owner, file_id)
+        raise
     return JSONResponse(stored.view())
+
+
+def declared_bytes(request: Request, most: int) -> int:
+    """The upload's Content-Length, at most `most` (the largest file); 0 for a body sent chunked."""
+    length = request.headers.get("content-length", "")
+    return min(int(length), most) if length.isdigit() else 0
 
 
 @Operation(

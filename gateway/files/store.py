@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import WatchError
 
-from common import keys
+from common import keys, lua
+from gateway.files.quota import FileQuota
 from gateway.owned import newest_after
 
 READ_CHUNK_LINES = 1000
 PURPOSES = ("batch",)  # what clients may upload; batch_output is what batches write
+# How long the lines of an upload, and the bytes held for it, outlive its last write while it arrives:
+# an upload its gateway stopped reading (it died) leaves nothing behind for long.
+ARRIVING_TTL_S = 600
 
 
 class FileInUse(Exception):
@@ -68,18 +71,31 @@ class StoredFile:
 
 
 class FileStore:
-    """Every gateway reads and writes the same files; a file and its lines expire together."""
+    """Every gateway reads and writes the same files; a file and its lines expire together. `quota`
+    counts what each owner keeps (none: counted, never refused)."""
 
-    def __init__(self, redis: Redis, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, ttl_s: int, quota: FileQuota | None = None) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
+        self.quota = quota or FileQuota(redis)
+        self._delete = lua.register(redis, __name__, "delete.lua")
+
+    async def hold(self, owner: str, file_id: str, size: int) -> None:
+        """Counts `size` bytes for the upload of `file_id` among what `owner` keeps, before they are
+        written; raises OverQuota when that would pass the owner's limits."""
+        await self.quota.hold(owner, file_id, size, time.time() + ARRIVING_TTL_S)
 
     async def append_lines(self, file_id: str, lines: list[bytes]) -> None:
         if lines:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(keys.file_lines(file_id), *lines)
-                pipe.expire(keys.file_lines(file_id), self.ttl_s)
+                pipe.expire(keys.file_lines(file_id), ARRIVING_TTL_S)
                 await pipe.execute()
+
+    async def discard(self, owner: str, file_id: str) -> None:
+        """Deletes the lines of an upload that failed, and what was held for it."""
+        await self.redis.delete(keys.file_lines(file_id))
+        await self.quota.release(owner, file_id)
 
     async def register(
         self, file_id: str, owner: str, purpose: str, filename: str, size: int, lines: int
@@ -103,6 +119,7 @@ class FileStore:
             pipe.expire(keys.file_lines(file_id), self.ttl_s)
             pipe.zadd(keys.owner_files(owner), {file_id: now})
             pipe.expire(keys.owner_files(owner), self.ttl_s)
+            await self.quota.settle(owner, file_id, size, time.time() + self.ttl_s, pipe)  # as its keys
             await pipe.execute()
         return stored
 
@@ -145,23 +162,22 @@ class FileStore:
 
     async def delete(self, file_id: str, owner: str) -> bool:
         """Deletes the owner's file (False: it has none of that id); raises FileInUse while a batch that has
-        not ended reads it. The check and the delete are one transaction: a batch created or ended between
-        them (BatchState.create watches the file) makes it look again."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(keys.BATCHES_ACTIVE, keys.file(file_id))
-                    if await self.get(file_id, owner) is None:
-                        return False
-                    if (reader := await self.batch_reading(file_id)) is not None:
-                        raise FileInUse(file_id, reader)
-                    pipe.multi()  # type: ignore[no-untyped-call]
-                    pipe.delete(keys.file(file_id), keys.file_lines(file_id))
-                    pipe.zrem(keys.owner_files(owner), file_id)
-                    await pipe.execute()
-                    return True
-                except WatchError:
-                    continue
+        not ended reads it. The delete (scripts/delete.lua) checks that the batches not yet ended are those
+        read before the check: a batch created or ended between them (BatchState.create watches the file)
+        makes it look again. It works on a Redis out of memory, to which it gives memory back."""
+        while True:
+            active: list[str] = await self.redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+            if await self.get(file_id, owner) is None:
+                return False
+            if (reader := await self.batch_reading(file_id)) is not None:
+                raise FileInUse(file_id, reader)
+            file_keys = [keys.file(file_id), keys.file_lines(file_id), keys.owner_files(owner)]
+            outcome = await self._delete(
+                keys=[*keys.file_quota(owner), *file_keys, keys.BATCHES_ACTIVE],
+                args=[int(time.time() * 1000), file_id, owner, *active],
+            )
+            if int(outcome) >= 0:
+                return bool(outcome)
 
     async def line_count(self, file_id: str) -> int:
         count: int = await self.redis.llen(keys.file_lines(file_id))  # type: ignore[misc]

@@ -3,7 +3,7 @@ by one flush of lines plus the longest line, whatever the file's size."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import MultipartParseError
@@ -154,8 +154,10 @@ async def receive_upload(
     *,
     max_bytes: int,
     max_line_bytes: int,
+    hold: Callable[[int], Awaitable[None]],
 ) -> Upload:
-    """Parses the multipart body as it arrives, writing the file's lines under `file_id`.
+    """Parses the multipart body as it arrives, writing the file's lines under `file_id`; before each
+    write, `hold` is given the bytes of the file read so far (it raises to refuse them).
 
     On any error the lines written so far are deleted and the error is raised.
     """
@@ -175,10 +177,12 @@ async def receive_upload(
         async for chunk in body:
             parser.write(chunk)
             if reader.ready_bytes >= FLUSH_BYTES:
+                await hold(reader.size)
                 await store.append_lines(file_id, reader.take())
         parser.finalize()
         if not reader.ended:
             raise MultipartParseError("it ends before its closing boundary")
+        await hold(reader.size)
         await store.append_lines(file_id, reader.take())
     except MultipartParseError as e:
         await store.redis.delete(keys.file_lines(file_id))
