@@ -5,7 +5,11 @@ On one Redis, the submit script writes the key and its job in one step. Over sev
 has a home store (gateway/placement.py's `key_home`), the first in its order: it lists every other store
 a try of the key is sent to, before it is sent, and it holds the token of the try in flight, so that the
 tries of a key go one at a time. A retry looks for the job on every store; while a store does not
-answer and the job may be there, the retry gets 503 rather than a second job."""
+answer and the job may be there, the retry gets 503 rather than a second job, naming the store.
+
+While its home store is down, a key that never had a job gets that 503 too: the home store alone knows
+whether a try of the key went anywhere (it may hold the job itself), and a record of each try on another
+store as well would make every try of a key need two stores up instead of one."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,8 +31,8 @@ from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.wire import JobRequest, PriorityClass
 from gateway.errors import ApiError
-from gateway.placement import key_home
-from gateway.shards import Shard
+from gateway.placement import DOWN_S, key_home
+from gateway.shards import Shard, Shards
 from gateway.state import AppState
 
 
@@ -76,10 +81,11 @@ def key_tries(stores: list[Shard], idem: str | None) -> KeyTries | None:
     return KeyTries(idem, key_home(stores, idem)) if idem is not None and len(stores) > 1 else None
 
 
-async def idempotent_job(stores: list[Shard], tries: KeyTries) -> str | None:
+async def idempotent_job(shards: Shards, stores: list[Shard], tries: KeyTries) -> str | None:
     """The job an idempotency entry names on any of the model's stores (a retry finds it wherever the
     first try went); None when there is none. While a store does not answer, the key's home store says
-    whether a try went there: then the job may be there, and the answer is 503, never a second job."""
+    whether a try went there: then the job may be there, and the answer is 503 naming the store, never a
+    second job."""
     idem, home = tries.idem, tries.home
     values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
     if all(isinstance(value, BaseException) for value in values):
@@ -91,10 +97,10 @@ async def idempotent_job(stores: list[Shard], tries: KeyTries) -> str | None:
         return None
     # The home store silent: the first try went there, or it lists where it went; either way, unknown.
     if any(store is home for store in silent):
-        raise _unknown()
+        raise _unknown(shards, [home])
     tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
-    if any(store.label in tried for store in silent):
-        raise _unknown()
+    if unknown := [store for store in silent if store.label in tried]:
+        raise _unknown(shards, unknown)
     return None
 
 
@@ -127,7 +133,7 @@ async def one_try_at_a_time(state: AppState, tries: KeyTries | None, stores: int
         taken = await home.redis.set(trying, token, nx=True, px=int(longest_s * 1000))
     except (RedisConnectionError, RedisTimeoutError) as e:  # whether a try went elsewhere is unknown
         state.placement.unreachable(home)
-        raise _unknown() from e
+        raise _unknown(state.shards, [home]) from e
     if not taken:
         raise ApiError(
             409,
@@ -144,12 +150,17 @@ async def one_try_at_a_time(state: AppState, tries: KeyTries | None, stores: int
                 await home.redis.delete(trying)
 
 
-def _unknown() -> ApiError:
-    """A caller learns that a store is down, never where it is."""
+_RETRY_S = math.ceil(DOWN_S)  # a store that did not answer is tried again after DOWN_S
+
+
+def _unknown(shards: Shards, silent: list[Shard]) -> ApiError:
+    """A caller learns which store is down, named as /readyz names it, never where it is."""
+    names = " and ".join(name for name, shard in shards.named() if any(shard is store for store in silent))
     return ApiError(
         503,
-        "a Redis store of the model does not answer, and an earlier try with this Idempotency-Key may have "
-        "queued the job there: retry with the same key (a new job is not made while that is unknown)",
+        f"the model's Redis {names} does not answer, and an earlier try with this Idempotency-Key may have "
+        f"queued the job there: retry with the same key in {_RETRY_S} s, or once {names} is back (a new job "
+        "is not made while that is unknown)",
         code=ErrorCode.store_unavailable,
-        headers={"Retry-After": "1"},
+        headers={"Retry-After": str(_RETRY_S)},
     )

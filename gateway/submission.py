@@ -237,7 +237,7 @@ async def submit_job(
     taken_by: Shard | None = None
     try:
         async with one_try_at_a_time(state, tries, len(every)):
-            if tries is not None and (existing := await idempotent_job(every, tries)):
+            if tries is not None and (existing := await idempotent_job(state.shards, every, tries)):
                 submitted = Submitted(existing, created=False)
             else:
                 submitted, taken_by = await _place(

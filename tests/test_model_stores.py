@@ -270,6 +270,7 @@ async def test_a_retry_never_makes_a_second_job_while_the_store_its_first_try_we
         assert retry.status_code == 503, retry.text
         assert retry.json()["error"]["code"] == "store_unavailable"
         assert "Idempotency-Key" in retry.json()["error"]["message"]
+        assert "store 2" in retry.json()["error"]["message"]  # as /readyz names it, never its address
         served = await submit(client, {**body, "max_tokens": 2}, **{"Idempotency-Key": keyed["other"]})
         assert epoch_of(served["id"]) == held.home_epoch
 
