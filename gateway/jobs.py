@@ -7,7 +7,8 @@ import functools
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,7 +36,9 @@ from gateway.submission import submit_job
 
 
 class JobPage(BaseModel):
-    """A page of the caller's jobs; `next_cursor` is the next page's `after`."""
+    """A page of the caller's jobs; `next_cursor` is the next page's `after`. `unreachable_stores` names
+    the Redis stores that did not answer (`store 2`, as /readyz names them): the page leaves their jobs
+    out."""
 
     model_config = ConfigDict(json_schema_serialization_defaults_required=True)
 
@@ -43,6 +46,7 @@ class JobPage(BaseModel):
     data: list[JobView]
     has_more: bool
     next_cursor: str | None
+    unreachable_stores: list[str] = Field(default_factory=list)
 
 
 def links(job_id: str) -> JobLinks:
@@ -248,7 +252,8 @@ async def cancel_job(request: Request) -> Response:
     ),
 )
 async def list_jobs(request: Request) -> Response:
-    """The caller's jobs, newest first; `after` is the `next_cursor` of the page before."""
+    """The caller's jobs, newest first; `after` is the `next_cursor` of the page before. A store that does
+    not answer is named in `unreachable_stores` and its jobs left out (503 when none answers)."""
     state = app_state(request)
     principal = principal_of(request.scope)
     limit = _int_param(request, "limit", 20, 1, 100)
@@ -260,20 +265,44 @@ async def list_jobs(request: Request) -> Response:
         if cursor is None:
             raise ApiError(422, f"after: {after!r} is not a cursor from next_cursor", param="after")
         upper, last_id = cursor.groups()
+    named = state.shards.named()
     pages = await asyncio.gather(
-        *(_page(shard, index, upper, last_id, limit + 1) for shard in state.shards.all)
+        *(_page(shard, index, upper, last_id, limit + 1) for _, shard in named), return_exceptions=True
     )
-    entries = sorted((entry for page in pages for entry in page), key=lambda e: (e[0], e[1]), reverse=True)
+    silent = _unanswered(named, pages)
+    if len(silent) == len(named):
+        raise silent[0][1]
+    unreachable = {name for name, _ in silent}
+    read = (page for page in pages if not isinstance(page, BaseException))
+    entries = sorted((entry for page in read for entry in page), key=lambda e: (e[0], e[1]), reverse=True)
     page = entries[:limit]
     views = []
     for _score, job_id, shard in page:
-        record = await shard.queue.record(job_id)
+        try:
+            record = await shard.queue.record(job_id)
+        except RedisError:  # gone since its page was read: named with the others
+            unreachable.add(next(name for name, other in named if other is shard))
+            continue
         if record is not None and record.owner == principal.name:
             views.append(record.view(links(job_id)))
     has_more = len(entries) > limit
     cursor_out = f"{int(page[-1][0])}.{page[-1][1]}" if has_more and page else None
-    listed = JobPage(data=views, has_more=has_more, next_cursor=cursor_out)
+    said = [name for name, _ in named if name in unreachable]
+    listed = JobPage(data=views, has_more=has_more, next_cursor=cursor_out, unreachable_stores=said)
     return JSONResponse(listed.model_dump(mode="json"))
+
+
+def _unanswered(
+    named: list[tuple[str, Shard]], pages: list[list[tuple[float, str, Shard]] | BaseException]
+) -> list[tuple[str, RedisError]]:
+    """Each store whose page could not be read, named, with its error (any other error is raised)."""
+    silent: list[tuple[str, RedisError]] = []
+    for (name, _), page in zip(named, pages, strict=True):
+        if isinstance(page, RedisError):
+            silent.append((name, page))
+        elif isinstance(page, BaseException):
+            raise page
+    return silent
 
 
 async def _page(

@@ -3,7 +3,10 @@ they say which store they could not reach."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+
+from redis.asyncio import Redis
 
 from tests.conftest import RedisServer
 from tests.jobs_client import submit
@@ -34,3 +37,37 @@ async def test_an_idempotent_job_whose_keys_home_store_is_down_is_told_which_sto
         assert fleet.store_of(served["id"]) == 1
         assert fleet.store_of((await submit(fleet.client, body))["id"]) == 1
 
+
+async def test_the_job_list_shows_the_jobs_of_the_stores_that_answer_and_names_those_that_do_not(
+    redis_server: RedisServer, own_redis: RedisServer, tiny_model: Path, model_name: str
+) -> None:
+    async with two_stores(redis_server, own_redis, tiny_model, model_name) as fleet:
+        owner = f"alice-{model_name[-8:]}"
+        body = {"model": model_name, "prompt": "Hi", "max_tokens": 2}
+        homed = [
+            key_homed_on(fleet.stores, home, owner, tag)
+            for home, tag in ((0, "a"), (0, "b"), (1, "c"), (1, "d"))
+        ]
+        jobs = await asyncio.gather(
+            *(submit(fleet.client, body, **{"Idempotency-Key": key}) for key in homed)
+        )
+        on = {store: {job["id"] for job in jobs if fleet.store_of(job["id"]) == store} for store in (1, 2)}
+        assert on[1] and on[2], on
+        whole = (await fleet.client.get("/v1/jobs")).json()
+        assert {job["id"] for job in whole["data"]} == on[1] | on[2]
+        assert whole["unreachable_stores"] == []
+
+        own_redis.stop()
+        listed = await fleet.client.get("/v1/jobs")
+        assert listed.status_code == 200, listed.text
+        page = listed.json()
+        assert {job["id"] for job in page["data"]} == on[1]
+        assert page["unreachable_stores"] == ["store 2"]
+        assert str(own_redis.port) not in listed.text
+
+        own_redis.start()
+        async with Redis.from_url(fleet.stores[1]) as back:
+            await back.ping()
+        again = (await fleet.client.get("/v1/jobs")).json()
+        assert {job["id"] for job in again["data"]} == on[1] | on[2]
+        assert again["unreachable_stores"] == []
