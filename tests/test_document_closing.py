@@ -5,6 +5,7 @@ with a byte-level BPE tokenizer, in-process."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.guidance import ANY_JSON_OBJECT, json_guidance
 from gateway.openai_api.tools import FunctionDef, ToolPlan
-from worker.batcher.closing import ByteTokens, DocumentCloser, Lexer, closing_bytes, closing_tokens
+from worker.batcher.closing import START_BUDGET, STEP_BUDGET, DocumentCloser
+from worker.batcher.closing_walk import (
+    MASK_COST,
+    ByteTokens,
+    Lexer,
+    WalkBudget,
+    closing_bytes,
+    closing_tokens,
+)
+from worker.batcher.json_keys import JsonKeys
 
 pytestmark = pytest.mark.unit
 
@@ -173,7 +183,7 @@ def run_closer(
     """The rambling model's document within `budget` tokens, whether the closer acted, at which steps it
     overruled the model, and the tokens written."""
     matcher = schema_matcher(tokenizer, schema)
-    closer = DocumentCloser(matcher, ByteTokens(tokenizer), frozenset({END}))
+    closer = DocumentCloser(matcher, ByteTokens(tokenizer), frozenset({END}), json=True)
     ending = closer.ending()
     assert ending is not None and len(ending) <= budget
     written: list[int] = []
@@ -224,3 +234,122 @@ def test_the_closer_never_acts_where_the_model_ends_within_its_budget(tokenizer:
         [],
         written,
     )  # not even with none to spare
+
+
+def test_formats_and_lists_whose_first_choice_loops_still_end(tokenizer: LLTokenizer) -> None:
+    for text_format, looks_right in (
+        ("email", re.compile(r"[^@]+@[^@]+")),
+        ("uri", re.compile(r"[a-z]+:.*")),
+    ):
+        schema = {"type": "object", "properties": {"e": {"type": "string", "format": text_format}}}
+        schema["required"] = ["e"]
+        for start in ("", '{"e":"ad'):
+            document = json.loads(ended(tokenizer, schema_matcher(tokenizer, schema), start))
+            assert looks_right.fullmatch(document["e"]), document
+    pattern = r"[a-z]+(,[a-z]+)*\."
+    regex = LLMatcher(tokenizer, LLMatcher.grammar_from_regex(pattern), log_level=0)
+    assert re.fullmatch(pattern, ended(tokenizer, regex, "ab,c"))
+    lark = LLMatcher(tokenizer, LLMatcher.grammar_from_lark('start: ITEM ("," ITEM)* ";"\nITEM: /[a-z]+/'))
+    assert re.fullmatch(r"[a-z]+(,[a-z]+)*;", ended(tokenizer, lark, "ab"))
+
+
+def test_the_keys_an_ending_gives_an_object_are_keys_it_does_not_have(tokenizer: LLTokenizer) -> None:
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}
+    for start in ("", '{"":1', '{"a":1,"":2,"'):
+        matcher = schema_matcher(tokenizer, schema)
+        assert matcher.consume_tokens(tokenizer.tokenize_str(start))
+        lexer, keys = Lexer(), JsonKeys()
+        lexer.feed(start.encode())
+        keys.feed(start.encode())
+        ending = closing_bytes(matcher, lexer, ByteTokens(tokenizer), keys)
+        assert ending is not None
+        pairs = json.loads(start + ending.decode(), object_pairs_hook=list)
+        assert len(pairs) >= 3 and len({key for key, _ in pairs}) == len(pairs), start + ending.decode()
+    fewest = DocumentCloser(
+        schema_matcher(tokenizer, schema), ByteTokens(tokenizer), frozenset({END}), json=True
+    )
+    minimum = fewest.ending()
+    assert minimum is not None
+    text, acted, _, _ = run_closer(tokenizer, schema, len(minimum))
+    pairs = json.loads(text, object_pairs_hook=list)
+    assert acted and len({key for key, _ in pairs}) == len(pairs) >= 3
+    jsonschema.validate(dict(pairs), schema)
+
+
+class CountedMatcher:
+    """An LLMatcher, and its copies, counting the matcher work done through them: a unit a token checked
+    or taken (or a copy), `MASK_COST` a mask."""
+
+    def __init__(self, matcher: LLMatcher, spent: list[int]) -> None:
+        self._matcher = matcher
+        self.spent = spent
+
+    def deep_copy(self) -> CountedMatcher:
+        self.spent[0] += 1
+        return CountedMatcher(self._matcher.deep_copy(), self.spent)
+
+    def compute_bitmask(self) -> bytes:
+        self.spent[0] += MASK_COST
+        return self._matcher.compute_bitmask()  # type: ignore[no-any-return]
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        self.spent[0] += len(tokens)
+        return self._matcher.validate_tokens(tokens)  # type: ignore[no-any-return]
+
+    def consume_token(self, token: int) -> bool:
+        self.spent[0] += 1
+        return self._matcher.consume_token(token)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._matcher, name)
+
+
+def pattern_schema(pattern: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+
+
+def test_each_step_of_a_costly_pattern_spends_a_bounded_part_of_a_walk(tokenizer: LLTokenizer) -> None:
+    """A pattern of 400 characters the walk tries late, filled by a model that picks another of them: a
+    fresh walk at every step costs many times a step's budget; the closer stays within it, and lets the
+    model write until only the ending fits."""
+    schema = pattern_schema("^[~|]{400}$")
+    spent = [0]
+    matcher = CountedMatcher(schema_matcher(tokenizer, schema), spent)
+    byte_tokens = ByteTokens(tokenizer)
+    walk = WalkBudget(1 << 40)
+    assert closing_bytes(matcher, Lexer(), byte_tokens, budget=walk) is not None  # type: ignore[arg-type]
+    assert spent[0] > 3 * STEP_BUDGET  # what one fresh walk costs
+    closer = DocumentCloser(matcher, byte_tokens, frozenset({END}), json=True)  # type: ignore[arg-type]
+    ending = closer.ending()
+    assert ending is not None
+    budget = len(ending) + 60
+    tilde, opening = tokenizer.tokenize_str("~")[0], tokenizer.tokenize_str('{"s":"')
+    most, overruled, written = 0, [], 0
+    for step in range(budget):
+        pick = opening[step] if step < len(opening) else tilde
+        if matcher.validate_tokens([pick]) != 1:  # the pattern is full: the quote and the brace
+            pick = next(t for t in tokenizer.tokenize_str('"}') if matcher.validate_tokens([t]) == 1)
+        spent[0] = 0
+        token = closer.steer(pick, budget - step)
+        most = max(most, spent[0])
+        if token == END:
+            break
+        overruled += [step] if token != pick else []
+        assert matcher.consume_token(token)
+        closer.accept(token, tokenizer.decode_bytes([token]))
+        written += 1
+        if matcher.is_stopped():
+            break
+    assert most <= STEP_BUDGET + 2 * len(ending), most
+    assert matcher.is_accepting() and written <= budget
+    assert not overruled or min(overruled) >= budget - len(ending) - 2  # only where nothing else fits
+
+
+def test_a_grammar_whose_first_ending_costs_more_than_its_budget_is_not_closed(
+    tokenizer: LLTokenizer,
+) -> None:
+    spent = [0]
+    matcher = CountedMatcher(schema_matcher(tokenizer, pattern_schema("^[~|]{4000}$")), spent)
+    closer = DocumentCloser(matcher, ByteTokens(tokenizer), frozenset({END}), json=True)  # type: ignore[arg-type]
+    assert closer.ending() is None
+    assert spent[0] <= START_BUDGET + MASK_COST + 64

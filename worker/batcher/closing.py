@@ -1,176 +1,77 @@
-"""Structured output that closes within max_tokens: at each step, the shortest way found to end the row's
+"""Structured output that closes within max_tokens: at each step, a short way found to end the row's
 document from where its grammar stands, and the model's pick overruled only when, after it, no such ending
 would fit the tokens left.
 
-`closing_tokens` walks a copy of the row's llguidance matcher byte by byte to an accepting state: the
-bytes the grammar forces, else the first byte it allows from a list ordered to end soon (inside a
-string: the closing quote; outside: `}`, `]`, `,`, then the shortest values, `""`, `0`, `[]`, `{}`,
-`true`, `null`, `false`). A missing required property gets its key from the grammar and a minimal value;
-an enum its first allowed value; a `minItems` array that many minimal items. The bytes are then
-tokenized as the model's tokenizer would write them (or one token a byte, where that tokenization is
-not one the grammar takes), so the ending is a list of tokens the matcher accepts, and its length is
-what the ending costs.
-
-`DocumentCloser.steer` keeps the model's pick when the ending after it fits the tokens left after it,
-else takes the next token of the ending from the current state (end of sequence once the document is
+`DocumentCloser.steer` keeps the model's pick when an ending after it fits the tokens left after it, else
+takes the next token of the ending from the current state (end of sequence once the document is
 complete). The ending of the current state always fits: the row starts with one that fits its budget
 (else the request fails before it runs), and every step keeps one that fits. A model that ends within
 its budget on its own is never overruled, so its tokens are those it writes without the closer.
+
+The ending after a pick is found, cheapest first: the current ending's rest where the pick is its next
+token; the current ending less the bytes the pick wrote, or the whole of it, where the grammar takes that
+after the pick (a string the model goes on writing, a pattern it fills); else a walk
+(closing_walk.py). What one step of a row may spend on it is bounded (`STEP_BUDGET`), as is the first
+ending (`START_BUDGET`): a pick whose ending costs more is overruled as one that does not fit, and a
+grammar whose first ending costs more is not closed at all. One row's grammar thus never holds the step
+of the others for long.
 """
 
 from __future__ import annotations
 
-from llguidance import LLMatcher, LLTokenizer
+from typing import NamedTuple
 
-_WALK_LIMIT = 4096  # bytes the walk may write before it gives up (a grammar it cannot end)
-_QUOTE = ord('"')
-_BACKSLASH = ord("\\")
+from llguidance import LLMatcher
 
-_ALL = bytes(range(256))
+from worker.batcher.closing_walk import (
+    ByteTokens,
+    Lexer,
+    WalkBudget,
+    closing_bytes,
+    written_as_tokens,
+)
+from worker.batcher.json_keys import JsonKeys
 
-
-def _order(first: bytes) -> bytes:
-    """`first`, then every other byte."""
-    return bytes(dict.fromkeys(first + _ALL))
-
-
-_IN_STRING = _order(b'"abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ')
-_ESCAPED = _order(b"n")
-_OUTSIDE = _order(b'}],"0[{tnf-123456789.')
-_DIGITS = frozenset(b"0123456789")
+START_BUDGET = 40_000  # matcher work a row's first ending may cost (tens of ms on one core)
+STEP_BUDGET = 3_000  # matcher work one step of a row may spend on the ending after the model's pick
 
 
-class Lexer:
-    """Whether the bytes so far leave the text inside a JSON string (and just after a backslash)."""
+class Ending(NamedTuple):
+    """Tokens that end the document, and their bytes."""
 
-    __slots__ = ("escaped", "in_string")
-
-    def __init__(self, in_string: bool = False, escaped: bool = False) -> None:
-        self.in_string = in_string
-        self.escaped = escaped
-
-    def copy(self) -> Lexer:
-        return Lexer(self.in_string, self.escaped)
-
-    def feed(self, text: bytes) -> None:
-        for byte in text:
-            self.feed_byte(byte)
-
-    def feed_byte(self, byte: int) -> None:
-        if self.escaped:
-            self.escaped = False
-        elif self.in_string and byte == _BACKSLASH:
-            self.escaped = True
-        elif byte == _QUOTE:
-            self.in_string = not self.in_string
-
-    def candidates(self) -> bytes:
-        if self.escaped:
-            return _ESCAPED
-        return _IN_STRING if self.in_string else _OUTSIDE
-
-
-class ByteTokens:
-    """The token of each single byte in the model's vocabulary (byte-level BPE has one for every byte
-    that UTF-8 text holds), and the tokenizer that writes the ending."""
-
-    def __init__(self, tokenizer: LLTokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.of: dict[int, int] = {}
-        for byte in range(256):
-            ids = tokenizer.tokenize_bytes(bytes([byte]))
-            if len(ids) == 1 and tokenizer.decode_bytes(ids) == bytes([byte]):
-                self.of[byte] = ids[0]
-
-
-def closing_bytes(matcher: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens) -> bytes | None:
-    """The bytes that end the document from the matcher's state (which is left as it was); None when the
-    walk finds no ending."""
-    walker = matcher.deep_copy()
-    lexer = lexer.copy()
-    written = bytearray()
-    while not walker.is_accepting():
-        if len(written) >= _WALK_LIMIT or walker.is_error() or walker.is_stopped():
-            return None
-        forced = walker.compute_ff_bytes()
-        if forced:
-            for byte in forced:
-                token = byte_tokens.of.get(byte)
-                if token is None or not walker.consume_token(token):
-                    return None
-                lexer.feed_byte(byte)
-            written += forced
-            continue
-        chosen = _next_byte(walker, lexer, byte_tokens)
-        if chosen is None:
-            return None
-        lexer.feed_byte(chosen)
-        written.append(chosen)
-    return bytes(written)
-
-
-def _next_byte(walker: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens) -> int | None:
-    """Consumes the first candidate byte the grammar allows; for a digit, the first digit after which the
-    number may end (`5` where the minimum is 5, not `1` and `0`). None: the grammar allows none."""
-    first = None
-    for byte in lexer.candidates():
-        token = byte_tokens.of.get(byte)
-        if token is None or walker.validate_tokens([token]) != 1:
-            continue
-        if first is None:
-            first = byte
-            if byte not in _DIGITS or lexer.in_string:
-                break
-        if byte in _DIGITS and _ends_after(walker, token, byte_tokens):
-            first = byte
-            break
-    if first is not None:
-        walker.consume_token(byte_tokens.of[first])
-    return first
-
-
-def _ends_after(walker: LLMatcher, token: int, byte_tokens: ByteTokens) -> bool:
-    trial = walker.deep_copy()
-    trial.consume_token(token)
-    if trial.is_accepting():
-        return True
-    closers = [byte_tokens.of[b] for b in b'}],"' if b in byte_tokens.of]
-    return any(trial.validate_tokens([closer]) == 1 for closer in closers)
-
-
-def closing_tokens(matcher: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens) -> list[int] | None:
-    """The tokens that end the document from the matcher's state: the walk's bytes as the tokenizer
-    writes them, if the grammar takes those tokens, else one token a byte."""
-    ending = closing_bytes(matcher, lexer, byte_tokens)
-    if ending is None:
-        return None
-    if not ending:
-        return []
-    tokenizer = byte_tokens.tokenizer
-    tokens: list[int] = tokenizer.tokenize_bytes(ending)
-    if tokenizer.decode_bytes(tokens) == ending and matcher.validate_tokens(tokens) == len(tokens):
-        return tokens
-    return [byte_tokens.of[byte] for byte in ending]
+    tokens: list[int]
+    text: bytes
 
 
 class DocumentCloser:
     """Steers one row's picks so that its document ends within the tokens left (module docstring)."""
 
-    def __init__(self, matcher: LLMatcher, byte_tokens: ByteTokens, end_tokens: frozenset[int]) -> None:
+    def __init__(
+        self,
+        matcher: LLMatcher,
+        byte_tokens: ByteTokens,
+        end_tokens: frozenset[int],
+        json: bool = False,
+    ) -> None:
         self._matcher = matcher
         self._bytes = byte_tokens
+        self._decode = byte_tokens.tokenizer.decode_bytes
         self._ends = end_tokens
         self._end = min(end_tokens)
         self._lexer = Lexer()
-        self._ending: list[int] | None = None  # the current state's ending, once known
-        self._after: tuple[int, list[int] | None] | None = None  # the pick `steer` kept and its ending
+        self._keys = JsonKeys() if json else None  # the keys each open object has (JSON only)
+        self._ending: Ending | None = None  # the current state's ending, once known
+        self._started = False  # the first ending was looked for
+        self._after: tuple[int, Ending] | None = None  # the pick `steer` kept and its ending
         self.acted = False  # a pick was overruled: the document was closed early
 
     def ending(self) -> list[int] | None:
         """The tokens that end the document from the current state (None: no ending was found)."""
         if self._ending is None:
-            self._ending = closing_tokens(self._matcher, self._lexer, self._bytes)
-        return self._ending
+            budget = STEP_BUDGET if self._started else START_BUDGET
+            self._started = True
+            self._ending = self._walk(self._matcher, self._lexer, self._keys, WalkBudget(budget))
+        return None if self._ending is None else self._ending.tokens
 
     def steer(self, token: int, left: int) -> int:
         """The token to go on with: the model's `token`, unless the document could then not end within
@@ -178,29 +79,86 @@ class DocumentCloser:
         self._after = None
         if token in self._ends:  # the grammar allows it only where the document is complete
             return token
-        after = self._ending_after(token)
-        if after is not None and len(after) <= left - 1:
+        after = self._ending_after(token, left - 1)
+        if after is not None:
             self._after = (token, after)
             return token
-        ending = self.ending()
-        if ending is None or len(ending) > left:  # no ending known, or none fits: the model goes on
+        tokens = self.ending()
+        if tokens is None or len(tokens) > left:  # no ending known, or none fits: the model goes on
             return token
         self.acted = True
-        if not ending:
+        if not tokens:
             return self._end
-        self._after = (ending[0], ending[1:])
-        return ending[0]
+        assert self._ending is not None
+        self._after = (tokens[0], self._rest(self._ending))
+        return tokens[0]
 
     def accept(self, token: int, piece: bytes) -> None:
         """The row went on with `token` (whose bytes are `piece`): the matcher has consumed it."""
         after, self._after = self._after, None
         self._ending = after[1] if after is not None and after[0] == token else None
         self._lexer.feed(piece)
+        if self._keys is not None:
+            self._keys.feed(piece)
 
-    def _ending_after(self, token: int) -> list[int] | None:
+    def _ending_after(self, token: int, room: int) -> Ending | None:
+        """An ending of at most `room` tokens after `token`, if one is found within `STEP_BUDGET`."""
+        current = self._ending
+        if current is not None and current.tokens and current.tokens[0] == token:
+            return self._rest(current) if len(current.tokens) - 1 <= room else None
         trial = self._matcher.deep_copy()
         if not trial.consume_token(token):
             return None
+        piece = self._decode([token])
         lexer = self._lexer.copy()
-        lexer.feed(self._bytes.tokenizer.decode_bytes([token]))
-        return closing_tokens(trial, lexer, self._bytes)
+        lexer.feed(piece)
+        keys = None
+        if self._keys is not None:
+            keys = self._keys.copy()
+            keys.feed(piece)
+        spent = 0  # on trying the current ending
+        if current is not None:
+            for reused in (self._less(current, len(piece)), current):
+                if reused is not None and len(reused.tokens) <= room and self._completes(trial, keys, reused):
+                    return reused
+            spent = 2 * len(current.tokens)
+        budget = WalkBudget(STEP_BUDGET - spent)
+        walked = self._walk(trial, lexer, keys, budget)
+        return walked if walked is not None and len(walked.tokens) <= room else None
+
+    def _walk(
+        self, matcher: LLMatcher, lexer: Lexer, keys: JsonKeys | None, budget: WalkBudget
+    ) -> Ending | None:
+        text = closing_bytes(matcher, lexer, self._bytes, keys, budget)
+        return None if text is None else Ending(written_as_tokens(matcher, text, self._bytes), text)
+
+    def _completes(self, matcher: LLMatcher, keys: JsonKeys | None, ending: Ending) -> bool:
+        """The grammar takes the ending from the matcher's state and is then complete, with no key twice."""
+        if keys is not None and keys.would_repeat(ending.text):
+            return False
+        if not ending.tokens:
+            return bool(matcher.is_accepting())
+        return bool(matcher.validate_tokens([*ending.tokens, self._end]) == len(ending.tokens) + 1)
+
+    def _rest(self, ending: Ending) -> Ending:
+        """The ending after its first token."""
+        return Ending(ending.tokens[1:], ending.text[len(self._decode(ending.tokens[:1])) :])
+
+    def _less(self, ending: Ending, count: int) -> Ending | None:
+        """The ending without its first `count` bytes (None: it has no more), in its own tokens from the
+        first whole one on."""
+        if count > len(ending.text):
+            return None
+        taken = 0
+        for index, token in enumerate(ending.tokens):
+            if taken >= count:
+                head = self._byte_tokens(ending.text[count:taken])
+                return None if head is None else Ending(head + ending.tokens[index:], ending.text[count:])
+            taken += len(self._decode([token]))
+        head = self._byte_tokens(ending.text[count:])
+        return None if head is None else Ending(head, ending.text[count:])
+
+    def _byte_tokens(self, text: bytes) -> list[int] | None:
+        """`text` one token a byte (None: a byte has no token of its own)."""
+        of = self._bytes.of
+        return None if any(byte not in of for byte in text) else [of[byte] for byte in text]

@@ -28,7 +28,7 @@ import onnxruntime_genai as og
 from llguidance import LLTokenizer
 
 from common.error_codes import ErrorCode
-from worker.batcher.closing import ByteTokens
+from worker.batcher.closing_walk import ByteTokens
 from worker.batcher.counters import BatcherCounters
 from worker.batcher.graph import DecoderGraph, open_session
 from worker.batcher.prefix_cache import PrefixCache

@@ -38,13 +38,15 @@ class JsonKeys:
         """Whether these bytes, next, would end a key that their object already has."""
         if _QUOTE not in text:  # a key ends only at a quote
             return False
-        trial = JsonKeys(
+        return self.copy()._read(text, check=True)
+
+    def copy(self) -> JsonKeys:
+        return JsonKeys(
             [None if o is None else _Object(set(o.keys), o.expects_key) for o in self._open],
             self._in_string,
             self._escaped,
             None if self._key is None else bytearray(self._key),
         )
-        return trial._read(text, check=True)
 
     def _read(self, text: bytes, *, check: bool) -> bool:
         for byte in text:

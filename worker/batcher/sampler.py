@@ -15,7 +15,8 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
-from worker.batcher.closing import ByteTokens, DocumentCloser
+from worker.batcher.closing import DocumentCloser
+from worker.batcher.closing_walk import ByteTokens
 from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
 from worker.engine_errors import failure_cause, grammar_broke, grammar_refused
@@ -72,7 +73,8 @@ class RowSampler:
             if request.guidance[0] == "json_schema":
                 self._keys = JsonKeys()
             if request.close_early and byte_tokens is not None and self._eos.size:
-                closer = DocumentCloser(self._matcher, byte_tokens, frozenset(map(int, self._eos)))
+                ends = frozenset(map(int, self._eos))
+                closer = DocumentCloser(self._matcher, byte_tokens, ends, json=self._keys is not None)
                 if closer.ending() is not None:  # else the walk finds no ending: the row is not closed
                     self.closer = closer
 
