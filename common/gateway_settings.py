@@ -39,6 +39,14 @@ class GatewaySettings(FleetSettings):
     sse_keepalive_s: float = Field(
         15.0, gt=0, description="Seconds between SSE keep-alive comments on an idle stream."
     )
+    store_outage_limit_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a reader of a job's tokens waits for a Redis that does not answer before it "
+        "gives up: event streams then end with an `error` event (code store_unavailable; OpenAI streams "
+        "with an error chunk and `data: [DONE]`), and OpenAI calls, Responses and long-polls that wait for "
+        "a job answer 503 store_unavailable. Redis back within it: every reader goes on, losing nothing.",
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a job that does not set it.")
     max_queued_jobs: int = Field(
         10_000, ge=1, description="Jobs that may wait in one model's queue; more get 429 with Retry-After."

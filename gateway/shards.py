@@ -184,6 +184,7 @@ async def _open(settings: GatewaySettings, url: str) -> Shard:
         connections=settings.relay_connections,
         buffer=settings.relay_buffer_events,
         client_name=name,
+        outage_limit_s=settings.store_outage_limit_s,
     )
     await relay.start()
     label = mask_url(url)

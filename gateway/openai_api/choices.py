@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from common import keys
 from common.apikeys import Principal
@@ -21,6 +24,8 @@ from gateway.streaming.follower import Follower
 from gateway.streaming.ids import KeyedEntry
 from gateway.streaming.reading import PURGED, SentTokens, stream_exists
 from gateway.submission import submit_job
+
+logger = logging.getLogger(__name__)
 
 JOB_ID_HEADER = "X-Ortfleet-Job-Id"  # the jobs behind a response, comma-separated in choice order
 
@@ -46,7 +51,9 @@ def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt
     asked that cannot be done (a prompt longer than the context, a grammar the engine cannot compile, a
     prompt the tokenizer cannot take, logprobs from an engine without logits, a logit_bias token the
     model does not have), 404 for a purged job, 503 for one that waited too long in the
-    queue, else 500 with its code (`job_failed` when the worker named none).
+    queue, one lost with its Redis's data, or one whose Redis stayed away for the outage limit
+    (`store_unavailable`: the job may still run), else 500 with its code (`job_failed` when the worker
+    named none).
 
     An engine or worker failure is the server's, and OpenAI answers its own with 500 `server_error`, as
     vLLM does an engine error: the SDK raises InternalServerError (and retries it, as a new job). Not
@@ -65,7 +72,8 @@ def job_failure(job_id: str, message: str | None, code: ErrorCode | None, prompt
         return ApiError(404, f"job {job_id} {message}", code=code, headers=headers)
     if code is ErrorCode.expired_in_queue:  # the fleet was too busy to start it in time: worth a retry
         return ApiError(503, f"job {job_id} {message}", code=code, headers={**headers, "Retry-After": "5"})
-    if code is ErrorCode.store_lost:  # Redis lost its data: the job is gone, a new one may run
+    # Redis lost its data (the job is gone, a new one may run), or stayed away past the outage limit
+    if code in (ErrorCode.store_lost, ErrorCode.store_unavailable):
         return ApiError(503, f"job {job_id}: {message}", code=code, headers={**headers, "Retry-After": "1"})
     code = code or ErrorCode.job_failed
     return ApiError(500, f"job {job_id} failed: {message}", code=code, headers=headers)
@@ -178,7 +186,17 @@ class Choices:
         return self._store or self.state.shards.of_model(self.model)
 
     async def cancel(self) -> None:
-        await asyncio.gather(*(self.shard.queue.cancel(job_id, self.model) for job_id in self.job_ids))
+        """Cancels the jobs; a store that does not answer leaves them to run (the caller's answer, an
+        error, is the same either way)."""
+        outcomes = await asyncio.gather(
+            *(self.shard.queue.cancel(job_id, self.model) for job_id in self.job_ids), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, RedisError):
+                logger.warning("jobs %s not cancelled: Redis did not answer (%s)", self.job_ids, outcome)
+                return
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def events(self, tick_s: float) -> ChoiceEvents:
         """Follows every job's stream from its start (see ChoiceEvents)."""
@@ -270,7 +288,11 @@ class ChoiceEvents:
     """The entries of a request's job streams, from their start, until each job's final one: each read's
     fresh entries together, as ChoiceEvents. Iterate them (a task waits; an empty list after `tick_s`
     with nothing new, or the ends of jobs purged meanwhile), or `push_to` a callback, which `take`s
-    each read in the relay's own turn of the event loop. `aclose` stops following."""
+    each read in the relay's own turn of the event loop. `aclose` stops following.
+
+    A job's Redis away for the relay's outage limit ends each stream still followed with an error
+    event of code `store_unavailable` (the relay's `outage_end`): the caller answers it as a failed job
+    (503, or an in-stream error)."""
 
     def __init__(self, choices: Choices, tick_s: float) -> None:
         self._choices = choices
@@ -327,13 +349,23 @@ class ChoiceEvents:
 
     async def purged(self) -> list[ChoiceEvent]:
         """After a quiet spell: the end of each job whose stream was purged (it would never end by
-        itself); none while Redis is away."""
-        redis = self._choices.shard.redis
-        purged = [stream for stream in self._following if not await stream_exists(redis, stream)]
-        for stream in purged:
+        itself); none while Redis is away, the end of every job once it has been away for the outage
+        limit (the relay ends them then: this catches one it missed)."""
+        shard = self._choices.shard
+        if shard.relay.outage_over():
+            ended = [(stream, shard.relay.outage_end()) for stream in self._following]
+        else:
+            ended = []
+            for stream in list(self._following):  # a push may end one meanwhile
+                exists = await stream_exists(shard.relay, shard.redis, stream)
+                if exists is None:  # Redis away: none is known to be gone
+                    return []
+                if not exists and stream in self._following:
+                    ended.append((stream, PURGED))
+        for stream, _fields in ended:
             self._following.discard(stream)
             self._follower.stop(stream)
-        return [ChoiceEvent(self._index[stream], PURGED) for stream in purged]
+        return [ChoiceEvent(self._index[stream], fields) for stream, fields in ended]
 
     async def aclose(self) -> None:
         self._following.clear()

@@ -4,6 +4,7 @@ is an ortfleet job underneath."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -11,6 +12,7 @@ import secrets
 import time
 
 import anyio
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -88,10 +90,12 @@ class ResponseEventStream(JobEventsResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self._owned and not self.ended and self._meta["store"] == "1":
-                with anyio.CancelScope(shield=True):
-                    await self._shard.queue.cancel(self._meta["job_id"], self._meta["model"])
-            await store.forget_unstored(self._state, self._meta)
+            # a stream ended by its Redis staying away (store_unavailable) leaves the job to its TTL
+            with contextlib.suppress(RedisError):
+                if self._owned and not self.ended and self._meta["store"] == "1":
+                    with anyio.CancelScope(shield=True):
+                        await self._shard.queue.cancel(self._meta["job_id"], self._meta["model"])
+                await store.forget_unstored(self._state, self._meta)
 
 
 async def _submit(state: AppState, body: ResponseRequest, model: str, principal: Principal) -> dict[str, str]:

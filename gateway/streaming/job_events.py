@@ -14,7 +14,7 @@ from common import keys
 from gateway.streaming.departure import disconnect_watch
 from gateway.streaming.direct import DirectBody, PushedWrites, direct_body, write_direct
 from gateway.streaming.follower import Follower
-from gateway.streaming.reading import OUTAGE_LIMIT_S, JobStreamReading, batches
+from gateway.streaming.reading import JobStreamReading, batches
 from gateway.streaming.relay import StreamRelay
 from gateway.streaming.sse import KEEPALIVE, SSE_HEADERS, EventStreamResponse, Render, frames, nothing, relay
 
@@ -114,7 +114,7 @@ class JobEventsResponse(StreamingResponse):
 
         async def write() -> None:
             if not self._past_end:
-                reading = JobStreamReading(streams, redis, job_id, OUTAGE_LIMIT_S)
+                reading = JobStreamReading(streams, redis, job_id, after)
                 pushed = PushedStream(body, reading, keepalive_s, self._on_pause, self._render)
                 await pushed.run(streams, after, self._opening)
 

@@ -28,7 +28,9 @@ STORE_LOST = {
 }
 
 
-OUTAGE_LIMIT_S = 60.0  # how long a stream waits for Redis to come back before it ends
+class StoreOutage(RedisConnectionError):
+    """A wait on a job's stream gave up: its Redis stayed away for the relay's outage limit (a
+    ConnectionError, so that the gateway answers it as any other: 503 `store_unavailable`)."""
 
 
 async def read_position(redis: Redis, job_id: str, after: str) -> str:
@@ -65,18 +67,19 @@ class SentTokens:
 
 
 class JobStreamReading:
-    """One reader's way through a job's stream: which arrived entries to send (SentTokens), where the
-    stream ends (its final entry), and what a quiet spell means (a keep-alive, Redis away too long, or
-    the stream purged)."""
+    """One reader's way through a job's stream after `after`: which arrived entries to send
+    (SentTokens), where the stream ends (its final entry, or the relay's `outage_end` once Redis has been
+    away for its outage limit), and what a quiet spell means (a keep-alive, Redis away too long, or the
+    stream purged)."""
 
-    __slots__ = ("_outage_limit_s", "_redis", "_sent", "_stream", "_streams", "job_id")
+    __slots__ = ("_last_id", "_redis", "_sent", "_stream", "_streams", "job_id")
 
-    def __init__(self, streams: StreamRelay, redis: Redis, job_id: str, outage_limit_s: float) -> None:
+    def __init__(self, streams: StreamRelay, redis: Redis, job_id: str, after: str = "0-0") -> None:
         self._streams = streams
         self._redis = redis
         self.job_id = job_id
         self._stream = keys.events(job_id)
-        self._outage_limit_s = outage_limit_s
+        self._last_id = after  # of the last entry sent: a client that resumes from it misses nothing
         self._sent = SentTokens()
 
     def to_send(self, arrived: list[KeyedEntry]) -> tuple[list[Entry], bool]:
@@ -87,6 +90,7 @@ class JobStreamReading:
             if not self._sent.fresh(fields):
                 continue
             batch.append((entry_id, fields))
+            self._last_id = entry_id
             if is_final(fields):
                 return batch, True
         return batch, False
@@ -94,13 +98,13 @@ class JobStreamReading:
     async def quiet(self) -> list[Entry] | None:
         """After a keep-alive interval with nothing new: None when a keep-alive is due, else the last
         entries to send before the stream ends (none: it ends now)."""
-        away = self._streams.unreachable_for()
-        if away is not None and away > self._outage_limit_s:
-            logger.warning("job %s: Redis away for %.0f s, ending the stream", self.job_id, away)
-            return []
-        if away is None and not await stream_exists(self._redis, self._stream):
-            gone = STORE_LOST if self._streams.lost(self.job_id) else PURGED
-            return [(f"{int(time.time() * 1000)}-0", gone)]
+        if self._streams.outage_over():  # the relay ends its streams then: this one missed it
+            logger.warning("job %s: Redis away too long, ending the stream", self.job_id)
+            return [(self._last_id, self._streams.outage_end())]
+        if self._streams.unreachable_for() is None:
+            if await stream_exists(self._streams, self._redis, self._stream) is False:
+                gone = STORE_LOST if self._streams.lost(self.job_id) else PURGED
+                return [(f"{int(time.time() * 1000)}-0", gone)]
         return None
 
 
@@ -110,16 +114,16 @@ async def batches(
     job_id: str,
     after: str,
     keepalive_s: float,
-    outage_limit_s: float = OUTAGE_LIMIT_S,
 ) -> AsyncGenerator[list[Entry] | None, None]:
     """The job's stream entries after `after` ("0-0" for all), then new ones as they come, until the
     final one: those that arrived together in one list; None where a keep-alive is due. `after` must
     stand before the final entry (`read_position` says "ok"; "0-0" always does).
 
     While Redis is away (a restart) the client keeps its connection and gets keep-alives; the relay
-    goes on from the last entry it sent once Redis is back, or ends after `outage_limit_s`.
+    goes on from the last entry it sent once Redis is back, or ends with an error entry (code
+    `store_unavailable`) once Redis has been away for the relay's outage limit.
     """
-    reading = JobStreamReading(streams, redis, job_id, outage_limit_s)
+    reading = JobStreamReading(streams, redis, job_id, after)
     async with streams.follow({keys.events(job_id): after}) as follower:
         while True:
             arrived = await follower.next(keepalive_s)
@@ -138,16 +142,19 @@ async def batches(
                 return
 
 
-async def stream_exists(redis: Redis, stream: str) -> bool:
-    """Whether the stream is still there (expired or purged: it ends); True while Redis is away."""
+async def stream_exists(streams: StreamRelay, redis: Redis, stream: str) -> bool | None:
+    """Whether the stream is still there (expired or purged: it ends); None when Redis does not answer,
+    which the relay counts as an outage (its limit ends the stream, as any other of that Redis)."""
     try:
         return bool(await redis.exists(stream))
-    except (RedisConnectionError, RedisTimeoutError):
-        return True
+    except (RedisConnectionError, RedisTimeoutError) as e:
+        streams.unreachable(e)
+        return None
 
 
 async def wait_final(streams: StreamRelay, redis: Redis, job_id: str, timeout_s: float) -> None:
-    """Return once the job's final event is in its stream, or after `timeout_s`."""
+    """Return once the job's final event is in its stream, or after `timeout_s`; raises StoreOutage once
+    Redis has been away for the relay's outage limit."""
     stream = keys.events(job_id)
     newest = await redis.xrevrange(stream, count=1)
     if newest and is_final(newest[0][1]):
@@ -156,5 +163,9 @@ async def wait_final(streams: StreamRelay, redis: Redis, job_id: str, timeout_s:
     deadline = time.monotonic() + timeout_s
     async with streams.follow({stream: last}) as follower:
         while (left := deadline - time.monotonic()) > 0:
-            if any(is_final(fields) for _key, _id, fields in await follower.next(left)):
+            arrived = await follower.next(left)
+            ended = streams.outage_end()
+            if streams.outage_over() or any(fields == ended for _key, _id, fields in arrived):
+                raise StoreOutage(ended["message"])
+            if any(is_final(fields) for _key, _id, fields in arrived):
                 return

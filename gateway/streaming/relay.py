@@ -11,6 +11,11 @@ A resubscription (Redis away and back, a failover) and a slow sweep read every f
 so a lost notice delays entries but never loses them. Redis' work is per changed stream, not per
 followed one.
 
+While Redis is away the followers get nothing, and wait: once it answers again each stream reads on from
+the last entry it had, so nothing is lost. Redis away for `outage_limit_s` ends every followed stream
+(and one followed later, while it stays away) with an error entry of code `store_unavailable`
+(`outage_end`): no reader waits on a store without end.
+
 A follower read by a task (`Follower.next`) has a bounded buffer; one that fills it (a slow client)
 stops receiving, and once it has drained its buffer it joins again from its last entry, so the read
 starts over from Redis, the source of truth. A follower with a callback (`on_arrival`) is handed each
@@ -37,8 +42,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys
+from common.error_codes import ErrorCode
 from common.redis_client import connection_pool
 from common.store_epoch import epoch_of
+from common.wire import EventType
 from gateway.streaming.follower import Follower, Tap
 from gateway.streaming.stream_reader import StreamReader
 
@@ -62,8 +69,10 @@ class StreamRelay:
         max_keys: int = 1000,
         sweep_s: float = 5.0,
         socket_timeout_s: float = 30.0,
+        outage_limit_s: float = 60.0,
     ) -> None:
         self._buffer = buffer
+        self.outage_limit_s = outage_limit_s
         self._sweep_s = sweep_s
         # The connections come from the pool (kept: Sentinel-managed connections refer to it weakly),
         # so with a Sentinel URL each reconnects to whichever server is the primary then. Their
@@ -87,6 +96,7 @@ class StreamRelay:
         self._heard_at = 0.0  # when the subscription last heard from Redis (event-loop time)
         self._tasks: list[asyncio.Task[None]] = []
         self._unreachable_since: float | None = None
+        self._outage_timer: asyncio.TimerHandle | None = None  # ends the streams at the outage limit
         self.lost_epochs: set[str] = set()
         self.closed = False
 
@@ -97,6 +107,8 @@ class StreamRelay:
 
     async def close(self) -> None:
         self.closed = True
+        if self._outage_timer is not None:
+            self._outage_timer.cancel()
         for reader in self._readers:
             reader.wake()
         for task in self._tasks:  # a read in flight ends now
@@ -119,6 +131,7 @@ class StreamRelay:
                 while not self.closed:
                     message = await self._subscription.read_response()
                     self._heard_at = asyncio.get_running_loop().time()
+                    self.reachable()  # Redis answered (also when no stream is followed, so none is read)
                     delay = 0.05
                     if isinstance(message, list) and message and message[0] == "message":
                         self._noticed(message[2])
@@ -193,7 +206,10 @@ class StreamRelay:
         return self._readers[zlib.crc32(key.encode()) % len(self._readers)]
 
     def attach(self, tap: Tap) -> None:
-        self._reader(tap.key).attach(tap)
+        reader = self._reader(tap.key)
+        reader.attach(tap)
+        if self.outage_over():  # joined (or read on) while Redis stays away past the limit: it ends now
+            asyncio.get_running_loop().call_soon(reader.end_tap, tap, self.outage_end())
 
     def detach(self, tap: Tap) -> None:
         self._reader(tap.key).detach(tap)
@@ -215,12 +231,54 @@ class StreamRelay:
             return None
         return time.monotonic() - self._unreachable_since
 
+    def outage_over(self) -> bool:
+        """Whether Redis has been away for `outage_limit_s` or longer: its readers give up on it."""
+        away = self.unreachable_for()
+        return away is not None and away >= self.outage_limit_s
+
+    def outage_end(self) -> dict[str, str]:
+        """The entry that ends a followed stream once Redis has been away for the outage limit."""
+        return outage_end(self.outage_limit_s)
+
     def unreachable(self, error: Exception) -> None:
+        """Redis did not answer (a read, the subscription, or a reader's own command): the outage starts
+        now, unless it started earlier; `outage_limit_s` later, unless Redis answers meanwhile, every
+        followed stream ends (`outage_end`)."""
         if self._unreachable_since is None:
             logger.info("the stream relay cannot reach Redis (%s); streams wait", error)
             self._unreachable_since = time.monotonic()
+            if not self.closed:
+                loop = asyncio.get_running_loop()
+                self._outage_timer = loop.call_later(self.outage_limit_s, self._end_streams_for_outage)
 
     def reachable(self) -> None:
         if self._unreachable_since is not None:
             logger.info("the stream relay reaches Redis again")
             self._unreachable_since = None
+            if self._outage_timer is not None:
+                self._outage_timer.cancel()
+                self._outage_timer = None
+
+    def _end_streams_for_outage(self) -> None:
+        self._outage_timer = None
+        if self.closed or self._unreachable_since is None:  # (a timer may fire a hair early)
+            return
+        logger.warning(
+            "Redis has been away for %.0f s (ORTFLEET_STORE_OUTAGE_LIMIT_S): its open streams end with "
+            "store_unavailable",
+            self.outage_limit_s,
+        )
+        fields = self.outage_end()
+        for reader in self._readers:
+            reader.end_streams(lambda _key: True, fields, at_cursor=True)
+
+
+def outage_end(limit_s: float) -> dict[str, str]:
+    """An error entry (not the job's: it may still run) that ends a stream whose Redis stayed away for
+    `limit_s`; a reader sends it as the stream's last event."""
+    return {
+        "type": EventType.error.value,
+        "message": f"the job store (Redis) has not answered for {limit_s:g} s; the job may still run: read "
+        "it again once the store is back",
+        "code": ErrorCode.store_unavailable.value,
+    }

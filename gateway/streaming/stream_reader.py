@@ -141,13 +141,23 @@ class StreamReader:
                 if len(entries) >= self._count:
                     self.due(key)  # more than one read's worth: read on
 
-    def end_streams(self, which: Callable[[str], bool], fields: dict[str, str]) -> None:
-        """Hands each tap of the streams `which` selects `fields` as an entry past its cursor."""
+    def end_streams(
+        self, which: Callable[[str], bool], fields: dict[str, str], *, at_cursor: bool = False
+    ) -> None:
+        """Hands each tap of the streams `which` selects `fields` as an entry past its cursor, or (with
+        `at_cursor`: the stream goes on, and a client that resumes from this entry's id must miss
+        nothing) with its cursor's id."""
         for key in [key for key in self.taps if which(key)]:
             for tap in list(self.taps.get(key, ())):
-                ms, seq = tap.cursor_id
-                tap.follower.push((key, f"{ms}-{seq + 1}", fields))
-                tap.follower.arrived()
+                self.end_tap(tap, fields, at_cursor=at_cursor)
+
+    def end_tap(self, tap: Tap, fields: dict[str, str], *, at_cursor: bool = True) -> None:
+        """As `end_streams`, for one tap (if it is still attached)."""
+        if tap not in self.taps.get(tap.key, ()):
+            return
+        ms, seq = tap.cursor_id
+        tap.follower.push((tap.key, tap.cursor if at_cursor else f"{ms}-{seq + 1}", fields))
+        tap.follower.arrived()
 
     def _retry(self, keys: list[str]) -> None:
         for key in keys:
