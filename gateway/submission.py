@@ -48,7 +48,10 @@ from gateway.stream_cost import estimated_stream_bytes
 
 
 async def resolve_model(state: AppState, requested: str | None) -> tuple[str, int]:
-    """The served model name and its context length; 404/422/503 when it cannot be served now."""
+    """The served model name and its context length; 404/422/503 when it cannot be served now (503
+    store_full first, while its stores refuse writes for memory, which their workers' heartbeats meet too)."""
+    if (full := state.shards.full(requested)) is not None:
+        raise store_full(full)
     fleet = await state.fleet.snapshot()
     if requested is None:
         if len(fleet.live) != 1:  # the snapshot may predate a worker that just came or went
@@ -210,8 +213,6 @@ async def submit_job(
     effective = priority or request.priority
     check_priority(effective, principal)
     guidance = await guidance_of(request)
-    if (full := state.shards.full(request.model)) is not None:  # its workers look dead: heartbeats fail
-        raise store_full(full)
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()

@@ -122,7 +122,8 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
     key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
     heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
     light = bearer(create_key(key_file, f"light-{suffix}"))
-    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_API_KEYS_FILE": str(key_file)})
+    env = {"ORTFLEET_API_KEYS_FILE": str(key_file), "ORTFLEET_HEARTBEAT_TTL_S": "1"}
+    fleet = Fleet(own_redis.url, tiny_model, env=env)
     try:
         fleet.start_gateway()
         fleet.start_worker(model_name, "--fake-engine", "1:1")
@@ -131,11 +132,19 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
         async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=10) as client:
             taken = await fill_with_files(client, heavy, 2**20)
             taken += await fill_with_files(client, heavy, 1024)  # a trickle, up to the last kilobyte
+            at_the_brim = [
+                await client.post("/v1/chat/completions", json=chat, headers=light),
+                await client.get("/readyz"),
+            ]
+            used = int((await own_redis_client.info("memory"))["used_memory"])
+            await own_redis_client.config_set("maxmemory", str(used - 2**16))  # past it: heartbeats refused
+            await heartbeat_lapsed(own_redis_client, timeout_s=10)  # the worker looks dead
             chats = [await client.post("/v1/chat/completions", json=chat, headers=light) for _ in range(6)]
             job = await client.post("/v1/jobs", json={"model": model_name, "prompt": "Hi"}, headers=light)
             unnamed = await client.post("/v1/jobs", json={"prompt": "Hi"}, headers=light)
             ready = await client.get("/readyz")
 
+            await own_redis_client.config_set("maxmemory", str(MAXMEMORY))
             for file_id in taken:  # the key frees what it filled
                 deleted = await client.delete(f"/v1/files/{file_id}", headers=heavy)
                 assert deleted.status_code == 200, deleted.text
@@ -143,11 +152,13 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
             after = await client.post("/v1/chat/completions", json=chat, headers=light)
     finally:
         fleet.stop_all()
-    for reply in [*chats, job, unnamed]:
+    for reply in [at_the_brim[0], *chats, job, unnamed]:
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["code"] == "store_full", reply.text
         assert reply.headers["Retry-After"]
-    reason = ready.json().get("reason", "")
-    assert ready.status_code == 503 and "store 1" in reason and "out of memory" in reason, ready.json()
-    assert str(own_redis.port) not in reason, reason  # a caller learns how the store fares, not where
+    for readiness in (at_the_brim[1], ready):
+        reason = readiness.json().get("reason", "")
+        assert readiness.status_code == 503, readiness.json()
+        assert "store 1" in reason and "out of memory" in reason, readiness.json()
+        assert str(own_redis.port) not in reason, reason  # a caller learns how the store fares, not where
     assert after.status_code == 200, after.text
