@@ -218,6 +218,53 @@ async def test_a_schema_whose_shortest_document_is_long_closes_within_a_budget_o
         assert done["closed_early"] is True and done["usage"]["completion_tokens"] <= max_tokens
 
 
+EMAIL = {"type": "object", "properties": {"to": {"type": "string", "format": "email"}}, "required": ["to"]}
+URI = {"type": "object", "properties": {"home": {"type": "string", "format": "uri"}}, "required": ["home"]}
+KEYED = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}
+
+
+async def test_formats_whose_first_choice_loops_and_a_list_regex_close_too(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    """An e-mail address, a URI and a regex list whose separator comes before its end: each closes
+    within its budget, where the walk once went round in its loop and nothing was closed."""
+    for schema, field, looks_right in ((EMAIL, "to", r"[^@]+@[^@]+"), (URI, "home", r"[A-Za-z][^:]*:.*")):
+        fewest = await fewest_tokens(client, served, schema)
+        body = {"model": served, "messages": chat("Go."), "max_tokens": fewest + 4}
+        reply = await client.post(
+            "/v1/chat/completions", json={**body, "response_format": schema_format(schema)}
+        )
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice.get("closed_early") is True, choice
+        assert re.fullmatch(looks_right, json.loads(choice["message"]["content"])[field])
+    pattern = r"[a-z]+(,[a-z]+)*\."
+    job = await submit(
+        client,
+        {
+            "model": served,
+            "prompt": "Words:",
+            "max_tokens": 12,
+            "response_format": {"type": "regex", "regex": pattern},
+        },
+    )
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "succeeded" and done["finish_reason"] == "stop", done
+    assert re.fullmatch(pattern, done["output"]) and done["usage"]["completion_tokens"] <= 12
+
+
+async def test_an_object_closed_at_its_fewest_tokens_has_no_key_twice(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    fewest = await fewest_tokens(client, served, KEYED)
+    body = {"model": served, "messages": chat("Go."), "max_tokens": fewest}
+    reply = await client.post("/v1/chat/completions", json={**body, "response_format": schema_format(KEYED)})
+    assert reply.status_code == 200, reply.text
+    pairs = json.loads(reply.json()["choices"][0]["message"]["content"], object_pairs_hook=list)
+    assert len(pairs) >= 3 and len({key for key, _ in pairs}) == len(pairs), pairs
+    jsonschema.validate(dict(pairs), KEYED)
+
+
 async def test_a_budget_too_small_for_any_document_is_a_bad_request_naming_the_fewest_tokens(
     sdk: openai.OpenAI, client: httpx.AsyncClient, served: str
 ) -> None:
