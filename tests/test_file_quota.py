@@ -96,7 +96,7 @@ async def test_a_key_past_its_bytes_of_files_gets_400_file_quota_exceeded_and_an
         listed = await client.get("/v1/files", headers=tenants.heavy)
     assert (first.status_code, second.status_code, other.status_code) == (200, 200, 200), other.text
     assert_over_quota(past, "ORTFLEET_KEY_MAX_STORED_FILE_BYTES", MOST_BYTES)
-    assert [f["id"] for f in listed.json()["data"]] == [second.json()["id"], first.json()["id"]]
+    assert {f["id"] for f in listed.json()["data"]} == {second.json()["id"], first.json()["id"]}
 
 
 async def test_a_key_at_its_most_files_gets_400_file_quota_exceeded_naming_the_file_limit(
