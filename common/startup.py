@@ -84,6 +84,12 @@ def exit_with(prog: str, lines: list[str], error: BaseException, *, debug: bool)
     raise SystemExit(1)
 
 
+def store_label(model: str, index: int, stores: int) -> str:
+    """How messages name the store at `index` (0-based) of a model's `stores`: by its position, as
+    ORTFLEET_STORE (--store) counts them."""
+    return f"store {index + 1} of {stores} of model {model!r}"
+
+
 def check_store_config(config: StoreConfig, label: str, allow_eviction: bool) -> None:
     """CannotStart for a Redis that evicts keys, unless `allow_eviction`; a warning for each other thing
     an operator should know (no persistence, a policy that could not be read)."""

@@ -204,7 +204,9 @@ class WorkerSettings(FleetSettings):
         ge=0,
         description="Which of its model's Redis stores the worker serves, when ORTFLEET_REDIS_SHARDS gives "
         "the model several (1 the first listed, ...; --store). 0: the one with the fewest live workers "
-        "of the model when the worker starts (a tie is broken at random), among those that answer.",
+        "of the model when the worker starts (a tie is broken at random), among those that answer: one "
+        "that does not is passed over with a warning, while one that refuses its URL (a Redis Cluster "
+        "node, a wrong password) or evicts keys stops the worker, naming it (store 2, ...).",
     )
     metrics_port: int = Field(
         0,

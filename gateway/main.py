@@ -23,7 +23,14 @@ from common.aio import wait_set
 from common.gateway_settings import GatewaySettings
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 from common.redis_url import URL_FORMAT, mask_url
-from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
+from common.startup import (
+    CannotStart,
+    check_store_config,
+    debug_wanted,
+    exit_with,
+    settings_or_exit,
+    store_label,
+)
 from common.store_watch import quiet_out_of_memory_lines
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
@@ -165,20 +172,25 @@ def check_redis_urls(settings: GatewaySettings) -> None:
     """CannotStart for a Redis that refuses its URL (a password wanted or wrong: a mistake in the
     configuration) or evicts keys (unless allowed). An unreachable one is only logged: the gateway
     starts, and answers 503 on /readyz until Redis is back, as a load balancer in front expects of it."""
-    urls = {settings.redis_url.get_secret_value(): "ORTFLEET_REDIS_URL (or --redis-url)"}
+    urls = {settings.redis_url.get_secret_value(): ("ORTFLEET_REDIS_URL (or --redis-url)", "")}
     for model, stores in settings.redis_shards.items():
         for i, store in enumerate(stores):
-            where = f"[{i}]" if len(stores) > 1 else ""
-            urls.setdefault(store.get_secret_value(), f"ORTFLEET_REDIS_SHARDS[{model}]{where}")
-    for url, setting in urls.items():
+            setting, named = f"ORTFLEET_REDIS_SHARDS[{model}]", ""
+            if len(stores) > 1:  # named by its position, as ORTFLEET_STORE counts them
+                setting, named = f"{setting}[{i}]", f"{store_label(model, i, len(stores))}: "
+            urls.setdefault(store.get_secret_value(), (setting, named))
+    for url, (setting, named) in urls.items():
         try:
             config = check_redis(url, settings.redis_connect_timeout_s)
         except RedisRefused as e:
-            raise CannotStart(f"{e}; correct the URL in {setting}: {URL_FORMAT}") from e
+            raise CannotStart(f"{named}{e}; correct the URL in {setting}: {URL_FORMAT}") from e
         except RedisUnreachable as e:
-            logger.warning("%s; starting anyway: /readyz answers 503 until it is reachable", e)
+            logger.warning("%s%s; starting anyway: /readyz answers 503 until it is reachable", named, e)
             continue
-        check_store_config(config, mask_url(url), settings.allow_evicting_redis)
+        try:
+            check_store_config(config, mask_url(url), settings.allow_evicting_redis)
+        except CannotStart as e:
+            raise CannotStart(f"{named}{e}") from e
 
 
 def stopping(app: Starlette) -> None:

@@ -4,6 +4,7 @@ while the fleet runs makes /readyz say so."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,8 @@ import pytest
 from redis import Redis as SyncRedis
 
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.test_startup_mistakes import STARTS, assert_one_line, clean_env, first_answer
+from tests.conftest import Fleet, RedisServer
+from tests.test_startup_mistakes import PASSWORD, STARTS, assert_one_line, clean_env, first_answer
 from tests.waiting import until
 
 
@@ -88,6 +90,49 @@ def test_a_process_given_a_redis_cluster_node_exits_saying_so_and_the_way_out(
         exited = STARTS[process](tmp_path, ORTFLEET_REDIS_URL=url)
 
     assert_one_line(exited, f"ortfleet-{process}", "Redis Cluster", "ORTFLEET_REDIS_SHARDS", "127.0.0.1")
+
+
+@pytest.mark.parametrize("process", ["gateway", "worker"])
+def test_a_redis_cluster_node_among_a_models_stores_stops_the_process_naming_the_store_by_position(
+    process: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # A worker choosing its store itself (ORTFLEET_STORE 0) does not pass over a mistake in the map.
+    nodes = tmp_path / "nodes.conf"
+    bus = str(free_port())
+    cluster = ("--cluster-enabled", "yes", "--cluster-config-file", str(nodes), "--cluster-port", bus)
+    with redis_with(tmp_path, *cluster, "--requirepass", PASSWORD) as url:
+        stores = json.dumps({"fake": [redis_server.url, url.replace("redis://", f"redis://:{PASSWORD}@")]})
+        exited = STARTS[process](tmp_path, ORTFLEET_REDIS_SHARDS=stores, ORTFLEET_STORE="0")
+
+    assert_one_line(
+        exited,
+        f"ortfleet-{process}",
+        "store 2 of 2 of model 'fake'",
+        "Redis Cluster",
+        "ORTFLEET_REDIS_SHARDS[fake][1]",
+    )
+    assert PASSWORD not in exited.stderr
+
+
+def test_a_worker_choosing_its_store_passes_over_one_that_does_not_answer_and_says_which(
+    redis_server: RedisServer, model_name: str, tmp_path: Path
+) -> None:
+    down = f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
+    fleet = Fleet(redis_server.url, tmp_path)  # no model folder: --fake-engine loads none
+    shards = json.dumps({model_name: [down, redis_server.url]})
+    env = {"ORTFLEET_REDIS_SHARDS": shards, "ORTFLEET_STORE": "0"}
+    try:
+        worker = fleet.start_worker(model_name, "--fake-engine", "1:1", env=env, wait=False)
+        fleet.wait_registered(worker, urls=[redis_server.url])  # on store 2
+        log = "\n".join(worker.last_lines())
+    finally:
+        fleet.stop_all()
+
+    warnings = [line for line in log.splitlines() if "WARNING" in line and "store 1 of 2" in line]
+    assert (
+        warnings and "unreachable" in warnings[0] and f"ORTFLEET_REDIS_SHARDS[{model_name}][0]" in warnings[0]
+    ), log
+    assert "serving store 2 of 2" in log and PASSWORD not in log
 
 
 def test_a_gateway_allowed_an_evicting_redis_starts_and_says_keys_may_be_lost(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from common.jobs.submission import QueueLimits
 from common.registry import live_workers
 from common.wire import JobSpec, Sampling
 from common.worker_settings import WorkerSettings
-from tests.conftest import RedisServer
+from tests.conftest import Fleet, RedisServer
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
 from tests.waiting import until
@@ -256,7 +257,24 @@ async def test_include_stop_str_in_output_keeps_the_stop_string_on_a_continuous_
     dropped = await submit(redis, model_name, "Hi", max_tokens=20, stop=["gh"])
 
     assert (await wait_final(redis, kept))["output"] == "cdefgh"
-    assert (await wait_final(redis, dropped))["output"].startswith("cdef")
+    assert (await wait_final(redis, dropped))["output"] == "cdef"
+
+
+async def test_a_worker_process_on_the_fake_engine_ends_a_job_before_its_stop_string(
+    redis: Redis, redis_server: RedisServer, model_name: str, tmp_path: Path
+) -> None:
+    fleet = Fleet(redis_server.url, tmp_path)  # no model folder: --fake-engine loads none
+    try:
+        fleet.start_worker(model_name, "--fake-engine", "2:4")
+        job_id = await submit(redis, model_name, "Hi", max_tokens=20, stop=["xyz", "gh"])
+        record = await wait_final(redis, job_id)
+        streamed = "".join(e["text"] for e in await token_entries(redis, job_id))
+    finally:
+        fleet.stop_all()
+
+    assert record["status"] == "succeeded" and record["finish_reason"] == "stop"
+    assert record["output"] == streamed == "cdef"
+    assert '"completion_tokens":6' in record["usage"]  # it ended with the stop's last letter, not max_tokens
 
 
 async def test_a_stop_token_id_ends_the_text_before_it(

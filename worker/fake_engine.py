@@ -4,6 +4,10 @@ It batches continuously: every `delay_s` each active request gets one token, and
 submitted between steps joins at the next one. Text is byte-level; the generated token at
 absolute position p (prompt included) is the letter ``"abcdefghijklmnopqrstuvwxyz"[p % 26]``, so a
 job resumed from its published tokens continues exactly where the first attempt stopped.
+
+Stop strings go as on og.Engine's dynamic batching: the engine ends a request with the token that
+completes one (continuous batching only), and the job runner, which matches the stops on the text,
+cuts the stop text from the output (or keeps it, with include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class FakeTokenizer:
 class _Active:
     stream: GenerationStream
     produced: int = 0
+    tail: str = ""  # the last letters generated, as many as the longest stop string has
 
 
 class FakeEngine:
@@ -82,13 +87,13 @@ class FakeEngine:
     ) -> None:
         """`eos_after`: end each request with end of sequence after that many tokens (default: never).
         `continuous_batching=False` makes the worker treat it like the static scheduler: it claims
-        only between batches and applies stop strings itself."""
+        only between batches, and a stop string ends a request only when the worker cancels it."""
         self.continuous_batching = continuous_batching
         self.exposes_logits = False
         self.prefix_block_tokens = 0
         self.replays_guidance = False  # og's grammar starts again from its beginning
         self.closes_documents = False  # it follows no grammar
-        self.handles_stop_strings = continuous_batching
+        self.handles_stop_strings = False  # the job runner cuts the stop text, as for og.Engine
         self.delay_s = delay_s
         self.capacity = capacity
         self.context_length = context_length
@@ -180,13 +185,18 @@ class FakeEngine:
         active.produced += 1
         token = _A + position % 26
         finish = Finish.length if active.produced >= request.max_new_tokens else None
-        if finish is None and self.continuous_batching and request.stop:
-            finish = self._stop_string(active, request.stop)
+        if (
+            finish is None
+            and self.continuous_batching
+            and request.stop
+            and _ends_at_stop(active, token, request.stop)
+        ):
+            finish = Finish.stop_string
         return EngineUpdate([token], finish, batch_rows=rows)
 
-    @staticmethod
-    def _stop_string(active: _Active, stop: list[str]) -> Finish | None:
-        # Like a continuous-batching engine: it watches the text it generated for the stop strings.
-        start = len(active.stream.request.prompt_ids) + len(active.stream.request.replay_ids)
-        text = "".join(chr(_A + (start + i) % 26) for i in range(active.produced))
-        return Finish.stop_string if any(s in text for s in stop) else None
+
+def _ends_at_stop(active: _Active, token: int, stop: list[str]) -> bool:
+    """Whether the letters generated so far end with one of the request's stop strings: a stop string
+    first appears with the letter that ends it, so only the last few letters are kept and looked at."""
+    active.tail = (active.tail + chr(token))[-max(map(len, stop)) :]
+    return any(active.tail.endswith(s) for s in stop)

@@ -30,7 +30,14 @@ from common.model_folder import (
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
 from common.redis_url import URL_FORMAT, mask_url
 from common.registry import WorkerInfo, live_workers
-from common.startup import CannotStart, check_store_config, debug_wanted, exit_with, settings_or_exit
+from common.startup import (
+    CannotStart,
+    check_store_config,
+    debug_wanted,
+    exit_with,
+    settings_or_exit,
+    store_label,
+)
 from common.store_watch import StoreWatch, quiet_out_of_memory_lines
 from common.worker_settings import WorkerSettings
 from worker.device import Device, DeviceError, parse_device
@@ -78,14 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--store",
         type=int,
         help="which of the model's Redis stores to serve, 1 the first (ORTFLEET_STORE, default 0: "
-        "the one with the fewest workers of the model)",
+        "the one with the fewest workers of the model among those that answer)",
     )
     parser.add_argument(
         "--fake-engine",
         metavar="DELAY_MS:CAPACITY[:static]",
         help="development and benchmarks: no model, a fake engine that gives each of CAPACITY "
         "requests one token every DELAY_MS (continuous batching; with :static, batches run to their "
-        "end as on the static scheduler); --model is ignored",
+        "end as on the static scheduler); stop strings end a request and are cut from its text as on "
+        "a model; --model is ignored",
     )
     return parser
 
@@ -206,21 +214,32 @@ def job_kv_budget(engine: Engine) -> int:
     return budget if 0 < budget < engine.context_length else 0
 
 
-def check_redis_url(url: str, setting: str, settings: WorkerSettings) -> None:
-    """CannotStart when the Redis of the model's jobs is unreachable, refuses its URL (a worker without
-    its Redis has nothing to do) or evicts keys (unless allowed)."""
+class StoreDown(CannotStart):
+    """A store's Redis did not answer: an outage (choosing a store passes over it), not a mistake."""
+
+
+def check_redis_url(url: str, setting: str, settings: WorkerSettings, store: str = "") -> None:
+    """CannotStart when the Redis of the model's jobs is unreachable (StoreDown), refuses its URL (a worker
+    without its Redis has nothing to do) or evicts keys (unless allowed); `store` (store_label), where
+    the model has several, begins the message."""
+    named = f"{store}: " if store else ""
     try:
         config = check_redis(url, REDIS_CHECK_TIMEOUT_S)
     except RedisRefused as e:
-        raise CannotStart(f"{e}; correct the URL in {setting}: {URL_FORMAT}") from e
+        raise CannotStart(f"{named}{e}; correct the URL in {setting}: {URL_FORMAT}") from e
     except RedisUnreachable as e:
-        raise CannotStart(f"{e}; start it, or set {setting} (or --redis-url) to one that runs") from e
-    check_store_config(config, mask_url(url), settings.allow_evicting_redis)
+        raise StoreDown(f"{named}{e}; start it, or set {setting} (or --redis-url) to one that runs") from e
+    try:
+        check_store_config(config, mask_url(url), settings.allow_evicting_redis)
+    except CannotStart as e:
+        raise CannotStart(f"{named}{e}") from e
 
 
 async def chosen_store(settings: WorkerSettings, name: str) -> str:
     """The URL of the Redis store the worker serves: the model's one, the one ORTFLEET_STORE names, or the
-    one with the fewest live workers of the model among those that pass check_redis_url."""
+    one with the fewest live workers of the model. Every store is checked first: one that refuses its URL
+    (a Redis Cluster node, a wrong password) or evicts keys is a mistake in the map that stops the worker,
+    as it does where the model has one store; one that does not answer is passed over with a warning."""
     urls = settings.redis_urls_for(name)
     setting = f"ORTFLEET_REDIS_SHARDS[{name}]" if name in settings.redis_shards else "ORTFLEET_REDIS_URL"
     if settings.store > len(urls):
@@ -228,21 +247,25 @@ async def chosen_store(settings: WorkerSettings, name: str) -> str:
             f"ORTFLEET_STORE (--store) is {settings.store}, but model {name!r} has {len(urls)} store(s) "
             f"({setting}); give 1 to {len(urls)}, or 0 for the one with the fewest workers"
         )
-    if len(urls) == 1 or settings.store:
-        url = urls[max(settings.store, 1) - 1]
-        check_redis_url(url, setting + (f"[{settings.store - 1}]" if len(urls) > 1 else ""), settings)
-        return url
+    if len(urls) == 1:
+        check_redis_url(urls[0], setting, settings)
+        return urls[0]
+    if settings.store:
+        i = settings.store - 1
+        check_redis_url(urls[i], f"{setting}[{i}]", settings, store_label(name, i, len(urls)))
+        return urls[i]
     usable: dict[str, int] = {}
-    refusals: list[CannotStart] = []
+    down: list[StoreDown] = []
     for i, url in enumerate(urls):
         try:
-            check_redis_url(url, f"{setting}[{i}]", settings)
-        except CannotStart as e:
-            refusals.append(e)
+            check_redis_url(url, f"{setting}[{i}]", settings, store_label(name, i, len(urls)))
+        except StoreDown as e:
+            logger.warning("%s; choosing among the other stores", e)
+            down.append(e)
             continue
         usable[url] = await _workers_of_model(url, name)
     if not usable:
-        raise refusals[0]
+        raise down[0]
     fewest = min(usable.values())
     url = secrets.choice([url for url, count in usable.items() if count == fewest])
     logger.info("serving store %d of %d for %r (%s)", urls.index(url) + 1, len(urls), name, mask_url(url))
