@@ -92,14 +92,23 @@ def entry_logprobs(fields: dict[str, str]) -> list[dict[str, Any]] | None:
     return json.loads(raw) if raw else None
 
 
+def closed_early_of(fields: dict[str, str]) -> bool | None:
+    """A done event's `closed_early` (see done_entry): True, False, or None when it has none."""
+    return {"true": True, "false": False}.get(fields.get("closed_early", ""))
+
+
 def done_entry(
-    status: JobStatus, finish_reason: str | None, usage_json: str | None, *, closed_early: bool = False
+    status: JobStatus,
+    finish_reason: str | None,
+    usage_json: str | None,
+    *,
+    closed_early: bool | None = None,
 ) -> dict[str, str]:
     fields = {"type": EventType.done.value, "status": status.value}
     if finish_reason:
         fields["finish_reason"] = finish_reason
-    if closed_early:
-        fields["closed_early"] = "true"
+    if closed_early is not None:
+        fields["closed_early"] = "true" if closed_early else "false"
     if usage_json:
         fields["usage"] = usage_json
     return fields

@@ -286,7 +286,9 @@ class JobView(BaseModel):
     closed_early: bool | None = Field(
         None,
         description="True when max_tokens would have cut the structured output and the engine ended its "
-        "document early instead (see the request's close_early); the output is complete.",
+        "document early instead (see the request's close_early); the output is complete. False when "
+        "max_tokens cut it and closing was off: the worker found no ending for its format within its "
+        "limits (finish_reason length). Null otherwise.",
     )
     usage: Usage | None = None
     timings: Timings | None = None

@@ -265,6 +265,32 @@ async def test_an_object_closed_at_its_fewest_tokens_has_no_key_twice(
     jsonschema.validate(dict(pairs), KEYED)
 
 
+async def test_a_format_no_ending_is_found_for_comes_back_cut_saying_closing_was_off(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    """A regex longer than the walk may write: the answer is cut at max_tokens, and says `closed_early:
+    false` on the choice, the stream's last chunk and the job, where a closed or untouched one says
+    true or nothing."""
+    far = {"type": "regex", "regex": "[~|]{5000}"}
+    body = {"model": served, "messages": chat("Go."), "max_tokens": 6, "response_format": far}
+    reply = await client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["closed_early"] is False, choice
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as streamed:
+        chunks = [json.loads(line[6:]) async for line in streamed.aiter_lines() if line[6:].startswith("{")]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length" and last["closed_early"] is False, last
+    job = await submit(client, {"model": served, "prompt": "Go:", "max_tokens": 6, "response_format": far})
+    done = await wait_done(client, job["id"])
+    assert done["finish_reason"] == "length" and done["closed_early"] is False, done
+    cut = await submit(
+        client,
+        {"model": served, "prompt": "Go:", "max_tokens": 6, "response_format": far, "close_early": False},
+    )
+    assert (await wait_done(client, cut["id"]))["closed_early"] is None  # not asked for: nothing to say
+
+
 async def test_a_budget_too_small_for_any_document_is_a_bad_request_naming_the_fewest_tokens(
     sdk: openai.OpenAI, client: httpx.AsyncClient, served: str
 ) -> None:

@@ -29,7 +29,7 @@ class Outcome:
     generated: int
     error: str | None = None
     error_code: ErrorCode | None = None
-    closed_early: bool = False  # the engine ended the structured output early, within max_tokens
+    closed_early: bool | None = None  # True: closed early within max_tokens; False: cut, closing off
 
 
 def running_writes(

@@ -104,9 +104,10 @@ class EngineUpdate:
     cached_tokens: int | None = None
     # On a request's first update, when it asked for them: one for each prompt token after the first.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
-    # On the last update: the engine overruled the model to end its structured document within
-    # max_tokens (the text is complete; finish is eos).
-    closed_early: bool = False
+    # On the last update: True, the engine overruled the model to end its structured document within
+    # max_tokens (the text is complete; finish is eos); False, max_tokens cut a structured document
+    # that asked to be closed and could not be (no ending found for its format); None otherwise.
+    closed_early: bool | None = None
 
 
 @dataclass(frozen=True)

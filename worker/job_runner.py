@@ -301,10 +301,9 @@ class JobRun:
         if finish is Finish.error:
             code = update.error_code or ErrorCode.job_failed  # the engine's failure, unless it named one
             return Outcome(JobStatus.failed, FinishReason.error, text, generated, update.error, code)
-        if finish is Finish.length:
-            return Outcome(JobStatus.succeeded, FinishReason.length, text, generated)
         closed = update.closed_early
-        return Outcome(JobStatus.succeeded, FinishReason.stop, text, generated, closed_early=closed)
+        reason = FinishReason.length if finish is Finish.length else FinishReason.stop
+        return Outcome(JobStatus.succeeded, reason, text, generated, closed_early=closed)
 
     async def _finish(self, outcome: Outcome, publisher: StreamPublisher) -> None:
         record, final = final_writes(

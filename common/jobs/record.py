@@ -70,11 +70,12 @@ def _encode(values: dict[str, Any]) -> dict[str, str]:
 
 
 def _to_fields(record: JobRecord | RecordUpdate) -> dict[str, str]:
-    """The dataclass's fields as hash fields; resume_exact keeps False ("0"): an inexact resume is news,
-    unlike a flag left unset."""
+    """The dataclass's fields as hash fields; resume_exact and closed_early keep False ("0"): an inexact
+    resume, or a document cut with its closing off, is news, unlike a flag left unset."""
     out = _encode({f.name: getattr(record, f.name) for f in fields(record)})
-    if record.resume_exact is False:
-        out["resume_exact"] = "0"
+    for name in ("resume_exact", "closed_early"):
+        if getattr(record, name) is False:
+            out[name] = "0"
     return out
 
 
@@ -98,7 +99,7 @@ class JobOutcome:
     error_code: ErrorCode | None = None
     engine_batch_peak: int | None = None
     finished_at: float | None = None
-    closed_early: bool = False  # the engine ended the structured output early, within max_tokens
+    closed_early: bool | None = None  # True: closed early within max_tokens; False: cut, closing off
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class JobRecord(JobOutcome):
             error_code=ErrorCode(code) if code else None,
             engine_batch_peak=_int(raw.get("engine_batch_peak")),
             finished_at=_float(raw.get("finished_at")),
-            closed_early=raw.get("closed_early") == "1",
+            closed_early={"1": True, "0": False}.get(raw.get("closed_early", "")),
             weight=float(raw.get("weight") or 1.0),
             tag=_int(raw.get("tag")),
             preemptions=int(raw.get("preemptions") or 0),
@@ -201,7 +202,7 @@ class JobRecord(JobOutcome):
             preemptions=self.preemptions,
             output=self.output,
             finish_reason=self.finish_reason,
-            closed_early=self.closed_early or None,
+            closed_early=self.closed_early,
             usage=self.usage,
             timings=self.timings,
             error=self.error,

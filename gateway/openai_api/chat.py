@@ -78,7 +78,7 @@ class ChatFormat:
         return None  # chat never echoes
 
     def finish(
-        self, index: int, reason: OpenAIFinishReason, closed_early: bool = False
+        self, index: int, reason: OpenAIFinishReason, closed_early: bool | None = None
     ) -> ChatCompletionChunk:
         reader = self._readers.get(index)
         if reader is not None and reader.made_calls:

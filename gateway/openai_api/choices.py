@@ -123,7 +123,7 @@ class ChoiceResult:
     usage: Usage
     logprobs: list[dict[str, Any]] | None = None  # one entry per token (common/events.py), when asked
     prompt_logprobs: list[dict[str, Any]] | None = None  # one entry per prompt token, when asked
-    closed_early: bool = False  # the engine ended the structured output early, within max_tokens
+    closed_early: bool | None = None  # True: closed early within max_tokens; False: cut, closing off
 
 
 class Choices:

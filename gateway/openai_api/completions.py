@@ -53,7 +53,7 @@ class CompletionFormat:
         found = completion_logprobs(logprobs, offsets)
         return self._chunk([CompletionChoice(index=index, text=text, logprobs=found, finish_reason=None)])
 
-    def finish(self, index: int, reason: OpenAIFinishReason, closed_early: bool = False) -> Completion:
+    def finish(self, index: int, reason: OpenAIFinishReason, closed_early: bool | None = None) -> Completion:
         choice = CompletionChoice(index=index, text="", finish_reason=reason, closed_early=closed_early)
         return self._chunk([choice])
 

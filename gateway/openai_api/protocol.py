@@ -338,19 +338,21 @@ class OpenAIObject(BaseModel):
 CLOSED_EARLY = (
     "ortfleet's: true when max_tokens would have cut the structured output (a JSON schema, a JSON object, "
     "a tool call's arguments) and the engine ended the document early instead, so that it parses and "
-    "follows its format; finish_reason is then `stop` (or `tool_calls`). Absent otherwise."
+    "follows its format; finish_reason is then `stop` (or `tool_calls`). False when max_tokens cut it "
+    "and closing was off: the worker found no ending for its format within its limits (finish_reason "
+    "`length`). Absent otherwise."
 )
 
 
 class ClosingChoice(BaseModel):
-    """A choice that may carry ortfleet's `closed_early`, shown only when true."""
+    """A choice that may carry ortfleet's `closed_early`, shown only when set."""
 
     closed_early: bool | None = Field(None, description=CLOSED_EARLY)
 
     @model_serializer(mode="wrap")
-    def _closed_early_when_true(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _closed_early_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         shown: dict[str, Any] = handler(self)
-        if not shown.get("closed_early"):
+        if shown.get("closed_early") is None:
             shown.pop("closed_early", None)
         return shown
 

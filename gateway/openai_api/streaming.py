@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from common.error_codes import ErrorCode
-from common.events import entry_token_ids
+from common.events import closed_early_of, entry_token_ids
 from common.wire import EventType, Usage
 from gateway.errors import envelope
 from gateway.openai_api.choices import ChoiceEvent, ChoiceEvents, ChoiceResult, Choices, finish_reason
@@ -42,7 +42,9 @@ class ResponseFormat(Protocol):
         """The chunk of a choice's echoed prompt with its tokens' log-probabilities, when it echoes."""
         ...
 
-    def finish(self, index: int, reason: OpenAIFinishReason, closed_early: bool = False) -> BaseModel: ...
+    def finish(
+        self, index: int, reason: OpenAIFinishReason, closed_early: bool | None = None
+    ) -> BaseModel: ...
 
     def read_text(
         self, index: int, text: str, logprobs: list[dict[str, Any]] | None
@@ -143,7 +145,7 @@ class ChunkStream:
             elif event.kind == EventType.done.value:
                 usages[event.index] = event.usage()
                 reason = finish_reason(event.fields.get("finish_reason"))
-                closed = event.fields.get("closed_early") == "true"
+                closed = closed_early_of(event.fields)
                 out.append(chunk_frame(form.finish(event.index, reason, closed)))
         return b"".join(out)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.events import entry_logprobs, is_failure
+from common.events import closed_early_of, entry_logprobs, is_failure
 from common.wire import EventType, JobStatus
 from gateway.openai_api.tool_calls import CallReader
 from gateway.responses.output import (
@@ -166,7 +166,7 @@ class EventNumbering:
             usage=fields.get("usage"),
             truncated=truncated,
             logprobs=self.logprobs,
-            closed_early=fields.get("closed_early") == "true",
+            closed_early=closed_early_of(fields),
         )
         name = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             final["status"], "response.incomplete"

@@ -158,11 +158,11 @@ def response_object(
     error: dict[str, str] | None = None,
     truncated: bool = False,
     logprobs: list[dict[str, Any]] | None = None,
-    closed_early: bool = False,
+    closed_early: bool | None = None,
 ) -> dict[str, Any]:
     """The response object; `text` is the job's generated text (None: no output yet). `closed_early`
-    (ortfleet's field, shown only when true): the engine ended the structured output early, within
-    max_output_tokens."""
+    (ortfleet's field, shown when set): true, the engine ended the structured output early, within
+    max_output_tokens; false, max_output_tokens cut it and closing was off for its format."""
     if status == "completed" and truncated:
         status = "incomplete"
     output = [] if text is None else output_items(meta, text, status, logprobs)
@@ -190,8 +190,8 @@ def response_object(
         "store": meta.get("store", "1") == "1",
         "metadata": _json_field(meta, "metadata", {}),
     }
-    if closed_early:
-        shown["closed_early"] = True
+    if closed_early is not None:
+        shown["closed_early"] = closed_early
     counted = _usage(usage)
     if counted is not None:  # none until the response ends
         shown["usage"] = counted

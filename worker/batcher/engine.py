@@ -294,6 +294,7 @@ class BatchingEngine(EngineThread):
         if closed and finish is Finish.length:  # the closer ended the document on the last token
             closed = row.sampler.grammar_complete
             finish = Finish.eos if closed else finish
+        cut_unclosed = finish is Finish.length and row.sampler.closing_off  # asked to close, and could not
         rows = self._rows.running()
         if finish is not None:
             self._rows.end(row)
@@ -314,7 +315,7 @@ class BatchingEngine(EngineThread):
             logprobs=logprobs,
             cached_tokens=cached,
             prompt_logprobs=prompt_logprobs,
-            closed_early=closed,
+            closed_early=True if closed else (False if cut_unclosed else None),
         )
         updates.append((row.stream, update))
 

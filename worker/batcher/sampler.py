@@ -146,6 +146,11 @@ class RowSampler:
         return self.closer is not None and self.closer.acted
 
     @property
+    def closing_off(self) -> bool:
+        """The request asked for its document to be closed, and no ending was found to close it with."""
+        return self._matcher is not None and self.request.close_early and self.closer is None
+
+    @property
     def grammar_complete(self) -> bool:
         """The grammar's text is complete (it may end here)."""
         return self._matcher is not None and self._matcher.is_accepting()
