@@ -32,7 +32,7 @@ from worker.batcher.json_keys import JsonKeys
 
 WALK_LIMIT = 4096  # bytes a walk may write before it gives up (a grammar it cannot end)
 MASK_COST = 25  # a mask over the vocabulary costs about as much as 25 single-token checks
-_CHECKS_BEFORE_MASK = 4  # candidate bytes checked one by one before the whole mask is computed
+_CHECKS_BEFORE_MASK = 8  # candidate bytes checked one by one before the whole mask is computed
 _SEARCH_EVERY = 8  # bytes chosen in a row, in a string or out of one, before the first search
 _SEARCH_UNITS = 5000  # the most one search may spend
 _QUOTE = ord('"')
@@ -185,11 +185,13 @@ class _Walk:
         while not matcher.is_accepting():
             if len(written) >= WALK_LIMIT or matcher.is_error() or matcher.is_stopped():
                 return None
+            in_string = self.lexer.in_string
             forced = self.forced()
             if forced is None:
                 return None
             if forced:
                 written += forced
+                chosen = chosen if self.lexer.in_string == in_string and _QUOTE not in forced else 0
                 continue
             if chosen >= search_at:
                 rest = self.search()
