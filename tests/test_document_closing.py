@@ -353,3 +353,20 @@ def test_a_grammar_whose_first_ending_costs_more_than_its_budget_is_not_closed(
     closer = DocumentCloser(matcher, ByteTokens(tokenizer), frozenset({END}), json=True)  # type: ignore[arg-type]
     assert closer.ending() is None
     assert spent[0] <= START_BUDGET + MASK_COST + 64
+
+
+def test_a_long_ending_of_many_items_never_makes_the_closer_act_before_it_must(
+    tokenizer: LLTokenizer,
+) -> None:
+    """Forty required items (an ending of hundreds of tokens): each step's walk stays within its budget, so
+    the model writes freely until only the ending fits."""
+    item = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+    item["required"] = ["name", "n"]
+    schema = {"type": "object", "properties": {"lines": {"type": "array", "items": item, "minItems": 40}}}
+    schema["required"] = ["lines"]
+    fewest = closing_tokens(schema_matcher(tokenizer, schema), Lexer(), ByteTokens(tokenizer), JsonKeys())
+    assert fewest is not None and len(fewest) > 200
+    spare = 30
+    text, acted, overruled, written = run_closer(tokenizer, schema, len(fewest) + spare)
+    jsonschema.validate(json.loads(text), schema)
+    assert acted and min(overruled) >= spare and written <= len(fewest) + spare
