@@ -54,6 +54,7 @@ def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> Or
         gpu_kv_fraction=settings.gpu_kv_fraction,
         # og.Engine's prefix cache knows no tenant: shared only where every request may share
         prefix_caching=settings.prefix_cache and settings.prefix_cache_scope == "fleet",
+        cuda_graph=settings.cuda_graph,
     )
 
 

@@ -64,8 +64,10 @@ class OrtEngine(EngineThread):
         target_itl_ms: float | None = None,
         gpu_kv_fraction: float | None = None,
         prefix_caching: bool = False,
+        cuda_graph: str = "auto",
     ) -> None:
         super().__init__("ort-engine")
+        self._cuda_graph = cuda_graph  # ORTFLEET_CUDA_GRAPH: see genai_config.cuda_provider_options
         self._target_itl_ms = target_itl_ms
         self._gpu_kv_fraction = gpu_kv_fraction
         self._prefix_caching = prefix_caching
@@ -99,7 +101,7 @@ class OrtEngine(EngineThread):
         try:
             kv_plan = self._kv_plan()
             batching = engine_batching(self._model_dir, kv_plan, self._max_batch_size, self._prefix_caching)
-            config = load_config(self._model_dir, self._device, batching)
+            config = load_config(self._model_dir, self._device, batching, cuda_graph=self._cuda_graph)
             self._model = og.Model(config)
             self.tokenizer = OrtTokenizer(self._model, self._vocab_size, self._model_dir)
             self.eos_token_ids = self.tokenizer.eos_token_ids
