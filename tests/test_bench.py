@@ -372,7 +372,22 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     assert data["engine_alone"][0]["itl_ms"]["n"] == sum(planned[:2]) - 2  # the engine's every token
     for run in [*data["engine_alone"], *data["levels"]]:
         wanted = planned[: run["requests"]]
+        steady = {key: run.pop(key) for key in [key for key in run if key.startswith("steady_")]}
         every_figure_is_a_number(run, "run")
+        # Beside tokens over the wall time: tokens a second while every stream was generating, in a window
+        # inside the run counting some of its tokens; null only with the reason. One stream has one.
+        assert set(steady) == {"steady_tokens_per_s", "steady_from_s", "steady_window_s", "steady_tokens",
+                               "steady_reason"}  # fmt: skip
+        if steady["steady_tokens_per_s"] is None:
+            assert run["concurrency"] > 1 and steady["steady_reason"], steady
+        else:
+            assert steady["steady_reason"] is None and steady["steady_from_s"] >= 0
+            assert 0.1 * run["wall_s"] - 0.002 <= steady["steady_window_s"]
+            assert steady["steady_from_s"] + steady["steady_window_s"] <= run["wall_s"] + 0.002
+            assert 0 < steady["steady_tokens"] <= run["output_tokens"]
+            tokens, window = steady["steady_tokens"], steady["steady_window_s"]  # each rounded
+            lowest, highest = (tokens - 0.5) / (window + 0.0005), (tokens + 0.5) / (window - 0.0005)
+            assert lowest - 0.01 <= steady["steady_tokens_per_s"] <= highest + 0.01
         assert run["requests"] == 2 * run["concurrency"] and run["errors"] == 0 and run["tokens_per_s"] > 0
         assert_summary(run["ttft_ms"], run["requests"])
         assert_summary(run["itl_ms"])  # a gap between text chunks: one per token but those without text
@@ -392,6 +407,7 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     assert "interference: the short chat's first token within 3 s" in goals
     assert "2 streams: tokens/s >= 0.95x the engine alone's" in goals
     assert "engine alone" in done.stdout and "goals" in done.stdout and "short chat" in done.stdout
+    assert "tok/s  steady tok/s" in done.stdout
 
 
 def test_the_prefix_bench_measures_second_turns_and_a_shared_system_prompt(

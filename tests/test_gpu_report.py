@@ -57,6 +57,7 @@ def test_a_gpu_runs_figures_merge_into_one_json_and_one_markdown_report(tmp_path
     assert page.startswith("# GPU report: NVIDIA H200")
     assert "| gpu-tests | 1 | 30 | 10.0 / 10.0 | 2076.0 |" in page
     assert "engine alone" in page and "ortfleet bench serving" in page  # the bench's own table and command
+    assert "tok/s  steady tok/s" in page  # a run's file from before the steady window shows "-" there
     assert "failure: test_stop_strings_end_a_gpu_completion_before_the_stop_text" in page
 
 

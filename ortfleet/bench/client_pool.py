@@ -18,7 +18,8 @@ def pooled_closed_loop(
 ) -> tuple[list[Served], float]:
     """`concurrency` closed-loop clients in `processes` processes, each with its share of the clients and
     every processes-th request, starting together once all have started; the wall time runs from the
-    first request's send to the last one's end (perf_counter is one monotonic clock in every process)."""
+    first request's send to the last one's end (perf_counter is one monotonic clock in every process).
+    Each process's clients are numbered from its index times `concurrency`, so no two share a number."""
     processes = max(1, min(processes, concurrency))
     if processes == 1:
         return aio.run(closed_loop(url, model, planned, concurrency))
@@ -28,7 +29,15 @@ def pooled_closed_loop(
     children = [
         context.Process(
             target=_one_process,
-            args=(url, model, planned[i::processes], (concurrency + i) // processes, barrier, outcomes),
+            args=(
+                url,
+                model,
+                planned[i::processes],
+                (concurrency + i) // processes,
+                i * concurrency,
+                barrier,
+                outcomes,
+            ),
             daemon=True,
         )
         for i in range(processes)
@@ -53,11 +62,17 @@ def pooled_closed_loop(
 
 
 def _one_process(
-    url: str, model: str, planned: list[Planned], clients: int, barrier: Barrier, outcomes: Any
+    url: str,
+    model: str,
+    planned: list[Planned],
+    clients: int,
+    first_stream: int,
+    barrier: Barrier,
+    outcomes: Any,
 ) -> None:
     try:
         barrier.wait(_START_TIMEOUT_S)
-        results, _ = aio.run(closed_loop(url, model, planned, clients))
+        results, _ = aio.run(closed_loop(url, model, planned, clients, first_stream))
     except BaseException as e:
         outcomes.put((f"{type(e).__name__}: {e}", []))
         return

@@ -13,6 +13,7 @@ from typing import Any
 
 from ortfleet.bench.http import Connection, HttpError
 from ortfleet.bench.stats import summary
+from ortfleet.bench.steady import steady_state
 
 CHARS_PER_TOKEN = 4  # the estimate when the server cannot tokenize
 
@@ -38,6 +39,8 @@ class Served:
     prompt_tokens: int | None = None  # the server's usage, if it gave one
     text: str = ""
     cached_tokens: int | None = None  # the server's usage.prompt_tokens_details, if it gave one
+    arrivals: list[float] = field(default_factory=list)  # when each text chunk came (one per token at most)
+    stream: int = 0  # the closed-loop client that sent it
 
     def figures(self) -> dict[str, Any]:
         duration = self.end - self.start
@@ -55,13 +58,17 @@ class Served:
 
 
 def level_figures(results: list[Served], wall_s: float, errors: int = 0) -> dict[str, Any]:
+    """A level's figures: tokens over the wall time (the first request's send to the last one's end)
+    beside the steady window's tokens a second (steady.steady_state), TTFT and ITL, and each request's."""
     tokens = sum(r.tokens for r in results)
+    started = min((r.start for r in results), default=0.0)
     return {
         "requests": len(results),
         "errors": errors,
         "output_tokens": tokens,
         "wall_s": round(wall_s, 3),
         "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+        **steady_state(((r.stream, r.arrivals, r.tokens) for r in results), started, wall_s),
         "ttft_ms": summary([r.ttft_s for r in results]),
         "itl_ms": summary([g for r in results for g in r.gaps]),
         "per_request": [r.figures() for r in sorted(results, key=lambda r: r.index)],
@@ -130,29 +137,31 @@ async def stream(
         prompt_tokens,
         "".join(pieces),
         cached,
+        arrivals,
     )
 
 
 async def closed_loop(
-    url: str, model: str, planned: list[Planned], concurrency: int
+    url: str, model: str, planned: list[Planned], concurrency: int, first_stream: int = 0
 ) -> tuple[list[Served], float]:
-    """`concurrency` clients, each sending the next request of the list when its last one ends."""
+    """`concurrency` clients, each sending the next request of the list when its last one ends; each
+    request names its client (Served.stream: first_stream, first_stream + 1, ...)."""
     next_index = 0
     results: list[Served] = []
     connections = [Connection(url) for _ in range(concurrency)]
 
-    async def client(connection: Connection) -> None:
+    async def client(connection: Connection, number: int) -> None:
         nonlocal next_index
         while next_index < len(planned):
             request = planned[next_index]
             next_index += 1
-            results.append(
-                await stream(connection, model, request.index, request.max_tokens, prompt=request.prompt)
-            )
+            served = await stream(connection, model, request.index, request.max_tokens, prompt=request.prompt)
+            served.stream = number
+            results.append(served)
 
     started = time.perf_counter()
     try:
-        await asyncio.gather(*(client(c) for c in connections))
+        await asyncio.gather(*(client(c, first_stream + i) for i, c in enumerate(connections)))
         wall = time.perf_counter() - started
     finally:
         for connection in connections:

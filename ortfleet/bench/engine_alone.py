@@ -63,7 +63,7 @@ async def _closed_loop(engine: Any, planned: list[Planned], clients: int) -> tup
     pending = iter(planned)
     results: list[Served] = []
 
-    async def client() -> None:
+    async def client(number: int) -> None:
         for request in pending:
             begun = time.perf_counter()
             ids = engine.tokenizer.encode(request.prompt)  # the worker tokenizes inside the TTFT too
@@ -93,9 +93,11 @@ async def _closed_loop(engine: Any, planned: list[Planned], clients: int) -> tup
                     len(times),
                     gaps,
                     prompt_tokens=len(ids),
+                    arrivals=times,
+                    stream=number,
                 )
             )
 
     started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
+    await asyncio.gather(*(client(number) for number in range(clients)))
     return results, time.perf_counter() - started

@@ -16,7 +16,11 @@ max tokens (end of sequence ignored):
   min_tokens = max_tokens and ignore_eos). TTFT runs from the request's send to its first text chunk;
   ITL is the time between text chunks, spread evenly over the tokens when the final usage chunk counts
   more tokens than chunks arrived (a server that sends several tokens a chunk, a token whose text waits
-  for the next one). Tokens/s is every request's tokens over the level's wall time.
+  for the next one). Tokens/s is every request's tokens over the level's wall time (the first request's
+  send to the last token); steady tokens/s, beside it, counts only the window in which every stream was
+  generating (from the last stream's first token to the first stream's last token, ortfleet.bench.steady):
+  the wall time also holds the ramp-up and the drain, when a few long last requests run alone. Null, with
+  the reason, where that window is empty or under a tenth of the wall time.
 - prefill interference: three requests with prompts of about --long-prompt-tokens tokens (a paragraph
   repeated, measured with the server's POST /tokenize where it has one, else ~4 characters a token)
   and 16 tokens each are sent at once; 0.5 s later a short chat request (16 tokens) is sent. The short
@@ -272,13 +276,16 @@ def goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def text(figures: dict[str, Any]) -> str:
-    headers = ["run", "streams", "requests", "tokens", "wall s", "tok/s", "TTFT p50", "p95", "ITL p50", "p95"]
+    headers = [
+        "run", "streams", "requests", "tokens", "wall s", "tok/s", "steady tok/s", "TTFT p50", "p95",
+        "ITL p50", "p95",
+    ]  # fmt: skip
 
     def row(label: str, streams: int, f: dict[str, Any]) -> list[Any]:
         ttft, itl = f["ttft_ms"], f["itl_ms"]
         return [
             label, streams, f["requests"], f["output_tokens"], f["wall_s"], f["tokens_per_s"],
-            ttft["p50"], ttft["p95"], itl["p50"], itl["p95"],
+            f.get("steady_tokens_per_s"), ttft["p50"], ttft["p95"], itl["p50"], itl["p95"],
         ]  # fmt: skip
 
     rows = []
@@ -289,9 +296,16 @@ def text(figures: dict[str, Any]) -> str:
     parts = [
         f"{Path(figures['model']).name if figures['model'] else figures['served_name']}: "
         f"at least {figures['options']['requests']} requests (2 per stream) of {low}..{high} tokens per "
-        "run (latencies in ms)",
+        "run (latencies in ms; steady tok/s: while every stream was generating)",
         table(headers, rows),
     ]
+    labelled = [("engine alone", level) for level in figures["engine_alone"] or []]
+    labelled += [(server, level) for level in figures["levels"]]
+    for label, level in labelled:
+        if level.get("steady_reason"):  # figures written before the steady window have no reason
+            parts.append(
+                f"{label}, {level['concurrency']} streams: no steady tok/s, {level['steady_reason']}"
+            )
     if (shape := figures.get("engine_shape")) is not None:
         sizing = shape["row_sizing"]
         line = f"engine alone: {shape['engine']}, {shape['rows']} rows"

@@ -29,7 +29,8 @@ def add_modes(modes: Subparsers) -> None:
         "sequence ignored), in one run: the engine a worker on --device runs, alone in this process, at "
         "each concurrency; then a local fleet (Redis, a gateway, one worker on the model) or "
         "the OpenAI-compatible server at --url (llama.cpp's llama-server, vLLM), streamed completions "
-        "from closed-loop clients at each concurrency: tokens/s, TTFT, ITL; then three long prompts at "
+        "from closed-loop clients at each concurrency: tokens/s (over the wall time, and while every "
+        "stream was generating), TTFT, ITL; then three long prompts at "
         "once and a short chat request 0.5 s later: its TTFT. Then the goals against this run's figures.",
     )
     serving.add_argument(
