@@ -73,6 +73,13 @@ def jobs_in(redis: RedisServer) -> int:
         return len(admin.keys("ortfleet:job:*"))
 
 
+def tokens_in(redis: RedisServer, job_id: str) -> int:
+    """The token entries of a job's event stream."""
+    with SyncRedis.from_url(redis.url) as admin:
+        entries = admin.xrange(keys.events(job_id))
+    return sum(1 for _, fields in entries if fields.get(b"type") == b"token")
+
+
 def ended_by_outage(datas: list[str]) -> bool:
     """Whether a chat stream ended with the outage's error chunk and [DONE] (else it ran to its end)."""
     assert datas[-1] == "[DONE]", datas[-3:]
@@ -104,6 +111,8 @@ async def test_every_reader_of_a_job_whose_redis_stays_away_ends_with_store_unav
             for started in (connected, raw_started, sdk_started):
                 await asyncio.wait_for(started.wait(), 30)
             await until(lambda: jobs_in(own_redis) == 5, "every job queued", 10)
+            # the stream's reader gets tokens before the outage (a busy machine may start it late)
+            await until(lambda: tokens_in(own_redis, streamed["id"]) > 0, "the streamed job's tokens", 30)
             # Each reader has tokens (or waits for them): the last ones join as the first tokens come.
             await until(lambda: not poll.done() and not whole_chat.done(), "the waits are open", 1)
 
