@@ -28,6 +28,8 @@ OTHER_VARIABLES = {
     "(default: `.venv` in the repository).",
     "ORTFLEET_TEST_LOGS": "Folder where the test suite's fleets write their Redis, gateway and worker logs "
     "(default: a new temporary folder).",
+    "ORTFLEET_TEST_PROCESSES": "How many processes `scripts/test` runs the tiers after `unit` in, each test "
+    "file whole in one of them (default: 2).",
 }
 
 # Defaults computed when a process starts, shown as the rule that computes them.

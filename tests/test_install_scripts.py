@@ -87,9 +87,15 @@ def test_setup_prints_nothing_on_stdout_while_apt_and_uv_do(tmp_path: Path) -> N
     ("arguments", "pytest_runs"),
     [
         (["-k", "something"], ["python -m pytest -q --durations=25 -k something"]),
-        ([], ["python -m pytest -q -m unit", "python -m pytest -q --durations=25 -m not unit"]),
+        (
+            [],
+            [
+                "python -m pytest -q -m unit",
+                "python -m pytest -q --durations=25 -m not unit -n 2 --dist loadfile",
+            ],
+        ),
     ],
-    ids=["arguments", "unit-tier-first"],
+    ids=["arguments", "unit-tier-first-then-two-processes"],
 )
 def test_scripts_test_installs_a_hidden_package_and_runs_the_environment_s_tools(
     tmp_path: Path, arguments: list[str], pytest_runs: list[str]
