@@ -45,12 +45,12 @@ class WorkerSettings(FleetSettings):
         "gpu_utilization_factor (0.6 when absent) of the memory free once the weights are loaded.",
     )
     cuda_graph: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="On a GPU (og.Engine): whether ORT-GenAI captures CUDA graphs, written as the CUDA "
         "provider option enable_cuda_graph of the config the worker loads. auto: on for models with "
         "paged attention (og.Engine's dynamic batching replays a graph for each pure-decode step shape "
         "and runs prefill and mixed steps eagerly), off for the others; on: on for every CUDA model; "
-        "off: never. Never set on the CPU.",
+        "off (the default until graphs are timed on a card): never. Never set on the CPU.",
     )
     scheduler: Literal["auto", "batcher", "og-engine"] = Field(
         "auto",
