@@ -47,6 +47,7 @@ class RowSampler:
         self.sampling = request.samples
         self._top_k = request.top_k if 0 < request.top_k < vocab_size else 0
         self._random = np.random.default_rng(request.engine_seed)
+        self._uniform: float | None = None  # the next sampled pick's draw, when taken ahead (uniform())
         self._penalized: set[int] = set()
         if request.repetition_penalty != 1.0:
             self._penalized.update(request.prompt_ids)
@@ -121,7 +122,15 @@ class RowSampler:
             return int(np.argmax(logits))
         return self._sample(logits / self.request.temperature)
 
+    def uniform(self) -> float:
+        """The uniform the row's next sampled pick draws with, one per pick from the request's own generator:
+        taken now, and used by that pick (by `choose`, or by the sampler graph when it picks, `accept`)."""
+        if self._uniform is None:
+            self._uniform = self._random.random()
+        return self._uniform
+
     def accept(self, token: int) -> None:
+        self._uniform = None
         if self.request.repetition_penalty != 1.0:
             self._penalized.add(token)
         if self._counted:
@@ -194,7 +203,8 @@ class RowSampler:
             keep = int(np.searchsorted(np.cumsum(weights), top_p)) + 1
             order, weights = order[:keep], weights[:keep]
         cumulative = np.cumsum(weights)
-        pick = int(np.searchsorted(cumulative, self._random.random() * cumulative[-1], side="right"))
+        uniform, self._uniform = self.uniform(), None
+        pick = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
         return int(order[min(pick, order.size - 1)])
 
 

@@ -1,0 +1,102 @@
+"""The sampler graph (worker/device_sampling/) on the CPU execution provider against `RowSampler`'s per-row
+loop, on one step of seeded random logits.
+
+`python -m ortfleet.bench.sampler_graph [--rows N] [--vocab V] [--repeat R] [--json FILE]` times, for each
+kind of row (greedy, temperature over the whole vocabulary, top_k 50, top_p 0.9, and top_p 0.9 with 20
+log-probabilities), one step of N such rows: the graph's run (packing included) and RowSampler's `choose`
+over every row (with `token_logprobs` where they are asked), each the median of R runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ortfleet.bench.machine import describe
+from worker.batcher.sampler import RowSampler, token_logprobs
+from worker.device_sampling.runner import SamplerGraph
+from worker.engine import GenerationRequest
+
+_EOS = frozenset({0})
+KINDS: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "temperature": {"temperature": 0.8},
+    "top_k 50": {"temperature": 0.8, "top_k": 50},
+    "top_p 0.9": {"temperature": 0.8, "top_p": 0.9},
+    "top_p 0.9, logprobs 20": {"temperature": 0.8, "top_p": 0.9, "logprobs": 20},
+}
+
+
+def _median_ms(run: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def bench(rows: int, vocab: int, repeat: int, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((rows, vocab)) * 8).astype(np.float32)  # peaked enough for a nucleus
+    graph = SamplerGraph(_EOS, vocab)
+    produced = [0] * rows
+    kinds: dict[str, Any] = {}
+    for name, options in KINDS.items():
+        requests = [GenerationRequest([1, 2, 3], 16, seed=row, **options) for row in range(rows)]
+        samplers = [RowSampler(r, _EOS, vocab, None) for r in requests]
+        top = options.get("logprobs")
+        hosted = int(graph.run(logits, samplers, produced).host.sum())
+
+        def cpu_loop(samplers: list[RowSampler] = samplers, top: int | None = top) -> None:
+            for index, sampler in enumerate(samplers):
+                token = sampler.choose(logits[index].copy(), 0)
+                if top is not None:
+                    token_logprobs(logits[index], token, top)
+
+        def graph_step(samplers: list[RowSampler] = samplers) -> None:
+            graph.run(logits, samplers, produced)
+            for sampler in samplers:
+                sampler.accept(0)  # the step's draws are spent, as after a pick
+
+        kinds[name] = {
+            "graph_ms": _median_ms(graph_step, repeat),
+            "row_sampler_ms": _median_ms(cpu_loop, repeat),
+            "host_rows": hosted,
+        }
+    return {
+        "rows": rows,
+        "vocab": vocab,
+        "repeat": repeat,
+        "provider": "CPUExecutionProvider",
+        "kinds": kinds,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ortfleet.bench.sampler_graph", description=__doc__)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures to FILE")
+    args = parser.parse_args(argv)
+    result = {**bench(args.rows, args.vocab, args.repeat), "machine": describe()}
+    print(f"{args.rows} rows, vocabulary {args.vocab}, CPU provider; ms a step, median of {args.repeat}")
+    for name, figures in result["kinds"].items():
+        print(
+            f"  {name:24} graph {figures['graph_ms']:8.2f}  RowSampler {figures['row_sampler_ms']:8.2f}"
+            f"  rows to the host {figures['host_rows']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

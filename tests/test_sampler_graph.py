@@ -1,0 +1,170 @@
+"""The sampler graph (worker/device_sampling/) on the CPU execution provider against `RowSampler`, the
+batcher's per-row sampling, on seeded random logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from worker.batcher.sampler import RowSampler, token_logprobs
+from worker.device_sampling.graph import OPSET, TOP_LOGPROBS
+from worker.device_sampling.runner import SamplerGraph, Widths
+from worker.engine import GenerationRequest
+
+pytestmark = pytest.mark.unit
+
+EOS = frozenset({2, 5})
+
+
+def random_request(rng: np.random.Generator, vocab: int) -> GenerationRequest:
+    kind = rng.integers(6)
+    options: dict[str, object] = {"seed": int(rng.integers(2**40))}
+    if kind > 0:
+        options["temperature"] = float(rng.choice([0.3, 0.7, 1.0, 1.5]))
+    if kind in (2, 4):
+        options["top_k"] = int(rng.choice([1, 2, 20, 50, 256]))
+    if kind in (3, 4):
+        options["top_p"] = float(rng.choice([0.1, 0.5, 0.9, 0.95]))
+    if rng.random() < 0.4:
+        options["repetition_penalty"] = float(rng.choice([0.8, 1.1, 1.3]))
+    if rng.random() < 0.4:
+        options["presence_penalty"] = float(rng.uniform(-2, 2))
+        options["frequency_penalty"] = float(rng.uniform(-2, 2))
+    if rng.random() < 0.3:
+        ids = rng.choice(vocab, int(rng.integers(1, 20)), replace=False)
+        options["logit_bias"] = tuple((int(t), float(rng.uniform(-100, 100))) for t in sorted(ids))
+    options["min_new_tokens"] = int(rng.integers(3))
+    prompt = [int(t) for t in rng.integers(vocab, size=int(rng.integers(1, 40)))]
+    return GenerationRequest(prompt, 100, **options)  # type: ignore[arg-type]
+
+
+def twin_samplers(
+    rng: np.random.Generator, rows: int, vocab: int
+) -> tuple[list[RowSampler], list[RowSampler]]:
+    """Pairs of samplers in the same state: one for the graph, one that picks on its own."""
+    ours, theirs = [], []
+    for _ in range(rows):
+        request = random_request(rng, vocab)
+        pair = [RowSampler(request, EOS, vocab, None) for _ in range(2)]
+        for token in rng.integers(vocab, size=int(rng.integers(4))):
+            for sampler in pair:
+                sampler.accept(int(token))
+        ours.append(pair[0])
+        theirs.append(pair[1])
+    return ours, theirs
+
+
+def random_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    scale = rng.choice([1.0, 3.0, 6.0, 12.0], size=(rows, 1))
+    return (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+
+
+def compare_step(graph: SamplerGraph, rng: np.random.Generator, rows: int, vocab: int) -> int:
+    """The graph's step against RowSampler's picks; the rows the graph served."""
+    ours, theirs = twin_samplers(rng, rows, vocab)
+    logits = random_logits(rng, rows, vocab)
+    produced = [int(p) for p in rng.integers(3, size=rows)]
+    step = graph.run(logits, ours, produced)
+    for index, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+        expected = reference.choose(logits[index].copy(), produced[index])
+        if step.host[index]:  # the host path draws with the uniform the graph was given
+            assert mine.choose(logits[index].copy(), produced[index]) == expected
+            continue
+        assert step.tokens[index] == expected, index
+        found = token_logprobs(logits[index], expected, TOP_LOGPROBS)
+        assert abs(step.logprobs[index] - found.logprob) < 1e-4
+        likeliest = np.argsort(-logits[index], kind="stable")[:TOP_LOGPROBS]  # ties: the lower id first
+        assert step.top_ids[index].tolist() == likeliest.tolist()
+        assert {t for t, _ in found.top} <= set(likeliest) | set(
+            np.flatnonzero(logits[index] == logits[index][likeliest[-1]])
+        )
+        np.testing.assert_allclose(step.top_logprobs[index], [v for _, v in found.top], atol=1e-4, rtol=0)
+        mine.accept(int(step.tokens[index]))
+        reference.accept(expected)
+        assert mine.uniform() == reference.uniform()  # both generators went on alike
+    return int((~step.host).sum())
+
+
+def test_the_graph_picks_as_row_sampler_does_over_ten_thousand_rows() -> None:
+    rng = np.random.default_rng(59)
+    rows = served = 0
+    for vocab, steps, width in (
+        (49152, 1, 256),
+        (32000, 1, 128),
+        (1000, 30, 256),
+        (300, 6, 256),
+        (40, 8, 64),
+    ):
+        graph = SamplerGraph(EOS, vocab)
+        for _ in range(steps):
+            served += compare_step(graph, rng, width, vocab)
+            rows += width
+    assert rows >= 10_000
+    assert served > 0.8 * rows
+
+
+def test_penalties_bias_and_min_tokens_change_the_greedy_pick_as_row_sampler_does() -> None:
+    vocab = 12
+    logits = np.zeros((4, vocab), np.float32)
+    logits[:, 5] = 3.0  # an end of sequence, likeliest
+    logits[:, 7] = 2.0
+    logits[:, 8] = -1.0
+    requests = [
+        GenerationRequest([1], 9, min_new_tokens=2),  # eos masked: 7
+        GenerationRequest([7], 9, repetition_penalty=2.0),  # 5, and 7 halved
+        GenerationRequest([1], 9, logit_bias=((8, 10.0),)),  # 8
+        GenerationRequest([1], 9, presence_penalty=1.5, frequency_penalty=1.0),  # 5 counted twice: 7
+    ]
+    samplers = [RowSampler(r, EOS, vocab, None) for r in requests]
+    samplers[3].accept(5)
+    samplers[3].accept(5)
+    step = SamplerGraph(EOS, vocab).run(logits, samplers, [0, 0, 0, 0])
+    expected = [s.choose(row.copy(), 0) for s, row in zip(samplers, logits, strict=True)]
+    assert step.tokens.tolist() == expected == [7, 5, 8, 7]
+    assert not step.host.any()
+
+
+def test_rows_past_the_graph_limits_are_flagged_for_the_host_path() -> None:
+    vocab = 600
+    rng = np.random.default_rng(1)
+    flat = np.zeros((1, vocab), np.float32)  # a nucleus of 0.9 is 540 tokens, past 256 candidates
+    requests = [
+        GenerationRequest(list(range(30)), 9, repetition_penalty=1.2),  # 30 penalized tokens, past 16
+        GenerationRequest([1], 9, temperature=1.0, top_k=300, seed=1),  # past 256 candidates
+        GenerationRequest([1], 9, temperature=1.0, top_p=0.9, seed=1),
+        GenerationRequest([1], 9, temperature=1.0, top_k=3, seed=1),  # three tied tokens
+        GenerationRequest([1], 9, temperature=1.0, seed=1),  # the whole vocabulary: served
+    ]
+    logits = np.repeat(rng.standard_normal((1, vocab)).astype(np.float32), len(requests), axis=0)
+    logits[2] = flat
+    logits[3, :3] = 50.0
+    samplers = [RowSampler(r, EOS, vocab, None) for r in requests]
+    step = SamplerGraph(EOS, vocab, widths=Widths(penalized=16)).run(logits, samplers, [0] * len(requests))
+    assert step.host.tolist() == [True, True, True, True, False]
+
+
+def test_onnxruntime_top_k_puts_the_lower_index_first_among_ties() -> None:
+    node = helper.make_node("TopK", ["x", "k"], ["values", "ids"], axis=1)
+    graph = helper.make_graph(
+        [node],
+        "ties",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("values", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, None),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(1, 49152)).astype(np.float32)
+    for k in (20, 257, 49152):
+        _, ids = session.run(None, {"x": x, "k": np.array([k], np.int64)})
+        assert ids[0].tolist() == np.argsort(-x[0], kind="stable")[:k].tolist()
+    assert onnx.defs.onnx_opset_version() >= OPSET

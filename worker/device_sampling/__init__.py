@@ -1,0 +1,6 @@
+"""Sampling on the device: every row of a step picked at once by one ONNX graph.
+
+- `graph`: the sampler graph (penalties, logit_bias, min_tokens, greedy, temperature, top_k, top_p,
+  log-probabilities), and the rows it leaves to the host path
+- `runner`: `SamplerGraph`, each row's parameters packed from its `RowSampler` and the graph run
+"""

@@ -1,0 +1,225 @@
+"""The sampler graph: one ONNX model that picks every row's next token of a step at once, as `RowSampler`
+does (worker/batcher/sampler.py), so that only token ids and the asked-for log-probabilities leave the
+device. Rows it cannot pick exactly as `RowSampler` would are flagged `host`, for the host path.
+
+In the graph's order: the repetition penalty over each row's penalized ids, the presence and frequency
+penalties over its counted ids, its logit bias, end of sequence masked while `mask_eos`; then greedy rows
+take the first maximum, and sampled rows divide by their temperature and draw with their `uniform` from
+their softmax: over the whole vocabulary in token order, or over the `candidates` likeliest tokens when
+top_k or top_p is set. Log-probabilities are of the unmodified logits, as the batcher reports them.
+
+A sampled row is flagged when top_k is over `candidates`, when its top_p nucleus may be wider than the
+candidates (RowSampler then sorts the whole vocabulary), when two nearly equal probabilities sit where
+their order decides the pick (RowSampler's order among ties is argpartition's), or when its draw lands
+on the last candidate's edge. Padded id slots hold -1.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
+
+
+class TensorProto:  # onnx.TensorProto's element types (onnx comes with the `model` extra)
+    FLOAT, INT32, INT64, BOOL, DOUBLE = 1, 6, 7, 9, 11
+
+
+OPSET = 18
+TOP_LOGPROBS = 20  # the top log-probabilities the graph returns; a row reads the first it asked for
+_NUCLEUS_MARGIN = 1e-5  # a nucleus whose candidates' sum is this close to top_p goes to the host
+_TIE_MARGIN = 2e-6  # relative gap under which two probabilities count as tied
+INPUTS: tuple[tuple[str, int, list[str | int]], ...] = (
+    ("logits", TensorProto.FLOAT, ["rows", "vocab"]),
+    ("eos", TensorProto.BOOL, ["vocab"]),
+    ("greedy", TensorProto.BOOL, ["rows"]),
+    ("temperature", TensorProto.FLOAT, ["rows"]),
+    ("top_k", TensorProto.INT64, ["rows"]),
+    ("top_p", TensorProto.DOUBLE, ["rows"]),
+    ("uniform", TensorProto.FLOAT, ["rows"]),
+    ("repetition_penalty", TensorProto.FLOAT, ["rows"]),
+    ("penalized", TensorProto.INT64, ["rows", "penalized_width"]),
+    ("presence_penalty", TensorProto.FLOAT, ["rows"]),
+    ("frequency_penalty", TensorProto.FLOAT, ["rows"]),
+    ("counted", TensorProto.INT64, ["rows", "counted_width"]),
+    ("counts", TensorProto.FLOAT, ["rows", "counted_width"]),
+    ("bias_ids", TensorProto.INT64, ["rows", "bias_width"]),
+    ("bias", TensorProto.FLOAT, ["rows", "bias_width"]),
+    ("mask_eos", TensorProto.BOOL, ["rows"]),
+    ("host_in", TensorProto.BOOL, ["rows"]),
+)
+OUTPUTS: tuple[tuple[str, int, list[str | int]], ...] = (
+    ("token", TensorProto.INT64, ["rows"]),
+    ("logprob", TensorProto.FLOAT, ["rows"]),
+    ("top_ids", TensorProto.INT64, ["rows", "top"]),
+    ("top_logprobs", TensorProto.FLOAT, ["rows", "top"]),
+    ("host", TensorProto.BOOL, ["rows"]),
+)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.constants: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def op(self, kind: str, *inputs: str, outputs: int = 1, **attributes: Any) -> str:
+        names = [self._name(kind) for _ in range(outputs)]
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(kind, list(inputs), names, **attributes))
+        return names[0]
+
+    def op2(self, kind: str, *inputs: str, **attributes: Any) -> tuple[str, str]:
+        first = self.op(kind, *inputs, outputs=2, **attributes)
+        return first, self.nodes[-1].output[1]
+
+    def const(self, value: np.ndarray) -> str:
+        name = self._name("const")
+        from onnx import numpy_helper
+
+        self.constants.append(numpy_helper.from_array(value, name))
+        return name
+
+    def _name(self, kind: str) -> str:
+        self._count += 1
+        return f"{kind.lower()}_{self._count}"
+
+
+def sampler_model(candidates: int = 256) -> onnx.ModelProto:
+    """The sampler graph; `candidates`: the likeliest tokens top_k and top_p choose among (RowSampler's
+    _NUCLEUS_CANDIDATES)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    b = _Builder()
+
+    def i64(*values: int) -> str:
+        return b.const(np.array(values, np.int64))
+
+    def f32(value: float) -> str:
+        return b.const(np.array(value, np.float32))
+
+    cols = i64(1)
+    vocab = b.op("Shape", "logits", start=1, end=2)  # [1]
+    rows_one = b.op("Concat", b.op("Shape", "logits", start=0, end=1), i64(1), axis=0)
+
+    # penalties and bias on the logits with one spare column, where padded slots (-1) point
+    spare = b.op("ConstantOfShape", rows_one, value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    logits = b.op("Concat", "logits", spare, axis=1)
+
+    def slots(ids: str) -> str:
+        return b.op("Where", b.op("Less", ids, i64(0)), vocab, ids)
+
+    def column(values: str) -> str:
+        return b.op("Unsqueeze", values, cols)
+
+    at = slots("penalized")
+    scores = b.op("GatherElements", logits, at, axis=1)
+    penalty = column("repetition_penalty")
+    positive = b.op("Greater", scores, f32(0.0))
+    changed = b.op("Where", positive, b.op("Div", scores, penalty), b.op("Mul", scores, penalty))
+    logits = b.op("ScatterElements", logits, at, changed, axis=1)
+
+    at = slots("counted")
+    scores = b.op("GatherElements", logits, at, axis=1)
+    lowered = b.op("Add", b.op("Mul", "counts", column("frequency_penalty")), column("presence_penalty"))
+    logits = b.op("ScatterElements", logits, at, b.op("Sub", scores, lowered), axis=1)
+
+    at = slots("bias_ids")
+    scores = b.op("GatherElements", logits, at, axis=1)
+    logits = b.op("ScatterElements", logits, at, b.op("Add", scores, "bias"), axis=1)
+
+    logits = b.op("Slice", logits, i64(0), vocab, cols)
+    masked = b.op("And", column("mask_eos"), b.op("Unsqueeze", "eos", i64(0)))
+    logits = b.op("Where", masked, f32(-np.inf), logits)
+
+    greedy_token = b.op("ArgMax", logits, axis=1, keepdims=0)
+
+    # sampled rows: the softmax of logits / temperature, as RowSampler's _softmax
+    scaled = b.op("Div", logits, column("temperature"))
+    shifted = b.op("Exp", b.op("Sub", scaled, b.op("ReduceMax", scaled, cols, keepdims=1)))
+    probabilities = b.op("Div", shifted, b.op("ReduceSum", shifted, cols, keepdims=1))
+    uniform = column("uniform")
+
+    # no top_k, no top_p: every token in token order
+    cumulative = b.op("CumSum", probabilities, cols)
+    last = b.op("Sub", vocab, i64(1))
+    total = b.op("Slice", cumulative, b.op("Neg", i64(1)), i64(np.iinfo(np.int64).max), cols)
+    drawn = b.op("LessOrEqual", cumulative, b.op("Mul", uniform, total))
+    whole_pick = b.op("ReduceSum", b.op("Cast", drawn, to=TensorProto.INT64), cols, keepdims=0)
+    whole_token = b.op("Min", whole_pick, last)
+
+    # top_k or top_p: the candidates, likeliest first (TopK puts the lower index first among ties)
+    limit = i64(candidates)
+    width = b.op("Min", b.op("Add", limit, i64(1)), vocab)
+    values, ids = b.op2("TopK", probabilities, width, axis=1, largest=1, sorted=1)
+    position = b.op("Unsqueeze", b.op("Range", i64(0), b.op("Squeeze", width), i64(1)), i64(0))
+    has_top_k = b.op("Greater", "top_k", i64(0))
+    wanted = b.op("Min", b.op("Where", has_top_k, "top_k", limit), b.op("Min", limit, vocab))  # over: host
+    taken = b.op("Less", position, column(wanted))
+    running = b.op("CumSum", values, cols)
+    nucleus = b.op("Less", b.op("Cast", running, to=TensorProto.DOUBLE), column("top_p"))
+    inside = b.op("Cast", b.op("And", taken, nucleus), to=TensorProto.INT64)
+    keep = b.op("Add", b.op("ReduceSum", inside, cols, keepdims=0), i64(1))
+    has_top_p = b.op("Less", "top_p", b.op("Cast", f32(1.0), to=TensorProto.DOUBLE))
+    kept = b.op("Where", has_top_p, b.op("Min", keep, wanted), wanted)
+    kept_column = column(kept)
+    end = b.op("GatherElements", running, b.op("Sub", kept_column, i64(1)), axis=1)
+    threshold = b.op("Mul", uniform, end)
+    within = b.op("Less", position, kept_column)
+    below = b.op("And", within, b.op("LessOrEqual", running, threshold))
+    pick = b.op("ReduceSum", b.op("Cast", below, to=TensorProto.INT64), cols, keepdims=0)
+    edge = b.op("GreaterOrEqual", pick, kept)  # the draw reached the last kept candidate's end
+    pick = b.op("Min", pick, b.op("Sub", kept, i64(1)))
+    candidate_token = b.op("Squeeze", b.op("GatherElements", ids, column(pick), axis=1), cols)
+
+    # rows whose pick RowSampler may make otherwise
+    over_k = b.op("Greater", "top_k", limit)
+    taken_sum = b.op("ReduceSum", b.op("Mul", values, b.op("Cast", taken, to=TensorProto.FLOAT)), cols)
+    near_p = b.op(
+        "Less",
+        b.op("Cast", b.op("Squeeze", taken_sum, cols), to=TensorProto.DOUBLE),
+        b.op("Add", "top_p", b.op("Cast", f32(_NUCLEUS_MARGIN), to=TensorProto.DOUBLE)),
+    )
+    wide = b.op("And", b.op("And", b.op("Not", has_top_k), has_top_p), near_p)
+    upper = b.op("Slice", values, i64(0), i64(-1), cols)
+    lower = b.op("Slice", values, i64(1), i64(np.iinfo(np.int64).max), cols)
+    gap = b.op("Sub", upper, lower)
+    tied = b.op("LessOrEqual", gap, b.op("Mul", upper, f32(_TIE_MARGIN)))
+    tied = b.op("And", tied, b.op("Greater", upper, f32(0.0)))
+    pair = b.op("Slice", position, i64(0), i64(-1), cols)
+    tied = b.op("And", tied, b.op("Less", pair, kept_column))
+    tie = b.op("Cast", b.op("ReduceMax", b.op("Cast", tied, to=TensorProto.INT32), cols, keepdims=0), to=9)
+    restricted = b.op("Or", has_top_k, has_top_p)
+    unsure = b.op("Or", b.op("Or", wide, tie), b.op("Or", over_k, edge))
+    sampled = b.op("Not", "greedy")
+    host = b.op("Or", "host_in", b.op("And", sampled, b.op("And", restricted, unsure)))
+
+    sampled_token = b.op("Where", restricted, candidate_token, whole_token)
+    b.nodes.append(helper.make_node("Where", ["greedy", greedy_token, sampled_token], ["token"]))
+    b.nodes.append(helper.make_node("Identity", [host], ["host"]))
+
+    # log-probabilities of the unmodified logits
+    logprobs = b.op("LogSoftmax", "logits", axis=1)
+    top = b.op("Min", i64(TOP_LOGPROBS), vocab)
+    _, top_ids = b.op2("TopK", "logits", top, axis=1, largest=1, sorted=1)
+    b.nodes.append(helper.make_node("Identity", [top_ids], ["top_ids"]))
+    b.nodes.append(helper.make_node("GatherElements", [logprobs, top_ids], ["top_logprobs"], axis=1))
+    chosen = b.op("GatherElements", logprobs, column("token"), axis=1)
+    b.nodes.append(helper.make_node("Squeeze", [chosen, cols], ["logprob"]))
+
+    graph = helper.make_graph(
+        b.nodes,
+        "sampler",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in INPUTS],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in OUTPUTS],
+        initializer=b.constants,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
