@@ -197,6 +197,15 @@ class GatewaySettings(FleetSettings):
         "page of `GET /v1/files` lists them all); one more upload gets 400 file_quota_exceeded. 0: no "
         "limit.",
     )
+    files_max_memory_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The share of its Redis's maxmemory that files may fill it to, whoever uploads them: an "
+        "upload that would take the Redis's used memory past it gets 400 file_quota_exceeded, so that the "
+        "rest is left to jobs. 1: files may fill it (a full Redis then answers every caller 503 "
+        "store_full). No effect on a Redis without maxmemory, or whose INFO is disabled.",
+    )
     batch_max_lines: int = Field(50_000, ge=1, description="Most requests one batch's input file may hold.")
     batch_max_in_flight: int = Field(
         32,

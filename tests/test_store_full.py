@@ -101,8 +101,10 @@ async def test_a_full_redis_is_named_in_errors_readyz_and_once_in_the_workers_lo
 MAXMEMORY = 8 * 2**20
 
 
-async def fill_with_files(client: httpx.AsyncClient, headers: dict[str, str], size: int) -> list[str]:
-    """Uploads files of `size` bytes until Redis refuses one for memory; the ids of those it took."""
+async def fill_with_files(
+    client: httpx.AsyncClient, headers: dict[str, str], size: int, refused_with: str = "store_full"
+) -> list[str]:
+    """Uploads files of `size` bytes until one is refused with `refused_with`; the ids of those taken."""
     taken: list[str] = []
     line = b'{"custom_id": "x", "pad": "' + b"x" * 200 + b'"}\n'
     content = (line * (size // len(line) + 1))[:size]
@@ -110,7 +112,7 @@ async def fill_with_files(client: httpx.AsyncClient, headers: dict[str, str], si
         files = {"file": ("in.jsonl", content)}
         reply = await client.post("/v1/files", files=files, data={"purpose": "batch"}, headers=headers)
         if reply.status_code != 200:
-            assert reply.json()["error"]["code"] == "store_full", reply.text
+            assert reply.json()["error"]["code"] == refused_with, reply.text
             return taken
         taken.append(reply.json()["id"])
     raise AssertionError(f"Redis took {len(taken)} files of {size} bytes without filling")
@@ -122,7 +124,11 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
     key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
     heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
     light = bearer(create_key(key_file, f"light-{suffix}"))
-    env = {"ORTFLEET_API_KEYS_FILE": str(key_file), "ORTFLEET_HEARTBEAT_TTL_S": "1"}
+    env = {
+        "ORTFLEET_API_KEYS_FILE": str(key_file),
+        "ORTFLEET_HEARTBEAT_TTL_S": "1",
+        "ORTFLEET_FILES_MAX_MEMORY_SHARE": "1",  # files may fill it: what every caller gets then
+    }
     fleet = Fleet(own_redis.url, tiny_model, env=env)
     try:
         fleet.start_gateway()
@@ -137,7 +143,8 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
                 await client.get("/readyz"),
             ]
             used = int((await own_redis_client.info("memory"))["used_memory"])
-            await own_redis_client.config_set("maxmemory", str(used - 2**16))  # past it: heartbeats refused
+            # past it, by more than the clients' buffers the uploads leave may free: heartbeats are refused
+            await own_redis_client.config_set("maxmemory", str(used - 2**20))
             await heartbeat_lapsed(own_redis_client, timeout_s=10)  # the worker looks dead
             chats = [await client.post("/v1/chat/completions", json=chat, headers=light) for _ in range(6)]
             job = await client.post("/v1/jobs", json={"model": model_name, "prompt": "Hi"}, headers=light)
@@ -162,3 +169,39 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
         assert "store 1" in reason and "out of memory" in reason, readiness.json()
         assert str(own_redis.port) not in reason, reason  # a caller learns how the store fares, not where
     assert after.status_code == 200, after.text
+
+
+async def test_files_fill_their_redis_only_to_their_share_and_another_keys_chats_go_on(
+    own_redis: RedisServer, own_redis_client: Redis, tiny_model: Path, model_name: str, tmp_path: Path
+) -> None:
+    """By default files may fill their Redis to half its maxmemory, whoever uploads them: one key's
+    uploads are refused there with 400 file_quota_exceeded, the Redis never fills, and another key's
+    chats and the gateway's readiness go on."""
+    key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
+    heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
+    light = bearer(create_key(key_file, f"light-{suffix}"))
+    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_API_KEYS_FILE": str(key_file)})
+    try:
+        fleet.start_gateway()
+        fleet.start_worker(model_name, "--fake-engine", "1:1")
+        await own_redis_client.config_set("maxmemory", str(MAXMEMORY))
+        chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=10) as client:
+            taken = await fill_with_files(client, heavy, 2**18, refused_with="file_quota_exceeded")
+            refused = await client.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", b'{"a": 1}\n' * 30_000)},
+                data={"purpose": "batch"},
+                headers=heavy,
+            )
+            used = int((await own_redis_client.info("memory"))["used_memory"])
+            chats = [await client.post("/v1/chat/completions", json=chat, headers=light) for _ in range(3)]
+            ready = await client.get("/readyz")
+    finally:
+        fleet.stop_all()
+    assert taken, "no file was taken before the share was reached"
+    assert used <= MAXMEMORY // 2 + 2**18, used  # the share held, within one file
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "file_quota_exceeded"
+    assert "ORTFLEET_FILES_MAX_MEMORY_SHARE" in refused.json()["error"]["message"]
+    assert all(reply.status_code == 200 for reply in chats), [reply.text for reply in chats]
+    assert ready.status_code == 200, ready.json()

@@ -5,6 +5,10 @@ Each file of a key is counted with its bytes and its expiry (scripts/hold.lua): 
 Content-Length before its body is read, and more as its lines arrive past that; the file, once written,
 counts its size until it is deleted or expires. A file whose expiry has passed leaves the count at the
 key's next upload or delete, so the count never drifts from what Redis holds.
+
+Whoever uploads them, files may fill their Redis only to a share of its maxmemory
+(ORTFLEET_FILES_MAX_MEMORY_SHARE), its memory read at each hold (every 256 KiB of an upload): the rest is
+left to jobs.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from typing import Literal
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError
 
 from common import keys, lua
 
-Limit = Literal["bytes", "files"]
+Limit = Literal["bytes", "files", "memory"]
 
 
 class OverQuota(Exception):
@@ -25,7 +30,13 @@ class OverQuota(Exception):
 
     def __init__(self, owner: str, limit: Limit, most: int, kept_bytes: int, kept_files: int) -> None:
         who = f"key {owner!r}" if owner else "this gateway"
-        if limit == "files":
+        if limit == "memory":
+            said = (
+                f"the Redis that keeps files holds {kept_bytes / 2**20:.1f} MiB, and uploads may fill it "
+                f"only to {most / 2**20:.1f} MiB (ORTFLEET_FILES_MAX_MEMORY_SHARE of its maxmemory), "
+                "leaving the rest to jobs"
+            )
+        elif limit == "files":
             said = f"{who} keeps {kept_files} files, its most (ORTFLEET_KEY_MAX_STORED_FILES)"
         else:
             said = (
@@ -43,22 +54,42 @@ class OverQuota(Exception):
 class FileQuota:
     """The file counts of every key on one Redis; a limit of 0 is none."""
 
-    def __init__(self, redis: Redis, max_bytes: int = 0, max_files: int = 0) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        max_bytes: int = 0,
+        max_files: int = 0,
+        memory_share: float = 1.0,
+    ) -> None:
         self.redis = redis
         self.max_bytes = max_bytes
         self.max_files = max_files
+        self.memory_share = memory_share
         self._hold = lua.register(redis, __name__, "hold.lua")
         self._release = lua.register(redis, __name__, "release.lua")
 
     async def hold(self, owner: str, file_id: str, size: int, until_s: float) -> None:
         """Counts at least `size` bytes for the file, until `until_s` (renewed by each call); raises
-        OverQuota, counting nothing more, when that would pass a limit of the key."""
+        OverQuota, counting nothing more, when that would pass a limit of the key, or take the Redis past
+        the share of its maxmemory that files may fill (the memory in use may count the part of this file
+        written already: the check errs on the side of room for jobs)."""
+        if self.memory_share < 1:
+            await self._check_memory(owner, size)
         args = self._args(file_id, size, until_s, 0)
         reply = await self._hold(keys=list(keys.file_quota(owner)), args=args)
         if int(reply[0]) == 0:
             limit: Limit = "files" if reply[1] == "files" else "bytes"
             most = self.max_files if limit == "files" else self.max_bytes
             raise OverQuota(owner, limit, most, int(reply[2]), int(reply[3]))
+
+    async def _check_memory(self, owner: str, size: int) -> None:
+        try:
+            info = await self.redis.info("memory")
+        except ResponseError:  # INFO disabled (some managed Redis): nothing to compare with
+            return
+        used, maxmemory = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        if maxmemory > 0 and used + size > self.memory_share * maxmemory:
+            raise OverQuota(owner, "memory", int(self.memory_share * maxmemory), used, 0)
 
     async def settle(self, owner: str, file_id: str, size: int, until_s: float, pipe: Pipeline) -> None:
         """Counts the written file at its size until it expires, whatever the limits (it is stored):

@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from common.error_codes import ErrorCode
 from gateway.auth import principal_of
-from gateway.errors import ApiError
+from gateway.errors import ApiError, store_full
 from gateway.files.quota import FileQuota, OverQuota
 from gateway.files.store import PURPOSES, FileInUse, FileStore, StoredFile, new_file_id
 from gateway.files.upload import receive_upload
@@ -26,7 +26,12 @@ MAX_LIST = 10_000
 def file_store(request: Request) -> FileStore:
     state = app_state(request)
     settings = state.settings
-    quota = FileQuota(state.redis, settings.key_max_stored_file_bytes, settings.key_max_stored_files)
+    quota = FileQuota(
+        state.redis,
+        settings.key_max_stored_file_bytes,
+        settings.key_max_stored_files,
+        memory_share=settings.files_max_memory_share,
+    )
     return FileStore(state.redis, settings.file_ttl_s, quota)
 
 
@@ -57,6 +62,8 @@ async def create_file(request: Request) -> Response:
     store = file_store(request)
     owner = principal_of(request.scope).name
     file_id = new_file_id()
+    if (full := state.shards.home.watch.full_as("the gateway's Redis")) is not None:  # as for jobs
+        raise store_full(full)
     try:
         # held before the body is read: its Content-Length, which holds the file and its multipart frame
         await store.hold(owner, file_id, declared_bytes(request, state.settings.max_file_bytes))
