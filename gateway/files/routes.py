@@ -62,7 +62,7 @@ async def create_file(request: Request) -> Response:
     store = file_store(request)
     owner = principal_of(request.scope).name
     file_id = new_file_id()
-    if (full := state.shards.home.watch.full_as("the gateway's Redis")) is not None:  # as for jobs
+    if (full := state.shards.home.watch.full_as("store 1")) is not None:  # the home store, as for jobs
         raise store_full(full)
     try:
         # held before the body is read: its Content-Length, which holds the file and its multipart frame
