@@ -5,9 +5,10 @@ period rather than at every retry, and every job finishes once Redis has room ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -101,6 +102,30 @@ async def test_a_full_redis_is_named_in_errors_readyz_and_once_in_the_workers_lo
 MAXMEMORY = 8 * 2**20
 
 
+@contextlib.asynccontextmanager
+async def two_keys_on_a_small_redis(
+    own_redis: RedisServer,
+    own_redis_client: Redis,
+    tiny_model: Path,
+    model_name: str,
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[tuple[Fleet, dict[str, str], dict[str, str]]]:
+    """A gateway with two API keys (heavy, light: their headers) and a fake-engine worker, on a Redis of
+    MAXMEMORY bytes."""
+    key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
+    heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
+    light = bearer(create_key(key_file, f"light-{suffix}"))
+    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_API_KEYS_FILE": str(key_file), **(env or {})})
+    try:
+        fleet.start_gateway()
+        fleet.start_worker(model_name, "--fake-engine", "1:1")
+        await own_redis_client.config_set("maxmemory", str(MAXMEMORY))
+        yield fleet, heavy, light
+    finally:
+        fleet.stop_all()
+
+
 async def fill_with_files(
     client: httpx.AsyncClient, headers: dict[str, str], size: int, refused_with: str = "store_full"
 ) -> list[str]:
@@ -121,19 +146,17 @@ async def fill_with_files(
 async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_until_it_has_room(
     own_redis: RedisServer, own_redis_client: Redis, tiny_model: Path, model_name: str, tmp_path: Path
 ) -> None:
-    key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
-    heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
-    light = bearer(create_key(key_file, f"light-{suffix}"))
     env = {
-        "ORTFLEET_API_KEYS_FILE": str(key_file),
         "ORTFLEET_HEARTBEAT_TTL_S": "1",
         "ORTFLEET_FILES_MAX_MEMORY_SHARE": "1",  # files may fill it: what every caller gets then
     }
-    fleet = Fleet(own_redis.url, tiny_model, env=env)
-    try:
-        fleet.start_gateway()
-        fleet.start_worker(model_name, "--fake-engine", "1:1")
-        await own_redis_client.config_set("maxmemory", str(MAXMEMORY))
+    async with two_keys_on_a_small_redis(
+        own_redis, own_redis_client, tiny_model, model_name, tmp_path, env
+    ) as (
+        fleet,
+        heavy,
+        light,
+    ):
         chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=10) as client:
             taken = await fill_with_files(client, heavy, 2**20)
@@ -157,8 +180,6 @@ async def test_a_redis_filled_by_one_keys_files_answers_every_caller_store_full_
                 assert deleted.status_code == 200, deleted.text
             await readyz_says(client, "ready")
             after = await client.post("/v1/chat/completions", json=chat, headers=light)
-    finally:
-        fleet.stop_all()
     for reply in [at_the_brim[0], *chats, job, unnamed]:
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["code"] == "store_full", reply.text
@@ -177,14 +198,11 @@ async def test_files_fill_their_redis_only_to_their_share_and_another_keys_chats
     """By default files may fill their Redis to half its maxmemory, whoever uploads them: one key's
     uploads are refused there with 400 file_quota_exceeded, the Redis never fills, and another key's
     chats and the gateway's readiness go on."""
-    key_file, suffix = tmp_path / "keys.json", secrets.token_hex(4)
-    heavy = bearer(create_key(key_file, f"heavy-{suffix}"))
-    light = bearer(create_key(key_file, f"light-{suffix}"))
-    fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_API_KEYS_FILE": str(key_file)})
-    try:
-        fleet.start_gateway()
-        fleet.start_worker(model_name, "--fake-engine", "1:1")
-        await own_redis_client.config_set("maxmemory", str(MAXMEMORY))
+    async with two_keys_on_a_small_redis(own_redis, own_redis_client, tiny_model, model_name, tmp_path) as (
+        fleet,
+        heavy,
+        light,
+    ):
         chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=10) as client:
             taken = await fill_with_files(client, heavy, 2**18, refused_with="file_quota_exceeded")
@@ -197,8 +215,6 @@ async def test_files_fill_their_redis_only_to_their_share_and_another_keys_chats
             used = int((await own_redis_client.info("memory"))["used_memory"])
             chats = [await client.post("/v1/chat/completions", json=chat, headers=light) for _ in range(3)]
             ready = await client.get("/readyz")
-    finally:
-        fleet.stop_all()
     assert taken, "no file was taken before the share was reached"
     assert used <= MAXMEMORY // 2 + 2**18, used  # the share held, within one file
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "file_quota_exceeded"
