@@ -1,6 +1,6 @@
-"""The step crossing of issue 57 (worker/core/): a stub engine-core process sends one encoded step of N
-rows a step to a frontend that reads them on its asyncio loop, and the frontend sends a command back
-each step.
+"""The step crossing between an engine core and a frontend (worker/core/): a stub engine-core process
+sends one encoded step of N rows a step to a frontend that reads them on its asyncio loop, and the
+frontend sends a command back each step.
 
 `python -m ortfleet.bench.crossing [--rows 256,512] [--steps 2000] [--step-ms 0,3] [--top K] [--json FILE]`
 runs, for each row count and step time (0: as fast as the engine core can send), STEPS steps of rows of
