@@ -94,7 +94,7 @@ class RowSampler:
             logits[ids] -= counts * self.request.frequency_penalty + self.request.presence_penalty
         if self._bias_ids.size:
             logits[self._bias_ids] += self._bias
-        if produced < self.request.min_new_tokens and self._eos.size:
+        if self.masks_eos(produced):
             logits[self._eos] = -np.inf
         if self._matcher is not None:
             self._mask(logits)
@@ -104,6 +104,10 @@ class RowSampler:
         if self.closer is not None and left is not None:
             token = self.closer.steer(token, left)
         return token
+
+    def masks_eos(self, produced: int) -> bool:
+        """End of sequence is masked at this pick: the row has `produced` tokens, fewer than min_tokens."""
+        return produced < self.request.min_new_tokens and self._eos.size > 0
 
     def _new_key(self, logits: np.ndarray, token: int) -> int:
         """A token that would give an object a key it has is passed over (the grammar leaves others)."""

@@ -97,13 +97,7 @@ class SamplerGraph:
             "counts": counts,
             "bias_ids": bias_ids,
             "bias": bias,
-            "mask_eos": np.array(
-                [
-                    p < s.request.min_new_tokens and s._eos.size > 0
-                    for s, p in zip(samplers, produced, strict=True)
-                ],
-                np.bool_,
-            ),
+            "mask_eos": np.array([s.masks_eos(p) for s, p in zip(samplers, produced, strict=True)], np.bool_),
             "host_in": host,
         }
 
@@ -117,10 +111,6 @@ class SamplerGraph:
             or bias_ids.size > widths.bias
             or np.unique(bias_ids).size != bias_ids.size  # numpy's `+=` keeps one of a repeated id's biases
         )
-
-
-def _masks_eos(sampler: RowSampler, produced: int) -> bool:
-    return produced < sampler.request.min_new_tokens and sampler._eos.size > 0
 
 
 def _padded(rows: list[np.ndarray], host: np.ndarray, dtype: type = np.int64) -> np.ndarray:
