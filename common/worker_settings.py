@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.settings import FleetSettings
 
@@ -51,6 +51,23 @@ class WorkerSettings(FleetSettings):
         "paged attention (og.Engine's dynamic batching replays a graph for each pure-decode step shape "
         "and runs prefill and mixed steps eagerly), off for the others; on: on for every CUDA model; "
         "off (the default until graphs are timed on a card): never. Never set on the CPU.",
+    )
+    engine_core: str = Field(
+        "auto",
+        description="Where the engine runs: off (a thread of the worker's own process), process (an "
+        "engine-core process the worker starts as its child: the engine's steps and the worker's "
+        "per-token work no longer share one interpreter), unix:PATH (a shared engine core serving "
+        "several workers, started with `python -m worker.core --socket PATH --frontends N`; each "
+        "worker takes its share of the engine's rows) or auto (process on a GPU, off on the CPU). "
+        "With process or unix:PATH, the core's death ends its rows as lost: their jobs resume as after "
+        "a worker's death, and the worker starts a new core (process) or waits for one (unix:PATH, up "
+        "to engine_core_wait_s).",
+    )
+    engine_core_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a worker waits for its engine core to load the model and answer (process), "
+        "or for a shared core to listen at its path (unix:PATH), at start and after the core exits.",
     )
     scheduler: Literal["auto", "batcher", "og-engine"] = Field(
         "auto",
@@ -227,3 +244,19 @@ class WorkerSettings(FleetSettings):
         "127.0.0.1",
         description="Address the worker's /metrics listens on; 0.0.0.0 to be scraped from other hosts.",
     )
+
+    @field_validator("engine_core")
+    @classmethod
+    def _engine_core(cls, value: str) -> str:
+        value = value.strip()
+        if value.lower() in ("auto", "off", "process"):
+            return value.lower()
+        if value.startswith("unix:") and len(value) > len("unix:"):
+            return value
+        raise ValueError(f"must be auto, off, process or unix:PATH, not {value!r}")
+
+    def engine_core_mode(self, device_kind: str) -> str:
+        """off, process or unix:PATH for a worker on a device of this kind (auto resolved)."""
+        if self.engine_core == "auto":
+            return "process" if device_kind == "cuda" else "off"
+        return self.engine_core

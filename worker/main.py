@@ -46,6 +46,7 @@ from worker.engine_choice import engine_kind, open_engine
 from worker.service import EngineUnrecoverable, WarmUpFailed, WorkerService
 
 if TYPE_CHECKING:
+    from worker.core.client import EngineCoreClient
     from worker.metrics import MetricsServer
 
 PROG = "ortfleet-worker"
@@ -177,6 +178,15 @@ def served_name(settings: WorkerSettings, model_dir: Path | None) -> str:
 def load_engine(
     settings: WorkerSettings, model_dir: Path | None, fake_engine: str | None
 ) -> tuple[Engine, Tokenizer, Device]:
+    """The worker's engine, its tokenizer and its device: the engine in this process, or a client of an
+    engine core (ORTFLEET_ENGINE_CORE)."""
+    device = Device("cpu") if fake_engine is not None else chosen_device(settings)
+    mode = settings.engine_core_mode(device.kind)
+    if mode != "off":
+        client = engine_core_client(settings, model_dir, fake_engine, mode)
+        if mode.startswith("unix:"):  # the shared core chose its device
+            device = parse_device(client.facts.device, lambda: True)
+        return client, frontend_tokenizer(model_dir), device
     if fake_engine is not None:
         from worker.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
 
@@ -185,15 +195,8 @@ def load_engine(
         except ValueError as e:
             raise CannotStart(str(e)) from e
         fake = FakeEngine(delay_s, capacity, continuous_batching=not fake_engine_is_static(fake_engine))
-        return fake, fake.tokenizer, Device("cpu")
-
-    import onnxruntime_genai as og
-
+        return fake, fake.tokenizer, device
     assert model_dir is not None
-    try:
-        device = parse_device(settings.device, og.is_cuda_available)
-    except DeviceError as e:
-        raise CannotStart(str(e)) from e
     logger.info(
         "loading %s on %s (%s)", model_dir, device, engine_kind(settings.scheduler, model_dir, device)
     )
@@ -205,6 +208,59 @@ def load_engine(
             f"ONNX Runtime GenAI cannot load the model in {model_dir}: {reason}; {REBUILD}"
         ) from e
     return engine, engine.tokenizer, device
+
+
+def chosen_device(settings: WorkerSettings) -> Device:
+    import onnxruntime_genai as og
+
+    try:
+        return parse_device(settings.device, og.is_cuda_available)
+    except DeviceError as e:
+        raise CannotStart(str(e)) from e
+
+
+def engine_core_client(
+    settings: WorkerSettings, model_dir: Path | None, fake_engine: str | None, mode: str
+) -> EngineCoreClient:
+    """A client of the worker's own engine core (`process`), which it starts with the settings it holds,
+    or of a shared one at a socket path (`unix:PATH`)."""
+    from worker.core.client import EngineCoreClient, SharedCore, SpawnedCore
+
+    launcher: SharedCore | SpawnedCore
+    if mode == "process":
+        args = ["--fake-engine", fake_engine] if fake_engine is not None else ["--model", str(model_dir)]
+        args += ["--device", settings.device, "--scheduler", settings.scheduler]
+        if settings.max_batch_size is not None:
+            args += ["--max-batch-size", str(settings.max_batch_size)]
+        launcher = SpawnedCore(args, settings.engine_core_wait_s)
+        logger.info("starting the engine core for %s", model_dir or f"a fake engine ({fake_engine})")
+    else:
+        launcher = SharedCore(Path(mode.removeprefix("unix:")), settings.engine_core_wait_s)
+    client = EngineCoreClient(launcher)
+    facts = client.facts
+    logger.info(
+        "engine core pid %d: %s on %s, %d of its rows for this worker (%d frontend(s))",
+        facts.core_pid,
+        facts.engine,
+        facts.device,
+        facts.capacity,
+        facts.frontends,
+    )
+    return client
+
+
+def frontend_tokenizer(model_dir: Path | None) -> Tokenizer:
+    """The model's tokenizer without its weights, for a worker whose engine runs in an engine core."""
+    if model_dir is None:
+        from worker.fake_engine import FakeTokenizer
+
+        return FakeTokenizer()
+    import onnxruntime_genai as og
+
+    from worker.genai_config import vocab_size
+    from worker.ort_tokenizer import OrtTokenizer
+
+    return OrtTokenizer(og.Config(str(model_dir)), vocab_size(model_dir), model_dir)
 
 
 def job_kv_budget(engine: Engine) -> int:

@@ -35,6 +35,10 @@ class Submit:
     def of(cls, row_id: int, request: GenerationRequest) -> Submit:
         return cls(row_id, np.asarray(request.prompt_ids, dtype=np.int32), request)
 
+    def request_with_prompt(self) -> GenerationRequest:
+        """The request as the frontend made it, its prompt back in place."""
+        return replace(self.request, prompt_ids=self.prompt.tolist())
+
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
