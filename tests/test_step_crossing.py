@@ -69,9 +69,9 @@ def test_the_logprob_block_carries_the_chosen_and_top_logprobs_of_the_rows_that_
     positions = np.array([1, 4, 200], np.int32)
     block = LogprobBlock(
         positions,
-        rng.standard_normal(3).astype(np.float32),
+        rng.standard_normal(3).astype(np.float64),
         np.array([[5, 6, -1], [7, 8, 9], [1, -1, -1]], np.int32),
-        rng.standard_normal((3, 3)).astype(np.float32),
+        rng.standard_normal((3, 3)).astype(np.float64),
     )
     step = Step.one_token_each(2, ROWS, arange(ROWS), arange(ROWS), np.zeros(ROWS, np.int8), block)
     decoded = decode_step(encode_step(step)).logprobs
@@ -85,7 +85,7 @@ def test_the_logprob_block_carries_the_chosen_and_top_logprobs_of_the_rows_that_
 @pytest.mark.unit
 def test_a_logprob_block_without_top_logprobs_has_zero_columns() -> None:
     empty = np.zeros((2, 0), np.int32)
-    block = LogprobBlock(arange(2), np.array([-0.5, -1.5], np.float32), empty, empty.astype(np.float32))
+    block = LogprobBlock(arange(2), np.array([-0.5, -1.5], np.float64), empty, empty.astype(np.float64))
     decoded = decode_step(
         encode_step(Step.one_token_each(1, 4, arange(4), arange(4), np.zeros(4, np.int8), block))
     ).logprobs

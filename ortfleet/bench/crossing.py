@@ -43,9 +43,9 @@ def _stub_core(
     if top:
         block = LogprobBlock(
             row_ids,
-            rng.standard_normal(rows).astype(np.float32),
+            rng.standard_normal(rows).astype(np.float64),
             rng.integers(0, 50_000, (rows, top), dtype=np.int32),
-            rng.standard_normal((rows, top)).astype(np.float32),
+            rng.standard_normal((rows, top)).astype(np.float64),
         )
     encode_ns: list[int] = []
     commands = 0
@@ -127,9 +127,9 @@ def _decode_us(rows: int, top: int, repeat: int = 2000) -> float:
     if top:
         block = LogprobBlock(
             zeros,
-            zeros.astype(np.float32),
+            zeros.astype(np.float64),
             np.zeros((rows, top), np.int32),
-            np.zeros((rows, top), np.float32),
+            np.zeros((rows, top), np.float64),
         )
     payload = encode_step(Step.one_token_each(0, rows, zeros, zeros, np.zeros(rows, np.int8), block))
     before = time.perf_counter_ns()

@@ -1,12 +1,14 @@
 """One engine step's output for one frontend, as arrays, and its encoding as one bytes buffer.
 
-Layout (little-endian): a 40-byte header (`HEADER`), then the arrays back to back, every 4-byte array
-first so that each starts aligned: row ids (int32, n), token offsets (int32, n + 1: row i's tokens are
-tokens[offsets[i]:offsets[i + 1]], as an `EngineUpdate` carries a list of tokens), tokens (int32), then,
-when the step carries log-probabilities, the positions in tokens they belong to (int32, m, ascending),
-the chosen tokens' logprobs (float32, m), the top ids (int32, m x k, -1 past a row's own count) and
-their logprobs (float32, m x k); then the finish codes (int8, n: 0 running, else `FINISH_CODES`); then
-the notes (UTF-8 JSON, rare per-row fields such as an error's message). The version byte fixes the dtypes.
+Layout (little-endian): a 40-byte header (`HEADER`), then the arrays back to back: row ids (int32, n),
+token offsets (int32, n + 1: row i's tokens are tokens[offsets[i]:offsets[i + 1]], as an `EngineUpdate`
+carries a list of tokens), tokens (int32), then, when the step carries log-probabilities, the positions in
+tokens they belong to (int32, m, ascending), the chosen tokens' logprobs (float64, m), the top ids (int32,
+m x k, -1 past a row's own count) and their logprobs (float64, m x k); then the finish codes (int8, n: 0
+running, else `FINISH_CODES`); then the notes (UTF-8 JSON, rare fields of an entry such as an error's
+message, by the entry's index). The version byte fixes the dtypes. Log-probabilities cross as float64, as
+the CPU batcher computes them, so a frontend answers what the engine in its own process would, to the
+last digit.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from numpy.typing import NDArray
 
 from worker.engine import Finish
 
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct(
     "<BBHIIIIIQQ"
 )  # version, flags, top k, rows, tokens, logprobs, notes, running, step, ns
@@ -34,7 +36,7 @@ FINISH_CODES: dict[Finish, int] = {finish: code for code, finish in enumerate(Fi
 FINISHES: tuple[Finish | None, ...] = (None, *Finish)
 
 Int32s = NDArray[np.int32]
-Float32s = NDArray[np.float32]
+Float64s = NDArray[np.float64]
 
 
 class StepDecodeError(ValueError):
@@ -49,9 +51,9 @@ class LogprobBlock:
     """The log-probabilities of the tokens whose rows asked for them."""
 
     positions: Int32s  # indexes into Step.tokens, ascending
-    logprobs: Float32s  # the chosen token's
+    logprobs: Float64s  # the chosen token's
     top_ids: Int32s  # [m, k], likeliest first, -1 past the row's own count
-    top_logprobs: Float32s  # [m, k]
+    top_logprobs: Float64s  # [m, k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,7 @@ class Step:
     tokens: Int32s
     finish: NDArray[np.int8]
     logprobs: LogprobBlock | None = None
-    notes: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # row id -> rare fields
+    notes: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # entry index -> rare fields
     sent_ns: int = 0  # time.monotonic_ns() as encode_step finished (0 before)
 
     @classmethod
@@ -110,9 +112,9 @@ def encode_step(step: Step) -> bytes:
         top_k = block.top_ids.shape[1] if block.top_ids.ndim == 2 else 0
         parts += [
             _array(block.positions, np.int32, entries, "positions"),
-            _array(block.logprobs, np.float32, entries, "logprobs"),
+            _array(block.logprobs, np.float64, entries, "logprobs"),
             _array(block.top_ids, np.int32, entries * top_k, "top_ids"),
-            _array(block.top_logprobs, np.float32, entries * top_k, "top_logprobs"),
+            _array(block.top_logprobs, np.float64, entries * top_k, "top_logprobs"),
         ]
     parts.append(_array(step.finish, np.int8, rows, "finish"))
     notes = orjson.dumps(step.notes, option=orjson.OPT_NON_STR_KEYS) if step.notes else b""
@@ -133,8 +135,8 @@ def decode_step(payload: bytes | memoryview) -> Step:
     )
     if version != VERSION:
         raise StepDecodeError(f"version {version}, not {VERSION}", size)
-    logprob_ints = entries * (2 + 2 * top_k) if flags & _LOGPROBS else 0
-    if size != HEADER.size + 4 * (2 * rows + 1 + tokens + logprob_ints) + rows + notes:
+    logprob_bytes = 12 * entries * (1 + top_k) if flags & _LOGPROBS else 0  # an int32 and a float64 each
+    if size != HEADER.size + 4 * (2 * rows + 1 + tokens) + logprob_bytes + rows + notes:
         raise StepDecodeError("its length does not match its counts", size)
     offset = HEADER.size
 
@@ -151,14 +153,14 @@ def decode_step(payload: bytes | memoryview) -> Step:
     if flags & _LOGPROBS:
         block = LogprobBlock(
             take(np.int32, entries),
-            take(np.float32, entries),
+            take(np.float64, entries),
             take(np.int32, entries * top_k).reshape(entries, top_k),
-            take(np.float32, entries * top_k).reshape(entries, top_k),
+            take(np.float64, entries * top_k).reshape(entries, top_k),
         )
     finish = take(np.int8, rows)
     note_map: dict[int, Any] = {}
     if notes:
         note_map = {
-            int(row): fields for row, fields in orjson.loads(payload[offset : offset + notes]).items()
+            int(entry): fields for entry, fields in orjson.loads(payload[offset : offset + notes]).items()
         }
     return Step(number, running, row_ids, offsets, token_ids, finish, block, note_map, sent_ns)

@@ -3,7 +3,8 @@ collected for a frontend into one `Step`, and the frontend unpacks a step into e
 
 A row may appear more than once in a step (two engine steps delivered before the core's loop ran), in
 order. What is rare (an error, a replay's verdict, cached tokens, prompt log-probabilities, a closing)
-travels in the step's notes, and a row's batch rows there only where they differ from the step's."""
+travels in the step's notes, by the entry's index, and an entry's batch rows there only where they
+differ from the step's."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def pack(number: int, updates: list[tuple[int, EngineUpdate]]) -> Step:
         finish.append(0 if update.finish is None else FINISH_CODES[update.finish])
         note = _note_of(update, running)
         if note:
-            notes.setdefault(row, {}).update(note)
+            notes[len(row_ids) - 1] = note
     return Step(
         number,
         running,
@@ -74,14 +75,14 @@ def _block(positions: list[int], entries: list[TokenLogprobs]) -> LogprobBlock |
         return None
     width = max(len(entry.top) for entry in entries)
     top_ids = np.full((len(entries), width), -1, np.int32)
-    top_logprobs = np.zeros((len(entries), width), np.float32)
+    top_logprobs = np.zeros((len(entries), width), np.float64)
     for i, entry in enumerate(entries):
         for j, (token, logprob) in enumerate(entry.top):
             top_ids[i, j] = token
             top_logprobs[i, j] = logprob
     return LogprobBlock(
         np.asarray(positions, np.int32),
-        np.asarray([entry.logprob for entry in entries], np.float32),
+        np.asarray([entry.logprob for entry in entries], np.float64),
         top_ids,
         top_logprobs,
     )
@@ -98,7 +99,7 @@ def unpack(step: Step) -> Iterator[tuple[int, EngineUpdate]]:
     logprobs = _entries(step.logprobs)
     for i, row in enumerate(row_ids):
         start, end = offsets[i], offsets[i + 1]
-        note = notes.get(row) if notes else None
+        note = notes.get(i) if notes else None
         update_logprobs = None
         if logprobs and start < end and start in logprobs:
             update_logprobs = tuple(logprobs[position] for position in range(start, end))

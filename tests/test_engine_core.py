@@ -1,0 +1,244 @@
+"""The engine core (worker/core/): a worker's engine in a process of its own, or one core shared by
+several workers, each with its share of the rows. On real processes: the same tokens as the engine in
+the worker's own process, a core killed mid-stream (the worker starts a new one and its jobs resume
+exactly), a frontend killed (only its rows resume), cancels, and the update crossing's every field."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from common.error_codes import ErrorCode
+from tests.conftest import Fleet
+from tests.jobs_client import read_events, submit, wait_done
+from tests.test_reliability import SLOW, assert_contiguous, kill_while_streaming, stream_until_tokens
+from worker.core.client import CoreGone, EngineCoreClient, SharedCore, SpawnedCore
+from worker.core.step_wire import decode_step, encode_step
+from worker.core.updates import pack, unpack
+from worker.engine import EngineUpdate, Finish, GenerationRequest, TokenLogprobs
+
+IN_A_CORE = {"ORTFLEET_ENGINE_CORE": "process"}
+
+
+def children(pid: int) -> list[int]:
+    """The process ids whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.unit
+def test_every_field_of_an_update_crosses_the_step_wire() -> None:
+    top = ((5, -0.25), (9, -1.5))
+    updates = [
+        (3, EngineUpdate([1, 2], batch_rows=7)),
+        (4, EngineUpdate([], Finish.error, "bad grammar", 7, ErrorCode.invalid_response_format)),
+        (
+            8,
+            EngineUpdate(
+                [11],
+                None,
+                batch_rows=7,
+                replay_exact=False,
+                logprobs=(TokenLogprobs(-0.5, top),),
+                cached_tokens=64,
+                prompt_logprobs=(TokenLogprobs(-2.0, ((3, -1.0),)),),
+            ),
+        ),
+        (3, EngineUpdate([4], Finish.eos, batch_rows=6, closed_early=True, logprobs=(TokenLogprobs(-1.0),))),
+    ]
+    crossed = list(unpack(decode_step(encode_step(pack(12, updates)))))
+    assert crossed == updates
+
+
+@pytest.mark.unit
+def test_a_step_without_rare_fields_carries_no_notes() -> None:
+    step = pack(1, [(row, EngineUpdate([row], batch_rows=3)) for row in range(3)])
+    assert step.notes == {} and step.logprobs is None and step.running == 3
+
+
+def fake_core_args(spec: str) -> list[str]:
+    return ["--fake-engine", spec]
+
+
+async def collect(stream: Any) -> tuple[list[int], Finish]:
+    tokens: list[int] = []
+    while True:
+        update = await stream.updates.get()
+        tokens += update.token_ids
+        if update.finish is not None:
+            return tokens, update.finish
+
+
+async def test_a_spawned_core_runs_requests_cancels_and_after_a_kill_ends_its_rows_lost_and_restarts() -> (
+    None
+):
+    client = EngineCoreClient(SpawnedCore(fake_core_args("5:4"), 60))
+    failures: list[str] = []
+    client.on_failure = failures.append
+    try:
+        assert client.capacity == 4 and client.facts.engine == "fake" and client.facts.frontends == 1
+        short, long = client.submit(
+            [GenerationRequest([97], max_new_tokens=5), GenerationRequest([97], max_new_tokens=10_000)]
+        )
+        tokens, finish = await collect(short)
+        assert finish is Finish.length and tokens == [98, 99, 100, 101, 102]  # b c d e f
+        await long.updates.get()
+        client.cancel(long)
+        _, finish = await collect(long)
+        assert finish is Finish.cancelled
+
+        doomed = client.submit([GenerationRequest([97], max_new_tokens=10_000)])[0]
+        await doomed.updates.get()
+        os.kill(client.facts.core_pid, signal.SIGKILL)
+        _, finish = await collect(doomed)
+        assert finish is Finish.lost and failures and str(client.facts.core_pid) in failures[0]
+        late = client.submit([GenerationRequest([97], max_new_tokens=2)])[0]
+        assert (await late.updates.get()).finish is Finish.lost  # until restart
+        old_pid = client.facts.core_pid
+        await client.restart()
+        assert client.facts.core_pid != old_pid
+        tokens, finish = await collect(client.submit([GenerationRequest([1, 2], max_new_tokens=3)])[0])
+        assert tokens == [99, 100, 101] and finish is Finish.length  # c d e: the letters of positions 2-4
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def shared_core(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    path = tmp_path / "core.sock"
+    core = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.core",
+            "--socket",
+            str(path),
+            "--frontends",
+            "2",
+            "--fake-engine",
+            "5:8",
+        ]
+    )
+    yield path, core
+    core.terminate()  # its frontends have gone: it stops at once
+    assert core.wait(timeout=30) == 0
+
+
+async def test_a_shared_core_gives_each_frontend_its_share_and_a_frontend_that_leaves_costs_only_its_rows(
+    shared_core: tuple[Path, subprocess.Popen[bytes]],
+) -> None:
+    path, _ = shared_core
+    first = EngineCoreClient(SharedCore(path, 60))
+    second = EngineCoreClient(SharedCore(path, 60))
+    try:
+        assert (first.capacity, second.capacity) == (4, 4)
+        assert first.facts.core_pid == second.facts.core_pid
+        with pytest.raises(CoreGone):  # both shares are taken: a third waits, then gives up
+            SharedCore(path, 1.5).connect()
+        staying = second.submit([GenerationRequest([97], max_new_tokens=60)])[0]
+        leaving = first.submit([GenerationRequest([97], max_new_tokens=10_000)])[0]
+        await leaving.updates.get()
+        sock = first._sock
+        assert sock is not None
+        sock.shutdown(socket.SHUT_RDWR)  # as a frontend that died: no goodbye
+        tokens, finish = await collect(staying)
+        assert finish is Finish.length and len(tokens) == 60
+        third = await asyncio.to_thread(EngineCoreClient, SharedCore(path, 60))  # takes the freed share
+        try:
+            assert third.capacity == 4
+            tokens, finish = await collect(third.submit([GenerationRequest([97], max_new_tokens=3)])[0])
+            assert (tokens, finish) == ([98, 99, 100], Finish.length)
+        finally:
+            third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+async def test_a_worker_whose_engine_runs_in_a_core_writes_what_one_with_the_engine_in_process_writes(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name + "-in", "--scheduler", "batcher")
+    worker = fleet.start_worker(model_name + "-core", "--scheduler", "batcher", env=IN_A_CORE)
+    assert len(children(worker.pid)) == 1
+    body: dict[str, Any] = {
+        "prompt": "The quick brown fox",
+        "max_tokens": 40,
+        "logprobs": 3,
+        "temperature": 0,
+    }
+    answers = []
+    for name in (model_name + "-in", model_name + "-core"):
+        response = await client.post("/v1/completions", json={**body, "model": name})
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0])
+    assert answers[0]["text"] == answers[1]["text"] and answers[0]["text"]
+    assert answers[0]["logprobs"] == answers[1]["logprobs"]
+
+
+async def test_a_core_killed_mid_stream_is_replaced_and_its_jobs_resume_with_no_gap(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    worker = fleet.start_worker(model_name, "--scheduler", "batcher", env={**SLOW, **IN_A_CORE})
+    body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
+    reference = await wait_done(client, (await submit(client, body))["id"])
+    assert reference["status"] == "succeeded" and reference["attempts"] == 1
+    (core,) = children(worker.pid)
+    job = await submit(client, body)
+    await stream_until_tokens(client, job["id"], 30)
+    os.kill(core, signal.SIGKILL)
+    events = await read_events(client, job["id"])
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "succeeded" and done["attempts"] == 2
+    assert done["output"] == reference["output"] and done["resume_exact"] is True
+    assert len(assert_contiguous(events)) == done["usage"]["completion_tokens"]
+    assert worker.alive() and children(worker.pid) not in ([], [core])
+
+
+def start_core(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "worker.core", *args], env={**os.environ, **(env or {})})
+
+
+async def test_with_a_shared_core_a_killed_worker_costs_only_its_own_rows(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    path = tmp_path / "core.sock"
+    core = start_core(
+        *("--socket", str(path), "--frontends", "2", "--model", str(tiny_model)),
+        *("--scheduler", "batcher", "--max-batch-size", "4"),
+        env=SLOW,
+    )
+    try:
+        shared = {**SLOW, "ORTFLEET_ENGINE_CORE": f"unix:{path}"}
+        doomed = fleet.start_worker(model_name, env=shared)
+        standby = fleet.start_worker(model_name, env=shared)
+        body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
+        reference = await wait_done(client, (await submit(client, body))["id"])
+        job = await kill_while_streaming(client, body, doomed, standby, 30)
+        done = await wait_done(client, job["id"])
+        assert done["status"] == "succeeded" and done["attempts"] == 2
+        assert done["output"] == reference["output"]
+        assert core.poll() is None and standby.alive()
+        again = await wait_done(client, (await submit(client, body))["id"])  # on the staying worker's share
+        assert again["attempts"] == 1 and again["output"] == reference["output"]
+    finally:
+        core.kill()
+        core.wait(timeout=30)
