@@ -17,11 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
+from common import keys
 from common.error_codes import ErrorCode
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
-from tests.test_reliability import SLOW, assert_contiguous, kill_while_streaming, stream_until_tokens
+from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
 from worker.core.client import CoreGone, EngineCoreClient, SharedCore, SpawnedCore
 from worker.core.step_wire import decode_step, encode_step
 from worker.core.updates import pack, unpack
@@ -213,32 +215,28 @@ async def test_a_core_killed_mid_stream_is_replaced_and_its_jobs_resume_with_no_
     assert worker.alive() and children(worker.pid) not in ([], [core])
 
 
-def start_core(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "worker.core", *args], env={**os.environ, **(env or {})})
-
-
 async def test_with_a_shared_core_a_killed_worker_costs_only_its_own_rows(
-    fleet: Fleet, client: httpx.AsyncClient, model_name: str, tmp_path: Path, tiny_model: Path
+    fleet: Fleet, client: httpx.AsyncClient, redis: Redis, model_name: str, tmp_path: Path, tiny_model: Path
 ) -> None:
     path = tmp_path / "core.sock"
-    core = start_core(
-        *("--socket", str(path), "--frontends", "2", "--model", str(tiny_model)),
-        *("--scheduler", "batcher", "--max-batch-size", "4"),
-        env=SLOW,
+    # Two rows, one for each worker: the second job runs on the worker the first does not.
+    core = fleet.start_core(
+        path, 2, "--scheduler", "batcher", "--max-batch-size", "2", model=tiny_model, device="cpu", env=SLOW
     )
-    try:
-        shared = {**SLOW, "ORTFLEET_ENGINE_CORE": f"unix:{path}"}
-        doomed = fleet.start_worker(model_name, env=shared)
-        standby = fleet.start_worker(model_name, env=shared)
-        body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
-        reference = await wait_done(client, (await submit(client, body))["id"])
-        job = await kill_while_streaming(client, body, doomed, standby, 30)
-        done = await wait_done(client, job["id"])
-        assert done["status"] == "succeeded" and done["attempts"] == 2
-        assert done["output"] == reference["output"]
-        assert core.poll() is None and standby.alive()
-        again = await wait_done(client, (await submit(client, body))["id"])  # on the staying worker's share
-        assert again["attempts"] == 1 and again["output"] == reference["output"]
-    finally:
-        core.kill()
-        core.wait(timeout=30)
+    shared = {**SLOW, "ORTFLEET_ENGINE_CORE": f"unix:{path}"}
+    workers = [fleet.start_worker(model_name, env=shared) for _ in range(2)]
+    body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
+    reference = await wait_done(client, (await submit(client, body))["id"])
+    staying_job = await submit(client, body)
+    await stream_until_tokens(client, staying_job["id"], 10)
+    doomed_job = await submit(client, body)
+    await stream_until_tokens(client, doomed_job["id"], 10)
+    holder = str(await redis.hget(keys.job(doomed_job["id"]), "worker"))  # type: ignore[misc]
+    doomed = next(worker for worker in workers if f"-{worker.pid}-" in holder)
+    doomed.kill()
+    staying, resumed = [await wait_done(client, job["id"]) for job in (staying_job, doomed_job)]
+    assert staying["attempts"] == 1 and staying["output"] == reference["output"]  # untouched
+    assert resumed["attempts"] == 2 and resumed["output"] == reference["output"]
+    assert core.alive()
+    fleet.stop_all()  # the workers, then the core: it stops once they have left
+    assert core.process.returncode == 0

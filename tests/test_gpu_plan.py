@@ -16,6 +16,7 @@ from ortfleet.fleet.gpu_plan import (
     nvidia_smi_gpus,
     parse_gpus,
     plan_workers,
+    planned_cores,
 )
 
 pytestmark = pytest.mark.unit  # no process: the first tier
@@ -138,7 +139,7 @@ def test_nvidia_smi_probe_listing_nothing_finds_no_gpu() -> None:
         nvidia_smi_gpus(run=nvidia_smi(stdout="No devices were found\n"), which=lambda name: name)
 
 
-def test_several_workers_per_gpu_each_get_their_share_of_the_cards_kv_memory() -> None:
+def test_several_workers_per_gpu_are_the_frontends_of_one_engine_core_per_card() -> None:
     planned = plan_workers(
         workers=None,
         gpus="0,1",
@@ -151,8 +152,9 @@ def test_several_workers_per_gpu_each_get_their_share_of_the_cards_kv_memory() -
     assert [(w.name, w.device) for w in planned] == [
         ("gpu-0.1", "cuda:0"), ("gpu-0.2", "cuda:0"), ("gpu-1.1", "cuda:1"), ("gpu-1.2", "cuda:1"),
     ]  # fmt: skip
-    shares = [float(w.env["ORTFLEET_GPU_KV_FRACTION"]) for w in planned]
-    assert shares == [0.4] * 4  # 80% of each card, split between its two workers
+    assert [w.core for w in planned] == ["gpu-0", "gpu-0", "gpu-1", "gpu-1"]
+    assert all("ORTFLEET_GPU_KV_FRACTION" not in w.env for w in planned)  # the core holds the whole cache
+    assert planned_cores(planned) == {"gpu-0": ("cuda:0", 2), "gpu-1": ("cuda:1", 2)}
     with pytest.raises(GpuPlanError, match="--workers-per-gpu goes with --gpus"):
         plan_workers(
             workers=2, gpus=None, device="cpu", probe=no_gpu, pick_port=ports(), environ={}, per_gpu=2

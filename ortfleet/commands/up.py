@@ -22,7 +22,7 @@ from common.gateway_settings import GatewaySettings
 from common.redis_url import URL_FORMAT, mask_url
 from common.startup import settings_error_lines
 from common.worker_settings import WorkerSettings
-from ortfleet.fleet.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers
+from ortfleet.fleet.gpu_plan import GpuPlanError, PlannedWorker, nvidia_smi_gpus, plan_workers, planned_cores
 from ortfleet.fleet.launcher import LocalFleet
 from ortfleet.fleet.processes import (
     REDIS_MISSING,
@@ -60,7 +60,8 @@ def register(subparsers: Subparsers) -> None:
         metavar="N",
         type=_positive_int,
         default=1,
-        help="with --gpus: N workers on each GPU, each given 1/N of the KV memory (default 1)",
+        help="with --gpus: N workers on each GPU, the frontends of one engine core that holds the card's "
+        "model and KV cache, each with 1/N of its rows (default 1: one worker and its own engine core)",
     )
     parser.add_argument(
         "--gateways",
@@ -304,6 +305,14 @@ def _start_fleet(
     """Starts the planned workers (each with a /metrics port of its own) and the gateway; the metrics
     ports."""
     extra = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
+    attach: dict[str, dict[str, str]] = {}
+    for name, (device, frontends) in planned_cores(plan).items():
+        socket_path = Path(tempfile.mkdtemp(prefix="ortfleet-core-")) / f"{name}.sock"
+        core = fleet.start_core(
+            socket_path, frontends, *extra, model=served.model_dir, device=device, label=f"core-{name}"
+        )
+        attach[name] = {"ORTFLEET_ENGINE_CORE": f"unix:{socket_path}"}
+        console.say(f"engine core {name} starting (pid {core.pid}, device {device}, {frontends} workers)")
     for index, planned in enumerate(plan, 1):
         store = {"ORTFLEET_STORE": str((index - 1) % args.stores + 1)} if args.stores > 1 else {}
         child = fleet.start_worker(
@@ -313,7 +322,7 @@ def _start_fleet(
             str(planned.metrics_port),
             model=served.model_dir,
             device=planned.device,
-            env={**planned.env, **store},
+            env={**planned.env, **attach.get(planned.core, {}), **store},
             wait=False,
             label=planned.name,
         )

@@ -32,6 +32,7 @@ class PlannedWorker:
     device: str
     metrics_port: int
     env: Mapping[str, str] = field(default_factory=dict)  # the worker's own settings
+    core: str = ""  # the shared engine core it attaches to ('': an engine core of its own)
 
 
 def parse_gpus(text: str) -> list[int] | None:
@@ -96,9 +97,9 @@ def plan_workers(
     per_gpu: int = 1,
 ) -> list[PlannedWorker]:
     """The workers to start. Without ``gpus``: ``workers`` (default 1) on ``device``, named worker-N.
-    With ``gpus``: ``per_gpu`` workers (default 1) on each GPU's ``cuda:N``, named gpu-N (gpu-N.K when
-    several share it, each given its share of the card's memory for its KV cache); ``all`` asks
-    ``probe`` for them.
+    With ``gpus``: ``per_gpu`` workers (default 1) on each GPU's ``cuda:N``, named gpu-N; several on one
+    GPU (gpu-N.K) are the frontends of one shared engine core, gpu-N, which holds the card's model and
+    KV cache and gives each its share of the rows; ``all`` asks ``probe`` for them.
 
     ``--gpus`` rejects ``--workers`` and a ``--device`` other than auto: one `up` serves one model
     folder, and the GPU fleet's default model (fp16, paged attention) runs only on CUDA. Start a CPU
@@ -120,12 +121,21 @@ def plan_workers(
         indexes = visible_gpus(probe, environ)
     if per_gpu == 1:
         return [PlannedWorker(f"gpu-{index}", f"cuda:{index}", pick_port()) for index in indexes]
-    share = gpu_share_env("cuda", per_gpu)
     return [
-        PlannedWorker(f"gpu-{index}.{k}", f"cuda:{index}", pick_port(), share)
+        PlannedWorker(f"gpu-{index}.{k}", f"cuda:{index}", pick_port(), core=f"gpu-{index}")
         for index in indexes
         for k in range(1, per_gpu + 1)
     ]
+
+
+def planned_cores(plan: list[PlannedWorker]) -> dict[str, tuple[str, int]]:
+    """The shared engine cores a plan needs: name -> (device, workers attached)."""
+    cores: dict[str, tuple[str, int]] = {}
+    for worker in plan:
+        if worker.core:
+            device, count = cores.get(worker.core, (worker.device, 0))
+            cores[worker.core] = (device, count + 1)
+    return cores
 
 
 def gpu_share_env(device: str, workers: int) -> dict[str, str]:

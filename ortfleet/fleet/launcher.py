@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -36,11 +37,12 @@ from ortfleet.fleet.processes import (
     worker_command,
 )
 
-Role = Literal["redis", "gateway", "worker"]
+Role = Literal["redis", "gateway", "worker", "core"]
 LineSink = Callable[[str, str], None]
 LOG_TAIL_LINES = 20
 GATEWAY_STOP_S = 15.0
 REDIS_STOP_S = 15.0
+CORE_STOP_S = 15.0  # a shared engine core, once its workers have gone
 # Past a worker's shutdown grace: time to hand back its jobs and exit before it is killed.
 WORKER_STOP_MARGIN_S = 10.0
 GRACE_VARIABLE = "ORTFLEET_SHUTDOWN_GRACE_S"
@@ -213,6 +215,25 @@ class LocalFleet:
             self.wait_registered(child, timeout_s=timeout_s, urls=self.redis_urls_for(name, env))
         return child
 
+    def start_core(
+        self,
+        socket_path: Path,
+        frontends: int,
+        *extra: str,
+        model: Path | None = None,
+        device: str = "auto",
+        env: Mapping[str, str] | None = None,
+        label: str = "core",
+    ) -> FleetProcess:
+        """An engine core serving `frontends` workers that connect at `socket_path` (their
+        ORTFLEET_ENGINE_CORE is `unix:` and the path), with `model` (the fleet's by default) on `device`."""
+        model_dir = model or self.model_dir or Path(".")
+        command = [
+            sys.executable, "-m", "worker.core", "--socket", str(socket_path), "--frontends", str(frontends),
+            "--model", str(model_dir), "--device", device, *extra,
+        ]  # fmt: skip
+        return self._spawn(label, "core", command, env)
+
     def redis_urls_for(self, model: str, env: Mapping[str, str] | None = None) -> list[str]:
         """The Redis servers a worker of `model` may register on: its stores, if ORTFLEET_REDIS_SHARDS
         gives it some (the one ORTFLEET_STORE names, if it names one)."""
@@ -298,7 +319,8 @@ class LocalFleet:
 
     def stop_all(self, say: Callable[[str], None] | None = None) -> None:
         """Gateways first, then every worker at once (each hands its running jobs back to the queue once
-        its shutdown grace has run out, and is killed `WORKER_STOP_MARGIN_S` after that), then Redis."""
+        its shutdown grace has run out, and is killed `WORKER_STOP_MARGIN_S` after that), then the
+        shared engine cores, then Redis."""
         self.stopping = True
         for child in self.gateways:
             stop(child.process, GATEWAY_STOP_S)
@@ -311,6 +333,8 @@ class LocalFleet:
         for child in workers:
             deadline = signalled + child.grace_s + WORKER_STOP_MARGIN_S
             stop(child.process, max(0.0, deadline - time.monotonic()))
+        for child in self._role("core"):
+            stop(child.process, CORE_STOP_S)
         for child in self._role("redis"):
             stop(child.process, REDIS_STOP_S)
         for thread in self._threads:

@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from worker.core.server import EngineCore, serve_path, serve_socket
+    from worker.device import Device
     from worker.engine_choice import engine_kind
-    from worker.main import load_engine, resolve_model
+    from worker.engine_loading import chosen_device, local_engine, resolve_model
 
     if args.frontends < 1:
         raise CannotStart(f"--frontends must be at least 1, not {args.frontends}")
@@ -57,7 +58,8 @@ async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
         model_dir = settings.model
     else:
         model_dir = resolve_model(settings)
-    engine, _, device = load_engine(settings, model_dir, args.fake_engine)
+    device = Device("cpu") if model_dir is None else chosen_device(settings)
+    engine, _ = local_engine(settings, model_dir, args.fake_engine, device)
     kind = "fake" if model_dir is None else engine_kind(settings.scheduler, model_dir, device)
     core = EngineCore(
         engine, asyncio.get_running_loop(), frontends=args.frontends, device=str(device), kind=kind
