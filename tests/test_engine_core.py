@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.error_codes import ErrorCode
+from ortfleet.bench.machine import child_pids
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
@@ -30,20 +31,6 @@ from worker.core.updates import pack, unpack
 from worker.engine import EngineUpdate, Finish, GenerationRequest, TokenLogprobs
 
 IN_A_CORE = {"ORTFLEET_ENGINE_CORE": "process"}
-
-
-def children(pid: int) -> list[int]:
-    """The process ids whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 @pytest.mark.unit
@@ -180,7 +167,7 @@ async def test_a_worker_whose_engine_runs_in_a_core_writes_what_one_with_the_eng
 ) -> None:
     fleet.start_worker(model_name + "-in", "--scheduler", "batcher")
     worker = fleet.start_worker(model_name + "-core", "--scheduler", "batcher", env=IN_A_CORE)
-    assert len(children(worker.pid)) == 1
+    assert len(child_pids(worker.pid)) == 1
     body: dict[str, Any] = {
         "prompt": "The quick brown fox",
         "max_tokens": 40,
@@ -203,7 +190,7 @@ async def test_a_core_killed_mid_stream_is_replaced_and_its_jobs_resume_with_no_
     body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
     reference = await wait_done(client, (await submit(client, body))["id"])
     assert reference["status"] == "succeeded" and reference["attempts"] == 1
-    (core,) = children(worker.pid)
+    (core,) = child_pids(worker.pid)
     job = await submit(client, body)
     await stream_until_tokens(client, job["id"], 30)
     os.kill(core, signal.SIGKILL)
@@ -212,7 +199,7 @@ async def test_a_core_killed_mid_stream_is_replaced_and_its_jobs_resume_with_no_
     assert done["status"] == "succeeded" and done["attempts"] == 2
     assert done["output"] == reference["output"] and done["resume_exact"] is True
     assert len(assert_contiguous(events)) == done["usage"]["completion_tokens"]
-    assert worker.alive() and children(worker.pid) not in ([], [core])
+    assert worker.alive() and child_pids(worker.pid) not in ([], [core])
 
 
 async def test_with_a_shared_core_a_killed_worker_costs_only_its_own_rows(

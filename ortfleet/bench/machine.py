@@ -69,6 +69,20 @@ def wakeups(pid: int, tid: int | None = None) -> int:
     return 0
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, Linux."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # it ended while the list was read
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
     """User + system CPU time of a process (or one of its threads), Linux."""
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"

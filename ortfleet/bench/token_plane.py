@@ -33,7 +33,7 @@ from tqdm import tqdm
 from common import aio
 from common.redis_client import connect
 from ortfleet.bench.http import Connection
-from ortfleet.bench.machine import cpu_seconds, describe
+from ortfleet.bench.machine import child_pids, cpu_seconds, describe
 from ortfleet.bench.redis_load import read_jobs, redis_counters
 from ortfleet.bench.report import table
 from ortfleet.bench.stats import summary
@@ -58,6 +58,7 @@ class TokenPlaneOptions:
     coalesce_ms: list[float]  # ORTFLEET_STREAM_COALESCE_MS, one fleet each (0: off)
     writes_per_s: float  # ORTFLEET_STREAM_WRITES_PER_S
     stores: list[int] = field(default_factory=lambda: [1])  # Redis stores of the model, a fleet each
+    engine_core: str = "off"  # ORTFLEET_ENGINE_CORE of the workers: off, or process (a fake engine core)
 
 
 @dataclass
@@ -152,7 +153,12 @@ def _start_workers(fleet: LocalFleet, options: TokenPlaneOptions, stores: int) -
     """The fake-engine workers, spread over the model's stores in turn."""
     spec = f"{options.step_ms:g}:{options.rows}"
     workers = [
-        fleet.start_worker(MODEL, "--fake-engine", spec, env={"ORTFLEET_STORE": str(i % stores + 1)})
+        fleet.start_worker(
+            MODEL,
+            "--fake-engine",
+            spec,
+            env={"ORTFLEET_STORE": str(i % stores + 1), "ORTFLEET_ENGINE_CORE": options.engine_core},
+        )
         for i in range(options.workers)
     ]
     fleet.await_workers(MODEL, options.workers, workers)
@@ -244,6 +250,8 @@ async def _counters(
             counted[key] = counted.get(key, 0.0) + float(v["usec"])
     counted["gateway_cpu_s"] = sum(cpu_seconds(gateway.pid) for gateway in gateways)
     counted["worker_cpu_s"] = sum(cpu_seconds(worker.pid) for worker in workers)
+    # the workers' engine cores, where they run one (ORTFLEET_ENGINE_CORE=process): their children
+    counted["core_cpu_s"] = sum(cpu_seconds(core) for worker in workers for core in child_pids(worker.pid))
     return counted
 
 
@@ -291,6 +299,7 @@ def _figures(
         "redis_command_us_per_token": dict(sorted(by_command.items(), key=lambda item: -item[1])),
         "gateway_cpu_us_per_token": per_token_us("gateway_cpu_s"),
         "worker_cpu_us_per_token": per_token_us("worker_cpu_s"),
+        "core_cpu_us_per_token": per_token_us("core_cpu_s") if options.engine_core != "off" else None,
         "relay_latency_ms": summary(within([s.latency_s for s in seen], [s.received for s in seen])),
         "event_gap_ms": summary(within([s.gaps_s for s in seen], [s.gap_at for s in seen])),
         "ttft_ms": summary(within([s.ttft_s for s in seen], [s.ttft_at for s in seen])),
@@ -361,9 +370,10 @@ def _thousands(value: float | None) -> str:
 
 def text(figures: dict[str, Any]) -> str:
     options = figures["options"]
+    core = "" if options.get("engine_core", "off") == "off" else " (each in an engine core of its own)"
     head = (
         f"{options['workers']} fake-engine worker(s) of {options['rows']} rows every "
-        f"{options['step_ms']:g} ms, "
+        f"{options['step_ms']:g} ms{core}, "
         f"{options['gateways']} gateway(s), jobs of {options['max_tokens']} tokens"
     )
     rows = []
@@ -381,6 +391,7 @@ def text(figures: dict[str, Any]) -> str:
                 level["redis_commands_per_token"],
                 level["gateway_cpu_us_per_token"],
                 level["worker_cpu_us_per_token"],
+                level.get("core_cpu_us_per_token") or "-",
                 f"{relay.get('p50', '-')} / {relay.get('p99', '-')}",
                 f"{gap.get('p50', '-')}",
                 f"{ttft.get('p50', '-')}",
@@ -398,6 +409,7 @@ def text(figures: dict[str, Any]) -> str:
         "Redis cmds/token",
         "gateway µs/token",
         "worker µs/token",
+        "core µs/token",
         "relay p50 / p99 ms",
         "event gap p50 ms",
         "TTFT p50 ms",

@@ -128,10 +128,13 @@ class FrontendEnd:
 
     def send(self, command: Command) -> None:
         """Sends a command without blocking; what the socket cannot take yet goes when it can."""
-        if self.closed:
+        self.send_all([command])
+
+    def send_all(self, commands: list[Command]) -> None:
+        """Sends commands in one write, so that the engine core reads them together."""
+        if self.closed or not commands:
             return
-        payload = encode_command(command)
-        data = LENGTH.pack(len(payload)) + payload
+        data = b"".join(LENGTH.pack(len(payload)) + payload for payload in map(encode_command, commands))
         if self._outbox:
             self._outbox += data
             return

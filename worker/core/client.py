@@ -18,17 +18,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.startup import CannotStart
+from worker.batcher.counters import BatcherCounters
 from worker.core.channel import Frames, FrontendEnd, channel_pair, read_available
-from worker.core.commands import Cancel, Stop, Submit
+from worker.core.commands import Cancel, Command, Stop, Submit
 from worker.core.facts import CoreFacts
 from worker.core.step_wire import Step
-from worker.core.updates import unpack
+from worker.core.updates import ENGINE_STATS, unpack
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
 
 logger = logging.getLogger("worker.core")
@@ -179,6 +180,9 @@ class EngineCoreClient:
         self._next_row = 0
         self._failed: str | None = None
         self.on_failure: Callable[[str], None] | None = None
+        # The core's batcher's figures as of its last step that carried them (None: not a batcher).
+        self.counters: BatcherCounters | None = None
+        self._stats: Mapping[str, Any] = {}
 
     def _take_facts(self, facts: CoreFacts) -> None:
         self.facts = facts
@@ -196,6 +200,20 @@ class EngineCoreClient:
     def rows_open(self) -> int:
         return len(self._streams)
 
+    # What the worker's metrics read of ortfleet's batcher, as the core last sent it.
+
+    def rows(self) -> tuple[int, int, int]:
+        waiting, prefilling, decoding = self._stats.get("rows", (0, 0, 0))
+        return waiting, prefilling, decoding
+
+    @property
+    def kv_tokens_reserved(self) -> int:
+        return int(self._stats.get("kv_tokens_reserved", 0))
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        return int(self._stats.get("prefix_cache_tokens", 0))
+
     def _end_on(self, loop: asyncio.AbstractEventLoop) -> FrontendEnd:
         if self._end is None:
             assert self._sock is not None
@@ -206,6 +224,7 @@ class EngineCoreClient:
         loop = asyncio.get_running_loop()
         streams: list[GenerationStream] = []
         end = None if self._failed is not None else self._end_on(loop)
+        submits: list[Command] = []
         for request in requests:
             stream = RowStream(request=request, loop=loop, row=self._next_row)
             self._next_row = (self._next_row + 1) % ROW_IDS
@@ -214,7 +233,9 @@ class EngineCoreClient:
                 loop.call_soon(stream.updates.put_nowait, EngineUpdate([], Finish.lost, self._failed))
                 continue
             self._streams[stream.row] = stream
-            end.send(Submit.of(stream.row, request))
+            submits.append(Submit.of(stream.row, request))
+        if end is not None:
+            end.send_all(submits)  # together: a static batch starts with all of them
         return streams
 
     def cancel(self, stream: GenerationStream) -> None:
@@ -225,6 +246,10 @@ class EngineCoreClient:
     def _on_steps(self, steps: list[Step]) -> None:
         streams = self._streams
         for step in steps:
+            stats = step.notes.get(ENGINE_STATS) if step.notes else None
+            if stats is not None:
+                self._stats = stats
+                self.counters = BatcherCounters(**stats["counters"])
             for row, update in unpack(step):
                 stream = streams.get(row)
                 if stream is None:

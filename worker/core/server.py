@@ -17,19 +17,23 @@ import os
 import select
 import signal
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from worker.core.channel import LENGTH, Frames, read_available
 from worker.core.commands import Cancel, CommandDecodeError, Stop, Submit, decode_command
 from worker.core.facts import CoreFacts, shares
 from worker.core.step_wire import encode_step
-from worker.core.updates import pack
+from worker.core.updates import ENGINE_STATS, pack
 from worker.engine import Engine, EngineUpdate, GenerationRequest, GenerationStream
 
 logger = logging.getLogger("worker.core")
 
 EXIT_ENGINE_FAILED = 3  # the engine failed for good: a new core loads it again
+STATS_INTERVAL_S = 0.1
 
 
 def send_blocking(sock: socket.socket, payload: bytes) -> None:
@@ -57,6 +61,7 @@ class FrontendLink:
         self.pending: list[tuple[int, EngineUpdate]] = []
         self.steps = 0
         self.gone = False
+        self.stats_sent = 0.0  # when it was last sent the engine's figures (time.monotonic())
 
     def take(self, row: int, update: EngineUpdate) -> None:
         if self.gone:
@@ -72,8 +77,12 @@ class FrontendLink:
         if not pending or self.gone:
             return
         self.steps += 1
+        step = pack(self.steps, pending)
+        stats = self.core.stats_due(self, any(update.finish is not None for _, update in pending))
+        if stats is not None:
+            step = replace(step, notes={**step.notes, ENGINE_STATS: stats})
         try:
-            send_blocking(self.sock, encode_step(pack(self.steps, pending)))
+            send_blocking(self.sock, encode_step(step))
         except OSError:
             self.core.leave(self)
 
@@ -101,6 +110,22 @@ class EngineCore:
         self.links: dict[int, FrontendLink] = {}  # by slot
         self.failed = asyncio.Event()
         engine.on_failure = self._engine_failed
+
+    def stats_due(self, link: FrontendLink, finished: bool) -> dict[str, Any] | None:
+        """The engine's figures for the link's next step (ortfleet's batcher's, for the frontend's
+        metrics), at most every STATS_INTERVAL_S, and with every step where a row ended."""
+        counters = getattr(self.engine, "counters", None)
+        now = time.monotonic()
+        if counters is None or (not finished and now - link.stats_sent < STATS_INTERVAL_S):
+            return None
+        link.stats_sent = now
+        engine: Any = self.engine
+        return {
+            "counters": asdict(counters),
+            "rows": list(engine.rows()),
+            "kv_tokens_reserved": engine.kv_tokens_reserved,
+            "prefix_cache_tokens": engine.prefix_cache_tokens,
+        }
 
     def attach(self, sock: socket.socket) -> bool:
         """Takes a frontend on `sock` (sends it the facts); False when every share is taken."""

@@ -17,6 +17,10 @@ from common.error_codes import ErrorCode
 from worker.core.step_wire import FINISH_CODES, FINISHES, LogprobBlock, Step
 from worker.engine import EngineUpdate, TokenLogprobs
 
+# The notes' key of the engine's own figures (not an entry's): the batcher's counters, rows by phase and
+# KV, for the frontend's metrics.
+ENGINE_STATS = -1
+
 
 def pack(number: int, updates: list[tuple[int, EngineUpdate]]) -> Step:
     """One step of `updates`, each (row id, update), in order."""

@@ -111,6 +111,13 @@ def add_modes(modes: Subparsers) -> None:
         default=[1],
         help="Redis stores of the model, a fleet each (default 1; --workers at least the largest)",
     )
+    tokens.add_argument(
+        "--engine-core",
+        choices=["off", "process"],
+        default="off",
+        help="where each worker's fake engine runs: off (in the worker) or process (an engine core of its "
+        "own, over the real crossing; its CPU is reported apart) (default off)",
+    )
     tokens.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     tokens.set_defaults(func=run_tokens)
 
@@ -162,6 +169,7 @@ def run_tokens(args: argparse.Namespace) -> int:
         coalesce_ms=args.coalesce_ms,
         writes_per_s=args.writes_per_s,
         stores=args.stores,
+        engine_core=args.engine_core,
     )
     if args.workers < max(args.stores):
         print(
