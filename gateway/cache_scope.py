@@ -1,11 +1,10 @@
 """A job's cache scope: whose cached prompt prefixes it may reuse, and who may reuse its own.
 
-The scope is a digest of who shares (the job's API key, the key's group in ORTFLEET_PREFIX_CACHE_GROUPS,
-or the whole fleet with ORTFLEET_PREFIX_CACHE_SCOPE=fleet) and of the request's cache_salt. It travels in
-the job's payload; the worker's prefix cache chains every prompt block to it
-(worker/batcher/prefix_cache.py) and the routing hints start from it (common/prefix_hints.py), so a job
-never reuses, counts or is routed by the prompt of a job in another scope.
-"""
+The scope is a digest of who shares (the job's API key, the key's group in ORTFLEET_PREFIX_CACHE_GROUPS, or
+the whole fleet with ORTFLEET_PREFIX_CACHE_SCOPE=fleet) and of the request's cache_salt. It travels in the
+job's payload; the worker's prefix cache chains every prompt block to it
+(worker/engines/batcher/prefix_cache.py) and the routing hints start from it (common/prefix_hints.py), so a
+job never reuses, counts or is routed by the prompt of a job in another scope."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
 from tests.conftest import RedisServer
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 from worker.service import WorkerService
 
 

@@ -18,8 +18,8 @@ import pytest
 from ortfleet.modelbuild import cache, convert, random_weights, synthetic, tiny
 from ortfleet.modelbuild.synthetic import Shape, build_synthetic_model
 from tests.conftest import kept_models
-from worker.batcher.engine import BatchingEngine
 from worker.engine import GenerationRequest, GenerationStream
+from worker.engines.batcher.engine import BatchingEngine
 
 HIDDEN, HEADS = 64, 4
 HEAD_DIM = HIDDEN // HEADS

@@ -21,7 +21,7 @@ from tests.jobs_client import submit as submit_http
 from tests.queued_jobs import submit
 from tests.redis_events import wait_final, wait_for_tokens
 from tests.test_security import bearer, create_key
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 
 # Workers on the fake engine
 

@@ -1,5 +1,5 @@
-"""ortfleet's continuous batcher (worker/batcher) on real ONNX Runtime inference: admission while a batch
-runs, chunked prefill interleaved with decode, cancel within one chunk, the KV budget, and a lone greedy
+"""ortfleet's continuous batcher (worker/engines/batcher) on real ONNX Runtime inference: admission while a
+batch runs, chunked prefill interleaved with decode, cancel within one chunk, the KV budget, and a lone greedy
 request identical to og.Generator's."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import onnxruntime_genai as og
 import pytest
 
 from tests.waiting import until
-from worker.batcher.engine import BatchingEngine
 from worker.engine import Finish, GenerationRequest, GenerationStream
+from worker.engines.batcher.engine import BatchingEngine
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""The batcher's sampling (worker/batcher/sampler.py) on hand-made logits."""
+"""The batcher's sampling (worker/engines/batcher/sampler.py) on hand-made logits."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from worker.batcher.sampler import BiasOutsideVocabulary, RowSampler
 from worker.engine import GenerationRequest
+from worker.engines.batcher.sampler import BiasOutsideVocabulary, RowSampler
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from gateway.cache_scope import cache_scope
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 from tests.test_security import bearer, create_key
-from worker.ort_engine import engine_batching
+from worker.engines.ort_engine import engine_batching
 
 STORY = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens: two 128-token chunks
 REUSED = 256  # the whole chunks of STORY short of its last token

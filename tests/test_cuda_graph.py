@@ -11,9 +11,9 @@ import pydantic
 import pytest
 
 from common.worker_settings import WorkerSettings
-from worker import genai_config
-from worker.device import Device
-from worker.genai_config import cuda_provider_options, load_config
+from worker.engines import genai_config
+from worker.engines.device import Device
+from worker.engines.genai_config import cuda_provider_options, load_config
 
 pytestmark = pytest.mark.unit
 
@@ -124,7 +124,7 @@ def test_the_setting_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_worker_hands_the_setting_to_og_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from worker import engine_choice, ort_engine
+    from worker.engines import engine_choice, ort_engine
 
     seen: dict[str, Any] = {}
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from common.gateway_settings import GatewaySettings
 from common.worker_settings import WorkerSettings
 from tests.conftest import Fleet, RedisServer
-from worker.device import host_gpu_index
+from worker.engines.device import host_gpu_index
 
 ROOT = Path(__file__).parent.parent
 DEPLOY = ROOT / "deploy"

@@ -18,7 +18,7 @@ from gateway.app import build_app
 from gateway.metrics import GatewayMetrics
 from ortfleet import configuration_page
 from ortfleet.cli import build_parser
-from worker.batcher.counters import BatcherCounters
+from worker.engines.batcher.counters import BatcherCounters
 from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit
@@ -94,7 +94,7 @@ def test_every_metric_is_on_the_operations_page() -> None:
         context_length=1,
         generated_tokens=0,
     )
-    batcher = SimpleNamespace(  # the batcher's figures too (worker/batcher)
+    batcher = SimpleNamespace(  # the batcher's figures too (worker/engines/batcher)
         capacity=1,
         counters=BatcherCounters(),
         rows=lambda: (0, 0, 0),

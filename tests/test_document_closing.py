@@ -1,6 +1,6 @@
-"""The shortest ending of a structured document from where its grammar stands (worker/batcher/closing.py),
-and the closer that overrules a row's picks only when no ending would fit its tokens left: on llguidance
-with a byte-level BPE tokenizer, in-process."""
+"""The shortest ending of a structured document from where its grammar stands
+(worker/engines/batcher/closing.py), and the closer that overrules a row's picks only when no ending would fit
+its tokens left: on llguidance with a byte-level BPE tokenizer, in-process."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.guidance import ANY_JSON_OBJECT, json_guidance
 from gateway.openai_api.tools import FunctionDef, ToolPlan
-from worker.batcher.closing import START_BUDGET, STEP_BUDGET, DocumentCloser
-from worker.batcher.closing_walk import (
+from worker.engines.batcher.closing import START_BUDGET, STEP_BUDGET, DocumentCloser
+from worker.engines.batcher.closing_walk import (
     MASK_COST,
     ByteTokens,
     Lexer,
@@ -25,7 +25,7 @@ from worker.batcher.closing_walk import (
     closing_bytes,
     closing_tokens,
 )
-from worker.batcher.json_keys import JsonKeys
+from worker.engines.batcher.json_keys import JsonKeys
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,7 @@ from tests.redis_events import wait_final, wait_for_tokens
 from tests.test_observability import value
 from tests.test_structured_output import PERSON
 from tests.test_worker_fake_engine import submit as submit_to_redis
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 from worker.service import EngineUnrecoverable
 
 # Each breaks og.Engine's llguidance (with its default limits) at the first token it generates.

@@ -13,7 +13,7 @@ from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import submit, wait_done
 from tests.test_cli import ortfleet
-from worker.batcher.engine import DEFAULT_SLOTS
+from worker.engines.batcher.engine import DEFAULT_SLOTS
 
 
 def status_json(redis_url: str) -> dict[str, Any]:

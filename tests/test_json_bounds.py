@@ -1,5 +1,5 @@
 """Constrained JSON a weak model cannot derail: numbers a parser holds exactly (common/guidance.py), no key
-twice in one object (worker/batcher/json_keys.py and the sampler), the schema shown to the model
+twice in one object (worker/engines/batcher/json_keys.py and the sampler), the schema shown to the model
 (ResponseFormat.prompt_text). Checked against llguidance itself, on a tokenizer of one token per byte."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 
 from common.guidance import ANY_JSON_OBJECT, ResponseFormat, bounded_numbers, json_guidance
-from worker.batcher.json_keys import JsonKeys
-from worker.batcher.sampler import RowSampler
 from worker.engine import GenerationRequest
+from worker.engines.batcher.json_keys import JsonKeys
+from worker.engines.batcher.sampler import RowSampler
 
 pytestmark = pytest.mark.unit
 

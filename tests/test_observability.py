@@ -23,7 +23,7 @@ from ortfleet.fleet.processes import free_port, stop
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_cli import ortfleet_up
-from worker.batcher.engine import DEFAULT_SLOTS
+from worker.engines.batcher.engine import DEFAULT_SLOTS
 
 ROOT = Path(__file__).parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "ortfleet.json"

@@ -20,7 +20,7 @@ from tests.conftest import RedisServer
 from tests.fake_workers import Started
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.waiting import until
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 
 
 @dataclass

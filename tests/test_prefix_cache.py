@@ -1,5 +1,5 @@
-"""Prefix reuse in the batcher (worker/batcher/prefix_cache.py): a prompt that starts like one run before
-prefills only the rest, whole chunks at a time, and gives the tokens it gives without the cache."""
+"""Prefix reuse in the batcher (worker/engines/batcher/prefix_cache.py): a prompt that starts like one run
+before prefills only the rest, whole chunks at a time, and gives the tokens it gives without the cache."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from common.registry import live_workers
 from tests.test_batcher import collect, long_tokens
 from tests.test_observability import value
 from tests.waiting import until
-from worker.batcher.engine import BatchingEngine
-from worker.batcher.prefix_cache import PrefixCache, prompt_blocks
 from worker.engine import Finish, GenerationRequest
+from worker.engines.batcher.engine import BatchingEngine
+from worker.engines.batcher.prefix_cache import PrefixCache, prompt_blocks
 
 CHUNK = 32
 

@@ -23,7 +23,7 @@ from tests.queued_jobs import submit
 from tests.redis_events import wait_final, wait_for_tokens
 from tests.test_batch_preemption import assert_exact_stream, fake_text, first_token
 from tests.test_security import bearer, create_key
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 from worker.row_shares import Row, handover, shares
 
 # The choice of a row to yield

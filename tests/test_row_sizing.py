@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from worker.row_sizing import (
+from worker.engines.row_sizing import (
     ENGINE_SHARE_OF_ITL,
     ROW_LIMIT,
     RowSizingError,

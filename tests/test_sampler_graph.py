@@ -1,4 +1,4 @@
-"""The sampler graph (worker/device_sampling/) on the CPU execution provider against `RowSampler`, the
+"""The sampler graph (worker/engines/device_sampling/) on the CPU execution provider against `RowSampler`, the
 batcher's per-row sampling, on seeded random logits."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from worker.batcher.sampler import RowSampler, token_logprobs
-from worker.device_sampling.graph import OPSET, TOP_LOGPROBS
-from worker.device_sampling.runner import SamplerGraph, Widths
 from worker.engine import GenerationRequest
+from worker.engines.batcher.sampler import RowSampler, token_logprobs
+from worker.engines.device_sampling.graph import OPSET, TOP_LOGPROBS
+from worker.engines.device_sampling.runner import SamplerGraph, Widths
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from tests.conftest import RedisServer
 from tests.fake_workers import Started
 from tests.redis_events import fresh_jobs, wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 from worker.publisher import LeaseLost, StepWriter, StreamPublisher
 
 TOKENS = 24

@@ -15,7 +15,7 @@ from common.wire import JobStatus
 from tests.fake_workers import Started
 from tests.redis_events import fresh_jobs, lose_newest_tokens, wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 from worker.publisher import StepWriter
 
 

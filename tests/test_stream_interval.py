@@ -17,7 +17,7 @@ from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.redis_events import wait_final
 from tests.test_worker_fake_engine import fake_text
 from tests.test_worker_fake_engine import submit as submit_to_queue
-from worker.fake_engine import FakeEngine
+from worker.engines.fake_engine import FakeEngine
 
 TOKENS = 23  # not a multiple of the interval: the job ends with tokens still held
 

@@ -24,7 +24,7 @@ from tests.conftest import Fleet, RedisServer
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
 from tests.waiting import until
-from worker.fake_engine import FakeDecoder, FakeEngine, FakeTokenizer
+from worker.engines.fake_engine import FakeDecoder, FakeEngine, FakeTokenizer
 from worker.service import WorkerService
 from worker.static_batch import together_window
 

@@ -45,7 +45,7 @@ class GenerationRequest:
     # first computed (prompt prefill, then one decode step each) and delivers only the tokens after them.
     # max_new_tokens and min_new_tokens count from the end of the replayed tokens.
     replay_ids: tuple[int, ...] = ()
-    # Structured output: the engine ends the document within max_tokens (worker/batcher/closing.py),
+    # Structured output: the engine ends the document within max_tokens (worker/engines/batcher/closing.py),
     # on engines that can (`closes_documents`).
     close_early: bool = True
     # OpenAI's controls over the logits, only on engines that expose them (`exposes_logits`; og.Engine

@@ -33,9 +33,9 @@ from common.startup import (
 )
 from common.store_watch import StoreWatch, quiet_out_of_memory_lines
 from common.worker_settings import WorkerSettings
-from worker.device import Device, parse_device
 from worker.engine import Engine, Tokenizer
-from worker.engine_loading import REBUILD, chosen_device, local_engine, resolve_model
+from worker.engines.device import Device, parse_device
+from worker.engines.engine_loading import REBUILD, chosen_device, local_engine, resolve_model
 from worker.service import EngineUnrecoverable, WarmUpFailed, WorkerService
 
 if TYPE_CHECKING:
@@ -169,13 +169,13 @@ def engine_core_client(
 def frontend_tokenizer(model_dir: Path | None) -> Tokenizer:
     """The model's tokenizer without its weights, for a worker whose engine runs in an engine core."""
     if model_dir is None:
-        from worker.fake_engine import FakeTokenizer
+        from worker.engines.fake_engine import FakeTokenizer
 
         return FakeTokenizer()
     import onnxruntime_genai as og
 
-    from worker.genai_config import vocab_size
-    from worker.ort_tokenizer import OrtTokenizer
+    from worker.engines.genai_config import vocab_size
+    from worker.engines.ort_tokenizer import OrtTokenizer
 
     return OrtTokenizer(og.Config(str(model_dir)), vocab_size(model_dir), model_dir)
 

@@ -207,7 +207,7 @@ class EngineLoad:
         return [running, capacity, generated, restarts, *self._batcher()]
 
     def _batcher(self) -> list[Metric]:
-        """The figures of ortfleet's batcher (worker/batcher), on workers that run it."""
+        """The figures of ortfleet's batcher (worker/engines/batcher), on workers that run it."""
         engine: Any = self.service.engine
         counters = getattr(engine, "counters", None)
         if counters is None:

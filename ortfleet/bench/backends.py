@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ortfleet.bench.http import Connection
 
 if TYPE_CHECKING:
-    from worker.batcher.engine import BatchingEngine
-    from worker.ort_engine import OrtEngine
+    from worker.engines.batcher.engine import BatchingEngine
+    from worker.engines.ort_engine import OrtEngine
 
 FLEET_APIS = ("jobs", "completions", "responses")
 
@@ -92,8 +92,8 @@ def open_worker_engine(
     import onnxruntime_genai as og
 
     from common.worker_settings import WorkerSettings
-    from worker.device import parse_device
-    from worker.engine_choice import open_engine
+    from worker.engines.device import parse_device
+    from worker.engines.engine_choice import open_engine
 
     settings = WorkerSettings()
     if kv_fraction is not None:

@@ -1,5 +1,5 @@
-"""The sampler graph (worker/device_sampling/) on the CPU execution provider against `RowSampler`'s per-row
-loop, on one step of seeded random logits.
+"""The sampler graph (worker/engines/device_sampling/) on the CPU execution provider against `RowSampler`'s
+per-row loop, on one step of seeded random logits.
 
 `python -m ortfleet.bench.sampler_graph [--rows N] [--vocab V] [--repeat R] [--json FILE]` times, for each
 kind of row (greedy, temperature over the whole vocabulary, top_k 50, top_p 0.9, and top_p 0.9 with 20
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from ortfleet.bench.machine import describe
-from worker.batcher.sampler import RowSampler, token_logprobs
-from worker.device_sampling.runner import SamplerGraph
 from worker.engine import GenerationRequest
+from worker.engines.batcher.sampler import RowSampler, token_logprobs
+from worker.engines.device_sampling.runner import SamplerGraph
 
 _EOS = frozenset({0})
 KINDS: dict[str, dict[str, Any]] = {

@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 import onnxruntime as ort
 
-from worker.batcher.graph import Layout, open_session
+from worker.engines.batcher.graph import Layout, open_session
 
 __all__ = ["MODES", "Layout", "Mode", "SessionRows", "open_session"]
 

@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from worker.core.server import EngineCore, serve_path, serve_socket
-    from worker.device import Device
-    from worker.engine_choice import engine_kind
-    from worker.engine_loading import chosen_device, local_engine, resolve_model
+    from worker.engines.device import Device
+    from worker.engines.engine_choice import engine_kind
+    from worker.engines.engine_loading import chosen_device, local_engine, resolve_model
 
     if args.frontends < 1:
         raise CannotStart(f"--frontends must be at least 1, not {args.frontends}")

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from common.startup import CannotStart
-from worker.batcher.counters import BatcherCounters
 from worker.core.channel import Frames, FrontendEnd, channel_pair, read_available
 from worker.core.commands import Cancel, Command, Stop, Submit
 from worker.core.facts import CoreFacts
 from worker.core.step_wire import Step
 from worker.core.updates import ENGINE_STATS, unpack
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
+from worker.engines.batcher.counters import BatcherCounters
 
 logger = logging.getLogger("worker.core")
 

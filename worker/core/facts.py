@@ -22,7 +22,7 @@ class CoreFacts:
     prefix_block_tokens: int
     eos_token_ids: tuple[int, ...]
     kv_budget_tokens: int  # the batcher's (0 elsewhere)
-    device: str  # as worker.device.Device prints it
+    device: str  # as worker.engines.device.Device prints it
     engine: str  # which engine: "ortfleet's batcher", "og.Engine" or "fake"
     core_pid: int
     frontends: int  # the frontends the core serves at most, each with its share

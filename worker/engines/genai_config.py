@@ -10,7 +10,7 @@ from typing import Any
 
 import onnxruntime_genai as og
 
-from worker.device import Device
+from worker.engines.device import Device
 
 
 def load_config(

@@ -1,5 +1,5 @@
 """The sampler graph: one ONNX model that picks every row's next token of a step at once, as `RowSampler`
-does (worker/batcher/sampler.py), so that only token ids and the asked-for log-probabilities leave the
+does (worker/engines/batcher/sampler.py), so that only token ids and the asked-for log-probabilities leave the
 device. Rows it cannot pick exactly as `RowSampler` would are flagged `host`, for the host path.
 
 In the graph's order: the repetition penalty over each row's penalized ids, the presence and frequency

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from worker.genai_config import read_genai
+from worker.engines.genai_config import read_genai
 
 
 class UnsupportedGraph(ValueError):

@@ -15,11 +15,11 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
-from worker.batcher.closing import DocumentCloser
-from worker.batcher.closing_walk import ByteTokens
-from worker.batcher.json_keys import JsonKeys
 from worker.engine import GenerationRequest, TokenLogprobs
-from worker.engine_errors import failure_cause, grammar_broke, grammar_refused
+from worker.engines.batcher.closing import DocumentCloser
+from worker.engines.batcher.closing_walk import ByteTokens
+from worker.engines.batcher.json_keys import JsonKeys
+from worker.engines.engine_errors import failure_cause, grammar_broke, grammar_refused
 
 _KEY_RETRIES = 64  # tokens passed over at one step for repeating a key, at most
 _NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be

@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
-from worker.engine_errors import grammar_errors
+from worker.engines.engine_errors import grammar_errors
 
 
 @dataclass

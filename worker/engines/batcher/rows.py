@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from worker.batcher.counters import BatcherCounters
-from worker.batcher.graph import Layout
-from worker.batcher.kv_slots import KvSlots
-from worker.batcher.prefix_cache import PrefixCache
-from worker.batcher.sampler import RowSampler
 from worker.engine import GenerationRequest, GenerationStream, TokenLogprobs
+from worker.engines.batcher.counters import BatcherCounters
+from worker.engines.batcher.graph import Layout
+from worker.engines.batcher.kv_slots import KvSlots
+from worker.engines.batcher.prefix_cache import PrefixCache
+from worker.engines.batcher.sampler import RowSampler
 
 
 @dataclass(eq=False)

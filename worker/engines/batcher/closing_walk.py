@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from worker.batcher.json_keys import JsonKeys
+from worker.engines.batcher.json_keys import JsonKeys
 
 WALK_LIMIT = 4096  # bytes a walk may write before it gives up (a grammar it cannot end)
 MASK_COST = 25  # a mask over the vocabulary costs about as much as 25 single-token checks

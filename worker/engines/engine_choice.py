@@ -8,17 +8,17 @@ from typing import TYPE_CHECKING
 
 from common.startup import CannotStart
 from common.worker_settings import WorkerSettings
-from worker.device import Device
+from worker.engines.device import Device
 
 if TYPE_CHECKING:
-    from worker.batcher.engine import BatchingEngine
-    from worker.ort_engine import OrtEngine
+    from worker.engines.batcher.engine import BatchingEngine
+    from worker.engines.ort_engine import OrtEngine
 
 
 def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
     """Whether ortfleet's batcher runs the model (ORTFLEET_SCHEDULER): it runs on CPU only, and `auto`
     keeps og.Engine where it batches continuously itself (paged attention) or runs on a GPU."""
-    from worker.genai_config import uses_dynamic_batching
+    from worker.engines.genai_config import uses_dynamic_batching
 
     if scheduler == "og-engine":
         return False
@@ -33,8 +33,8 @@ def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
 
 def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> OrtEngine | BatchingEngine:
     """The engine a worker with these settings runs the model with on the device (loads the model)."""
-    from worker.batcher.engine import BatchingEngine
-    from worker.ort_engine import OrtEngine
+    from worker.engines.batcher.engine import BatchingEngine
+    from worker.engines.ort_engine import OrtEngine
 
     if uses_batcher(settings.scheduler, model_dir, device):
         return BatchingEngine(

@@ -18,9 +18,9 @@ from common.model_folder import (
 )
 from common.startup import CannotStart
 from common.worker_settings import WorkerSettings
-from worker.device import Device, DeviceError, parse_device
 from worker.engine import Engine, Tokenizer
-from worker.engine_choice import engine_kind, open_engine
+from worker.engines.device import Device, DeviceError, parse_device
+from worker.engines.engine_choice import engine_kind, open_engine
 
 REBUILD = "rebuild the folder (`ortfleet model`), or pass another --model"
 
@@ -88,7 +88,7 @@ def local_engine(
 ) -> tuple[Engine, Tokenizer]:
     """The engine in this process (the worker's own, or an engine core's) and its tokenizer."""
     if fake_engine is not None:
-        from worker.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
+        from worker.engines.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
 
         try:
             delay_s, capacity = parse_fake_engine(fake_engine)

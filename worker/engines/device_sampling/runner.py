@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from worker.batcher.sampler import RowSampler
-from worker.device_sampling.graph import sampler_model
+from worker.engines.batcher.sampler import RowSampler
+from worker.engines.device_sampling.graph import sampler_model
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from typing import NamedTuple
 
 from llguidance import LLMatcher
 
-from worker.batcher.closing_walk import (
+from worker.engines.batcher.closing_walk import (
     ByteTokens,
     Lexer,
     WalkBudget,
     closing_bytes,
     written_as_tokens,
 )
-from worker.batcher.json_keys import JsonKeys
+from worker.engines.batcher.json_keys import JsonKeys
 
 START_BUDGET = 40_000  # matcher work a row's first ending may cost (tens of ms on one core)
 STEP_BUDGET = 3_000  # matcher work one step of a row may spend on the ending after the model's pick

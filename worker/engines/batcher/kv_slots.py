@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from worker.batcher.graph import Layout
+from worker.engines.batcher.graph import Layout
 
 
 class KvSlots:

@@ -28,16 +28,16 @@ import onnxruntime_genai as og
 from llguidance import LLTokenizer
 
 from common.error_codes import ErrorCode
-from worker.batcher.closing_walk import ByteTokens
-from worker.batcher.counters import BatcherCounters
-from worker.batcher.graph import DecoderGraph, open_session
-from worker.batcher.prefix_cache import PrefixCache
-from worker.batcher.rows import Row, Rows
-from worker.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
-from worker.engine_thread import EngineThread, Updates
-from worker.genai_config import context_length, vocab_size
-from worker.ort_tokenizer import OrtTokenizer
+from worker.engines.batcher.closing_walk import ByteTokens
+from worker.engines.batcher.counters import BatcherCounters
+from worker.engines.batcher.graph import DecoderGraph, open_session
+from worker.engines.batcher.prefix_cache import PrefixCache
+from worker.engines.batcher.rows import Row, Rows
+from worker.engines.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
+from worker.engines.engine_thread import EngineThread, Updates
+from worker.engines.genai_config import context_length, vocab_size
+from worker.engines.ort_tokenizer import OrtTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,20 @@ import numpy as np
 import onnxruntime_genai as og
 
 from common.error_codes import ErrorCode
-from worker.device import Device
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
-from worker.engine_errors import GuidanceRejected, failure_cause, grammar_broke, grammar_errors
-from worker.engine_thread import EngineThread, Updates
-from worker.genai_config import context_length, load_config, read_genai, uses_dynamic_batching, vocab_size
-from worker.ort_solo import SoloRun, solo_generator
-from worker.ort_tokenizer import OrtTokenizer
-from worker.row_sizing import KvPlan, RowSizing, calibrate, gpu_memory, plan_kv, weights_bytes
+from worker.engines.device import Device
+from worker.engines.engine_errors import GuidanceRejected, failure_cause, grammar_broke, grammar_errors
+from worker.engines.engine_thread import EngineThread, Updates
+from worker.engines.genai_config import (
+    context_length,
+    load_config,
+    read_genai,
+    uses_dynamic_batching,
+    vocab_size,
+)
+from worker.engines.ort_solo import SoloRun, solo_generator
+from worker.engines.ort_tokenizer import OrtTokenizer
+from worker.engines.row_sizing import KvPlan, RowSizing, calibrate, gpu_memory, plan_kv, weights_bytes
 
 logger = logging.getLogger(__name__)
 
