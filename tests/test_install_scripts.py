@@ -66,6 +66,16 @@ esac""",
     }
 
 
+# What scripts/test runs again with each worker's engine in an engine core of its own.
+ENGINE_CORE_SET = [
+    f"tests/test_{name}.py"
+    for name in (
+        "jobs", "openai_parameters", "logprobs", "stop_strings", "structured_closing", "prefix_cache",
+        "engine_failures", "reliability", "recovery",
+    )
+]  # fmt: skip
+
+
 def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
@@ -92,10 +102,11 @@ def test_setup_prints_nothing_on_stdout_while_apt_and_uv_do(tmp_path: Path) -> N
             [
                 "python -m pytest -q -m unit",
                 "python -m pytest -q --durations=25 -m not unit -n 2 --dist loadfile",
+                "python -m pytest -q -m not unit -n 2 --dist loadfile " + " ".join(ENGINE_CORE_SET),
             ],
         ),
     ],
-    ids=["arguments", "unit-tier-first-then-two-processes"],
+    ids=["arguments", "unit-tier-first-then-two-processes-then-engine-cores"],
 )
 def test_scripts_test_installs_a_hidden_package_and_runs_the_environment_s_tools(
     tmp_path: Path, arguments: list[str], pytest_runs: list[str]
