@@ -66,6 +66,15 @@ def settings_or_exit(
         exit_with(prog, lines, e, debug=debug_wanted(None))
 
 
+def log_to_stderr(settings: FleetSettings) -> None:
+    """The process's log lines on stderr at its settings' level, each with its time, level and logger."""
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
 def debug_wanted(settings: FleetSettings | None) -> bool:
     """Whether the process runs at log level debug; before its settings are read, as the environment says."""
     if settings is not None:

@@ -28,6 +28,7 @@ from common.startup import (
     check_store_config,
     debug_wanted,
     exit_with,
+    log_to_stderr,
     settings_or_exit,
     store_label,
 )
@@ -228,9 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = settings_or_exit(PROG, GatewaySettings, args, FLAGS)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_to_stderr(settings)
     quiet_out_of_memory_lines()
     try:
         check_exposure(settings)

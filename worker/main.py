@@ -9,7 +9,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ from common.startup import (
     check_store_config,
     debug_wanted,
     exit_with,
+    log_to_stderr,
     settings_or_exit,
     store_label,
 )
@@ -353,11 +353,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = settings_or_exit(PROG, WorkerSettings, args, FLAGS)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(settings)
     quiet_out_of_memory_lines()
     try:
         aio.run(serve(settings, args.fake_engine))

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from common import aio
-from common.startup import CannotStart, debug_wanted, exit_with, settings_or_exit
+from common.startup import CannotStart, debug_wanted, exit_with, log_to_stderr, settings_or_exit
 from common.worker_settings import WorkerSettings
 
 PROG = "ortfleet-engine-core"
@@ -72,11 +72,7 @@ async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = settings_or_exit(PROG, WorkerSettings, args, FLAGS)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_to_stderr(settings)
     if args.fd is not None:  # its worker decides when it stops: the crossing closing
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
