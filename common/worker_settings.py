@@ -63,6 +63,14 @@ class WorkerSettings(FleetSettings):
         "a worker's death, and the worker starts a new core (process) or waits for one (unix:PATH, up "
         "to engine_core_wait_s).",
     )
+    engine_core_stall_s: float = Field(
+        30.0,
+        gt=0,
+        description="An engine core drops a worker that takes none of its steps for this long while steps "
+        "wait for it (paused, or hung), as if it had died: its rows are cancelled and its jobs resume "
+        "elsewhere, and it cannot hold back the engine and the other workers of a shared core. Read by "
+        "the core.",
+    )
     engine_core_wait_s: float = Field(
         600.0,
         gt=0,

@@ -25,7 +25,10 @@ from ortfleet.bench.machine import child_pids
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
+from worker.core.channel import LENGTH, Frames
 from worker.core.client import CoreGone, EngineCoreClient, SharedCore, SpawnedCore
+from worker.core.commands import Submit, encode_command
+from worker.core.facts import CoreFacts
 from worker.core.step_wire import decode_step, encode_step
 from worker.core.updates import pack, unpack
 from worker.engine import EngineUpdate, Finish, GenerationRequest, TokenLogprobs
@@ -110,22 +113,18 @@ async def test_a_spawned_core_runs_requests_cancels_and_after_a_kill_ends_its_ro
         client.close()
 
 
+def start_shared_core(
+    path: Path, fake_engine: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """An engine core of a fake engine serving two frontends at `path`."""
+    command = [sys.executable, "-m", "worker.core", "--socket", str(path), "--frontends", "2"]
+    return subprocess.Popen([*command, "--fake-engine", fake_engine], env={**os.environ, **(env or {})})
+
+
 @pytest.fixture
 def shared_core(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
     path = tmp_path / "core.sock"
-    core = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.core",
-            "--socket",
-            str(path),
-            "--frontends",
-            "2",
-            "--fake-engine",
-            "5:8",
-        ]
-    )
+    core = start_shared_core(path, "5:8")
     yield path, core
     core.terminate()  # its frontends have gone: it stops at once
     assert core.wait(timeout=30) == 0
@@ -160,6 +159,46 @@ async def test_a_shared_core_gives_each_frontend_its_share_and_a_frontend_that_l
     finally:
         first.close()
         second.close()
+
+
+async def test_a_shared_core_drops_a_frontend_that_stops_reading_and_the_other_frontend_goes_on(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "core.sock"
+    core = start_shared_core(path, "1:8", {"ORTFLEET_ENGINE_CORE_STALL_S": "2"})
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        going = await asyncio.to_thread(EngineCoreClient, SharedCore(path, 60))
+        stalled.connect(str(path))
+        frames = read_available_blocking(stalled)  # its facts, then it reads nothing more
+        assert CoreFacts.decode(frames[0]).capacity == 4
+        stalled.sendall(frame(encode_command(Submit.of(0, GenerationRequest([97], max_new_tokens=10**9)))))
+        # A request of its own on the other frontend, long enough to outlast the stalled one's buffers:
+        # a core that waited on the stalled frontend would never finish it.
+        stream = going.submit([GenerationRequest([97], max_new_tokens=4000)])[0]
+        tokens, finish = await asyncio.wait_for(collect(stream), timeout=60)
+        assert finish is Finish.length and len(tokens) == 4000
+        stalled.settimeout(30)
+        while stalled.recv(1 << 20):  # what the core sent before it dropped it, then its end closed
+            pass
+        going.close()
+    finally:
+        stalled.close()
+        core.terminate()
+        core.wait(timeout=30)
+
+
+def read_available_blocking(sock: socket.socket) -> list[memoryview]:
+    frames = Frames()
+    while True:
+        got = frames.split(sock.recv(1 << 16))
+        if got:
+            return got
+
+
+def frame(payload: bytes) -> bytes:
+    return LENGTH.pack(len(payload)) + payload
 
 
 async def test_a_worker_whose_engine_runs_in_a_core_writes_what_one_with_the_engine_in_process_writes(

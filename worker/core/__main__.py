@@ -62,7 +62,12 @@ async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
     engine, _ = local_engine(settings, model_dir, args.fake_engine, device)
     kind = "fake" if model_dir is None else engine_kind(settings.scheduler, model_dir, device)
     core = EngineCore(
-        engine, asyncio.get_running_loop(), frontends=args.frontends, device=str(device), kind=kind
+        engine,
+        asyncio.get_running_loop(),
+        frontends=args.frontends,
+        device=str(device),
+        kind=kind,
+        stall_limit_s=settings.engine_core_stall_s,
     )
     if args.fd is not None:
         return await serve_socket(core, socket.socket(fileno=args.fd))

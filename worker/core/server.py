@@ -14,7 +14,6 @@ import contextlib
 import functools
 import logging
 import os
-import select
 import signal
 import socket
 import time
@@ -34,23 +33,16 @@ logger = logging.getLogger("worker.core")
 
 EXIT_ENGINE_FAILED = 3  # the engine failed for good: a new core loads it again
 STATS_INTERVAL_S = 0.1
-
-
-def send_blocking(sock: socket.socket, payload: bytes) -> None:
-    """Sends one frame on a non-blocking socket, waiting while the peer's buffer is full: a frontend that
-    falls behind holds the core back rather than losing a step."""
-    data = memoryview(LENGTH.pack(len(payload)) + payload)
-    while data:
-        try:
-            sent = sock.send(data)
-        except BlockingIOError:
-            select.select([], [sock], [])
-            continue
-        data = data[sent:]
+MAX_OUTBOX_BYTES = 1 << 28  # steps a frontend has not taken: past this it is dropped, stalled or not
 
 
 class FrontendLink:
-    """One connected frontend: its socket, its rows and the updates waiting for the next flush."""
+    """One connected frontend: its socket, its rows, the updates waiting for the next flush and the bytes
+    its socket has not taken yet.
+
+    Sends never block the core: what the socket cannot take waits in `outbox` and goes when it can. A
+    frontend that takes nothing for the core's stall limit (paused, or hung) while steps wait for it is
+    dropped, as if it had died, so that it cannot hold back the engine and the other frontends."""
 
     def __init__(self, core: EngineCore, sock: socket.socket, slot: int) -> None:
         self.core = core
@@ -62,6 +54,8 @@ class FrontendLink:
         self.steps = 0
         self.gone = False
         self.stats_sent = 0.0  # when it was last sent the engine's figures (time.monotonic())
+        self.outbox = bytearray()
+        self.stalled_since = 0.0  # when the outbox last stopped draining (time.monotonic())
 
     def take(self, row: int, update: EngineUpdate) -> None:
         if self.gone:
@@ -81,9 +75,46 @@ class FrontendLink:
         stats = self.core.stats_due(self, any(update.finish is not None for _, update in pending))
         if stats is not None:
             step = replace(step, notes={**step.notes, ENGINE_STATS: stats})
+        payload = encode_step(step)
+        frame = LENGTH.pack(len(payload)) + payload
+        if self.outbox:
+            self.outbox += frame
+            self._check_stall()
+            return
+        sent = self._send(frame)
+        if sent is not None and sent < len(frame):
+            self.outbox += frame[sent:]
+            self.stalled_since = time.monotonic()
+            self.core.loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _send(self, data: bytes | bytearray) -> int | None:
+        """Bytes the socket took now; None once the frontend has gone."""
         try:
-            send_blocking(self.sock, encode_step(step))
+            return self.sock.send(data)
+        except BlockingIOError:
+            return 0
         except OSError:
+            self.core.leave(self)
+            return None
+
+    def _writable(self) -> None:
+        sent = self._send(self.outbox)
+        if not sent:
+            return
+        del self.outbox[:sent]
+        self.stalled_since = time.monotonic()
+        if not self.outbox:
+            self.core.loop.remove_writer(self.sock.fileno())
+
+    def _check_stall(self) -> None:
+        stalled = time.monotonic() - self.stalled_since
+        if stalled > self.core.stall_limit_s or len(self.outbox) > MAX_OUTBOX_BYTES:
+            logger.error(
+                "frontend %d took nothing for %.0f s with %d bytes of steps waiting: dropped",
+                self.slot + 1,
+                stalled,
+                len(self.outbox),
+            )
             self.core.leave(self)
 
 
@@ -99,8 +130,10 @@ class EngineCore:
         device: str,
         kind: str,
         on_empty: Callable[[], None] | None = None,
+        stall_limit_s: float = 30.0,
     ) -> None:
         self.engine = engine
+        self.stall_limit_s = stall_limit_s
         self.loop = loop
         self.frontends = frontends
         self.device = device
@@ -143,8 +176,9 @@ class EngineCore:
             core_pid=os.getpid(),
             frontends=self.frontends,
         )
+        payload = facts.encode()
+        sock.sendall(LENGTH.pack(len(payload)) + payload)  # before any step: a few hundred bytes
         sock.setblocking(False)
-        send_blocking(sock, facts.encode())
         self.loop.add_reader(sock.fileno(), self._readable, link)
         logger.info("frontend %d of %d attached (%d rows)", link.slot + 1, self.frontends, facts.capacity)
         return True
@@ -188,6 +222,8 @@ class EngineCore:
             return
         link.gone = True
         self.loop.remove_reader(link.sock.fileno())
+        if link.outbox:
+            self.loop.remove_writer(link.sock.fileno())
         link.sock.close()
         for stream in link.rows.values():
             self.engine.cancel(stream)
@@ -205,6 +241,10 @@ class EngineCore:
     def close(self) -> None:
         for link in list(self.links.values()):
             link.flush()
+            if link.outbox and not link.gone:  # its last steps, a second at most
+                with contextlib.suppress(OSError):
+                    link.sock.settimeout(1.0)
+                    link.sock.sendall(link.outbox)
             self.leave(link)
         self.engine.close()
 
