@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from common import keys
 from common.error_codes import ErrorCode
 from ortfleet.bench.machine import child_pids
+from ortfleet.fleet.launcher import serving_fleet
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
@@ -266,3 +267,17 @@ async def test_with_a_shared_core_a_killed_worker_costs_only_its_own_rows(
     assert core.alive()
     fleet.stop_all()  # the workers, then the core: it stops once they have left
     assert core.process.returncode == 0
+
+
+def test_a_serving_fleet_with_a_shared_core_splits_the_cores_rows_between_its_workers(
+    tiny_model: Path,
+) -> None:
+    with (
+        serving_fleet(tiny_model, "shared", 2, device="cpu", shared_core=True) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        [model] = http.get("/v1/models").json()["data"]
+        assert model["workers"] == 2 and model["capacity"] == 8  # the core's 8 rows, 4 for each worker
+        body = {"model": "shared", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+        texts = {http.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(4)}
+        assert len(texts) == 1 and texts.pop()

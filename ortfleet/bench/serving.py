@@ -79,6 +79,7 @@ class ServingOptions:
     workers: int = 1  # of the local fleet, on the device (each with its share of a GPU)
     client_processes: int = 1  # the closed-loop clients run in this many processes
     engine_concurrency: list[int] | None = None  # the engine alone's levels (default: every level)
+    shared_core: bool = False  # the local fleet's workers attach to one engine core
 
     def requests_at(self, concurrency: int) -> int:
         """Requests of a level: --requests, and at least two for each client."""
@@ -115,9 +116,10 @@ def run(options: ServingOptions) -> dict[str, Any]:
                 options.model_dir,
                 LOCAL_NAME,
                 options.workers,
-                env=gpu_share_env(options.device, options.workers),
+                env={} if options.shared_core else gpu_share_env(options.device, options.workers),
                 device=options.device,
                 gateways=options.gateways,
+                shared_core=options.shared_core,
             ) as url:
                 name = LOCAL_NAME
                 measured = _measure_server(options, url, name, planned, bar)
@@ -136,6 +138,7 @@ def run(options: ServingOptions) -> dict[str, Any]:
             "device": options.device,
             "gateways": options.gateways,
             "workers": options.workers,
+            "shared_core": options.shared_core,
             "client_processes": options.client_processes,
         },
         server=options.url or "local ortfleet fleet (started by the bench)",

@@ -419,14 +419,21 @@ def serving_fleet(
     worker_args: tuple[str, ...] = (),
     device: str = "auto",
     gateways: int = 1,
+    shared_core: bool = False,
 ) -> Iterator[str]:
     """A throwaway fleet (`gateways` gateways sharing one port and `workers` workers serving the model
-    as `name` on `device`, every process with `env`) once its workers are ready; yields the gateway's
-    URL. A worker that cannot start shows the end of its log."""
-    with throwaway_fleet(env) as fleet:
+    as `name` on `device`, every process with `env`; with `shared_core`, the workers are the frontends of
+    one engine core) once its workers are ready; yields the gateway's URL. A worker that cannot start
+    shows the end of its log."""
+    with throwaway_fleet(env) as fleet, tempfile.TemporaryDirectory(prefix="ortfleet-core-") as sockets:
         fleet.start_gateways(gateways, port=free_port())
+        attach: dict[str, str] = {}
+        if shared_core:
+            socket_path = Path(sockets) / "core.sock"
+            fleet.start_core(socket_path, workers, *worker_args, model=model_dir, device=device)
+            attach = {"ORTFLEET_ENGINE_CORE": f"unix:{socket_path}"}
         started = [
-            fleet.start_worker(name, *worker_args, model=model_dir, device=device, wait=False)
+            fleet.start_worker(name, *worker_args, model=model_dir, device=device, env=attach, wait=False)
             for _ in range(workers)
         ]
         fleet.await_workers(name, workers, started)

@@ -89,6 +89,12 @@ def add_modes(modes: Subparsers) -> None:
         "memory (default 1)",
     )
     serving.add_argument(
+        "--shared-core",
+        action="store_true",
+        help="the local fleet's workers are the frontends of one engine core, which holds the model and "
+        "its KV cache once and gives each worker its share of the rows",
+    )
+    serving.add_argument(
         "--client-processes",
         type=positive,
         default=1,
@@ -218,6 +224,7 @@ def run_serving(args: argparse.Namespace) -> int:
         workers=args.workers,
         client_processes=args.client_processes,
         engine_concurrency=args.engine_concurrency,
+        shared_core=args.shared_core,
     )
     figures = serving.run(options)
     return finish(figures, serving.text(figures), args.json)
