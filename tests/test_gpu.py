@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
@@ -262,3 +265,43 @@ async def test_two_workers_sharing_one_gpu_split_the_jobs_between_them(
         by_worker[d["worker"]] = by_worker.get(d["worker"], 0) + 1
     assert len(by_worker) == 2, by_worker  # rows of 4 each: 16 jobs at once need both
     assert all(worker.pid for worker in workers)
+
+
+async def test_a_gpu_workers_engine_core_killed_mid_stream_is_replaced_and_its_job_resumes(
+    gpu_fleet: Fleet, gpu_client: httpx.AsyncClient
+) -> None:
+    name = NAME + "-core"
+    env = {"ORTFLEET_STEP_DELAY_S": "0.01", "ORTFLEET_GPU_KV_FRACTION": "0.05"}
+    worker = gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180)
+    (core,) = child_pids(worker.pid)  # a GPU worker's engine runs in a core of its own by default
+    body = {"model": name, "prompt": "The history of the harbour town", "max_tokens": 300, "ignore_eos": True}
+    job = await submit(gpu_client, body)
+    await stream_until_tokens(gpu_client, job["id"], 40)
+    os.kill(core, signal.SIGKILL)
+    events = await read_events(gpu_client, job["id"])
+    done = await wait_done(gpu_client, job["id"], timeout_s=180)  # the new core loads the model again
+    assert done["status"] == "succeeded" and done["attempts"] == 2
+    assert len(assert_contiguous(events)) == done["usage"]["completion_tokens"] == 300
+    assert worker.alive() and child_pids(worker.pid) not in ([], [core])
+
+
+async def test_two_gpu_workers_on_one_shared_engine_core_split_its_rows(
+    gpu_fleet: Fleet, gpu_client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    name = NAME + "-shared-core"
+    path = tmp_path / "gpu0.sock"
+    core = gpu_fleet.start_core(
+        path, 2, "--max-batch-size", "8", device="cuda:0", env={"ORTFLEET_GPU_KV_FRACTION": "0.05"}
+    )
+    attach = {"ORTFLEET_ENGINE_CORE": f"unix:{path}"}
+    workers = [gpu_fleet.start_worker(name, device="cuda:0", env=attach, timeout_s=180) for _ in range(2)]
+    jobs = [
+        await submit(
+            gpu_client, {"model": name, "prompt": f"Story {i}:", "max_tokens": 64, "ignore_eos": True}
+        )
+        for i in range(16)
+    ]
+    done = await asyncio.gather(*(wait_done(gpu_client, job["id"]) for job in jobs))
+    assert all(d["status"] == "succeeded" for d in done)
+    assert len({d["worker"] for d in done}) == 2  # 4 rows each: 16 jobs at once need both
+    assert core.alive() and all(worker.alive() for worker in workers)
