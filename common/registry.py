@@ -34,6 +34,9 @@ class WorkerInfo:
     kv_budget_tokens: int = 0
     model_dir: str = ""  # the folder it serves (on its host)
     fingerprint: str = ""  # its model's (common/model_folder.py's model_fingerprint): one per served name
+    # Where its engine runs (ORTFLEET_ENGINE_CORE): in-process, own (an engine core of its own) or shared
+    # (a core that serves other workers too).
+    engine_core: str = "in-process"
 
 
 async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:

@@ -40,6 +40,7 @@ def worker_entry(entry: dict[str, str], now: float) -> dict[str, Any]:
         "device": entry.get("device", "?"),
         "gpu": entry.get("gpu", ""),
         "engine_mode": engine_mode(entry),
+        "engine_core": entry.get("engine_core", "in-process"),
         "state": entry.get("state", "ready"),
         "ready": serving(entry),
         "capacity": int(entry.get("capacity", "0")),

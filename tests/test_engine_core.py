@@ -221,6 +221,8 @@ async def test_a_worker_whose_engine_runs_in_a_core_writes_what_one_with_the_eng
         answers.append(response.json()["choices"][0])
     assert answers[0]["text"] == answers[1]["text"] and answers[0]["text"]
     assert answers[0]["logprobs"] == answers[1]["logprobs"]
+    cores = {w["model"]: w["engine_core"] for w in (await client.get("/v1/fleet")).json()["workers"]}
+    assert cores[model_name + "-in"] == "in-process" and cores[model_name + "-core"] == "own"
 
 
 async def test_a_core_killed_mid_stream_is_replaced_and_its_jobs_resume_with_no_gap(
@@ -261,6 +263,8 @@ async def test_with_a_shared_core_a_killed_worker_costs_only_its_own_rows(
     holder = str(await redis.hget(keys.job(doomed_job["id"]), "worker"))  # type: ignore[misc]
     doomed = next(worker for worker in workers if f"-{worker.pid}-" in holder)
     doomed.kill()
+    fleet_workers = (await client.get("/v1/fleet")).json()["workers"]
+    assert {w["engine_core"] for w in fleet_workers if w["model"] == model_name} == {"shared"}
     staying, resumed = [await wait_done(client, job["id"]) for job in (staying_job, doomed_job)]
     assert staying["attempts"] == 1 and staying["output"] == reference["output"]  # untouched
     assert resumed["attempts"] == 2 and resumed["output"] == reference["output"]

@@ -166,6 +166,11 @@ def engine_core_client(
     return client
 
 
+def engine_core_label(mode: str) -> str:
+    """Where the worker's engine runs, as its registry entry says: in-process, own or shared."""
+    return {"off": "in-process", "process": "own"}.get(mode, "shared")
+
+
 def frontend_tokenizer(model_dir: Path | None) -> Tokenizer:
     """The model's tokenizer without its weights, for a worker whose engine runs in an engine core."""
     if model_dir is None:
@@ -303,6 +308,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         kv_budget_tokens=job_kv_budget(engine),
         model_dir=str(model_dir or ""),
         fingerprint=fingerprint,
+        engine_core=engine_core_label(settings.engine_core_mode(device.kind)),
     )
     service = WorkerService(settings, redis, engine, tokenizer, info)
     try:
