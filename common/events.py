@@ -24,7 +24,7 @@ def token_entry(
     fields = {
         "type": TOKEN,
         "text": text,
-        "ids": ",".join(map(str, token_ids)),
+        "ids": str(token_ids[0]) if len(token_ids) == 1 else ",".join(map(str, token_ids)),  # one: most steps
         "index": str(index),
     }
     if logprobs is not None:
@@ -81,7 +81,7 @@ def prompt_entry(token_ids: list[int], logprobs: list[dict[str, Any]]) -> dict[s
     and top_logprobs are null: nothing comes before it)."""
     return {
         "type": EventType.prompt.value,
-        "ids": ",".join(map(str, token_ids)),
+        "ids": str(token_ids[0]) if len(token_ids) == 1 else ",".join(map(str, token_ids)),  # one: most steps
         "logprobs": json.dumps(logprobs, ensure_ascii=False, separators=(",", ":")),
     }
 

@@ -108,7 +108,7 @@ def unpack(step: Step) -> Iterator[tuple[int, EngineUpdate]]:
         if logprobs and start < end and start in logprobs:
             update_logprobs = tuple(logprobs[position] for position in range(start, end))
         if note is None and update_logprobs is None:
-            yield row, EngineUpdate(tokens[start:end], FINISHES[finish[i]], batch_rows=running)
+            yield row, EngineUpdate(tokens[start:end], FINISHES[finish[i]], None, running)
             continue
         note = note or {}
         code = note.get("error_code")
