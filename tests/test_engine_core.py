@@ -23,7 +23,7 @@ from common import keys
 from common.error_codes import ErrorCode
 from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.launcher import serving_fleet
-from tests.conftest import Fleet
+from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
 from worker.core.channel import LENGTH, Frames
@@ -285,3 +285,20 @@ def test_a_serving_fleet_with_a_shared_core_splits_the_cores_rows_between_its_wo
         body = {"model": "shared", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
         texts = {http.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(4)}
         assert len(texts) == 1 and texts.pop()
+
+
+def test_a_worker_of_another_model_is_refused_by_a_shared_core_naming_both(
+    shared_core: tuple[Path, subprocess.Popen[bytes]], redis_server: RedisServer, tiny_model: Path
+) -> None:
+    path, _ = shared_core  # a fake engine's core
+    env = {**os.environ, "ORTFLEET_REDIS_URL": redis_server.url, "ORTFLEET_ENGINE_CORE": f"unix:{path}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "--model", str(tiny_model), "--name", "other-model"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert f"the engine core at {path}" in done.stderr and "a fake engine" in done.stderr
+    assert str(tiny_model) in done.stderr and "--model" in done.stderr

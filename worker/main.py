@@ -130,7 +130,8 @@ def load_engine(
     mode = settings.engine_core_mode(device.kind)
     if mode != "off":
         client = engine_core_client(settings, model_dir, fake_engine, mode)
-        if mode.startswith("unix:"):  # the shared core chose its device
+        if mode.startswith("unix:"):  # the shared core chose its device, and must hold this model
+            check_same_model(client, model_dir)
             device = parse_device(client.facts.device, lambda: True)
         return client, frontend_tokenizer(model_dir), device
     return (*local_engine(settings, model_dir, fake_engine, device), device)
@@ -164,6 +165,21 @@ def engine_core_client(
         facts.frontends,
     )
     return client
+
+
+def check_same_model(client: EngineCoreClient, model_dir: Path | None) -> None:
+    """CannotStart when a shared engine core holds another model than the worker serves: the worker's
+    tokenizer would turn the core's tokens into another model's text."""
+    facts = client.facts
+    ours = "fake-engine" if model_dir is None else model_fingerprint(model_dir)
+    if facts.fingerprint != ours:
+        client.close()
+        theirs = facts.model_dir or "a fake engine"
+        raise CannotStart(
+            f"the engine core at {client.where} (pid {facts.core_pid}) runs {theirs} (model fingerprint "
+            f"{facts.fingerprint}), and this worker serves {model_dir or 'a fake engine'} (fingerprint "
+            f"{ours}); give the worker the core's --model, or attach it to a core of its own model"
+        )
 
 
 def engine_core_label(mode: str) -> str:

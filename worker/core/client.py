@@ -51,6 +51,10 @@ class CoreLauncher(Protocol):
         """Why the core is gone, as well as it can tell."""
         ...
 
+    def where(self) -> str:
+        """Where the core is, for messages."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -99,6 +103,9 @@ class SpawnedCore:
             raise
         logger.info("engine core started (pid %d)", self.process.pid)
         return ours, facts
+
+    def where(self) -> str:
+        return "its own process" if self.process is None else f"pid {self.process.pid}"
 
     def _exited(self) -> str | None:
         process = self.process
@@ -153,6 +160,9 @@ class SharedCore:
     def gone(self) -> str:
         return f"the engine core at {self.path} closed its socket"
 
+    def where(self) -> str:
+        return str(self.path)
+
     def close(self) -> None:
         pass
 
@@ -195,6 +205,10 @@ class EngineCoreClient:
         self.prefix_block_tokens = facts.prefix_block_tokens
         self.eos_token_ids = frozenset(facts.eos_token_ids)
         self.kv_budget_tokens = facts.kv_budget_tokens
+
+    @property
+    def where(self) -> str:
+        return self._launcher.where()
 
     @property
     def rows_open(self) -> int:

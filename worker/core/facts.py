@@ -26,10 +26,21 @@ class CoreFacts:
     engine: str  # which engine: "ortfleet's batcher", "og.Engine" or "fake"
     core_pid: int
     frontends: int  # the frontends the core serves at most, each with its share
+    model_dir: str  # the folder the core loaded ('' for the fake engine)
+    fingerprint: str  # its model's (common/model_folder.py): a frontend checks it serves the same model
 
     @classmethod
     def of(
-        cls, engine: Engine, share: int, *, device: str, kind: str, core_pid: int, frontends: int
+        cls,
+        engine: Engine,
+        share: int,
+        *,
+        device: str,
+        kind: str,
+        core_pid: int,
+        frontends: int,
+        model_dir: str,
+        fingerprint: str,
     ) -> CoreFacts:
         return cls(
             capacity=share,
@@ -46,6 +57,8 @@ class CoreFacts:
             engine=kind,
             core_pid=core_pid,
             frontends=frontends,
+            model_dir=model_dir,
+            fingerprint=fingerprint,
         )
 
     def encode(self) -> bytes:

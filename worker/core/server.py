@@ -129,6 +129,8 @@ class EngineCore:
         frontends: int,
         device: str,
         kind: str,
+        model_dir: str = "",
+        fingerprint: str = "fake-engine",
         on_empty: Callable[[], None] | None = None,
         stall_limit_s: float = 30.0,
     ) -> None:
@@ -138,6 +140,8 @@ class EngineCore:
         self.frontends = frontends
         self.device = device
         self.kind = kind
+        self.model_dir = model_dir
+        self.fingerprint = fingerprint
         self.on_empty = on_empty  # called when the last frontend has left
         self.shares = shares(engine.capacity, frontends)
         self.links: dict[int, FrontendLink] = {}  # by slot
@@ -175,6 +179,8 @@ class EngineCore:
             kind=self.kind,
             core_pid=os.getpid(),
             frontends=self.frontends,
+            model_dir=self.model_dir,
+            fingerprint=self.fingerprint,
         )
         payload = facts.encode()
         sock.sendall(LENGTH.pack(len(payload)) + payload)  # before any step: a few hundred bytes
