@@ -11,6 +11,9 @@ read once).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
@@ -152,6 +155,29 @@ class RowSampler:
 
     def _token_bytes(self, token: int) -> bytes:
         return self._grammar_tokenizer.decode_bytes([token])
+
+    # What the row's pick depends on besides its request, read by the sampler graph's packing
+    # (worker/engines/device_sampling/runner.py), which must pick as `pick` does.
+
+    @property
+    def top_k(self) -> int:
+        """The request's top_k where it narrows the pick (0: every token)."""
+        return self._top_k
+
+    @property
+    def penalized(self) -> AbstractSet[int]:
+        """The tokens repetition_penalty applies to: the prompt's and those generated."""
+        return self._penalized
+
+    @property
+    def counts(self) -> Mapping[int, int]:
+        """Each generated token's count, for presence_penalty and frequency_penalty."""
+        return self._counts
+
+    @property
+    def bias(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as its token ids (int64) and their biases (float32)."""
+        return self._bias_ids, self._bias
 
     @property
     def closed_early(self) -> bool:

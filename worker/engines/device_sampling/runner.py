@@ -69,11 +69,11 @@ class SamplerGraph:
         for index, sampler in enumerate(samplers):
             host[index] = self._unservable(sampler)
         served = [s for s, h in zip(samplers, host, strict=True) if not h]
-        penalized = _padded([np.fromiter(s._penalized, np.int64) for s in served], host)
-        counted = _padded([np.fromiter(s._counts, np.int64) for s in served], host)
-        counts = _padded([np.fromiter(s._counts.values(), np.float32) for s in served], host, np.float32)
-        bias_ids = _padded([s._bias_ids for s in served], host)
-        bias = _padded([s._bias for s in served], host, np.float32)
+        penalized = _padded([np.fromiter(s.penalized, np.int64) for s in served], host)
+        counted = _padded([np.fromiter(s.counts, np.int64) for s in served], host)
+        counts = _padded([np.fromiter(s.counts.values(), np.float32) for s in served], host, np.float32)
+        bias_ids = _padded([s.bias[0] for s in served], host)
+        bias = _padded([s.bias[1] for s in served], host, np.float32)
         requests = [s.request for s in samplers]
         greedy = np.array([not s.sampling for s in samplers], np.bool_)
         uniform = np.zeros(count, np.float32)
@@ -86,7 +86,7 @@ class SamplerGraph:
             "temperature": np.array(
                 [1.0 if g else r.temperature for r, g in zip(requests, greedy, strict=True)], np.float32
             ),
-            "top_k": np.array([s._top_k for s in samplers], np.int64),
+            "top_k": np.array([s.top_k for s in samplers], np.int64),
             "top_p": np.array([r.top_p for r in requests], np.float64),
             "uniform": uniform,
             "repetition_penalty": np.array([r.repetition_penalty for r in requests], np.float32),
@@ -103,11 +103,11 @@ class SamplerGraph:
 
     def _unservable(self, sampler: RowSampler) -> bool:
         widths = self.widths
-        bias_ids = sampler._bias_ids
+        bias_ids = sampler.bias[0]
         return (
             sampler.request.guidance is not None
-            or len(sampler._penalized) > widths.penalized
-            or len(sampler._counts) > widths.counted
+            or len(sampler.penalized) > widths.penalized
+            or len(sampler.counts) > widths.counted
             or bias_ids.size > widths.bias
             or np.unique(bias_ids).size != bias_ids.size  # numpy's `+=` keeps one of a repeated id's biases
         )
