@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from common import keys
 from common.error_codes import ErrorCode
+from ortfleet.bench.core_host import measure, text
 from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.launcher import serving_fleet
 from tests.conftest import Fleet, RedisServer
@@ -302,3 +303,10 @@ def test_a_worker_of_another_model_is_refused_by_a_shared_core_naming_both(
     assert done.returncode == 1
     assert f"the engine core at {path}" in done.stderr and "a fake engine" in done.stderr
     assert str(tiny_model) in done.stderr and "--model" in done.stderr
+
+
+async def test_the_core_host_bench_counts_the_tokens_of_every_row_and_each_sides_cpu() -> None:
+    run = await measure(8, 0.5, warmup_s=0.2)
+    assert run["rows"] == 8 and run["tokens_per_s"] > 100 and run["steps_per_s"] > 10
+    assert run["core_cpu_us_per_row"] > 0 and run["frontend_cpu_us_per_token"] > 0
+    assert "rows    8" in text([run])
