@@ -25,7 +25,7 @@ from ortfleet.bench.core_host import measure, text
 from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.launcher import serving_fleet
 from tests.conftest import Fleet, RedisServer
-from tests.jobs_client import read_events, submit, wait_done
+from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
 from worker.core.channel import LENGTH, Frames
 from worker.core.client import CoreGone, EngineCoreClient, SharedCore, SpawnedCore
@@ -310,3 +310,29 @@ async def test_the_core_host_bench_counts_the_tokens_of_every_row_and_each_sides
     assert run["rows"] == 8 and run["tokens_per_s"] > 100 and run["steps_per_s"] > 10
     assert run["core_cpu_us_per_row"] > 0 and run["frontend_cpu_us_per_token"] > 0
     assert "rows    8" in text([run])
+
+
+@pytest.mark.default_model
+async def test_on_the_default_model_a_core_killed_mid_stream_leaves_the_uninterrupted_greedy_text(
+    redis_server: RedisServer, default_model: Path
+) -> None:
+    fleet = Fleet(redis_server.url, default_model)
+    name = "smollm2-core-kill"
+    try:
+        fleet.start_gateway()
+        worker = fleet.start_worker(name, env={"ORTFLEET_STEP_DELAY_S": "0.03", **IN_A_CORE})
+        body = {"model": name, "prompt": "Once upon a time, in a quiet village,", "max_tokens": 120}
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=60) as client:
+            expected = await wait_done(client, (await submit(client, body))["id"])
+            job = await submit(client, body)
+            await stream_until_tokens(client, job["id"], 40)
+            (core,) = child_pids(worker.pid)
+            os.kill(core, signal.SIGKILL)
+            done = await wait_done(client, job["id"])
+            events = await read_events(client, job["id"])
+    finally:
+        fleet.stop_all()
+    assert done["status"] == "succeeded" and done["attempts"] == 2
+    assert 40 <= done["resumed_from"] < 120 and done["resume_exact"] is True
+    assert done["output"] == expected["output"] == streamed_text(events)
+    assert len(assert_contiguous(events)) == 120
