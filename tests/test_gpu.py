@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -246,12 +247,8 @@ async def test_a_gpu_job_whose_worker_is_killed_resumes_on_another_gpu_worker_wi
     assert streamed_text(events) == done["output"]
 
 
-async def test_two_workers_sharing_one_gpu_split_the_jobs_between_them(
-    gpu_fleet: Fleet, gpu_client: httpx.AsyncClient
-) -> None:
-    name = NAME + "-shared"
-    env = {"ORTFLEET_GPU_KV_FRACTION": "0.05", "ORTFLEET_MAX_BATCH_SIZE": "4"}
-    workers = [gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180) for _ in range(2)]
+async def sixteen_stories(gpu_client: httpx.AsyncClient, name: str) -> list[dict[str, Any]]:
+    """16 jobs of 64 tokens submitted at once, each done; their records."""
     jobs = [
         await submit(
             gpu_client, {"model": name, "prompt": f"Story {i}:", "max_tokens": 64, "ignore_eos": True}
@@ -260,6 +257,16 @@ async def test_two_workers_sharing_one_gpu_split_the_jobs_between_them(
     ]
     done = await asyncio.gather(*(wait_done(gpu_client, job["id"]) for job in jobs))
     assert all(d["status"] == "succeeded" for d in done)
+    return list(done)
+
+
+async def test_two_workers_sharing_one_gpu_split_the_jobs_between_them(
+    gpu_fleet: Fleet, gpu_client: httpx.AsyncClient
+) -> None:
+    name = NAME + "-shared"
+    env = {"ORTFLEET_GPU_KV_FRACTION": "0.05", "ORTFLEET_MAX_BATCH_SIZE": "4"}
+    workers = [gpu_fleet.start_worker(name, device="cuda:0", env=env, timeout_s=180) for _ in range(2)]
+    done = await sixteen_stories(gpu_client, name)
     by_worker: dict[str, int] = {}
     for d in done:
         by_worker[d["worker"]] = by_worker.get(d["worker"], 0) + 1
@@ -295,13 +302,6 @@ async def test_two_gpu_workers_on_one_shared_engine_core_split_its_rows(
     )
     attach = {"ORTFLEET_ENGINE_CORE": f"unix:{path}"}
     workers = [gpu_fleet.start_worker(name, device="cuda:0", env=attach, timeout_s=180) for _ in range(2)]
-    jobs = [
-        await submit(
-            gpu_client, {"model": name, "prompt": f"Story {i}:", "max_tokens": 64, "ignore_eos": True}
-        )
-        for i in range(16)
-    ]
-    done = await asyncio.gather(*(wait_done(gpu_client, job["id"]) for job in jobs))
-    assert all(d["status"] == "succeeded" for d in done)
+    done = await sixteen_stories(gpu_client, name)
     assert len({d["worker"] for d in done}) == 2  # 4 rows each: 16 jobs at once need both
     assert core.alive() and all(worker.alive() for worker in workers)
