@@ -40,8 +40,9 @@ class WorkerSettings(FleetSettings):
         gt=0,
         le=0.95,
         description="On a GPU: the share of the card's whole memory this worker's paged KV cache takes "
-        "(pins genai_config's num_blocks). Set it when several workers share one GPU, each to its share "
-        "(`ortfleet up --workers-per-gpu` does). Default: og's own rule, genai_config's "
+        "(pins genai_config's num_blocks). Set it when several workers with engines of their own share "
+        "one GPU, each to its share (workers on one shared engine core need none: the core holds one "
+        "cache; for a shared core, the core reads it). Default: og's own rule, genai_config's "
         "gpu_utilization_factor (0.6 when absent) of the memory free once the weights are loaded.",
     )
     cuda_graph: Literal["auto", "on", "off"] = Field(
