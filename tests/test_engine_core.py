@@ -27,7 +27,7 @@ from ortfleet.fleet.launcher import serving_fleet
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
-from worker.core.channel import LENGTH, Frames
+from worker.core.channel import Frames, frame
 from worker.core.client import CoreGone, EngineCoreClient, SharedCore, SpawnedCore
 from worker.core.commands import Submit, encode_command
 from worker.core.facts import CoreFacts
@@ -197,10 +197,6 @@ def read_available_blocking(sock: socket.socket) -> list[memoryview]:
         got = frames.split(sock.recv(1 << 16))
         if got:
             return got
-
-
-def frame(payload: bytes) -> bytes:
-    return LENGTH.pack(len(payload)) + payload
 
 
 async def test_a_worker_whose_engine_runs_in_a_core_writes_what_one_with_the_engine_in_process_writes(

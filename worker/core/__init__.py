@@ -1,3 +1,3 @@
-"""The engine core's side of a worker split into one engine-core process per device and frontend
-processes: the wire format of a step's output and of the frontends' commands, and the channel they cross.
-Not yet wired into the worker."""
+"""The engine core: a worker's engine in a process of its own (`python -m worker.core`), the worker as its
+frontend. The process (`server.py`, `__main__.py`), the crossing between them (`facts.py`, `commands.py`,
+`step_wire.py`, `updates.py`, `channel.py`) and the frontend's client (`client.py`)."""

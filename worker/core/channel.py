@@ -14,6 +14,7 @@ import asyncio
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 from worker.core.commands import Command, decode_command, encode_command
@@ -21,6 +22,11 @@ from worker.core.step_wire import Step, decode_step
 
 LENGTH = struct.Struct("<I")
 _CHUNK = 1 << 18  # bytes a recv asks for; a shorter answer means the socket was empty
+
+
+def frame(payload: bytes) -> bytes:
+    """One frame: the payload's length, then the payload."""
+    return LENGTH.pack(len(payload)) + payload
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -76,9 +82,71 @@ def read_available(sock: socket.socket, frames: Frames) -> tuple[list[memoryview
     return frames.split(chunks[0] if len(chunks) == 1 else b"".join(chunks)), closed
 
 
+class Outbox:
+    """Writes to a non-blocking socket from an asyncio loop without ever blocking it: what the socket
+    cannot take now waits here and goes when the socket is writable. `on_error` runs when a send fails
+    (the peer has gone); `close` stops the watching and drops what waits."""
+
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, on_error: Callable[[], None]
+    ) -> None:
+        self._sock = sock
+        self._loop = loop
+        self._on_error = on_error
+        self._waiting = bytearray()
+        self.stalled_since = 0.0  # when the bytes waiting last stopped draining (time.monotonic())
+
+    def __len__(self) -> int:
+        """The bytes waiting for the socket."""
+        return len(self._waiting)
+
+    def write(self, data: bytes) -> None:
+        if self._waiting:
+            self._waiting += data
+            return
+        sent = self._send(data)
+        if sent is not None and sent < len(data):
+            self._waiting += data[sent:]
+            self.stalled_since = time.monotonic()
+            self._loop.add_writer(self._sock.fileno(), self._writable)
+
+    def drain(self, timeout_s: float) -> None:
+        """Sends what waits, blocking for `timeout_s` at most (for a last goodbye; errors ignored)."""
+        if self._waiting:
+            try:
+                self._sock.settimeout(timeout_s)
+                self._sock.sendall(self._waiting)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._waiting:
+            self._loop.remove_writer(self._sock.fileno())
+            self._waiting.clear()
+
+    def _send(self, data: bytes | bytearray) -> int | None:
+        """Bytes the socket took now; None when it failed."""
+        try:
+            return self._sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            self._on_error()
+            return None
+
+    def _writable(self) -> None:
+        sent = self._send(self._waiting)
+        if not sent:
+            return
+        del self._waiting[:sent]
+        self.stalled_since = time.monotonic()
+        if not self._waiting:
+            self._loop.remove_writer(self._sock.fileno())
+
+
 class CoreEnd:
-    """The engine core's end: blocking sends of steps (a frontend that falls behind holds the core back),
-    commands taken without blocking between steps."""
+    """A stub engine core's end (`ortfleet.bench.crossing`): blocking sends of steps, commands taken
+    without blocking between steps. The engine core itself (server.py) never blocks on a frontend."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -89,7 +157,7 @@ class CoreEnd:
         return self._sock.fileno()
 
     def send_step(self, payload: bytes) -> None:
-        self._sock.sendall(LENGTH.pack(len(payload)) + payload)
+        self._sock.sendall(frame(payload))
 
     def commands(self) -> list[Command]:
         frames, closed = read_available(self._sock, self._frames)
@@ -121,7 +189,7 @@ class FrontendEnd:
         self._on_steps = on_steps
         self._on_closed = on_closed
         self._frames = Frames()
-        self._outbox = bytearray()
+        self._outbox = Outbox(sock, loop, self._lost)
         self.closed = False
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._readable)
@@ -132,34 +200,8 @@ class FrontendEnd:
 
     def send_all(self, commands: list[Command]) -> None:
         """Sends commands in one write, so that the engine core reads them together."""
-        if self.closed or not commands:
-            return
-        data = b"".join(LENGTH.pack(len(payload)) + payload for payload in map(encode_command, commands))
-        if self._outbox:
-            self._outbox += data
-            return
-        try:
-            sent = self._sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self._lost()
-            return
-        if sent < len(data):
-            self._outbox += data[sent:]
-            self._loop.add_writer(self._sock.fileno(), self._writable)
-
-    def _writable(self) -> None:
-        try:
-            sent = self._sock.send(self._outbox)
-        except BlockingIOError:
-            return
-        except OSError:
-            self._lost()
-            return
-        del self._outbox[:sent]
-        if not self._outbox:
-            self._loop.remove_writer(self._sock.fileno())
+        if not self.closed and commands:
+            self._outbox.write(b"".join(frame(encode_command(command)) for command in commands))
 
     def _readable(self) -> None:
         frames, closed = read_available(self._sock, self._frames)
@@ -178,6 +220,5 @@ class FrontendEnd:
             return
         self.closed = True
         self._loop.remove_reader(self._sock.fileno())
-        if self._outbox:
-            self._loop.remove_writer(self._sock.fileno())
+        self._outbox.close()
         self._sock.close()

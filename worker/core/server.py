@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from worker.core.channel import LENGTH, Frames, read_available
+from worker.core.channel import Frames, Outbox, frame, read_available
 from worker.core.commands import Cancel, CommandDecodeError, Stop, Submit, decode_command
 from worker.core.facts import CoreFacts, shares
 from worker.core.step_wire import encode_step
@@ -54,8 +54,7 @@ class FrontendLink:
         self.steps = 0
         self.gone = False
         self.stats_sent = 0.0  # when it was last sent the engine's figures (time.monotonic())
-        self.outbox = bytearray()
-        self.stalled_since = 0.0  # when the outbox last stopped draining (time.monotonic())
+        self.outbox = Outbox(sock, core.loop, functools.partial(core.leave, self))
 
     def take(self, row: int, update: EngineUpdate) -> None:
         if self.gone:
@@ -75,39 +74,13 @@ class FrontendLink:
         stats = self.core.stats_due(self, any(update.finish is not None for _, update in pending))
         if stats is not None:
             step = replace(step, notes={**step.notes, ENGINE_STATS: stats})
-        payload = encode_step(step)
-        frame = LENGTH.pack(len(payload)) + payload
-        if self.outbox:
-            self.outbox += frame
+        behind = bool(self.outbox)
+        self.outbox.write(frame(encode_step(step)))
+        if behind:
             self._check_stall()
-            return
-        sent = self._send(frame)
-        if sent is not None and sent < len(frame):
-            self.outbox += frame[sent:]
-            self.stalled_since = time.monotonic()
-            self.core.loop.add_writer(self.sock.fileno(), self._writable)
-
-    def _send(self, data: bytes | bytearray) -> int | None:
-        """Bytes the socket took now; None once the frontend has gone."""
-        try:
-            return self.sock.send(data)
-        except BlockingIOError:
-            return 0
-        except OSError:
-            self.core.leave(self)
-            return None
-
-    def _writable(self) -> None:
-        sent = self._send(self.outbox)
-        if not sent:
-            return
-        del self.outbox[:sent]
-        self.stalled_since = time.monotonic()
-        if not self.outbox:
-            self.core.loop.remove_writer(self.sock.fileno())
 
     def _check_stall(self) -> None:
-        stalled = time.monotonic() - self.stalled_since
+        stalled = time.monotonic() - self.outbox.stalled_since
         if stalled > self.core.stall_limit_s or len(self.outbox) > MAX_OUTBOX_BYTES:
             logger.error(
                 "frontend %d took nothing for %.0f s with %d bytes of steps waiting: dropped",
@@ -182,8 +155,7 @@ class EngineCore:
             model_dir=self.model_dir,
             fingerprint=self.fingerprint,
         )
-        payload = facts.encode()
-        sock.sendall(LENGTH.pack(len(payload)) + payload)  # before any step: a few hundred bytes
+        sock.sendall(frame(facts.encode()))  # before any step: a few hundred bytes
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._readable, link)
         logger.info("frontend %d of %d attached (%d rows)", link.slot + 1, self.frontends, facts.capacity)
@@ -192,9 +164,9 @@ class EngineCore:
     def _readable(self, link: FrontendLink) -> None:
         frames, closed = read_available(link.sock, link.frames)
         submits: list[tuple[int, GenerationRequest]] = []
-        for frame in frames:
+        for payload in frames:
             try:
-                command = decode_command(frame)
+                command = decode_command(payload)
             except (CommandDecodeError, ValueError, EOFError) as e:
                 logger.error("frontend %d sent a malformed command (%s); it is dropped", link.slot + 1, e)
                 closed = True
@@ -228,8 +200,7 @@ class EngineCore:
             return
         link.gone = True
         self.loop.remove_reader(link.sock.fileno())
-        if link.outbox:
-            self.loop.remove_writer(link.sock.fileno())
+        link.outbox.close()
         link.sock.close()
         for stream in link.rows.values():
             self.engine.cancel(stream)
@@ -247,10 +218,8 @@ class EngineCore:
     def close(self) -> None:
         for link in list(self.links.values()):
             link.flush()
-            if link.outbox and not link.gone:  # its last steps, a second at most
-                with contextlib.suppress(OSError):
-                    link.sock.settimeout(1.0)
-                    link.sock.sendall(link.outbox)
+            if not link.gone:
+                link.outbox.drain(timeout_s=1.0)  # its last steps, a second at most
             self.leave(link)
         self.engine.close()
 
