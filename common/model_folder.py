@@ -103,6 +103,12 @@ def mismatched_files(model_dir: Path, marker: Marker, *, verify_all_hashes: bool
     return mismatched
 
 
+def served_fingerprint(model_dir: Path | None) -> str:
+    """The fingerprint of what a worker or an engine core serves: its model folder's, or the fake
+    engine's (no folder)."""
+    return "fake-engine" if model_dir is None else model_fingerprint(model_dir)
+
+
 def model_fingerprint(model_dir: Path) -> str:
     """What tells one model from another, whatever its folder: with a build marker, a digest of the
     sha256 of every file it lists (weights included); without one, of genai_config.json, the tokenizer's

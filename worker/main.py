@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from common import aio
 from common.model_folder import (
-    model_fingerprint,
+    served_fingerprint,
 )
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
 from common.redis_url import URL_FORMAT, mask_url
@@ -95,7 +95,7 @@ async def check_one_model_per_name(settings: WorkerSettings, name: str, model_di
     """The model's fingerprint; CannotStart when a live worker serves another model under `name` (two
     models under one name would answer alike requests differently, and a job resumed on the other would
     feed it token ids of another vocabulary)."""
-    fingerprint = model_fingerprint(model_dir) if model_dir is not None else "fake-engine"
+    fingerprint = served_fingerprint(model_dir)
     workers: list[dict[str, str]] = []
     for url in settings.redis_urls_for(name):  # every store of the model: gateways place its jobs on any
         redis = connect(url)
@@ -131,7 +131,7 @@ def load_engine(
     if mode != "off":
         client = engine_core_client(settings, model_dir, fake_engine, mode)
         if mode.startswith("unix:"):  # the shared core chose its device, and must hold this model
-            check_same_model(client, model_dir)
+            check_same_model(client, model_dir, mode.removeprefix("unix:"))
             device = parse_device(client.facts.device, lambda: True)
         return client, frontend_tokenizer(model_dir), device
     return (*local_engine(settings, model_dir, fake_engine, device), device)
@@ -167,16 +167,16 @@ def engine_core_client(
     return client
 
 
-def check_same_model(client: EngineCoreClient, model_dir: Path | None) -> None:
+def check_same_model(client: EngineCoreClient, model_dir: Path | None, path: str) -> None:
     """CannotStart when a shared engine core holds another model than the worker serves: the worker's
     tokenizer would turn the core's tokens into another model's text."""
     facts = client.facts
-    ours = "fake-engine" if model_dir is None else model_fingerprint(model_dir)
+    ours = served_fingerprint(model_dir)
     if facts.fingerprint != ours:
         client.close()
         theirs = facts.model_dir or "a fake engine"
         raise CannotStart(
-            f"the engine core at {client.where} (pid {facts.core_pid}) runs {theirs} (model fingerprint "
+            f"the engine core at {path} (pid {facts.core_pid}) runs {theirs} (model fingerprint "
             f"{facts.fingerprint}), and this worker serves {model_dir or 'a fake engine'} (fingerprint "
             f"{ours}); give the worker the core's --model, or attach it to a core of its own model"
         )

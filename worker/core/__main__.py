@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from common import aio
-from common.model_folder import model_fingerprint
+from common.model_folder import served_fingerprint
 from common.startup import CannotStart, debug_wanted, exit_with, log_to_stderr, settings_or_exit
 from common.worker_settings import WorkerSettings
 
@@ -69,7 +69,7 @@ async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
         device=str(device),
         kind=kind,
         model_dir=str(model_dir or ""),
-        fingerprint="fake-engine" if model_dir is None else model_fingerprint(model_dir),
+        fingerprint=served_fingerprint(model_dir),
         stall_limit_s=settings.engine_core_stall_s,
     )
     if args.fd is not None:

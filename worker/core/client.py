@@ -51,10 +51,6 @@ class CoreLauncher(Protocol):
         """Why the core is gone, as well as it can tell."""
         ...
 
-    def where(self) -> str:
-        """Where the core is, for messages."""
-        ...
-
     def close(self) -> None: ...
 
 
@@ -103,9 +99,6 @@ class SpawnedCore:
             raise
         logger.info("engine core started (pid %d)", self.process.pid)
         return ours, facts
-
-    def where(self) -> str:
-        return "its own process" if self.process is None else f"pid {self.process.pid}"
 
     def _exited(self) -> str | None:
         process = self.process
@@ -160,9 +153,6 @@ class SharedCore:
     def gone(self) -> str:
         return f"the engine core at {self.path} closed its socket"
 
-    def where(self) -> str:
-        return str(self.path)
-
     def close(self) -> None:
         pass
 
@@ -182,7 +172,6 @@ class EngineCoreClient:
         except CoreGone as e:
             raise CannotStart(str(e)) from e
         self._sock: socket.socket | None = sock
-        self.facts = facts
         self.capacity = facts.capacity
         self._take_facts(facts)
         self._end: FrontendEnd | None = None
@@ -205,14 +194,6 @@ class EngineCoreClient:
         self.prefix_block_tokens = facts.prefix_block_tokens
         self.eos_token_ids = frozenset(facts.eos_token_ids)
         self.kv_budget_tokens = facts.kv_budget_tokens
-
-    @property
-    def where(self) -> str:
-        return self._launcher.where()
-
-    @property
-    def rows_open(self) -> int:
-        return len(self._streams)
 
     # What the worker's metrics read of ortfleet's batcher, as the core last sent it.
 
@@ -299,8 +280,7 @@ class EngineCoreClient:
         """A core again after the last one went; raises when none answers."""
         if self._failed is None:
             return
-        self._launcher.close()
-        sock, facts = await asyncio.to_thread(self._launcher.connect)
+        sock, facts = await asyncio.to_thread(self._launcher.connect)  # it reaps the last one first
         if facts.capacity < self.capacity or facts.context_length != self.context_length:
             logger.warning("the new engine core has %d rows (%d before)", facts.capacity, self.capacity)
             self.capacity = min(self.capacity, facts.capacity)

@@ -102,8 +102,8 @@ class EngineCore:
         frontends: int,
         device: str,
         kind: str,
-        model_dir: str = "",
-        fingerprint: str = "fake-engine",
+        model_dir: str,
+        fingerprint: str,
         on_empty: Callable[[], None] | None = None,
         stall_limit_s: float = 30.0,
     ) -> None:
