@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import Keyspace
 from common.wire import PRIORITY_ORDER
 
 RECENT_WINDOW_S = 60
@@ -60,7 +60,9 @@ class RecentOutcomes:
         return self.by_status["failed"]
 
 
-async def queue_stats(redis: Redis, models: list[str], now: float | None = None) -> dict[str, QueueStats]:
+async def queue_stats(
+    redis: Redis, keys: Keyspace, models: list[str], now: float | None = None
+) -> dict[str, QueueStats]:
     now = time.time() if now is None else now
     classes = [cls.value for cls in PRIORITY_ORDER]
     async with redis.pipeline(transaction=False) as pipe:
@@ -103,7 +105,7 @@ def summed(per_store: list[dict[str, _Summable]]) -> dict[str, _Summable]:
     return total
 
 
-async def served_tokens(redis: Redis, model: str) -> dict[str, int]:
+async def served_tokens(redis: Redis, keys: Keyspace, model: str) -> dict[str, int]:
     """Tokens served (prompt and generated) by the model's finished jobs: per class, and per
     "<class>:<key>"."""
     raw: dict[str, str] = await redis.hgetall(keys.served_tokens(model))  # type: ignore[misc]
@@ -111,7 +113,7 @@ async def served_tokens(redis: Redis, model: str) -> dict[str, int]:
 
 
 async def recent_outcomes(
-    redis: Redis, models: list[str], now: float | None = None
+    redis: Redis, keys: Keyspace, models: list[str], now: float | None = None
 ) -> dict[str, RecentOutcomes]:
     since_ms = int((time.time() if now is None else now) * 1000) - RECENT_WINDOW_S * 1000
     async with redis.pipeline(transaction=False) as pipe:
@@ -124,7 +126,7 @@ async def recent_outcomes(
     }
 
 
-async def known_models(redis: Redis) -> list[str]:
+async def known_models(redis: Redis, keys: Keyspace) -> list[str]:
     """Every model a worker registered within the job TTL, sorted."""
-    names: list[str] = await redis.hkeys(keys.MODELS)  # type: ignore[misc]
+    names: list[str] = await redis.hkeys(keys.models)  # type: ignore[misc]
     return sorted(names)

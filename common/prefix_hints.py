@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import Keyspace
 from common.registry import live_workers
 from common.wire import ChatMessage
 
@@ -26,7 +26,7 @@ HINT_TTL_S = 600
 BALANCE_SLACK = 2  # jobs the holder may run beyond the least busy worker and still be preferred
 
 
-def hint_keys(model: str, scope: str, messages: Sequence[ChatMessage]) -> list[str]:
+def hint_keys(model: str, scope: str, messages: Sequence[ChatMessage], keys: Keyspace) -> list[str]:
     """One key for each leading run of the messages in the cache scope, shortest first."""
     digest = hashlib.sha256(json.dumps(["scope", scope]).encode())
     found = []
@@ -37,28 +37,28 @@ def hint_keys(model: str, scope: str, messages: Sequence[ChatMessage]) -> list[s
 
 
 async def leave_hints(
-    redis: Redis, model: str, scope: str, messages: Sequence[ChatMessage], worker_id: str
+    redis: Redis, keys: Keyspace, model: str, scope: str, messages: Sequence[ChatMessage], worker_id: str
 ) -> None:
     async with redis.pipeline(transaction=False) as pipe:
-        for key in hint_keys(model, scope, messages):
+        for key in hint_keys(model, scope, messages, keys):
             pipe.set(key, worker_id, ex=HINT_TTL_S)
         await pipe.execute()
 
 
 async def preferred_worker(
-    redis: Redis, model: str, scope: str, messages: Sequence[ChatMessage]
+    redis: Redis, keys: Keyspace, model: str, scope: str, messages: Sequence[ChatMessage]
 ) -> str | None:
     """The worker that holds the longest leading run of the messages in the scope, if it is live, ready,
     has a free slot, and runs no more than BALANCE_SLACK jobs beyond the least busy ready worker of the
     model (as cache-aware routers balance: a prefix is worth a short wait, not a queue behind one
     worker)."""
-    holders: list[str | None] = await redis.mget(hint_keys(model, scope, messages))
+    holders: list[str | None] = await redis.mget(hint_keys(model, scope, messages, keys))
     worker_id = next((holder for holder in reversed(holders) if holder), None)
     if worker_id is None:
         return None
     ready = {
         entry["id"]: entry
-        for entry in await live_workers(redis)
+        for entry in await live_workers(redis, keys)
         if entry.get("model") == model and entry.get("state") == "ready"
     }
     holder = ready.get(worker_id)

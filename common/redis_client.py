@@ -8,6 +8,7 @@ a demoted primary (READONLY) drops its connection and is retried on the new one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import Any, cast
 
@@ -15,10 +16,11 @@ import hiredis
 from redis import Redis as SyncRedis
 from redis._parsers import BaseParser
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
     AuthenticationError,
@@ -34,8 +36,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel as SyncSentinel
 
 from common.aio import wait_set
-from common.redis_url import SentinelUrl, is_sentinel_url, mask_url, parse_sentinel_url
+from common.redis_cluster import SlotConnection, SlotRoute, SlotSSLConnection, redirected, route_of
+from common.redis_url import BadRedisUrl, SentinelUrl, is_sentinel_url, mask_url, parse_sentinel_url
 from common.store_config import StoreConfig, read_config_blocking
+from common.stores import Store
 
 SENTINEL_TIMEOUT_S = 2.0  # a sentinel answers at once, or is down and the next one is asked
 
@@ -90,19 +94,36 @@ class _NoPingInHandshake(AbstractConnection):
 _TUNED: dict[type, type] = {}
 
 
-def connection_pool(url: str, *, max_connections: int | None = None, **options: Any) -> ConnectionPool:
+def connection_pool(
+    url: str, *, max_connections: int | None = None, tag: str | None = None, **options: Any
+) -> ConnectionPool:
     """A pool for `url` (redis://, rediss://, unix:// or redis+sentinel://) whose connections take
     `options` (redis-py connection arguments) and pack their commands in C. With `max_connections`, a
-    command waits for a free connection rather than opening more. A malformed Sentinel URL raises
-    BadRedisUrl. TCP's options (keep-alive) are left out for a Unix socket, which has none."""
+    command waits for a free connection rather than opening more. With `tag`, `url` names a node of a
+    Redis Cluster and every connection goes to the primary of that hash tag's slot (common/redis_cluster.py).
+    A malformed Sentinel URL raises BadRedisUrl. TCP's options (keep-alive) are left out for a Unix
+    socket, which has none."""
     if url.startswith("unix:"):
         options = {k: v for k, v in options.items() if not k.startswith("socket_keepalive")}
     pool = _pool(url, max_connections, options)
+    if tag is not None:
+        _route_to_slot(pool, tag)
     base = pool.connection_class
     if base not in _TUNED:
         _TUNED[base] = type(base.__name__, (_PackedInC, _NoPingInHandshake, base), {})
     pool.connection_class = _TUNED[base]
     return pool
+
+
+def _route_to_slot(pool: ConnectionPool, tag: str) -> None:
+    """Makes the pool's connections go to the primary of the tag's slot, the pool's own address a seed."""
+    kwargs = pool.connection_kwargs
+    if "host" not in kwargs:
+        raise BadRedisUrl("a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket")
+    ssl = issubclass(pool.connection_class, SSLConnection)
+    seeds = [(str(kwargs["host"]), int(kwargs.get("port", 6379)))]
+    kwargs["slot_route"] = SlotRoute(seeds, tag, {**kwargs, "ssl": ssl})
+    pool.connection_class = SlotSSLConnection if ssl else SlotConnection
 
 
 def _pool(url: str, max_connections: int | None, options: dict[str, Any]) -> ConnectionPool:
@@ -135,9 +156,11 @@ def connect(
     connect_timeout_s: float | None = None,
     client_name: str | None = None,
     retries: int = 8,
+    tag: str | None = None,
 ) -> Redis:
     """A client that reconnects by itself, with backoff, when Redis goes away and comes back (or, with
-    a Sentinel URL, when another server becomes the primary).
+    a Sentinel URL, when another server becomes the primary; with a hash `tag` on a Redis Cluster, when
+    another primary serves its slot).
 
     With `max_connections`, the client never holds more: a command waits for a free connection.
     With `socket_timeout_s`, a command Redis does
@@ -153,7 +176,12 @@ def connect(
         "socket_keepalive": True,
         "client_name": client_name,
     }
-    return Redis.from_pool(connection_pool(url, max_connections=max_connections, **options))
+    return Redis.from_pool(connection_pool(url, max_connections=max_connections, tag=tag, **options))
+
+
+def connect_store(store: Store, **options: Any) -> Redis:
+    """`connect` for a store: its Redis, or the primary of its hash tag's slot on a Redis Cluster."""
+    return connect(store.url, tag=store.keys.tag, **options)
 
 
 class HeldConnection:
@@ -239,7 +267,10 @@ class DirectReplies:
 
     READ_SIZE = 65536
 
-    def __init__(self, transport: asyncio.Transport, stream: asyncio.StreamReader) -> None:
+    def __init__(
+        self, transport: asyncio.Transport, stream: asyncio.StreamReader, route: SlotRoute | None = None
+    ) -> None:
+        self._route = route  # the connection's hash slot on a Redis Cluster
         self._transport = transport
         self._stream = stream
         self._fd: int = transport.get_extra_info("socket").fileno()
@@ -257,7 +288,7 @@ class DirectReplies:
         transport = cast(asyncio.Transport, writer.transport)  # uvloop's are not registered as one
         if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("socket") is None:
             return None
-        return cls(transport, stream)
+        return cls(transport, stream, route_of(connection))
 
     async def next(self) -> Any:
         """The next reply; raises it if it is an error (as the client would: NoScriptError for NOSCRIPT),
@@ -269,6 +300,10 @@ class DirectReplies:
             if not data:
                 raise RedisConnectionError("Redis closed the connection")
             self._parser.feed(data)
+        if isinstance(reply, ResponseError) and self._route is not None:
+            moved = redirected(reply, self._route)  # the slot served elsewhere: the next connection finds it
+            if moved is not None:
+                raise moved
         if isinstance(reply, ReadOnlyError):  # a demoted primary: the next connection finds the new one
             raise RedisConnectionError(f"the server is no longer the primary: {reply}")
         if isinstance(reply, ResponseError):
@@ -295,9 +330,17 @@ class DirectReplies:
                 self._transport.pause_reading()
 
 
-def connect_blocking(url: str, timeout_s: float = 5.0) -> SyncRedis:
-    """A synchronous client for `url` (Sentinel URLs included), for tools that are not async: the local
-    launcher's waits and `ortfleet up`'s check of a given Redis."""
+def connect_blocking(url: str, timeout_s: float = 5.0, *, cluster: bool = False) -> SyncRedis:
+    """A synchronous client for `url` (Sentinel URLs included; with `cluster`, redis-py's cluster client
+    seeded by that node), for tools that are not async: the local launcher's waits and `ortfleet up`'s
+    check of a given Redis."""
+    if cluster:
+        return cast(
+            SyncRedis,
+            SyncRedisCluster.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+            ),
+        )
     if not is_sentinel_url(url):
         return SyncRedis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
@@ -326,22 +369,29 @@ class RedisRefused(Exception):
     wants or rejects, a database it lacks, no Redis at all), or no client can be made from it."""
 
 
-def check_redis(url: str, timeout_s: float) -> StoreConfig:
+def check_redis(url: str, timeout_s: float, *, allow_cluster: bool = True) -> StoreConfig:
     """One PING of the Redis at `url` on a connection of its own, giving up after `timeout_s`, then its
-    memory policy and persistence. Raises RedisRefused or RedisUnreachable with a message that names the
-    Redis (its password masked) and the problem."""
+    memory policy and persistence, and whether it is a node of a Redis Cluster (refused unless
+    `allow_cluster`: a store listed by URL is a whole server). Raises RedisRefused or RedisUnreachable
+    with a message that names the Redis (its password masked) and the problem."""
     shown = f"Redis at {mask_url(url)}"
     try:
         with connect_blocking(url, timeout_s) as client:
             client.ping()
-            if _cluster_node(client):
+            cluster = _cluster_node(client)
+            if cluster and not allow_cluster:
                 raise RedisRefused(
-                    f"{shown} is a node of a Redis Cluster, which ortfleet does not run on (its job scripts "
-                    "touch keys of many slots): give it a standalone primary (replicas and Sentinel for "
-                    "failover); to spread one model over several primaries, list them as its stores in "
-                    "ORTFLEET_REDIS_SHARDS"
+                    f"{shown} is a node of a Redis Cluster, and a store listed by its URL is a whole "
+                    "standalone server: give the cluster as ORTFLEET_REDIS_URL and the model a number of "
+                    'stores on it in ORTFLEET_REDIS_SHARDS ({"model": 3})'
                 )
-            return read_config_blocking(client)
+            if cluster and (state := _cluster_state(client)) != "ok":
+                raise RedisRefused(
+                    f"{shown} is a node of a Redis Cluster that does not serve every hash slot "
+                    f"(cluster_state: {state}): give every slot a primary (redis-cli --cluster create, or "
+                    "--cluster fix), then start again"
+                )
+            return dataclasses.replace(read_config_blocking(client), cluster=cluster)
     except AuthenticationError as e:
         if "authentication required" in str(e).lower():
             raise RedisRefused(f"{shown} wants a password and the URL gives none") from e
@@ -354,6 +404,23 @@ def check_redis(url: str, timeout_s: float) -> StoreConfig:
         raise RedisUnreachable(f"{shown} is unreachable ({e})") from e
     except ValueError as e:  # a URL no client can be made from
         raise RedisRefused(f"{shown} cannot be used: {e}") from e
+
+
+def cluster_node(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether the Redis at `url` is a node of a Redis Cluster (False when it does not answer)."""
+    try:
+        with connect_blocking(url, timeout_s) as client:
+            return _cluster_node(client)
+    except (RedisError, OSError, ValueError):
+        return False
+
+
+def _cluster_state(client: SyncRedis) -> str:
+    """CLUSTER INFO's cluster_state: ok when every hash slot is served."""
+    info = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+    if not isinstance(info, dict):  # redis-py parses it into a dict; a raw reply is its lines
+        info = dict(line.split(":", 1) for line in str(info).splitlines() if ":" in line)
+    return str(info.get("cluster_state", "")).strip()
 
 
 def _cluster_node(client: SyncRedis) -> bool:

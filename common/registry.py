@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import Keyspace
 
 
 @dataclass
@@ -39,7 +39,7 @@ class WorkerInfo:
     engine_core: str = "in-process"
 
 
-async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:
+async def heartbeat(redis: Redis, keys: Keyspace, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:
     """Refresh the worker's entry; the model stays known for `remember_s` after its last worker."""
     now = time.time()
     fields = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in asdict(info).items()}
@@ -48,10 +48,10 @@ async def heartbeat(redis: Redis, info: WorkerInfo, ttl_s: float, remember_s: in
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.worker(info.id), mapping=fields)
         pipe.pexpire(keys.worker(info.id), int(ttl_s * 1000))
-        pipe.zadd(keys.WORKERS, {info.id: int((now + ttl_s) * 1000)})
-        pipe.pexpire(keys.WORKERS, int(ttl_s * 1000))
-        pipe.hset(keys.MODELS, info.model, json.dumps(model_info))
-        pipe.expire(keys.MODELS, remember_s)
+        pipe.zadd(keys.workers, {info.id: int((now + ttl_s) * 1000)})
+        pipe.pexpire(keys.workers, int(ttl_s * 1000))
+        pipe.hset(keys.models, info.model, json.dumps(model_info))
+        pipe.expire(keys.models, remember_s)
         await pipe.execute()
 
 
@@ -60,18 +60,18 @@ def serving(entry: dict[str, str]) -> bool:
     return entry.get("state", "ready") != "recovering"
 
 
-async def deregister(redis: Redis, worker_id: str) -> None:
+async def deregister(redis: Redis, keys: Keyspace, worker_id: str) -> None:
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(keys.worker(worker_id))
-        pipe.zrem(keys.WORKERS, worker_id)
+        pipe.zrem(keys.workers, worker_id)
         await pipe.execute()
 
 
-async def live_workers(redis: Redis) -> list[dict[str, str]]:
+async def live_workers(redis: Redis, keys: Keyspace) -> list[dict[str, str]]:
     """Workers whose heartbeat has not expired (stale ids are pruned on the way)."""
     now_ms = int(time.time() * 1000)
-    await redis.zremrangebyscore(keys.WORKERS, "-inf", now_ms)
-    ids: list[str] = await redis.zrange(keys.WORKERS, 0, -1)
+    await redis.zremrangebyscore(keys.workers, "-inf", now_ms)
+    ids: list[str] = await redis.zrange(keys.workers, 0, -1)
     if not ids:
         return []
     async with redis.pipeline(transaction=False) as pipe:

@@ -11,8 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.model_folder import default_cache_root
 from common.redis_url import check_redis_url, mask_url
+from common.stores import Store, home_store, model_stores
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+MAX_CLUSTER_STORES = 1024  # a model's stores on one Redis Cluster
 
 
 class FleetSettings(BaseSettings):
@@ -27,13 +29,15 @@ class FleetSettings(BaseSettings):
         "redis+sentinel://[:password@]host:port,host:port/SERVICE[/db][?sentinel_password=...] to follow "
         "the primary that Redis Sentinel names.",
     )
-    redis_shards: dict[str, list[SecretStr]] = Field(
+    redis_shards: dict[str, list[SecretStr] | int] = Field(
         default_factory=dict,
-        description="Models whose queue, jobs and streams live on Redis servers of their own, as JSON: "
+        description="Models whose queue, jobs and streams live in stores of their own, as JSON: "
         '{"model": "redis://host:6379/0", ...}, or a list of URLs for a model whose jobs spread over '
-        'several Redis servers (its stores: {"model": ["redis://a:6379/0", "redis://b:6379/0"]}; each '
-        "worker serves one of them, see ORTFLEET_STORE, and gateways place each job on the store with the "
-        "fewest jobs for its rows). Other models, API keys, files, batches and responses use redis_url. "
+        'several Redis servers (its stores: {"model": ["redis://a:6379/0", "redis://b:6379/0"]}), or, '
+        "where redis_url is a Redis Cluster, a number of stores on that cluster "
+        '({"model": 3}: three hash tags, one per primary of a cluster whose slots are split evenly). Each '
+        "worker serves one store, see ORTFLEET_STORE, and gateways place each job on the store with the "
+        "fewest jobs for its rows. Other models, API keys, files, batches and responses use redis_url. "
         "Give every gateway and worker the same map.",
     )
     prefix_cache_scope: Literal["key", "fleet"] = Field(
@@ -73,10 +77,29 @@ class FleetSettings(BaseSettings):
         "start and reported by /readyz while it runs.",
     )
 
-    def redis_urls_for(self, model: str) -> list[str]:
-        """The URLs of the Redis servers that hold `model`'s jobs: its stores (one, unless the shard map
-        gives it several)."""
-        return [url.get_secret_value() for url in self.redis_shards.get(model) or [self.redis_url]]
+    @property
+    def cluster_stores(self) -> bool:
+        """Whether the shard map gives some model stores on a Redis Cluster (redis_url must be one)."""
+        return any(isinstance(given, int) for given in self.redis_shards.values())
+
+    def home_store(self, cluster: bool) -> Store:
+        """The store at redis_url (`cluster`: a Redis Cluster, as asked at start or implied by the map)."""
+        return home_store(self.redis_url.get_secret_value(), cluster or self.cluster_stores)
+
+    def all_stores(self, cluster: bool = False) -> list[Store]:
+        """The home store, then every store of the shard map, each once."""
+        home = self.home_store(cluster)
+        return list(
+            dict.fromkeys(
+                [home, *(s for model in self.redis_shards for s in self.stores_for(model, cluster))]
+            )
+        )
+
+    def stores_for(self, model: str, cluster: bool = False) -> list[Store]:
+        """The stores that hold `model`'s jobs (one, unless the shard map gives it several)."""
+        given = self.redis_shards.get(model)
+        urls = None if given is None or isinstance(given, int) else [url.get_secret_value() for url in given]
+        return model_stores(self.home_store(cluster), model, given if isinstance(given, int) else urls)
 
     @field_validator("redis_shards", mode="before")
     @classmethod
@@ -87,10 +110,17 @@ class FleetSettings(BaseSettings):
 
     @field_validator("redis_shards")
     @classmethod
-    def _shard_urls(cls, shards: dict[str, list[SecretStr]]) -> dict[str, list[SecretStr]]:
+    def _shard_urls(cls, shards: dict[str, list[SecretStr] | int]) -> dict[str, list[SecretStr] | int]:
         for model, urls in shards.items():
             if not model:
                 raise ValueError("a model name in redis_shards is empty")
+            if isinstance(urls, int):
+                if not 1 <= urls <= MAX_CLUSTER_STORES:
+                    raise ValueError(
+                        f"model {model!r} is given {urls} stores on the cluster in redis_shards: give 1 to "
+                        f"{MAX_CLUSTER_STORES}"
+                    )
+                continue
             if not urls:
                 raise ValueError(f"model {model!r} has an empty list of Redis URLs in redis_shards")
             plain = [url.get_secret_value() for url in urls]

@@ -25,6 +25,7 @@ class StoreConfig:
     appendonly: bool = False
     save: str = ""
     unreadable: str | None = None
+    cluster: bool = False  # the server is a node of a Redis Cluster
 
     @classmethod
     def parse(cls, values: dict[str, str]) -> StoreConfig:

@@ -13,7 +13,7 @@ import secrets
 
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import Keyspace
 
 JOB_PREFIX = "job_"
 EPOCH_CHARS = 8  # token_urlsafe(6)
@@ -36,25 +36,25 @@ def epoch_of(job_id: str) -> str | None:
     return job_id[len(JOB_PREFIX) : len(JOB_PREFIX) + EPOCH_CHARS]
 
 
-async def current_epoch(redis: Redis, ttl_s: int) -> str:
+async def current_epoch(redis: Redis, keys: Keyspace, ttl_s: int) -> str:
     """The Redis's epoch, written now if it has none (its first use, or its data was lost). Each read
     keeps it for `ttl_s` more (the job TTL): it lapses only once nothing read it for that long, when
     every job of its epoch has expired anyway."""
-    epoch: str | None = await redis.getex(keys.EPOCH, ex=ttl_s)
+    epoch: str | None = await redis.getex(keys.epoch, ex=ttl_s)
     if epoch is None:
-        await redis.set(keys.EPOCH, new_epoch(), nx=True, ex=ttl_s)
-        epoch = await redis.get(keys.EPOCH)
+        await redis.set(keys.epoch, new_epoch(), nx=True, ex=ttl_s)
+        epoch = await redis.get(keys.epoch)
     return epoch or ""
 
 
-async def note_lost(redis: Redis, epoch: str, ttl_s: int) -> None:
+async def note_lost(redis: Redis, keys: Keyspace, epoch: str, ttl_s: int) -> None:
     """Records in the Redis that `epoch` was lost, for processes that never knew it (a gateway started
     since): its jobs answer `store_lost` until they would have expired anyway."""
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.sadd(keys.LOST_EPOCHS, epoch)
-        pipe.expire(keys.LOST_EPOCHS, ttl_s)
+        pipe.sadd(keys.lost_epochs, epoch)
+        pipe.expire(keys.lost_epochs, ttl_s)
         await pipe.execute()
 
 
-async def was_lost(redis: Redis, epoch: str) -> bool:
-    return bool(await redis.sismember(keys.LOST_EPOCHS, epoch))  # type: ignore[misc]
+async def was_lost(redis: Redis, keys: Keyspace, epoch: str) -> bool:
+    return bool(await redis.sismember(keys.lost_epochs, epoch))  # type: ignore[misc]

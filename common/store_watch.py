@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import Metric
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from common.keys import Keyspace
 from common.store_config import StoreConfig, read_config
 from common.store_epoch import current_epoch, epoch_of, note_lost, was_lost
 
@@ -49,8 +50,11 @@ class StoreWatch:
     """What one process knows of one Redis's fitness to keep its work. `label` names the Redis in
     what it says (its URL, password masked)."""
 
-    def __init__(self, redis: Redis, label: str, allow_eviction: bool, ttl_s: int = 86_400) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keyspace, label: str, allow_eviction: bool, ttl_s: int = 86_400
+    ) -> None:
         self.redis = redis
+        self.keys = keys  # the store's keyspace: its epoch and lost epochs
         self.label = label
         self.allow_eviction = allow_eviction
         self.ttl_s = ttl_s  # the job TTL: how long a loss matters (its jobs would have expired by then)
@@ -120,7 +124,7 @@ class StoreWatch:
         """The Redis's epoch now; a change (or a Redis found without one) since the last read is a loss:
         logged, counted, recorded in the Redis and told to `on_loss`."""
         async with self._reading_epoch:
-            current = await current_epoch(self.redis, self.ttl_s)
+            current = await current_epoch(self.redis, self.keys, self.ttl_s)
             known, self.epoch = self.epoch, current
             if known is not None and current != known:
                 await self._lost(known, current)
@@ -136,7 +140,7 @@ class StoreWatch:
             self.label,
         )
         with contextlib.suppress(RedisError, OSError):  # this process knows it; others find it in time
-            await note_lost(self.redis, old, self.ttl_s)
+            await note_lost(self.redis, self.keys, old, self.ttl_s)
         for callback in self.on_loss:
             callback(old)
 
@@ -145,7 +149,7 @@ class StoreWatch:
         epoch = epoch_of(job_id)
         if epoch is None or epoch == self.epoch:
             return False
-        return epoch in self.lost_epochs or await was_lost(self.redis, epoch)
+        return epoch in self.lost_epochs or await was_lost(self.redis, self.keys, epoch)
 
     async def check_config(self) -> StoreConfig:
         """Reads the memory policy and persistence again; says so in the log when they changed since

@@ -92,7 +92,9 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with open_shards(settings) as shards:
-            fleet = FleetView([shard.redis for shard in shards.all], spread=shards.spread_models())
+            fleet = FleetView(
+                [(shard.redis, shard.keys) for shard in shards.all], spread=shards.spread_models()
+            )
             streams = StreamSlots(
                 settings.key_max_open_streams,
                 lambda: gateway_metrics.rejected.labels("too_many_streams").inc(),

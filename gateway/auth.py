@@ -12,9 +12,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common import keys, lua
+from common import lua
 from common.apikeys import ANONYMOUS, KeyRing, Principal
 from common.error_codes import ErrorCode
+from common.keys import Keyspace
 from gateway.errors import envelope
 
 logger = logging.getLogger(__name__)
@@ -128,14 +129,21 @@ class ApiKeyAuth:
         member = f"{now_ms}-{secrets.token_hex(4)}"
         try:
             return await request_rate_wait(
-                state.redis, key_name=principal.name, now_ms=now_ms, per_minute=limit, member=member
+                state.redis,
+                state.keys,
+                key_name=principal.name,
+                now_ms=now_ms,
+                per_minute=limit,
+                member=member,
             )
         except RedisError as e:
             logger.warning("request rate of %s not counted: %s", principal.name, e)
             return 0
 
 
-async def request_rate_wait(redis: Redis, *, key_name: str, now_ms: int, per_minute: int, member: str) -> int:
+async def request_rate_wait(
+    redis: Redis, keys: Keyspace, *, key_name: str, now_ms: int, per_minute: int, member: str
+) -> int:
     """scripts/request_rate.lua: counts the request in the key's sliding minute and answers 0, or, the key
     being at its limit, counts nothing and answers the seconds until it may call again."""
     script = lua.register(redis, __name__, "request_rate.lua")

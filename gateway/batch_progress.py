@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import Keyspace
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,9 @@ class BatchProgress:
         return self.completed + self.failed
 
 
-async def active_batches(redis: Redis) -> list[BatchProgress]:
+async def active_batches(redis: Redis, keys: Keyspace) -> list[BatchProgress]:
     """The batches a driver still works on, oldest first."""
-    ids: list[str] = await redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+    ids: list[str] = await redis.zrange(keys.batches_active, 0, -1)
     if not ids:
         return []
     async with redis.pipeline(transaction=False) as pipe:
@@ -85,8 +85,8 @@ class BatchMetrics:
         self.active: list[BatchProgress] = []
         registry.register(self)
 
-    async def refresh(self, redis: Redis) -> None:
-        self.active = await active_batches(redis)
+    async def refresh(self, redis: Redis, keys: Keyspace) -> None:
+        self.active = await active_batches(redis, keys)
 
     def collect(self) -> Iterable[Metric]:
         by_status = GaugeMetricFamily(

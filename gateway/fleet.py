@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common import keys
+from common.keys import Keyspace
 from common.registry import live_workers, serving
 from common.wire import PRIORITY_ORDER
 
@@ -45,9 +45,12 @@ class FleetView:
     that find it stale at once share one read of it."""
 
     def __init__(
-        self, redises: list[Redis], max_age_s: float = 0.5, spread: frozenset[str] = frozenset()
+        self,
+        redises: list[tuple[Redis, Keyspace]],
+        max_age_s: float = 0.5,
+        spread: frozenset[str] = frozenset(),
     ) -> None:
-        self._redises = redises  # every shard's: a model's workers register on its shard
+        self._redises = redises  # every shard's, with its keyspace: a model's workers register on its shard
         self._spread = spread  # models with several stores: each store's queue depth is read too
         self._max_age_s = max_age_s
         self._snapshot: FleetSnapshot | None = None
@@ -82,10 +85,10 @@ class FleetView:
         live: dict[str, ModelState] = {}
         by_store: dict[tuple[int, str], ModelState] = {}
         unreachable: list[RedisError] = []
-        for redis in self._redises:
+        for redis, keys in self._redises:
             try:
-                known_raw: dict[str, str] = await redis.hgetall(keys.MODELS)  # type: ignore[misc]
-                registered = await live_workers(redis)
+                known_raw: dict[str, str] = await redis.hgetall(keys.models)  # type: ignore[misc]
+                registered = await live_workers(redis, keys)
             except RedisError as e:  # its models' other stores, and other models, are served meanwhile
                 unreachable.append(e)
                 continue
@@ -97,7 +100,7 @@ class FleetView:
                 known.setdefault(name, live[name].context_length)
             spread_here = [name for name in self._spread if (id(redis), name) in by_store]
             try:
-                depths = await _queue_depths(redis, spread_here)
+                depths = await _queue_depths(redis, keys, spread_here)
             except RedisError as e:
                 unreachable.append(e)
                 continue
@@ -112,7 +115,7 @@ class FleetView:
         return FleetSnapshot(known, live, by_store, read_at)
 
 
-async def _queue_depths(redis: Redis, models: list[str]) -> dict[str, int]:
+async def _queue_depths(redis: Redis, keys: Keyspace, models: list[str]) -> dict[str, int]:
     """The jobs waiting in each model's queues (every class) on this Redis."""
     if not models:
         return {}

@@ -57,8 +57,8 @@ async def _models_of(
 ) -> list[dict[str, Any]]:
     queues, outcomes = [], []
     for shard, mine in state.shards.holding(names):  # a model's figures from each of its stores, summed
-        queues.append(await queue_stats(shard.redis, mine, now))
-        outcomes.append(await recent_outcomes(shard.redis, mine, now))
+        queues.append(await queue_stats(shard.redis, shard.keys, mine, now))
+        outcomes.append(await recent_outcomes(shard.redis, shard.keys, mine, now))
     queue, outcome = summed(queues), summed(outcomes)
     models = []
     for name in names:
@@ -91,8 +91,11 @@ async def fleet_overview(request: Request) -> Response:
     workers: list[dict[str, Any]] = []
     names: set[str] = set()
     for store, shard in state.shards.named():
-        workers += [{**worker_entry(entry, now), "store": store} for entry in await live_workers(shard.redis)]
-        names |= set(await known_models(shard.redis))
+        workers += [
+            {**worker_entry(entry, now), "store": store}
+            for entry in await live_workers(shard.redis, shard.keys)
+        ]
+        names |= set(await known_models(shard.redis, shard.keys))
     names |= {w["model"] for w in workers}
     workers.sort(key=lambda w: (w["model"], w["id"]))
     models = await _models_of(state, sorted(names), workers, now)

@@ -26,7 +26,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.wire import JobRequest, PriorityClass
@@ -36,10 +35,11 @@ from gateway.shards import Shard, Shards
 from gateway.state import AppState
 
 
-def idempotency_redis_key(principal: Principal, idempotency_key: str) -> str:
-    """Where the job submitted under `idempotency_key` is found; idempotency keys are per owner."""
+def idempotency_digest(principal: Principal, idempotency_key: str) -> str:
+    """What names the job submitted under `idempotency_key` on each store (Keyspace.idempotency);
+    idempotency keys are per owner."""
     scoped = f"{principal.name}\n{idempotency_key}"
-    return keys.idempotency(hashlib.sha256(scoped.encode()).hexdigest())
+    return hashlib.sha256(scoped.encode()).hexdigest()
 
 
 def request_digest(request: JobRequest, priority: PriorityClass) -> str:
@@ -69,7 +69,8 @@ async def check_same_request(state: AppState, job_id: str, digest: str | None, i
 
 @dataclass(frozen=True)
 class KeyTries:
-    """An Idempotency-Key of a model with several stores: the Redis key of its entry, and its home store."""
+    """An Idempotency-Key of a model with several stores: its digest (idempotency_digest), and its home
+    store."""
 
     idem: str
     home: Shard
@@ -87,7 +88,9 @@ async def idempotent_job(shards: Shards, stores: list[Shard], tries: KeyTries) -
     whether a try went there: then the job may be there, and the answer is 503 naming the store, never a
     second job."""
     idem, home = tries.idem, tries.home
-    values = await asyncio.gather(*(store.redis.get(idem) for store in stores), return_exceptions=True)
+    values = await asyncio.gather(
+        *(store.redis.get(store.keys.idempotency(idem)) for store in stores), return_exceptions=True
+    )
     if all(isinstance(value, BaseException) for value in values):
         raise next(value for value in values if isinstance(value, BaseException))
     if (found := next((value for value in values if isinstance(value, str)), None)) is not None:
@@ -98,7 +101,7 @@ async def idempotent_job(shards: Shards, stores: list[Shard], tries: KeyTries) -
     # The home store silent: the first try went there, or it lists where it went; either way, unknown.
     if any(store is home for store in silent):
         raise _unknown(shards, [home])
-    tried: set[str] = await home.redis.smembers(keys.idempotency_tries(idem))  # type: ignore[misc]
+    tried: set[str] = await home.redis.smembers(home.keys.idempotency_tries(idem))  # type: ignore[misc]
     if unknown := [store for store in silent if store.label in tried]:
         raise _unknown(shards, unknown)
     return None
@@ -107,7 +110,7 @@ async def idempotent_job(shards: Shards, stores: list[Shard], tries: KeyTries) -
 async def note_try(tries: KeyTries, store: Shard, ttl_s: int) -> None:
     """Lists `store` on the key's home store before the job is sent there, for the job's TTL (reset when
     an entry is added, so that it outlives the newest try's job)."""
-    tried = keys.idempotency_tries(tries.idem)
+    tried = tries.home.keys.idempotency_tries(tries.idem)
     async with tries.home.redis.pipeline(transaction=True) as pipe:
         pipe.sadd(tried, store.label)
         pipe.expire(tried, ttl_s)
@@ -128,7 +131,7 @@ async def one_try_at_a_time(state: AppState, tries: KeyTries | None, stores: int
     home, settings = tries.home, state.settings
     each_s = 2 * settings.redis_socket_timeout_s + settings.submit_replicas_timeout_ms / 1000
     longest_s = stores * each_s + 1
-    trying, token = keys.idempotency_try(tries.idem), secrets.token_hex(8)
+    trying, token = home.keys.idempotency_try(tries.idem), secrets.token_hex(8)
     try:
         taken = await home.redis.set(trying, token, nx=True, px=int(longest_s * 1000))
     except (RedisConnectionError, RedisTimeoutError) as e:  # whether a try went elsewhere is unknown

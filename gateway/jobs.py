@@ -13,7 +13,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.jobs.cancellation import CancelOutcome
@@ -202,7 +201,7 @@ async def job_events(request: Request) -> Response:
     after = request.query_params.get("after") or request.headers.get("last-event-id") or "0-0"
     if not valid_entry_id(after):
         raise ApiError(422, f"after: {after!r} is not an event id like 1700000000000-0", param="after")
-    position = await read_position(shard.redis, job_id, after)
+    position = await read_position(shard.redis, shard.keys, job_id, after)
     if position == "beyond":
         raise ApiError(422, f"after: {after!r} is past the newest event of this job", param="after")
     owner = principal_of(request.scope).name
@@ -257,7 +256,7 @@ async def list_jobs(request: Request) -> Response:
     state = app_state(request)
     principal = principal_of(request.scope)
     limit = _int_param(request, "limit", 20, 1, 100)
-    index = keys.owner_jobs(principal.name)
+    owner = principal.name
     upper, last_id = "+inf", None
     after = request.query_params.get("after")
     if after is not None:
@@ -267,7 +266,8 @@ async def list_jobs(request: Request) -> Response:
         upper, last_id = cursor.groups()
     named = state.shards.named()
     pages = await asyncio.gather(
-        *(_page(shard, index, upper, last_id, limit + 1) for _, shard in named), return_exceptions=True
+        *(_page(shard, shard.keys.owner_jobs(owner), upper, last_id, limit + 1) for _, shard in named),
+        return_exceptions=True,
     )
     silent = _unanswered(named, pages)
     if len(silent) == len(named):

@@ -171,10 +171,15 @@ def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.s
 
 def check_redis_urls(settings: GatewaySettings) -> None:
     """CannotStart for a Redis that refuses its URL (a password wanted or wrong: a mistake in the
-    configuration) or evicts keys (unless allowed). An unreachable one is only logged: the gateway
-    starts, and answers 503 on /readyz until Redis is back, as a load balancer in front expects of it."""
-    urls = {settings.redis_url.get_secret_value(): ("ORTFLEET_REDIS_URL (or --redis-url)", "")}
+    configuration), evicts keys (unless allowed), is a Redis Cluster node where the shard map lists a
+    whole server, or is not a cluster where the map gives a model stores on one. An unreachable one is
+    only logged: the gateway starts, and answers 503 on /readyz until Redis is back, as a load balancer
+    in front expects of it."""
+    home = settings.redis_url.get_secret_value()
+    urls = {home: ("ORTFLEET_REDIS_URL (or --redis-url)", "")}
     for model, stores in settings.redis_shards.items():
+        if isinstance(stores, int):
+            continue
         for i, store in enumerate(stores):
             setting, named = f"ORTFLEET_REDIS_SHARDS[{model}]", ""
             if len(stores) > 1:  # named by its position, as ORTFLEET_STORE counts them
@@ -182,12 +187,18 @@ def check_redis_urls(settings: GatewaySettings) -> None:
             urls.setdefault(store.get_secret_value(), (setting, named))
     for url, (setting, named) in urls.items():
         try:
-            config = check_redis(url, settings.redis_connect_timeout_s)
+            config = check_redis(url, settings.redis_connect_timeout_s, allow_cluster=url == home)
         except RedisRefused as e:
             raise CannotStart(f"{named}{e}; correct the URL in {setting}: {URL_FORMAT}") from e
         except RedisUnreachable as e:
             logger.warning("%s%s; starting anyway: /readyz answers 503 until it is reachable", named, e)
             continue
+        if url == home and settings.cluster_stores and not config.cluster:
+            raise CannotStart(
+                f"ORTFLEET_REDIS_SHARDS gives models stores on a Redis Cluster, but the Redis at "
+                f"{mask_url(url)} ({setting}) is not a cluster node: give the cluster as ORTFLEET_REDIS_URL, "
+                "or list each model's Redis servers by URL"
+            )
         try:
             check_store_config(config, mask_url(url), settings.allow_evicting_redis)
         except CannotStart as e:

@@ -111,11 +111,14 @@ class GatewayMetrics:
             queues: list[dict[str, QueueStats]] = []
             served: list[dict[str, collections.Counter[str]]] = []
             for shard, mine in shards.holding(models):
-                queues.append(await queue_stats(shard.redis, mine))
+                queues.append(await queue_stats(shard.redis, shard.keys, mine))
                 served.append(
-                    {name: collections.Counter(await served_tokens(shard.redis, name)) for name in mine}
+                    {
+                        name: collections.Counter(await served_tokens(shard.redis, shard.keys, name))
+                        for name in mine
+                    }
                 )
-            await self.batches.refresh(shards.home.redis)
+            await self.batches.refresh(shards.home.redis, shards.home.keys)
         except (RedisError, OSError) as e:
             logger.warning("metrics: Redis is unreachable, queue figures left out (%s)", e)
             self.fleet.models = {}

@@ -18,15 +18,21 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from common import keys
 from common.aio import cancel_and_wait
 from common.gateway_settings import GatewaySettings
 from common.jobs.queue import JobQueue
 from common.jobs.record import JobRecord
-from common.redis_client import connect, gateway_client_name
-from common.redis_url import mask_url
+from common.keys import Keyspace
+from common.redis_client import (
+    RedisRefused,
+    RedisUnreachable,
+    check_redis,
+    connect_store,
+    gateway_client_name,
+)
 from common.store_epoch import epoch_of
 from common.store_watch import StoreWatch
+from common.stores import Store
 from common.wire import JobStatus
 from gateway.queue_sweep import sweep_queue_deadlines
 from gateway.streaming.reading import STORE_LOST
@@ -35,8 +41,9 @@ from gateway.streaming.relay import StreamRelay
 
 @dataclass(frozen=True)
 class Shard:
-    label: str  # its URL, password masked
+    label: str  # its URL, password masked (and its hash tag, on a Redis Cluster)
     redis: Redis
+    keys: Keyspace  # the names of its keys on that Redis
     queue: JobQueue
     relay: StreamRelay
     watch: StoreWatch  # its memory policy and persistence
@@ -106,7 +113,7 @@ class Shards:
         for shard in self.all:
             async with shard.redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.hget(keys.job(job_id), "status")
+                    pipe.hget(shard.keys.job(job_id), "status")
                 replies = await pipe.execute()
             found |= {job_id: JobStatus(raw) for job_id, raw in zip(job_ids, replies, strict=True) if raw}
         return found
@@ -120,10 +127,12 @@ class Shards:
                 return True
         return False
 
-    async def first_value(self, key: str) -> str | None:
-        """The string at `key` on the first shard holding one (an idempotency entry lives on the shard of
-        the job it names)."""
-        values = await asyncio.gather(*(shard.redis.get(key) for shard in self.all))
+    async def idempotent_job(self, digest: str) -> str | None:
+        """The job an idempotency entry (named by its digest, gateway/idempotency.py) names, on the first
+        shard holding one: it lives on the shard of the job it names."""
+        values = await asyncio.gather(
+            *(shard.redis.get(shard.keys.idempotency(digest)) for shard in self.all)
+        )
         return next((value for value in values if value is not None), None)
 
     async def _find(
@@ -143,23 +152,23 @@ class Shards:
 
 @contextlib.asynccontextmanager
 async def open_shards(settings: GatewaySettings) -> AsyncIterator[Shards]:
-    """Connects to each distinct Redis of the settings (redis_url and the shard map) and starts its
-    relay; closes them all on exit. Each Redis gets the gateway's connection bounds of its own."""
-    home_url = settings.redis_url.get_secret_value()
-    model_urls = {
-        model: [url.get_secret_value() for url in urls] for model, urls in settings.redis_shards.items()
-    }
-    shards: dict[str, Shard] = {}
+    """Connects to each distinct store of the settings (redis_url and the shard map: a Redis, or a hash
+    tag on a Redis Cluster) and starts its relay; closes them all on exit. Each store gets the gateway's
+    connection bounds of its own."""
+    home = settings.home_store(await is_cluster(settings.redis_url.get_secret_value(), settings))
+    model_stores = {model: settings.stores_for(model, home.cluster) for model in settings.redis_shards}
+    shards: dict[Store, Shard] = {}
     watching: list[asyncio.Task[None]] = []
     try:
-        for url in dict.fromkeys([home_url, *(url for urls in model_urls.values() for url in urls)]):
-            shards[url] = shard = await _open(settings, url)
+        for store in dict.fromkeys([home, *(store for stores in model_stores.values() for store in stores)]):
+            shards[store] = shard = await _open(settings, store)
             watching.append(asyncio.create_task(shard.watch.run(), name="store-watch"))
             watching.append(
                 asyncio.create_task(sweep_queue_deadlines(shard.queue, shard.label), name="sweep")
             )
         yield Shards(
-            shards[home_url], {model: [shards[url] for url in urls] for model, urls in model_urls.items()}
+            shards[home],
+            {model: [shards[store] for store in stores] for model, stores in model_stores.items()},
         )
     finally:
         for task in watching:
@@ -169,10 +178,21 @@ async def open_shards(settings: GatewaySettings) -> AsyncIterator[Shards]:
             await shard.redis.aclose()
 
 
-async def _open(settings: GatewaySettings, url: str) -> Shard:
+async def is_cluster(url: str, settings: GatewaySettings) -> bool:
+    """Whether the Redis at `url` is a node of a Redis Cluster; when it does not answer, whether the shard
+    map gives a model stores on a cluster (a gateway started while its Redis is away takes it for a
+    standalone one otherwise, and is restarted once it is back)."""
+    try:
+        config = await asyncio.to_thread(check_redis, url, settings.redis_connect_timeout_s)
+    except (RedisRefused, RedisUnreachable):
+        return settings.cluster_stores
+    return config.cluster
+
+
+async def _open(settings: GatewaySettings, store: Store) -> Shard:
     name = gateway_client_name(os.getpid())
-    redis = connect(
-        url,
+    redis = connect_store(
+        store,
         max_connections=settings.redis_max_connections,
         client_name=name,
         socket_timeout_s=settings.redis_socket_timeout_s,
@@ -180,14 +200,14 @@ async def _open(settings: GatewaySettings, url: str) -> Shard:
         retries=1,
     )
     relay = StreamRelay(
-        url,
+        store,
         connections=settings.relay_connections,
         buffer=settings.relay_buffer_events,
         client_name=name,
         outage_limit_s=settings.store_outage_limit_s,
     )
     await relay.start()
-    label = mask_url(url)
-    watch = StoreWatch(redis, label, settings.allow_evicting_redis, settings.job_ttl_s)
+    label = store.label
+    watch = StoreWatch(redis, store.keys, label, settings.allow_evicting_redis, settings.job_ttl_s)
     watch.on_loss.append(functools.partial(relay.end_lost, fields=STORE_LOST))
-    return Shard(label, redis, JobQueue(redis, settings.job_ttl_s), relay, watch)
+    return Shard(label, redis, store.keys, JobQueue(redis, settings.job_ttl_s, store.keys), relay, watch)

@@ -7,6 +7,7 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 
 from common.gateway_settings import GatewaySettings
+from common.keys import Keyspace
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
@@ -35,6 +36,11 @@ class AppState:
     def redis(self) -> Redis:
         """The home shard's Redis: API keys, rate limits, files, batches, responses."""
         return self.shards.home.redis
+
+    @property
+    def keys(self) -> Keyspace:
+        """The home shard's keyspace: the names of what `redis` holds."""
+        return self.shards.home.keys
 
 
 def app_state(request: Request) -> AppState:

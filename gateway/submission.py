@@ -34,7 +34,7 @@ from gateway.errors import ApiError, store_full, validation_error
 from gateway.idempotency import (
     KeyTries,
     check_same_request,
-    idempotency_redis_key,
+    idempotency_digest,
     idempotent_job,
     key_tries,
     note_try,
@@ -216,7 +216,7 @@ async def submit_job(
     model, context_length = await resolve_model(state, request.model)
     check_length(request, context_length)
     now = time.time()
-    idem = idempotency_redis_key(principal, idempotency_key) if idempotency_key else None
+    idem = idempotency_digest(principal, idempotency_key) if idempotency_key else None
     digest = request_digest(request, effective) if idem else None
     spec = JobSpec(
         id="",  # it carries the epoch of the store that takes it
@@ -331,7 +331,7 @@ async def _submit_to(
             limits=queue_limits(state),
             cost=estimated_cost(job, context_length),
             kv_tokens=kv_tokens,
-            idempotency_key=idem,
+            idempotency_key=store.keys.idempotency(idem) if idem else None,
             owner=principal.name,
             owner_max_active=share_of_limit(principal.max_concurrent_jobs or 0, stores),
             weight=principal.weight,
@@ -403,7 +403,10 @@ async def _routes(
     if not spec.messages or wait_s <= 0:
         return [(None, None)] * len(stores)
     workers = await asyncio.gather(
-        *(preferred_worker(store.redis, spec.model, spec.cache_scope, spec.messages) for store in stores),
+        *(
+            preferred_worker(store.redis, store.keys, spec.model, spec.cache_scope, spec.messages)
+            for store in stores
+        ),
         return_exceptions=len(stores) > 1,  # a store that cannot be read has no hint: the others serve
     )
     return [

@@ -16,9 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common import keys, lua
+from common import lua
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
+from common.keys import Keyspace
 from common.tokenizer_calls import TokenizerCall, TokenizerReply
 from common.wire import ChatMessage
 from gateway.auth import principal_of
@@ -99,7 +100,12 @@ async def _charge(state: AppState, principal: Principal, chars: int) -> None:
     if not rate or chars <= 0:
         return
     wait_ms = await tokenize_budget_wait(
-        state.redis, key_name=principal.name, now_ms=int(time.time() * 1000), chars=chars, chars_per_s=rate
+        state.redis,
+        state.keys,
+        key_name=principal.name,
+        now_ms=int(time.time() * 1000),
+        chars=chars,
+        chars_per_s=rate,
     )
     if wait_ms:
         raise ApiError(
@@ -114,7 +120,7 @@ async def _charge(state: AppState, principal: Principal, chars: int) -> None:
 
 
 async def tokenize_budget_wait(
-    redis: Redis, *, key_name: str, now_ms: int, chars: int, chars_per_s: int
+    redis: Redis, keys: Keyspace, *, key_name: str, now_ms: int, chars: int, chars_per_s: int
 ) -> int:
     """scripts/tokenize_budget.lua: takes the characters from the key's budget and answers 0, or takes
     nothing and answers the ms until they would fit (a burst of BURST_S seconds' worth at most)."""
@@ -125,10 +131,10 @@ async def tokenize_budget_wait(
 
 async def _call(state: AppState, model: str, **fields: Any) -> TokenizerReply:
     call = TokenizerCall(id=secrets.token_urlsafe(12), deadline=time.time() + CALL_TIMEOUT_S, **fields)
-    calls = keys.tokenizer_calls(model)
     snapshot = await state.fleet.snapshot()
     stores = state.placement.order(state.shards.stores_of(model), model, snapshot, None, placing=False)
-    redis = stores[0].redis  # the model's workers answer on their store: the one with room, if several
+    redis, keys = stores[0].redis, stores[0].keys  # its workers answer on their store: one with room
+    calls = keys.tokenizer_calls(model)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.lpush(calls, call.model_dump_json(exclude_none=True))
         pipe.expire(calls, int(CALL_TIMEOUT_S) + 1)  # calls nobody took go away with their callers

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.jobs.queue import JobQueue
 from common.jobs.submission import QueueLimits
+from common.keys import STANDALONE as keys
 from common.wire import JobSpec, PriorityClass, Sampling
 
 NO_LIMITS = QueueLimits(10_000, 10**9, 0)

@@ -7,9 +7,9 @@ import time
 
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import is_final, token_entry
 from common.jobs.reads import notice_streams
+from common.keys import STANDALONE as keys
 from gateway.streaming.relay import StreamRelay
 
 

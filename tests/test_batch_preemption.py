@@ -11,8 +11,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.jobs.queue import JobQueue
+from common.keys import STANDALONE as keys
 from common.wire import PriorityClass
 from tests.conftest import Fleet
 from tests.fake_workers import Started

@@ -18,7 +18,7 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import STANDALONE as keys
 from gateway.batches.lines import answer_line
 from tests.conftest import Fleet, RedisServer
 
@@ -206,7 +206,7 @@ async def test_cancelling_a_batch_stops_feeding_it_and_keeps_what_finished_and_s
     answered = batch.request_counts.completed + batch.request_counts.failed
     assert answered < 40  # the rest was never fed
     assert batch.cancelled_at is not None
-    assert await redis.zscore(keys.BATCHES_ACTIVE, created.id) is None
+    assert await redis.zscore(keys.batches_active, created.id) is None
 
 
 async def test_a_batch_past_its_window_expires_and_its_unrun_lines_go_to_the_error_file(

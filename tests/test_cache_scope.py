@@ -17,6 +17,7 @@ import pytest
 
 from common.gateway_settings import GatewaySettings
 from common.jobs.payload import job_payload, parse_job_payload
+from common.keys import STANDALONE as keys
 from common.prefix_hints import hint_keys
 from common.wire import ChatMessage, JobSpec, Sampling
 from common.worker_settings import WorkerSettings
@@ -105,7 +106,7 @@ def test_a_jobs_cache_scope_travels_in_its_payload_for_every_attempt() -> None:
 @pytest.mark.unit
 def test_routing_hints_of_one_cache_scope_are_not_found_from_another() -> None:
     messages = [ChatMessage(role="user", content=STORY)]
-    assert set(hint_keys("m", "alice", messages)).isdisjoint(hint_keys("m", "bob", messages))
+    assert set(hint_keys("m", "alice", messages, keys)).isdisjoint(hint_keys("m", "bob", messages, keys))
 
 
 @pytest.mark.module_fleet

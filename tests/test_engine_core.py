@@ -19,8 +19,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.error_codes import ErrorCode
+from common.keys import STANDALONE as keys
 from ortfleet.bench.core_host import measure, text
 from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.launcher import serving_fleet

@@ -15,8 +15,8 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.guidance import ResponseFormat
+from common.keys import STANDALONE as keys
 from common.redis_client import connect
 from common.registry import heartbeat, live_workers
 from gateway.guidance_check import PROBE_BYTES, check
@@ -121,7 +121,7 @@ async def test_a_grammar_that_breaks_og_engine_fails_its_job_alone_and_the_worke
     fleet: Fleet, client: httpx.AsyncClient, sdk: openai.OpenAI, redis: Redis, model_name: str
 ) -> None:
     worker = fleet.start_worker(model_name, "--scheduler", "og-engine")
-    [entry] = [w for w in await live_workers(redis) if w["model"] == model_name]
+    [entry] = [w for w in await live_workers(redis, keys) if w["model"] == model_name]
     ordinary = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 460, "min_tokens": 460}
     breaker = {
         "model": model_name,
@@ -162,7 +162,7 @@ async def test_a_grammar_that_breaks_og_engine_fails_its_job_alone_and_the_worke
     assert "recovering" in states.seen and states.seen[-1] == "ready", states.seen
     assert states.seen.index("recovering") < len(states.seen) - 1
     assert worker.process.poll() is None  # the same process serves on
-    [after] = [w for w in await live_workers(redis) if w["model"] == model_name]
+    [after] = [w for w in await live_workers(redis, keys) if w["model"] == model_name]
     assert after["id"] == entry["id"] and after["state"] == "ready"
     metrics = (await client.get(after["metrics_url"])).text
     assert value(metrics, "ortfleet_engine_restarts_total", model=model_name) == 1
@@ -172,7 +172,7 @@ async def test_on_the_batcher_a_grammar_that_breaks_fails_its_job_alone_and_the_
     fleet: Fleet, client: httpx.AsyncClient, redis: Redis, model_name: str
 ) -> None:
     worker = fleet.start_worker(model_name, "--scheduler", "batcher")
-    [entry] = [w for w in await live_workers(redis) if w["model"] == model_name]
+    [entry] = [w for w in await live_workers(redis, keys) if w["model"] == model_name]
     ordinary = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 460, "min_tokens": 460}
     breaker = {
         "model": model_name,
@@ -206,10 +206,10 @@ async def test_readyz_does_not_count_a_worker_whose_engine_is_being_rebuilt(
     info = worker_info(model_name, FakeEngine(0.01, 1))
     async with httpx.AsyncClient(base_url=own_fleet.gateway_url, timeout=10) as http:
         info.state = "recovering"
-        await heartbeat(own_redis_client, info, 30, 60)
+        await heartbeat(own_redis_client, keys, info, 30, 60)
         rebuilding = await http.get("/readyz")
         info.state = "ready"
-        await heartbeat(own_redis_client, info, 30, 60)
+        await heartbeat(own_redis_client, keys, info, 30, 60)
         ready = await http.get("/readyz")
 
     assert rebuilding.status_code == 503 and "rebuilding a failed engine" in rebuilding.json()["reason"]
@@ -257,7 +257,7 @@ async def test_a_worker_whose_engine_cannot_be_made_again_hands_back_its_jobs_an
     with pytest.raises(EngineUnrecoverable, match="out of device memory"):
         await asyncio.wait_for(start_worker.run_of(service), 10)
 
-    assert [w for w in await live_workers(redis) if w["id"] == service.info.id] == []
+    assert [w for w in await live_workers(redis, keys) if w["id"] == service.info.id] == []
     statuses = [(await redis.hgetall(keys.job(job_id)))["status"] for job_id in jobs]  # type: ignore[misc]
     assert sorted(statuses) == ["failed", "running"]
     [handed_back] = [job_id for job_id, status in zip(jobs, statuses, strict=True) if status == "running"]

@@ -14,7 +14,7 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import STANDALONE as keys
 from gateway.batches.state import BatchState, new_batch_id
 from gateway.files.store import FileInUse, FileStore, new_file_id
 from tests.conftest import Fleet, RedisServer
@@ -157,7 +157,7 @@ async def test_paging_through_files_made_in_the_same_second_lists_each_once(
 
 
 async def _batch_input(redis: Redis, owner: str) -> tuple[FileStore, str]:
-    files = FileStore(redis, 600)
+    files = FileStore(redis, keys, 600)
     file_id = new_file_id()
     await files.append_lines(file_id, [b'{"custom_id": "1"}\n'])
     await files.register(file_id, owner, "batch", "in.jsonl", 19, 1)
@@ -174,7 +174,7 @@ async def test_a_file_whose_batch_starts_between_the_check_and_the_delete_is_ref
 ) -> None:
     owner = "racer-" + secrets.token_hex(4)
     files, file_id = await _batch_input(redis, owner)
-    batches = BatchState(redis, 600)
+    batches = BatchState(redis, keys, 600)
     checked = FileStore.batch_reading
     created: list[str] = []
 
@@ -202,5 +202,5 @@ async def test_a_batch_is_not_created_on_a_file_deleted_since_it_was_read(redis:
     assert await files.get(file_id, owner) is not None  # what POST /v1/batches reads first
     assert await files.delete(file_id, owner)
 
-    assert await BatchState(redis, 600).create(_batch_fields(file_id, owner), time.time() + 60) is None
+    assert await BatchState(redis, keys, 600).create(_batch_fields(file_id, owner), time.time() + 60) is None
     assert not await redis.exists(keys.file(file_id))  # not brought back as a record without lines

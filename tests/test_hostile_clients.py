@@ -17,10 +17,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.gateway_settings import GatewaySettings
 from common.jobs.queue import JobQueue
 from common.jobs.submission import QueueLimits
+from common.keys import STANDALONE as keys
 from common.wire import ChatMessage, JobSpec, Sampling
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet, Proc, RedisServer

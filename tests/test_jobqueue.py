@@ -11,13 +11,15 @@ from dataclasses import fields
 import pytest
 from redis.asyncio import Redis
 
-from common import keys, lua
+from common import lua
 from common.error_codes import ErrorCode
 from common.fleet_stats import recent_outcomes
 from common.jobs.claims import Claim
 from common.jobs.queue import JobQueue
 from common.jobs.record import SCRIPT_FIELDS, JobRecord, RecordUpdate
 from common.jobs.submission import QueueLimits
+from common.keys import ARQ_JOB_PREFIX, PREFIX
+from common.keys import STANDALONE as keys
 from common.wire import FinishReason, JobSpec, JobStatus, PriorityClass, Sampling, Timings, Usage
 
 NO_LIMITS = QueueLimits(1000, 10**9, 0)
@@ -89,7 +91,7 @@ async def test_a_job_cancelled_while_queued_counts_in_the_recent_outcomes(redis:
 
     assert await queue.cancel(job_id, model) == "cancelled"
 
-    outcomes = (await recent_outcomes(redis, [model]))[model]
+    outcomes = (await recent_outcomes(redis, keys, [model]))[model]
     assert outcomes.by_status["cancelled"] == 1 and outcomes.finished == 1
 
 
@@ -105,11 +107,11 @@ async def test_a_job_a_worker_ends_counts_once_in_the_recent_outcomes_and_a_late
     )
 
     assert not await queue.finish(late, update, {"type": "done", "status": "succeeded"})
-    assert (await recent_outcomes(redis, [model]))[model].finished == 0
+    assert (await recent_outcomes(redis, keys, [model]))[model].finished == 0
 
     assert await queue.finish(taken, update, {"type": "done", "status": "succeeded"})
     await queue.finish(taken, update, {"type": "done", "status": "succeeded"})  # a retry, its reply lost
-    outcomes = (await recent_outcomes(redis, [model]))[model]
+    outcomes = (await recent_outcomes(redis, keys, [model]))[model]
     assert outcomes.by_status == {"succeeded": 1}
 
 
@@ -125,7 +127,7 @@ async def test_a_job_that_expires_in_the_queue_counts_as_failed_in_the_recent_ou
     assert record is not None and record.status is JobStatus.failed
     assert record.error_code is ErrorCode.expired_in_queue
     assert await redis.zscore(keys.active_jobs("team"), job_id) is None  # no longer counts for its owner
-    assert (await recent_outcomes(redis, [model]))[model].failed == 1
+    assert (await recent_outcomes(redis, keys, [model]))[model].failed == 1
 
 
 async def test_a_claim_looks_again_when_the_head_of_the_queue_moves_under_it(
@@ -263,7 +265,7 @@ async def test_a_claim_passes_over_jobs_that_need_more_kv_than_the_workers_budge
 @pytest.mark.unit
 def test_the_scripts_build_no_key_names() -> None:
     for name, script in SCRIPTS.items():
-        assert keys.PREFIX not in script and keys.ARQ_JOB_PREFIX not in script, name
+        assert PREFIX not in script and ARQ_JOB_PREFIX not in script, name
         assert not re.search(r"redis\.call\('\w+', [^,)]*\.\.", script), name
 
 
@@ -302,11 +304,11 @@ async def test_a_deadline_whose_job_cannot_be_read_holds_up_no_other_jobs_expiry
     queue = JobQueue(redis, 3600)
     broken = f"job_broken_{uuid.uuid4().hex[:8]}"
     await redis.set(keys.job(broken), "not a hash")  # any command on it as a hash answers WRONGTYPE
-    await redis.zadd(keys.QUEUE_DEADLINES, {broken: 1})  # overdue before every other deadline
+    await redis.zadd(keys.queue_deadlines, {broken: 1})  # overdue before every other deadline
     expiring = await submit(queue, model, limits=QueueLimits(1000, 10**9, 1.0), age_s=5.0)
     try:
         assert await queue.expire_overdue(int(time.time() * 1000)) >= 1
         assert await redis.hget(keys.job(expiring), "status") == "failed"
     finally:
-        await redis.zrem(keys.QUEUE_DEADLINES, broken)
+        await redis.zrem(keys.queue_deadlines, broken)
         await redis.delete(keys.job(broken))

@@ -10,7 +10,7 @@ import pytest
 from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import STANDALONE as keys
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.apikeys import ApiKeyError, parse_env_keys
+from common.keys import STANDALONE as keys
 from tests.conftest import Fleet
 from tests.jobs_client import submit as submit_http
 from tests.jobs_client import wait_done

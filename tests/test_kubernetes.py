@@ -232,7 +232,7 @@ def test_the_stores_overlay_spreads_the_gpu_model_over_three_sentinel_backed_sto
         settings = FleetSettings()
         maps.add(values["ORTFLEET_REDIS_SHARDS"])
         for model in models:
-            urls = [parse_sentinel_url(url) for url in settings.redis_urls_for(model)]
+            urls = [parse_sentinel_url(url) for url in [store.url for store in settings.stores_for(model)]]
             assert [url.sentinels for url in urls] == [
                 (("ortfleet-redis", 26379),),
                 (("ortfleet-redis-store-2", 26379),),

@@ -20,12 +20,12 @@ import pytest
 from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
-from common import keys
 from common.apikeys import Principal
 from common.gateway_settings import GatewaySettings
+from common.keys import STANDALONE as keys
 from common.store_epoch import epoch_of
 from gateway.fleet import FleetSnapshot, ModelState
-from gateway.idempotency import idempotency_redis_key
+from gateway.idempotency import idempotency_digest
 from gateway.placement import Placement, key_home, share_of_limit
 from gateway.shards import Shard
 from tests.conftest import Fleet, RedisServer
@@ -198,7 +198,7 @@ def key_homed_on(stores: list[str], home: int, owner: str, tag: str) -> str:
     labels = [SimpleNamespace(label=url) for url in stores]
     for n in itertools.count():
         key = f"{tag}-{n}"
-        idem = idempotency_redis_key(Principal(owner), key)
+        idem = idempotency_digest(Principal(owner), key)
         if key_home(cast(list[Shard], labels), idem) is labels[home]:
             return key
     raise AssertionError("unreachable")
@@ -235,7 +235,7 @@ async def home_share_held(
             fleet.start_worker(model_name, env={"ORTFLEET_STORE": n})
         fleet.wait_workers(model_name, 2)
         async with Redis.from_url(redis_server.url, decode_responses=True) as home:
-            home_epoch = await home.get(keys.EPOCH)
+            home_epoch = await home.get(keys.epoch)
         async with httpx.AsyncClient(
             base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
         ) as client:
@@ -305,7 +305,7 @@ async def test_tries_of_one_key_go_one_at_a_time_over_the_stores(
     async with home_share_held(redis_server, own_redis, tiny_model, model_name) as held:
         client, body = held.client, held.body
         key = key_homed_on(held.stores, 0, "alice", "once")
-        trying = keys.idempotency_try(idempotency_redis_key(Principal("alice"), key))
+        trying = keys.idempotency_try(idempotency_digest(Principal("alice"), key))
 
         async def token_held() -> bool:
             return bool(await redis.exists(trying))
@@ -546,7 +546,7 @@ def test_a_model_may_name_a_list_of_stores_each_checked(monkeypatch: pytest.Monk
     shards: dict[str, Any] = {"big": ["redis://:pw@10.0.0.9:6379/0", "redis://10.0.0.10:6379/0"]}
     monkeypatch.setenv("ORTFLEET_REDIS_SHARDS", json.dumps(shards))
     settings = GatewaySettings()
-    assert settings.redis_urls_for("big") == shards["big"]
+    assert [store.url for store in settings.stores_for("big")] == shards["big"]
     assert effective_settings(settings)["redis_shards"] == {
         "big": ["redis://:****@10.0.0.9:6379/0", "redis://10.0.0.10:6379/0"]
     }

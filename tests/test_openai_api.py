@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from common import keys
+from common.keys import STANDALONE as keys
 from tests.conftest import Fleet, Proc
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
@@ -546,7 +546,7 @@ async def test_a_client_that_leaves_a_stream_cancels_its_generation(
     fleet: Fleet, client: httpx.AsyncClient, async_sdk: openai.AsyncOpenAI, model_name: str, redis: Redis
 ) -> None:
     worker = fleet.start_worker(model_name, "--max-batch-size", "1")
-    async with listening(redis, keys.CANCEL_CHANNEL) as cancels:
+    async with listening(redis, keys.cancel_channel) as cancels:
         for _attempt in range(5):
             raw = await async_sdk.chat.completions.with_raw_response.create(
                 model=model_name, messages=chat("Hello"), max_tokens=LONG, temperature=0, stream=True
@@ -578,7 +578,7 @@ async def test_a_client_that_leaves_a_non_streaming_call_cancels_its_generation(
     try:
         async with (
             listening(redis, keys.wake_channel(model_name)) as submissions,
-            listening(redis, keys.CANCEL_CHANNEL) as cancels,
+            listening(redis, keys.cancel_channel) as cancels,
         ):
             for _attempt in range(5):
                 worker.pause()  # the job waits in the queue until the test follows its events

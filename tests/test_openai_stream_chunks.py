@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import done_entry, status_entry, token_entry
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
+from common.keys import STANDALONE as keys
+from common.stores import Store
 from common.wire import JobStatus, Usage
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api.chat import ChatFormat
@@ -90,7 +91,7 @@ async def test_a_pushed_stream_stops_writing_to_a_stalled_client_then_sends_ever
     running = JobRecord(id=job_id, model="m", status=JobStatus.running, created_at=0, attempts=1)
     await stage_jobs(redis, [running])
     stream_key = keys.events(job_id)
-    relay = StreamRelay(redis_server.url, connections=1, buffer=4)
+    relay = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=4)
     await relay.start()
     try:
         choices = pushed_choices(relay, redis, [job_id])

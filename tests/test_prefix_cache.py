@@ -12,6 +12,7 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
+from common.keys import STANDALONE as keys
 from common.registry import live_workers
 from tests.test_batcher import collect, long_tokens
 from tests.test_observability import value
@@ -222,7 +223,7 @@ async def test_through_the_fleet_a_follow_up_reports_its_cached_prompt_tokens_an
     sdk: openai.OpenAI, client: httpx.AsyncClient, redis: Redis, served: str
 ) -> None:
     story = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens (tiny model)
-    [worker] = [w for w in await live_workers(redis) if w["model"] == served]
+    [worker] = [w for w in await live_workers(redis, keys) if w["model"] == served]
 
     async def counted() -> tuple[float | None, float | None]:
         metrics = (await client.get(worker["metrics_url"])).text

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
+from common.keys import STANDALONE as keys
 from common.registry import live_workers
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
@@ -94,7 +95,7 @@ async def test_a_dead_workers_hints_are_ignored_once_its_heartbeat_runs_out(
     holder.kill()
 
     async def holder_gone() -> bool:
-        return all(w["id"] != first["worker"] for w in await live_workers(redis))
+        return all(w["id"] != first["worker"] for w in await live_workers(redis, keys))
 
     deadline = asyncio.get_running_loop().time() + 30
     while not await holder_gone():  # its registry entry lives until its heartbeat runs out

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from common import keys
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.submission import QueueLimits
+from common.keys import STANDALONE as keys
 from common.registry import live_workers
 from common.wire import JobSpec, JobStatus, PriorityClass, Sampling, Usage
 from ortfleet.commands.status import read_status, render
@@ -32,7 +32,7 @@ async def measured_speed(redis: Redis, model: str, within_s: float = 10) -> floa
     speed = 0.0
     while time.monotonic() < deadline and speed <= 0:
         await asyncio.sleep(0.2)
-        entries = [entry for entry in await live_workers(redis) if entry.get("model") == model]
+        entries = [entry for entry in await live_workers(redis, keys) if entry.get("model") == model]
         speed = sum(float(entry.get("speed_tokens_per_s", "0")) for entry in entries)
     return speed
 
@@ -192,11 +192,11 @@ async def test_status_shows_the_waiting_jobs_per_class_and_the_keys_waiting(redi
     await submit(queue, model, owner="alice")
     for _ in range(2):
         await submit(queue, model, owner="bob", priority=PriorityClass.batch)
-    await redis.hset(keys.MODELS, model, "{}")  # type: ignore[misc]
+    await redis.hset(keys.models, model, "{}")  # type: ignore[misc]
     try:
         status = await read_status([redis])
     finally:
-        await redis.hdel(keys.MODELS, model)  # type: ignore[misc]
+        await redis.hdel(keys.models, model)  # type: ignore[misc]
 
     [row] = [m for m in status.models if m.name == model]
     assert row.queued == 3 and row.queued_by_class == {"interactive": 1, "batch": 2}

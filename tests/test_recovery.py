@@ -14,8 +14,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.jobs.queue import JobQueue
+from common.keys import STANDALONE as keys
 from tests.conftest import Fleet, Proc, RedisServer
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 from tests.test_reliability import (

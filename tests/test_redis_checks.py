@@ -16,6 +16,8 @@ import httpx
 import pytest
 from redis import Redis as SyncRedis
 
+from common.keys import STANDALONE as keys
+from common.stores import Store
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import Fleet, RedisServer
 from tests.test_startup_mistakes import PASSWORD, STARTS, assert_one_line, clean_env, first_answer
@@ -79,7 +81,7 @@ def test_a_process_on_a_redis_that_evicts_keys_exits_naming_the_policy_and_the_w
 
 
 @pytest.mark.parametrize("process", ["gateway", "worker"])
-def test_a_process_given_a_redis_cluster_node_exits_saying_so_and_the_way_out(
+def test_a_process_given_a_node_of_a_cluster_that_serves_no_slot_exits_saying_so_and_the_way_out(
     process: str, tmp_path: Path
 ) -> None:
     nodes = tmp_path / "nodes.conf"
@@ -89,7 +91,7 @@ def test_a_process_given_a_redis_cluster_node_exits_saying_so_and_the_way_out(
     with redis_with(tmp_path, *cluster) as url:
         exited = STARTS[process](tmp_path, ORTFLEET_REDIS_URL=url)
 
-    assert_one_line(exited, f"ortfleet-{process}", "Redis Cluster", "ORTFLEET_REDIS_SHARDS", "127.0.0.1")
+    assert_one_line(exited, f"ortfleet-{process}", "Redis Cluster", "cluster_state: fail", "127.0.0.1")
 
 
 @pytest.mark.parametrize("process", ["gateway", "worker"])
@@ -123,7 +125,7 @@ def test_a_worker_choosing_its_store_passes_over_one_that_does_not_answer_and_sa
     env = {"ORTFLEET_REDIS_SHARDS": shards, "ORTFLEET_STORE": "0"}
     try:
         worker = fleet.start_worker(model_name, "--fake-engine", "1:1", env=env, wait=False)
-        fleet.wait_registered(worker, urls=[redis_server.url])  # on store 2
+        fleet.wait_registered(worker, stores=[Store(redis_server.url, keys)])  # on store 2
         log = "\n".join(worker.last_lines())
     finally:
         fleet.stop_all()

@@ -16,13 +16,14 @@ import uvicorn
 from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
-from common import keys
 from common.gateway_settings import GatewaySettings
 from common.jobs.queue import JobQueue
 from common.jobs.reads import notice_streams, stage_jobs
 from common.jobs.record import JobRecord
 from common.jobs.writes import StepResult, StepWrite
+from common.keys import STANDALONE as keys
 from common.redis_client import gateway_client_name
+from common.stores import Store
 from common.wire import JobStatus
 from gateway.app import build_app
 from gateway.http_protocol import guarded_protocol
@@ -172,7 +173,7 @@ async def test_clients_that_leave_their_streams_and_long_polls_end_them_at_once(
 
 @pytest.fixture
 async def relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
-    streams = StreamRelay(redis_server.url, connections=1, buffer=4)
+    streams = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=4)
     await streams.start()
     yield streams
     await streams.close()
@@ -348,7 +349,7 @@ async def unheard_entry(
 async def quiet_relay(redis_server: RedisServer) -> AsyncIterator[StreamRelay]:
     """A relay whose sweep never comes within a test: every read it makes is one a notice or a join asked
     for."""
-    streams = StreamRelay(redis_server.url, connections=1, buffer=16, sweep_s=600)
+    streams = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=16, sweep_s=600)
     await streams.start()
     yield streams
     await streams.close()
@@ -359,7 +360,7 @@ async def test_a_step_write_s_notice_brings_its_entries_to_followers_that_have_t
 ) -> None:
     job_id, stream, queue = await job_written_by_steps(redis, "carried")
     notices = redis.pubsub()
-    await notices.subscribe(keys.STREAM_NOTICES)
+    await notices.subscribe(keys.stream_notices)
     try:
         async with (
             quiet_relay.follow({stream: "0-0"}) as first,
@@ -408,7 +409,7 @@ async def test_a_follower_that_lacks_entries_before_a_notice_s_reads_them_first_
 async def test_entries_a_writer_adds_without_a_notice_still_arrive_with_the_next_sweep(
     redis_server: RedisServer, redis: Redis
 ) -> None:
-    streams = StreamRelay(redis_server.url, connections=1, buffer=4, sweep_s=0.5)
+    streams = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=4, sweep_s=0.5)
     await streams.start()
     stream = keys.events("relay_unnoticed")
     await redis.delete(stream)
@@ -425,7 +426,9 @@ async def test_entries_a_writer_adds_without_a_notice_still_arrive_with_the_next
 async def test_a_sweep_of_thousands_of_streams_is_read_beside_notified_ones_not_before_them(
     redis_server: RedisServer,
 ) -> None:
-    streams = StreamRelay(redis_server.url, connections=1, buffer=4, max_keys=1000)  # not started: no reads
+    streams = StreamRelay(
+        Store(redis_server.url, keys), connections=1, buffer=4, max_keys=1000
+    )  # not started: no reads
     followed = [keys.events(f"relay_sweep_{n}") for n in range(3000)]
     async with contextlib.AsyncExitStack() as stack:
         for stream in followed:
@@ -452,7 +455,9 @@ async def test_a_relay_drops_reads_a_stalled_redis_leaves_unanswered_and_relays_
 ) -> None:
     """The relay's commands carry no timeout of their own: its sweep finds the overdue reply."""
     redis = Redis.from_url(own_redis.url, decode_responses=True)
-    streams = StreamRelay(own_redis.url, connections=1, buffer=16, sweep_s=0.2, socket_timeout_s=0.5)
+    streams = StreamRelay(
+        Store(own_redis.url, keys), connections=1, buffer=16, sweep_s=0.2, socket_timeout_s=0.5
+    )
     stream = keys.events("relay_stalled")
     await streams.start()
     try:
@@ -476,7 +481,7 @@ async def test_a_notice_whose_entries_cannot_be_read_has_its_streams_read_and_la
     quiet_relay: StreamRelay, redis: Redis
 ) -> None:
     async with unheard_entry(quiet_relay, redis, "carried_garbled") as (follower, queue, job_id, added):
-        await redis.publish(keys.STREAM_NOTICES, f"{keys.events(job_id)}\n[[not json")
+        await redis.publish(keys.stream_notices, f"{keys.events(job_id)}\n[[not json")
         assert [entry_id for _k, entry_id, _f in await read_until(follower, 1)] == [added]
         await queue.publish_step([StepWrite(job_id, 1, tokens("next"), {})])
         assert [fields["text"] for _k, _id, fields in await read_until(follower, 1)] == ["next"]

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from common import keys
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
+from common.keys import STANDALONE as keys
 from common.wire import JobStatus
 from ortfleet.fleet.launcher import FleetProcess
 from tests.conftest import Fleet, RedisServer

@@ -14,10 +14,11 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import status_entry
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
+from common.keys import STANDALONE as keys
+from common.stores import Store
 from common.wire import JobStatus
 from gateway.responses.events import EventFrames
 from gateway.streaming.job_events import PushedStream
@@ -211,7 +212,7 @@ async def test_a_pushed_response_stream_stops_writing_to_a_stalled_client_then_s
     await stage_jobs(redis, [running])
     stream_key = keys.events(job_id)
     meta = {"id": "resp_" + job_id.removeprefix("job_"), "job_id": job_id, "model": "m", "created_at": "0"}
-    relay = StreamRelay(redis_server.url, connections=1, buffer=4)
+    relay = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=4)
     await relay.start()
     pauses: list[None] = []
     body = StallingBody()

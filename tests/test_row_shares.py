@@ -11,10 +11,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.jobs.cancellation import CancelOutcome
 from common.jobs.queue import JobQueue
 from common.jobs.reads import WaitingJob
+from common.keys import STANDALONE as keys
 from tests.conftest import Fleet
 from tests.fake_workers import Started
 from tests.jobs_client import submit as submit_http

@@ -18,8 +18,8 @@ import pytest
 from redis.asyncio import Redis
 from starlette.routing import Route
 
-from common import keys
 from common.apikeys import KeyFile
+from common.keys import STANDALONE as keys
 from ortfleet.cli import build_parser
 from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, submit, wait_done

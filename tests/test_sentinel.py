@@ -12,14 +12,15 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import done_entry, token_entry
 from common.gateway_settings import GatewaySettings
 from common.jobs.claims import Claim
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.writes import StreamGap
+from common.keys import STANDALONE as keys
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
+from common.stores import Store
 from common.wire import JobStatus
 from gateway.streaming.reading import batches
 from gateway.streaming.relay import StreamRelay
@@ -142,7 +143,7 @@ async def test_an_sse_reader_is_not_sent_a_token_entry_written_again_after_a_fai
         await redis.xadd(stream, token_entry(str(index), [index], index))
     await redis.xadd(stream, done_entry(JobStatus.succeeded, "length", None))
     await redis.expire(stream, 600)  # as a job's stream does
-    relay = StreamRelay(redis_server.url, connections=1, buffer=64)
+    relay = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=64)
     await relay.start()
     try:
         read = [

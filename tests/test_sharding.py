@@ -11,8 +11,8 @@ import pytest
 from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
-from common import keys
 from common.gateway_settings import GatewaySettings
+from common.keys import STANDALONE as keys
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
@@ -99,8 +99,8 @@ def test_the_shard_map_is_checked_at_startup_and_masked_when_shown(monkeypatch: 
 
     monkeypatch.setenv("ORTFLEET_REDIS_SHARDS", json.dumps({"big": "redis://:hunter2@10.0.0.9:6379/0"}))
     settings = GatewaySettings()
-    assert settings.redis_urls_for("big") == ["redis://:hunter2@10.0.0.9:6379/0"]
-    assert settings.redis_urls_for("other") == [settings.redis_url.get_secret_value()]
+    assert [store.url for store in settings.stores_for("big")] == ["redis://:hunter2@10.0.0.9:6379/0"]
+    assert [store.url for store in settings.stores_for("other")] == [settings.redis_url.get_secret_value()]
     assert effective_settings(settings)["redis_shards"] == {"big": "redis://:****@10.0.0.9:6379/0"}
     monkeypatch.setenv("ORTFLEET_REDIS_SHARDS", json.dumps({"big": "10.0.0.9:6379"}))
     with pytest.raises(ValueError, match=r"the Redis of model 'big': .*scheme"):

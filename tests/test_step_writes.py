@@ -11,10 +11,11 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from common import aio, keys
+from common import aio
 from common.events import token_entry
 from common.jobs.queue import JobQueue
 from common.jobs.writes import StepResult, StepWrite
+from common.keys import STANDALONE as keys
 from common.redis_client import REPLY_WAIT_S, HeldConnection, connect
 from ortfleet.bench.machine import wakeups
 from tests.conftest import RedisServer
@@ -312,7 +313,7 @@ async def test_a_step_writes_notice_names_the_entry_before_its_own_whichever_scr
     queue = JobQueue(redis, 3600)
     await redis.hset(keys.job(job_id), "attempts", "1")  # as a claim leaves it
     notices = redis.pubsub()
-    await notices.subscribe(keys.STREAM_NOTICES)
+    await notices.subscribe(keys.stream_notices)
     await notices.get_message(timeout=5)  # the subscription's confirmation
     try:
         for index in range(2):

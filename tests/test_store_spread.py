@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from common import keys
+from common.keys import STANDALONE as keys
 from common.store_epoch import epoch_of
 from ortfleet.fleet.launcher import FleetProcess
 from tests.conftest import Fleet, RedisServer
@@ -58,7 +58,7 @@ async def two_stores(
         epochs = []
         for store in stores:
             async with Redis.from_url(store, decode_responses=True) as redis:
-                epochs.append(await redis.get(keys.EPOCH))
+                epochs.append(await redis.get(keys.epoch))
         async with httpx.AsyncClient(
             base_url=url, timeout=60, headers={"Authorization": f"Bearer {token}"}
         ) as client:

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import entry_token_ids, merge_token_entries, status_entry, token_entry
 from common.jobs.queue import JobQueue
+from common.keys import STANDALONE as keys
 from common.wire import JobStatus
 from tests.fake_workers import Started
 from tests.redis_events import fresh_jobs, lose_newest_tokens, wait_final

@@ -9,8 +9,8 @@ import httpx
 import openai
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import entry_token_ids
+from common.keys import STANDALONE as keys
 from tests.conftest import Fleet
 from tests.fake_workers import Started
 from tests.jobs_client import read_events, streamed_text, submit, wait_done

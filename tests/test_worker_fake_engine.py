@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from common import keys
 from common.events import token_entry
 from common.jobs.claims import Claim
 from common.jobs.payload import job_payload
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.submission import QueueLimits
+from common.keys import STANDALONE as keys
 from common.registry import live_workers
 from common.wire import JobSpec, Sampling
 from common.worker_settings import WorkerSettings
@@ -329,4 +329,4 @@ async def test_a_stopping_worker_leaves_the_registry_after_a_heartbeat_still_in_
     service.stop()
     await asyncio.wait_for(start_worker.run_of(service), 5)
     await asyncio.gather(*beats)
-    assert not [w for w in await live_workers(redis) if w["id"] == service.info.id]
+    assert not [w for w in await live_workers(redis, keys) if w["id"] == service.info.id]

@@ -73,7 +73,9 @@ class Heartbeat:
 
     async def register(self) -> None:
         """The first beat: the worker is live in the registry."""
-        await heartbeat(self.redis, self.info, self.settings.heartbeat_ttl_s, self.settings.job_ttl_s)
+        await heartbeat(
+            self.redis, self.queue.keys, self.info, self.settings.heartbeat_ttl_s, self.settings.job_ttl_s
+        )
 
     async def run(self) -> None:
         """Beats until `leave`."""
@@ -94,7 +96,7 @@ class Heartbeat:
             late = time.monotonic() - began > ttl / 4
 
     async def beat(self, ttl: float) -> None:
-        await heartbeat(self.redis, self.info, ttl, self.settings.job_ttl_s)
+        await heartbeat(self.redis, self.queue.keys, self.info, ttl, self.settings.job_ttl_s)
         await self.queue.renew_leases([run.claim for run in self.runs.values()], ttl)
 
     async def beat_now(self) -> None:
@@ -115,7 +117,7 @@ class Heartbeat:
             await asyncio.wait_for(asyncio.shield(beating), self.settings.heartbeat_ttl_s)
         beating.cancel()
         try:
-            await deregister(self.redis, self.info.id)
+            await deregister(self.redis, self.queue.keys, self.info.id)
         except RedisError as e:
             logger.warning(
                 "leaving the registry failed (%s): the worker counts as live until its heartbeat runs out, "

@@ -19,7 +19,7 @@ from common import aio
 from common.model_folder import (
     served_fingerprint,
 )
-from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect
+from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect_store
 from common.redis_url import URL_FORMAT, mask_url
 from common.registry import WorkerInfo, live_workers
 from common.startup import (
@@ -31,7 +31,9 @@ from common.startup import (
     settings_or_exit,
     store_label,
 )
+from common.store_config import StoreConfig
 from common.store_watch import StoreWatch, quiet_out_of_memory_lines
+from common.stores import Store
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, Tokenizer
 from worker.engines.device import Device, parse_device
@@ -91,16 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def check_one_model_per_name(settings: WorkerSettings, name: str, model_dir: Path | None) -> str:
+async def check_one_model_per_name(
+    settings: WorkerSettings, name: str, model_dir: Path | None, cluster: bool = False
+) -> str:
     """The model's fingerprint; CannotStart when a live worker serves another model under `name` (two
     models under one name would answer alike requests differently, and a job resumed on the other would
     feed it token ids of another vocabulary)."""
     fingerprint = served_fingerprint(model_dir)
     workers: list[dict[str, str]] = []
-    for url in settings.redis_urls_for(name):  # every store of the model: gateways place its jobs on any
-        redis = connect(url)
+    for store in settings.stores_for(
+        name, cluster
+    ):  # every store of the model: gateways place its jobs on any
+        redis = connect_store(store)
         try:
-            workers += await live_workers(redis)
+            workers += await live_workers(redis, store.keys)
         except RedisError:  # a store down now: its workers are checked against this one when it is back
             continue
         finally:
@@ -212,13 +218,16 @@ class StoreDown(CannotStart):
     """A store's Redis did not answer: an outage (choosing a store passes over it), not a mistake."""
 
 
-def check_redis_url(url: str, setting: str, settings: WorkerSettings, store: str = "") -> None:
-    """CannotStart when the Redis of the model's jobs is unreachable (StoreDown), refuses its URL (a worker
-    without its Redis has nothing to do) or evicts keys (unless allowed); `store` (store_label), where
-    the model has several, begins the message."""
+def check_redis_url(
+    url: str, setting: str, settings: WorkerSettings, store: str = "", *, allow_cluster: bool = False
+) -> StoreConfig:
+    """What the Redis at `url` is; CannotStart when it is unreachable (StoreDown), refuses its URL (a worker
+    without its Redis has nothing to do), is a cluster node where a whole server is wanted (unless
+    `allow_cluster`) or evicts keys (unless allowed); `store` (store_label), where the model has several,
+    begins the message."""
     named = f"{store}: " if store else ""
     try:
-        config = check_redis(url, REDIS_CHECK_TIMEOUT_S)
+        config = check_redis(url, REDIS_CHECK_TIMEOUT_S, allow_cluster=allow_cluster)
     except RedisRefused as e:
         raise CannotStart(f"{named}{e}; correct the URL in {setting}: {URL_FORMAT}") from e
     except RedisUnreachable as e:
@@ -227,49 +236,75 @@ def check_redis_url(url: str, setting: str, settings: WorkerSettings, store: str
         check_store_config(config, mask_url(url), settings.allow_evicting_redis)
     except CannotStart as e:
         raise CannotStart(f"{named}{e}") from e
+    return config
 
 
-async def chosen_store(settings: WorkerSettings, name: str) -> str:
-    """The URL of the Redis store the worker serves: the model's one, the one ORTFLEET_STORE names, or the
-    one with the fewest live workers of the model. Every store is checked first: one that refuses its URL
+def model_stores(settings: WorkerSettings, name: str) -> list[Store]:
+    """The model's stores, ORTFLEET_REDIS_URL asked whether it is a Redis Cluster where that matters (a
+    model without stores of its own, or with stores on the cluster); CannotStart when it cannot be, or is
+    not the cluster the map wants."""
+    given = settings.redis_shards.get(name)
+    if given is not None and not isinstance(given, int):
+        return settings.stores_for(name)
+    config = check_redis_url(
+        settings.redis_url.get_secret_value(), "ORTFLEET_REDIS_URL", settings, allow_cluster=True
+    )
+    if given is not None and not config.cluster:
+        raise CannotStart(
+            f"ORTFLEET_REDIS_SHARDS gives model {name!r} {given} stores on a Redis Cluster, but the Redis at "
+            f"{mask_url(settings.redis_url.get_secret_value())} (ORTFLEET_REDIS_URL) is not a cluster node: "
+            "give the cluster as ORTFLEET_REDIS_URL, or list the model's Redis servers by URL"
+        )
+    return settings.stores_for(name, config.cluster)
+
+
+async def chosen_store(settings: WorkerSettings, name: str) -> Store:
+    """The store the worker serves: the model's one, the one ORTFLEET_STORE names, or the one with the
+    fewest live workers of the model. Every store listed by URL is checked first: one that refuses its URL
     (a Redis Cluster node, a wrong password) or evicts keys is a mistake in the map that stops the worker,
     as it does where the model has one store; one that does not answer is passed over with a warning."""
-    urls = settings.redis_urls_for(name)
+    stores = model_stores(settings, name)
+    by_url = name in settings.redis_shards and not stores[0].cluster
     setting = f"ORTFLEET_REDIS_SHARDS[{name}]" if name in settings.redis_shards else "ORTFLEET_REDIS_URL"
-    if settings.store > len(urls):
+    if settings.store > len(stores):
         raise CannotStart(
-            f"ORTFLEET_STORE (--store) is {settings.store}, but model {name!r} has {len(urls)} store(s) "
-            f"({setting}); give 1 to {len(urls)}, or 0 for the one with the fewest workers"
+            f"ORTFLEET_STORE (--store) is {settings.store}, but model {name!r} has {len(stores)} store(s) "
+            f"({setting}); give 1 to {len(stores)}, or 0 for the one with the fewest workers"
         )
-    if len(urls) == 1:
-        check_redis_url(urls[0], setting, settings)
-        return urls[0]
+    if len(stores) == 1:
+        if by_url:
+            check_redis_url(stores[0].url, setting, settings)
+        return stores[0]
     if settings.store:
         i = settings.store - 1
-        check_redis_url(urls[i], f"{setting}[{i}]", settings, store_label(name, i, len(urls)))
-        return urls[i]
-    usable: dict[str, int] = {}
+        if by_url:
+            check_redis_url(stores[i].url, f"{setting}[{i}]", settings, store_label(name, i, len(stores)))
+        return stores[i]
+    usable: dict[Store, int] = {}
     down: list[StoreDown] = []
-    for i, url in enumerate(urls):
+    for i, store in enumerate(stores):
         try:
-            check_redis_url(url, f"{setting}[{i}]", settings, store_label(name, i, len(urls)))
+            if by_url:
+                check_redis_url(store.url, f"{setting}[{i}]", settings, store_label(name, i, len(stores)))
+            usable[store] = await _workers_of_model(store, name)
         except StoreDown as e:
             logger.warning("%s; choosing among the other stores", e)
             down.append(e)
-            continue
-        usable[url] = await _workers_of_model(url, name)
+        except RedisError as e:  # a store on a cluster whose node does not answer now
+            logger.warning("%s: %s; choosing among the other stores", store_label(name, i, len(stores)), e)
+            down.append(StoreDown(f"{store_label(name, i, len(stores))}: {e}"))
     if not usable:
         raise down[0]
     fewest = min(usable.values())
-    url = secrets.choice([url for url, count in usable.items() if count == fewest])
-    logger.info("serving store %d of %d for %r (%s)", urls.index(url) + 1, len(urls), name, mask_url(url))
-    return url
+    store = secrets.choice([store for store, count in usable.items() if count == fewest])
+    logger.info("serving store %d of %d for %r (%s)", stores.index(store) + 1, len(stores), name, store.label)
+    return store
 
 
-async def _workers_of_model(url: str, name: str) -> int:
-    redis = connect(url)
+async def _workers_of_model(store: Store, name: str) -> int:
+    redis = connect_store(store)
     try:
-        return sum(worker["model"] == name for worker in await live_workers(redis))
+        return sum(worker["model"] == name for worker in await live_workers(redis, store.keys))
     finally:
         await redis.aclose()
 
@@ -301,15 +336,15 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     started = time.monotonic()
     model_dir = resolve_model(settings) if fake_engine is None else None
     name = served_name(settings, model_dir)
-    store_url = await chosen_store(settings, name)
-    fingerprint = await check_one_model_per_name(settings, name, model_dir)
+    store = await chosen_store(settings, name)
+    fingerprint = await check_one_model_per_name(settings, name, model_dir, store.cluster)
     metrics = open_metrics_port(settings)  # before the model loads: its port may be taken
     try:
         engine, tokenizer, device = load_engine(settings, model_dir, fake_engine)
     except BaseException:
         metrics.close()
         raise
-    redis = connect(store_url)  # its model's store
+    redis = connect_store(store)  # its model's store
     info = WorkerInfo(
         id=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}",
         model=name,
@@ -326,10 +361,12 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         fingerprint=fingerprint,
         engine_core=engine_core_label(settings.engine_core_mode(device.kind)),
     )
-    service = WorkerService(settings, redis, engine, tokenizer, info)
+    service = WorkerService(settings, redis, engine, tokenizer, info, store.keys)
     try:
         width = await warmed_up(service, model_dir)
-        await check_one_model_per_name(settings, name, model_dir)  # one that started while this one loaded
+        await check_one_model_per_name(
+            settings, name, model_dir, store.cluster
+        )  # one that started while this one loaded
     except BaseException:
         metrics.close()
         engine.close()
@@ -343,8 +380,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
             width,
         )
         engine.capacity = info.capacity = width
-    label = mask_url(store_url)
-    watch = StoreWatch(redis, label, settings.allow_evicting_redis, settings.job_ttl_s)
+    watch = StoreWatch(redis, store.keys, store.label, settings.allow_evicting_redis, settings.job_ttl_s)
     metrics.observe(service, watch)
     logger.info("metrics on %s", metrics.url)
     logger.info(
@@ -359,7 +395,9 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.stop)
-    tokenizer_calls = asyncio.create_task(serve_tokenizer(redis, name, tokenizer), name="tokenizer-calls")
+    tokenizer_calls = asyncio.create_task(
+        serve_tokenizer(redis, store.keys, name, tokenizer), name="tokenizer-calls"
+    )
     watching = asyncio.create_task(watch.run(), name="store-watch")
     try:
         await service.run()

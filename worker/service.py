@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common import keys
 from common.aio import wait_set
 from common.error_codes import ErrorCode
 from common.jobs.claims import Claim
 from common.jobs.payload import MalformedJob, parse_job_payload
 from common.jobs.queue import JobQueue
+from common.keys import STANDALONE, Keyspace
 from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, EngineUpdate, Finish, GenerationRequest, Tokenizer
@@ -55,10 +55,12 @@ class WorkerService:
         engine: Engine,
         tokenizer: Tokenizer,
         info: WorkerInfo,
+        keys: Keyspace = STANDALONE,
     ) -> None:
         self.settings = settings
         self.redis = redis
-        self.queue = JobQueue(redis, settings.job_ttl_s)
+        self.keys = keys  # its store's keyspace on that Redis
+        self.queue = JobQueue(redis, settings.job_ttl_s, keys)
         self.writer = StepWriter(
             self.queue,
             settings.publish_max_batch,
@@ -354,11 +356,11 @@ class WorkerService:
         task.add_done_callback(self._tasks.discard)
 
     async def _listen(self) -> None:
-        wake = keys.wake_channel(self.model)
+        wake = self.keys.wake_channel(self.model)
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(wake, keys.CANCEL_CHANNEL)
+                await pubsub.subscribe(wake, self.keys.cancel_channel)
                 self._wake.set()  # jobs may have arrived while not subscribed
                 async for message in pubsub.listen():
                     if message["channel"] == wake:

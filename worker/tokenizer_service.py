@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common import keys
+from common.keys import Keyspace
 from common.tokenizer_calls import REPLY_TTL_S, TokenizerCall, TokenizerReply
 from worker.engine import Tokenizer
 
@@ -52,7 +52,7 @@ def _outside_vocabulary(tokens: list[int], vocab_size: int | None) -> TokenizerR
     return None
 
 
-async def serve_tokenizer(redis: Redis, model: str, tokenizer: Tokenizer) -> None:
+async def serve_tokenizer(redis: Redis, keys: Keyspace, model: str, tokenizer: Tokenizer) -> None:
     """Pops calls from the model's list until cancelled; a Redis outage only pauses it."""
     calls = keys.tokenizer_calls(model)
     while True:

@@ -10,11 +10,12 @@ from enum import Enum
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from common import keys, lua
+from common import lua
 from common.error_codes import ErrorCode
 from common.events import done_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.jobs.record import JobRecord, load_record
+from common.keys import Keyspace
 from common.wire import FinishReason, JobStatus, PriorityClass
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class CancelOutcome(str, Enum):
 class CancelScript:
     """cancel.lua."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "cancel.lua")
 
     async def __call__(self, *, record: JobRecord, model: str, now: float, ttl_s: int) -> CancelOutcome:
@@ -45,27 +47,27 @@ class CancelScript:
         done = done_entry(JobStatus.cancelled, FinishReason.cancelled.value, None)
         reply: str = await self._script(
             keys=[
-                keys.job(job_id),
-                keys.queue(model, record.priority.value),
-                keys.events(job_id),
-                keys.arq_job(job_id),
-                keys.queued_tokens(model),
-                keys.active_jobs(record.owner),
-                keys.finished(model),
-                keys.prompt_tokens_in_flight(record.owner),
-                keys.owner_jobs(record.owner),
-                keys.owner_ended_jobs(record.owner),
+                self.keys.job(job_id),
+                self.keys.queue(model, record.priority.value),
+                self.keys.events(job_id),
+                self.keys.arq_job(job_id),
+                self.keys.queued_tokens(model),
+                self.keys.active_jobs(record.owner),
+                self.keys.finished(model),
+                self.keys.prompt_tokens_in_flight(record.owner),
+                self.keys.owner_jobs(record.owner),
+                self.keys.owner_ended_jobs(record.owner),
                 *([record.idempotency_key] if record.idempotency_key else []),
             ],
             args=[
                 job_id,
                 str(now),
-                keys.CANCEL_CHANNEL,
+                self.keys.cancel_channel,
                 str(int(now * 1000)),
                 _WINDOW_MS,
                 str(ttl_s),
                 *lua.flat_fields(done),
-                keys.STREAM_NOTICES,
+                self.keys.stream_notices,
             ],
         )
         return CancelOutcome(reply)
@@ -74,24 +76,25 @@ class CancelScript:
 class PurgeScript:
     """purge.lua: True, or False when the job did not exist."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "purge.lua")
 
     async def __call__(self, *, record: JobRecord, model: str) -> bool:
         job_id = record.id
         purged: int = await self._script(
             keys=[
-                *keys.job_keys(job_id),
-                keys.queue(model, record.priority.value),
-                keys.leases(model),
-                keys.queued_tokens(model),
-                keys.active_jobs(record.owner),
-                keys.owner_jobs(record.owner),
-                keys.prompt_tokens_in_flight(record.owner),
-                keys.owner_ended_jobs(record.owner),
+                *self.keys.job_keys(job_id),
+                self.keys.queue(model, record.priority.value),
+                self.keys.leases(model),
+                self.keys.queued_tokens(model),
+                self.keys.active_jobs(record.owner),
+                self.keys.owner_jobs(record.owner),
+                self.keys.prompt_tokens_in_flight(record.owner),
+                self.keys.owner_ended_jobs(record.owner),
                 *([record.idempotency_key] if record.idempotency_key else []),
             ],
-            args=[job_id, keys.CANCEL_CHANNEL],
+            args=[job_id, self.keys.cancel_channel],
         )
         return bool(purged)
 
@@ -99,7 +102,8 @@ class PurgeScript:
 class ExpireQueuedScript:
     """expire_queued.lua: True when it failed the job as expired in its queue."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "expire_queued.lua")
 
     async def __call__(
@@ -115,15 +119,15 @@ class ExpireQueuedScript:
     ) -> bool:
         expired: int = await self._script(
             keys=[
-                keys.QUEUE_DEADLINES,
-                keys.queued_tokens(model),
-                keys.finished(model),
-                keys.queue(model, priority),
-                *keys.job_keys(job_id),
-                keys.active_jobs(owner),
-                keys.prompt_tokens_in_flight(owner),
-                keys.owner_jobs(owner),
-                keys.owner_ended_jobs(owner),
+                self.keys.queue_deadlines,
+                self.keys.queued_tokens(model),
+                self.keys.finished(model),
+                self.keys.queue(model, priority),
+                *self.keys.job_keys(job_id),
+                self.keys.active_jobs(owner),
+                self.keys.prompt_tokens_in_flight(owner),
+                self.keys.owner_jobs(owner),
+                self.keys.owner_ended_jobs(owner),
                 *([idempotency_key] if idempotency_key else []),
             ],
             args=[
@@ -133,7 +137,7 @@ class ExpireQueuedScript:
                 ErrorCode.expired_in_queue.value,
                 owner,
                 str(ttl_s),
-                keys.STREAM_NOTICES,
+                self.keys.stream_notices,
             ],
         )
         return bool(expired)
@@ -142,6 +146,7 @@ class ExpireQueuedScript:
 class JobCancellation:
     """JobQueue's cancel, purge and queue-deadline sweep."""
 
+    keys: Keyspace
     _redis: Redis
     ttl_s: int
     _cancel: CancelScript
@@ -150,14 +155,14 @@ class JobCancellation:
 
     async def cancel(self, job_id: str, model: str) -> CancelOutcome:
         """`cancelled` (was queued), `cancelling` (running, worker told), `missing`, or the job's status."""
-        record = await load_record(self._redis, job_id)
+        record = await load_record(self._redis, job_id, self.keys)
         if record is None:
             return CancelOutcome.missing
         return await self._cancel(record=record, model=model, now=time.time(), ttl_s=self.ttl_s)
 
     async def purge(self, job_id: str, model: str) -> bool:
         """Delete every trace of the job now; a running job is told to stop and can write nothing more."""
-        record = await load_record(self._redis, job_id)
+        record = await load_record(self._redis, job_id, self.keys)
         if record is None:
             return False
         return await self._purge(record=record, model=model)
@@ -165,7 +170,7 @@ class JobCancellation:
     async def expire_overdue(self, now_ms: int, most: int = 100) -> int:
         """Fails the jobs still waiting for a first attempt past their queue deadline, as a claim would,
         whether or not a worker of their model is live (up to `most` a call); how many it failed."""
-        due: list[str] = await self._redis.zrangebyscore(keys.QUEUE_DEADLINES, "-inf", now_ms, 0, most)
+        due: list[str] = await self._redis.zrangebyscore(self.keys.queue_deadlines, "-inf", now_ms, 0, most)
         expired = 0
         for job_id in due:
             try:
@@ -176,9 +181,9 @@ class JobCancellation:
 
     async def _expire_one(self, job_id: str, now_ms: int) -> int:
         fields = ["model", "priority", "owner", "idempotency_key"]
-        model, priority, owner, idem = await self._redis.hmget(keys.job(job_id), fields)  # type: ignore[misc]
+        model, priority, owner, idem = await self._redis.hmget(self.keys.job(job_id), fields)  # type: ignore[misc]
         if model is None:  # expired or purged meanwhile
-            await self._redis.zrem(keys.QUEUE_DEADLINES, job_id)
+            await self._redis.zrem(self.keys.queue_deadlines, job_id)
             return 0
         expired: bool = await self._expire_queued(
             job_id=job_id,

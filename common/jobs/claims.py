@@ -9,10 +9,11 @@ from enum import IntEnum
 
 from redis.asyncio import Redis
 
-from common import keys, lua
+from common import lua
 from common.error_codes import ErrorCode
 from common.fleet_stats import RECENT_WINDOW_S
 from common.jobs.payload import MalformedJob, parse_job_payload
+from common.keys import Keyspace
 from common.prefix_hints import leave_hints
 from common.wire import PRIORITY_ORDER, ChatMessage, PriorityClass
 
@@ -80,7 +81,8 @@ class Candidate:
 class ClaimScript:
     """claim.lua."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "claim.lua")
 
     async def __call__(
@@ -99,27 +101,27 @@ class ClaimScript:
         promised: frozenset[str] = frozenset(),  # candidates taken first, wherever they wait (owners known)
     ) -> ClaimReply:
         script_keys = [
-            keys.leases(model),
-            keys.queued_tokens(model),
-            keys.finished(model),
-            keys.QUEUE_DEADLINES,
+            self.keys.leases(model),
+            self.keys.queued_tokens(model),
+            self.keys.finished(model),
+            self.keys.queue_deadlines,
         ]
         for cls in PRIORITY_ORDER:
-            script_keys += [keys.queue(model, cls.value), keys.fair_tags(model, cls.value)]
+            script_keys += [self.keys.queue(model, cls.value), self.keys.fair_tags(model, cls.value)]
         args = [str(now_ms), str(lease_ms), str(wanted), worker_id, str(RECENT_WINDOW_S * 1000)]
         args += [ErrorCode.expired_in_queue.value, "1" if idle else "0", str(ttl_s)]
         args += [str(kv_budget_tokens), str(scan)]
-        args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER), keys.STREAM_NOTICES]
+        args += [str(len(PRIORITY_ORDER)), *(cls.value for cls in PRIORITY_ORDER), self.keys.stream_notices]
         for job_id, candidate in candidates.items():
             owner = candidate.owner if candidate is not None else ""
             idem = candidate.idempotency_key if candidate is not None else None
             script_keys += [
-                *keys.job_keys(job_id),
-                keys.active_jobs(owner),
-                keys.prompt_tokens_in_flight(owner),
-                keys.owner_jobs(owner),
-                keys.owner_ended_jobs(owner),
-                idem or keys.idempotency(""),  # a stand-in, never the record's
+                *self.keys.job_keys(job_id),
+                self.keys.active_jobs(owner),
+                self.keys.prompt_tokens_in_flight(owner),
+                self.keys.owner_jobs(owner),
+                self.keys.owner_ended_jobs(owner),
+                idem or self.keys.idempotency(""),  # a stand-in, never the record's
             ]
             first = "1" if job_id in promised and candidate is not None else "0"
             args += [job_id, owner, "1" if candidate is not None else "0", first]
@@ -143,26 +145,32 @@ class ClaimScript:
 class RenewScript:
     """renew.lua: how many of the leases the claims still held it pushed to `expiry_ms`."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "renew.lua")
 
     async def __call__(self, *, model: str, claims: list[Claim], expiry_ms: int) -> int:
         args = [str(expiry_ms)]
         for claim in claims:
             args += [claim.job_id, str(claim.attempt)]
-        script_keys = [keys.leases(model), *(keys.job(claim.job_id) for claim in claims)]
+        script_keys = [self.keys.leases(model), *(self.keys.job(claim.job_id) for claim in claims)]
         return int(await self._script(keys=script_keys, args=args))
 
 
 class ReleaseScript:
     """release.lua: False when the claim no longer holds the job."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "release.lua")
 
     async def __call__(self, *, claim: Claim, priority: PriorityClass, preempted: bool) -> bool:
         released = await self._script(
-            keys=[keys.queue(claim.model, priority.value), keys.leases(claim.model), keys.job(claim.job_id)],
+            keys=[
+                self.keys.queue(claim.model, priority.value),
+                self.keys.leases(claim.model),
+                self.keys.job(claim.job_id),
+            ],
             args=[claim.job_id, str(claim.attempt), "1" if preempted else "0"],
         )
         return bool(released)
@@ -171,12 +179,13 @@ class ReleaseScript:
 class ReservePreemptionScript:
     """reserve_preemption.lua: False when the slots other workers are freeing cover the waiting jobs."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "reserve_preemption.lua")
 
     async def __call__(self, *, model: str, slots: int, waiting: int, hold_s: float) -> bool:
         reserved = await self._script(
-            keys=[keys.preempting(model)], args=[str(slots), str(waiting), str(int(hold_s * 1000))]
+            keys=[self.keys.preempting(model)], args=[str(slots), str(waiting), str(int(hold_s * 1000))]
         )
         return bool(reserved)
 
@@ -184,6 +193,7 @@ class ReservePreemptionScript:
 class JobLeasing:
     """JobQueue's claims and leases."""
 
+    keys: Keyspace
     _redis: Redis
     ttl_s: int
     _claim: ClaimScript
@@ -269,16 +279,16 @@ class JobLeasing:
     async def _claim_candidates(self, model: str, wanted: int, now_ms: int) -> list[str]:
         """The jobs a claim may take: those whose lease ran out, then the head of each class's queue."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zrangebyscore(keys.leases(model), "-inf", now_ms)
+            pipe.zrangebyscore(self.keys.leases(model), "-inf", now_ms)
             for cls in PRIORITY_ORDER:
-                pipe.zrange(keys.queue(model, cls.value), 0, wanted - 1)
+                pipe.zrange(self.keys.queue(model, cls.value), 0, wanted - 1)
             expired, *heads = await pipe.execute()
         return list(dict.fromkeys([*expired, *(job_id for head in heads for job_id in head)]))
 
     async def _candidates(self, job_ids: list[str]) -> dict[str, Candidate]:
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(keys.job(job_id), ["owner", "idempotency_key"])
+                pipe.hmget(self.keys.job(job_id), ["owner", "idempotency_key"])
             found = await pipe.execute()
         return {
             job_id: Candidate(owner or "", idem or None)
@@ -290,7 +300,7 @@ class JobLeasing:
     ) -> None:
         """This worker holds the KV of these messages' prompt, for jobs of the cache scope
         (common/prefix_hints.py)."""
-        await leave_hints(self._redis, model, scope, messages, worker_id)
+        await leave_hints(self._redis, self.keys, model, scope, messages, worker_id)
 
     async def renew_leases(self, claims: list[Claim], lease_s: float) -> int:
         """Push forward the leases of the jobs these claims still hold; returns how many."""
@@ -306,7 +316,7 @@ class JobLeasing:
         preempted one); False when the claim no longer holds it."""
         released = await self._release(claim=claim, priority=claim_priority(claim), preempted=preempted)
         if released:
-            await self._redis.publish(keys.wake_channel(claim.model), claim.job_id)
+            await self._redis.publish(self.keys.wake_channel(claim.model), claim.job_id)
         return released
 
     async def reserve_preemption(self, model: str, slots: int, waiting: int, hold_s: float) -> bool:

@@ -10,6 +10,7 @@ from common.jobs.claims import ClaimScript, JobLeasing, ReleaseScript, RenewScri
 from common.jobs.reads import JobReads
 from common.jobs.submission import JobSubmission, SubmitScript
 from common.jobs.writes import FinishScript, JobWrites, PublishScript, PublishStepScript
+from common.keys import STANDALONE, Keyspace
 
 
 class JobQueue(JobReads, JobSubmission, JobCancellation, JobLeasing, JobWrites):
@@ -18,17 +19,20 @@ class JobQueue(JobReads, JobSubmission, JobCancellation, JobLeasing, JobWrites):
     Its Redis client is its own: callers read and change jobs through its methods only.
     """
 
-    def __init__(self, redis: Redis, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, ttl_s: int, keys: Keyspace = STANDALONE) -> None:
         self._redis = redis
+        self.keys = keys  # the store's keyspace: every key it names
         self.ttl_s = ttl_s
-        self._submit = SubmitScript(redis)
-        self._cancel = CancelScript(redis)
-        self._purge = PurgeScript(redis)
-        self._expire_queued = ExpireQueuedScript(redis)
-        self._claim = ClaimScript(redis)
-        self._renew = RenewScript(redis)
-        self._release = ReleaseScript(redis)
-        self._reserve_preemption = ReservePreemptionScript(redis)
-        self._publish = PublishScript(redis)
-        self._publish_step = PublishStepScript(redis)  # one script call per engine step, one after another
-        self._finish = FinishScript(redis)
+        self._submit = SubmitScript(redis, keys)
+        self._cancel = CancelScript(redis, keys)
+        self._purge = PurgeScript(redis, keys)
+        self._expire_queued = ExpireQueuedScript(redis, keys)
+        self._claim = ClaimScript(redis, keys)
+        self._renew = RenewScript(redis, keys)
+        self._release = ReleaseScript(redis, keys)
+        self._reserve_preemption = ReservePreemptionScript(redis, keys)
+        self._publish = PublishScript(redis, keys)
+        self._publish_step = PublishStepScript(
+            redis, keys
+        )  # one script call per engine step, one after another
+        self._finish = FinishScript(redis, keys)

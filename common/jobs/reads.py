@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from common import keys
 from common.events import status_entry
 from common.jobs.record import JobRecord, load_record
+from common.keys import STANDALONE, Keyspace
 from common.wire import PRIORITY_ORDER, PriorityClass
 
 
@@ -34,18 +34,19 @@ class WaitingJob:
 class JobReads:
     """JobQueue's reads."""
 
+    keys: Keyspace
     _redis: Redis
 
     async def record(self, job_id: str) -> JobRecord | None:
-        return await load_record(self._redis, job_id)
+        return await load_record(self._redis, job_id, self.keys)
 
     async def owned_record(self, job_id: str, owner: str) -> JobRecord | None:
         """The job's record if `owner` owns it. The owner's index and the record are read in one round
         trip whatever they hold, so another owner's job and a missing one take the same path and cannot be
         told apart."""
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zscore(keys.owner_jobs(owner), job_id)
-            pipe.hgetall(keys.job(job_id))
+            pipe.zscore(self.keys.owner_jobs(owner), job_id)
+            pipe.hgetall(self.keys.job(job_id))
             listed, raw = await pipe.execute()
         if listed is None or not raw:
             return None
@@ -60,8 +61,8 @@ class JobReads:
         higher = PRIORITY_ORDER[: PRIORITY_ORDER.index(priority)]
         async with self._redis.pipeline(transaction=False) as pipe:
             for cls in higher:
-                pipe.zcard(keys.queue(model, cls.value))
-            pipe.zrank(keys.queue(model, priority.value), job_id)
+                pipe.zcard(self.keys.queue(model, cls.value))
+            pipe.zrank(self.keys.queue(model, priority.value), job_id)
             *ahead, rank = await pipe.execute()
         return None if rank is None else int(rank) + sum(int(n) for n in ahead)
 
@@ -73,9 +74,9 @@ class JobReads:
         own = PRIORITY_ORDER.index(priority)
         async with self._redis.pipeline(transaction=False) as pipe:
             for cls in PRIORITY_ORDER:
-                pipe.zcard(keys.queue(model, cls.value))
-                pipe.zrange(keys.queue(model, cls.value), 0, scan - 1)
-            pipe.zrank(keys.queue(model, priority.value), job_id)
+                pipe.zcard(self.keys.queue(model, cls.value))
+                pipe.zrange(self.keys.queue(model, cls.value), 0, scan - 1)
+            pipe.zrank(self.keys.queue(model, priority.value), job_id)
             *replies, rank = await pipe.execute()
         if rank is None:
             return None
@@ -85,7 +86,7 @@ class JobReads:
         heads: list[list[str]] = [list(ids) for ids in replies[1::2]]
         async with self._redis.pipeline(transaction=False) as pipe:
             for job in (job for head in heads for job in head):
-                pipe.hget(keys.job(job), "cost")
+                pipe.hget(self.keys.job(job), "cost")
             costs = [int(cost or 0) for cost in await pipe.execute()]
         tokens = 0.0
         at = 0
@@ -97,10 +98,10 @@ class JobReads:
 
     async def waiting_jobs(self, model: str, cls: PriorityClass, scan: int) -> list[WaitingJob]:
         """Up to `scan` jobs at the head of the class's queue, in queue order, with their owners."""
-        ids: list[str] = await self._redis.zrange(keys.queue(model, cls.value), 0, scan - 1)
+        ids: list[str] = await self._redis.zrange(self.keys.queue(model, cls.value), 0, scan - 1)
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id in ids:
-                pipe.hmget(keys.job(job_id), ["status", "owner", "weight"])
+                pipe.hmget(self.keys.job(job_id), ["status", "owner", "weight"])
             fields = await pipe.execute()
         return [
             WaitingJob(job_id, owner or "", float(weight or 1.0))
@@ -112,21 +113,23 @@ class JobReads:
         """Jobs waiting in each class's queue of the model."""
         async with self._redis.pipeline(transaction=False) as pipe:
             for cls in PRIORITY_ORDER:
-                pipe.zcard(keys.queue(model, cls.value))
+                pipe.zcard(self.keys.queue(model, cls.value))
             counts = await pipe.execute()
         return {cls: int(n) for cls, n in zip(PRIORITY_ORDER, counts, strict=True)}
 
     async def entries(self, job_id: str) -> list[dict[str, str]]:
         """Every entry of the job's stream so far, oldest first."""
-        return [fields for _entry_id, fields in await self._redis.xrange(keys.events(job_id))]
+        return [fields for _entry_id, fields in await self._redis.xrange(self.keys.events(job_id))]
 
     async def streamed(self, job_id: str) -> int:
         """Where the tokens in the job's stream end: the index the next token entry should have."""
-        value = await self._redis.hget(keys.job(job_id), "streamed")  # type: ignore[misc]
+        value = await self._redis.hget(self.keys.job(job_id), "streamed")  # type: ignore[misc]
         return int(value or 0)
 
 
-async def stage_jobs(redis: Redis, records: list[JobRecord], ttl_s: int = 600) -> None:
+async def stage_jobs(
+    redis: Redis, records: list[JobRecord], ttl_s: int = 600, keys: Keyspace = STANDALONE
+) -> None:
     """Writes job records in a given state, with their owner's index entry and a first status event,
     as if they had been submitted and reached that state: for benchmarks and tests that need many jobs
     at a point of their life without running a model. Nothing is queued."""
@@ -140,12 +143,12 @@ async def stage_jobs(redis: Redis, records: list[JobRecord], ttl_s: int = 600) -
             entry = status_entry(record.status, attempt=record.attempts or None)
             pipe.xadd(keys.events(record.id), entry)  # type: ignore[arg-type]
             pipe.expire(keys.events(record.id), ttl_s)
-        notice_streams(pipe, [keys.events(record.id) for record in records])
+        notice_streams(pipe, [keys.events(record.id) for record in records], keys)
         await pipe.execute()
 
 
-def notice_streams(pipe: Pipeline, streams: list[str]) -> None:
+def notice_streams(pipe: Pipeline, streams: list[str], keys: Keyspace = STANDALONE) -> None:
     """Tells the gateways' relays that these job streams have new entries, as the job scripts do, for
     writers that add entries themselves (benchmarks' synthetic publishers, tests)."""
     if streams:
-        pipe.publish(keys.STREAM_NOTICES, " ".join(dict.fromkeys(streams)))
+        pipe.publish(keys.stream_notices, " ".join(dict.fromkeys(streams)))

@@ -1,4 +1,4 @@
-"""A job's record: its typed model and its Redis encoding (a hash of strings at keys.job(id)).
+"""A job's record: its typed model and its Redis encoding (a hash of strings at Keyspace.job(id)).
 
 The gateway writes the record when it queues the job; the state machine's Lua scripts
 (common/jobs/scripts/) read and set the fields named in SCRIPT_FIELDS; a worker writes RecordUpdates,
@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
-from common import keys
 from common.error_codes import ErrorCode
+from common.keys import Keyspace
 from common.wire import FinishReason, JobLinks, JobStatus, JobView, PriorityClass, Timings, Usage
 
 # Fields the Lua scripts read or write by name.
@@ -230,6 +230,6 @@ class RecordUpdate(JobOutcome):
         return _to_fields(self)
 
 
-async def load_record(redis: Redis, job_id: str) -> JobRecord | None:
+async def load_record(redis: Redis, job_id: str, keys: Keyspace) -> JobRecord | None:
     raw: dict[str, str] = await redis.hgetall(keys.job(job_id))  # type: ignore[misc]
     return JobRecord.from_fields(raw) if raw else None

@@ -7,10 +7,11 @@ from enum import Enum
 
 from redis.asyncio import Redis
 
-from common import keys, lua
+from common import lua
 from common.events import status_entry
 from common.jobs.payload import job_payload
 from common.jobs.record import JobRecord
+from common.keys import Keyspace
 from common.wire import JobSpec, JobStatus
 
 
@@ -115,8 +116,9 @@ class SubmitReply:
 class SubmitScript:
     """submit.lua, called with its job's values by name; waits for replicas when asked."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
         self._redis = redis
+        self.keys = keys
         self._script = lua.register(redis, __name__, "submit.lua")
 
     async def __call__(
@@ -139,16 +141,16 @@ class SubmitScript:
     ) -> SubmitReply:
         job_id, model, owner, priority = record.id, record.model, record.owner, record.priority.value
         script_keys = [
-            *keys.job_keys(job_id),
-            keys.queue(model, priority),
-            keys.queued_tokens(model),
-            keys.active_jobs(owner),
-            keys.owner_jobs(owner),
-            keys.fair_tags(model, priority),
-            keys.EPOCH,
-            keys.QUEUE_DEADLINES,
-            keys.prompt_tokens_in_flight(owner),
-            keys.owner_ended_jobs(owner),
+            *self.keys.job_keys(job_id),
+            self.keys.queue(model, priority),
+            self.keys.queued_tokens(model),
+            self.keys.active_jobs(owner),
+            self.keys.owner_jobs(owner),
+            self.keys.fair_tags(model, priority),
+            self.keys.epoch,
+            self.keys.queue_deadlines,
+            self.keys.prompt_tokens_in_flight(owner),
+            self.keys.owner_ended_jobs(owner),
             *([record.idempotency_key] if record.idempotency_key else []),
         ]
         args = [
@@ -157,7 +159,7 @@ class SubmitScript:
             str(now_ms),
             str(limits.max_jobs),
             payload,
-            keys.wake_channel(model),
+            self.keys.wake_channel(model),
             str(record.cost),
             str(limits.max_tokens),
             str(owner_max_active),
@@ -186,6 +188,7 @@ class SubmitScript:
 class JobSubmission:
     """JobQueue's submit."""
 
+    keys: Keyspace
     ttl_s: int
     _submit: SubmitScript
 

@@ -12,12 +12,13 @@ from enum import IntEnum
 import orjson
 from redis.asyncio import Redis
 
-from common import keys, lua
+from common import lua
 from common.error_codes import ErrorCode
 from common.events import TOKEN, entry_token_ids, error_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.jobs.claims import Claim, claim_priority
 from common.jobs.record import RecordUpdate
+from common.keys import Keyspace
 from common.redis_client import HeldConnection
 from common.wire import FinishReason, JobStatus
 
@@ -90,21 +91,23 @@ def _step_entries(entries: list[dict[str, str]]) -> list[str]:
 class PublishScript:
     """publish.lua: False once the attempt lost the job."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "publish.lua")
 
     async def __call__(
         self, *, job_id: str, attempt: int, entries: list[dict[str, str]], record: dict[str, str]
     ) -> bool:
-        args = [str(attempt), *lua.flat_fields(record), *_entries(entries), keys.STREAM_NOTICES]
-        written: int = await self._script(keys=[keys.job(job_id), keys.events(job_id)], args=args)
+        args = [str(attempt), *lua.flat_fields(record), *_entries(entries), self.keys.stream_notices]
+        written: int = await self._script(keys=[self.keys.job(job_id), self.keys.events(job_id)], args=args)
         return written >= 0
 
 
 class PublishStepScript:
     """publish_step.lua, run on a connection of its own (HeldConnection), one call after another."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "publish_step.lua")
         self._connection = HeldConnection(redis)
 
@@ -114,12 +117,12 @@ class PublishStepScript:
         script_keys: list[str] = []
         args: list[str] = []
         for write in writes:
-            script_keys += [keys.job(write.job_id), keys.events(write.job_id)]
+            script_keys += [self.keys.job(write.job_id), self.keys.events(write.job_id)]
             span = write.span
             start, end = ("", "") if span is None else (str(span[0]), str(span[1]))
             args += [str(write.attempt), start if write.check_gap else "", end]
             args += [*lua.flat_fields(write.record), *_step_entries(write.entries)]
-        args.append(keys.STREAM_NOTICES)
+        args.append(self.keys.stream_notices)
         written: list[int] = await self._connection.run_script(self._script, script_keys, args, reply_after)
         return [_STEP_REFUSALS.get(n, StepResult.written) for n in written]
 
@@ -127,7 +130,8 @@ class PublishStepScript:
 class FinishScript:
     """finish.lua."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace) -> None:
+        self.keys = keys
         self._script = lua.register(redis, __name__, "finish.lua")
 
     async def __call__(
@@ -143,17 +147,17 @@ class FinishScript:
         priority = claim_priority(claim).value
         done: int = await self._script(
             keys=[
-                keys.job(claim.job_id),
-                keys.events(claim.job_id),
-                keys.leases(claim.model),
-                keys.arq_job(claim.job_id),
-                keys.active_jobs(claim.owner),
-                keys.fair_tags(claim.model, priority),
-                keys.served_tokens(claim.model),
-                keys.prompt_tokens_in_flight(claim.owner),
-                keys.owner_jobs(claim.owner),
-                keys.owner_ended_jobs(claim.owner),
-                keys.finished(claim.model),
+                self.keys.job(claim.job_id),
+                self.keys.events(claim.job_id),
+                self.keys.leases(claim.model),
+                self.keys.arq_job(claim.job_id),
+                self.keys.active_jobs(claim.owner),
+                self.keys.fair_tags(claim.model, priority),
+                self.keys.served_tokens(claim.model),
+                self.keys.prompt_tokens_in_flight(claim.owner),
+                self.keys.owner_jobs(claim.owner),
+                self.keys.owner_ended_jobs(claim.owner),
+                self.keys.finished(claim.model),
                 *([claim.idempotency_key] if claim.idempotency_key else []),
             ],
             args=[
@@ -168,7 +172,7 @@ class FinishScript:
                 str(RECENT_WINDOW_S * 1000),
                 *lua.flat_fields(record),
                 *lua.flat_fields(final_entry),
-                keys.STREAM_NOTICES,
+                self.keys.stream_notices,
             ],
         )
         return FinishOutcome(done)
@@ -177,6 +181,7 @@ class FinishScript:
 class JobWrites:
     """JobQueue's writes of a worker into its jobs."""
 
+    keys: Keyspace
     ttl_s: int
     _publish: PublishScript
     _publish_step: PublishStepScript

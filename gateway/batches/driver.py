@@ -34,7 +34,7 @@ from gateway.batches.lines import (
 from gateway.batches.state import ENDED, PENDING, Batch, BatchState, BatchStatus
 from gateway.errors import ApiError
 from gateway.files.store import FileStore
-from gateway.idempotency import idempotency_redis_key
+from gateway.idempotency import idempotency_digest
 from gateway.request_body import JsonLimits
 from gateway.state import AppState
 from gateway.submission import submit_job
@@ -55,8 +55,8 @@ class BatchDriver:
     def __init__(self, state: AppState) -> None:
         self.state = state
         self.settings = state.settings
-        self.batches = BatchState(state.redis, state.settings.file_ttl_s)
-        self.files = FileStore(state.redis, state.settings.file_ttl_s)
+        self.batches = BatchState(state.redis, state.keys, state.settings.file_ttl_s)
+        self.files = FileStore(state.redis, state.keys, state.settings.file_ttl_s)
         self.token = "gw-" + secrets.token_hex(8)
         self.limits = JsonLimits(self.settings.max_json_depth, self.settings.max_number_digits)
 
@@ -251,8 +251,8 @@ class BatchDriver:
         in_flight = await self.batches.in_flight(batch.id)
         for index, job in in_flight.items():
             if job == PENDING:
-                found = await self.state.shards.first_value(
-                    idempotency_redis_key(self.owner(batch), self.idempotency_key(batch, index))
+                found = await self.state.shards.idempotent_job(
+                    idempotency_digest(self.owner(batch), self.idempotency_key(batch, index))
                 )
                 if found:
                     await self.batches.started(batch.id, index=index, job_id=found)

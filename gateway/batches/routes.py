@@ -42,7 +42,7 @@ class BatchRequest(BaseModel):
 
 def batch_state(request: Request) -> BatchState:
     state = app_state(request)
-    return BatchState(state.redis, state.settings.file_ttl_s)
+    return BatchState(state.redis, state.keys, state.settings.file_ttl_s)
 
 
 _BATCH = Reply("the batch", OBJECT)

@@ -18,7 +18,8 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from common import keys, lua
+from common import lua
+from common.keys import Keyspace
 from gateway.owned import newest_after
 
 PENDING = "pending"  # a line reserved for feeding whose job may or may not exist yet
@@ -154,8 +155,9 @@ class Batch:
 class BatchState:
     """The batch records and their transitions; shared by the routes (create, cancel) and the drivers."""
 
-    def __init__(self, redis: Redis, ttl_s: int) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace, ttl_s: int) -> None:
         self.redis = redis
+        self.keys = keys
         self.ttl_s = ttl_s
         self._lease = lua.register(redis, __name__, "lease.lua")
         self._set_status = lua.register(redis, __name__, "set_status.lua")
@@ -171,8 +173,8 @@ class BatchState:
         ttl = int(expires_at - time.time()) + self.ttl_s
         batch_id = fields["id"]
         owner = fields.get("owner", "")
-        source = keys.file(fields["input_file_id"])
-        source_lines = keys.file_lines(fields["input_file_id"])
+        source = self.keys.file(fields["input_file_id"])
+        source_lines = self.keys.file_lines(fields["input_file_id"])
         created_ms = int(float(fields["created_at"]) * 1000)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
@@ -186,27 +188,29 @@ class BatchState:
                         if left < ttl:
                             pipe.expire(key, ttl)
                     pipe.hset(source, "expires_at", str(int(expires_at) + self.ttl_s))
-                    pipe.hset(keys.batch(batch_id), mapping=fields)
-                    pipe.expire(keys.batch(batch_id), ttl)
-                    pipe.zadd(keys.owner_batches(owner), {batch_id: created_ms})
-                    pipe.expire(keys.owner_batches(owner), ttl)
-                    pipe.zadd(keys.BATCHES_ACTIVE, {batch_id: created_ms})
+                    pipe.hset(self.keys.batch(batch_id), mapping=fields)
+                    pipe.expire(self.keys.batch(batch_id), ttl)
+                    pipe.zadd(self.keys.owner_batches(owner), {batch_id: created_ms})
+                    pipe.expire(self.keys.owner_batches(owner), ttl)
+                    pipe.zadd(self.keys.batches_active, {batch_id: created_ms})
                     await pipe.execute()
                     return Batch(fields)
                 except WatchError:
                     continue
 
     async def load(self, batch_id: str) -> Batch | None:
-        fields: dict[str, str] = await self.redis.hgetall(keys.batch(batch_id))  # type: ignore[misc]
+        fields: dict[str, str] = await self.redis.hgetall(self.keys.batch(batch_id))  # type: ignore[misc]
         return Batch(fields) if fields else None
 
     async def take_lease(self, batch_id: str, *, token: str, lease_s: float) -> bool:
-        held: int = await self._lease(keys=[keys.batch_lease(batch_id)], args=[token, int(lease_s * 1000)])
+        held: int = await self._lease(
+            keys=[self.keys.batch_lease(batch_id)], args=[token, int(lease_s * 1000)]
+        )
         return bool(held)
 
     async def drop_lease(self, batch_id: str, *, token: str) -> None:
-        if await self.redis.get(keys.batch_lease(batch_id)) == token:
-            await self.redis.delete(keys.batch_lease(batch_id))
+        if await self.redis.get(self.keys.batch_lease(batch_id)) == token:
+            await self.redis.delete(self.keys.batch_lease(batch_id))
 
     async def move(
         self,
@@ -219,9 +223,9 @@ class BatchState:
     ) -> Moved:
         """Moves the batch to `to` when its status is one of `from_statuses` (and, with `token`, the caller
         still holds its lease)."""
-        lease = keys.batch_lease(batch_id) if token is not None else ""
+        lease = self.keys.batch_lease(batch_id) if token is not None else ""
         reply: str = await self._set_status(
-            keys=[keys.batch(batch_id), lease],
+            keys=[self.keys.batch(batch_id), lease],
             args=[
                 token or "",
                 ",".join(s.value for s in from_statuses),
@@ -241,10 +245,10 @@ class BatchState:
         batch's status is no longer `status`)."""
         reply = await self._reserve(
             keys=[
-                keys.batch(batch.id),
-                keys.batch_lease(batch.id),
-                keys.batch_in_flight(batch.id),
-                keys.file_lines(batch.input_file_id),
+                self.keys.batch(batch.id),
+                self.keys.batch_lease(batch.id),
+                self.keys.batch_in_flight(batch.id),
+                self.keys.file_lines(batch.input_file_id),
             ],
             args=[token, status.value],
         )
@@ -254,11 +258,11 @@ class BatchState:
         return ReservedLine(int(index), str(line))
 
     async def started(self, batch_id: str, *, index: int, job_id: str) -> bool:
-        done: int = await self._started(keys=[keys.batch_in_flight(batch_id)], args=[index, job_id])
+        done: int = await self._started(keys=[self.keys.batch_in_flight(batch_id)], args=[index, job_id])
         return bool(done)
 
     async def in_flight(self, batch_id: str) -> dict[int, str]:
-        raw: dict[str, str] = await self.redis.hgetall(keys.batch_in_flight(batch_id))  # type: ignore[misc]
+        raw: dict[str, str] = await self.redis.hgetall(self.keys.batch_in_flight(batch_id))  # type: ignore[misc]
         return {int(index): job for index, job in raw.items()}
 
     async def answer(self, batch: Batch, *, index: int, expected: str, kind: AnswerFile, line: str) -> bool:
@@ -266,25 +270,25 @@ class BatchState:
         the line is no longer in flight with the `expected` job (or 'pending')."""
         done: int = await self._answer(
             keys=[
-                keys.batch(batch.id),
-                keys.batch_in_flight(batch.id),
-                keys.file_lines(batch.output_file_id),
-                keys.file_lines(batch.error_file_id),
+                self.keys.batch(batch.id),
+                self.keys.batch_in_flight(batch.id),
+                self.keys.file_lines(batch.output_file_id),
+                self.keys.file_lines(batch.error_file_id),
             ],
             args=[index, expected, kind, line, self.ttl_s],
         )
         return bool(done)
 
     async def active(self) -> list[str]:
-        ids: list[str] = await self.redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+        ids: list[str] = await self.redis.zrange(self.keys.batches_active, 0, -1)
         return ids
 
     async def retire(self, batch_id: str) -> None:
-        await self.redis.zrem(keys.BATCHES_ACTIVE, batch_id)
-        await self.redis.delete(keys.batch_in_flight(batch_id))
+        await self.redis.zrem(self.keys.batches_active, batch_id)
+        await self.redis.delete(self.keys.batch_in_flight(batch_id))
 
     async def list_batches(self, owner: str, limit: int, after: str | None) -> list[Batch]:
-        ids = await newest_after(self.redis, keys.owner_batches(owner), after, 0, limit)
+        ids = await newest_after(self.redis, self.keys.owner_batches(owner), after, 0, limit)
         found = []
         for batch_id in ids:
             batch = await self.load(batch_id)

@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
-from common import keys, lua
+from common import lua
+from common.keys import Keyspace
 
 Limit = Literal["bytes", "files", "memory"]
 
@@ -57,11 +58,13 @@ class FileQuota:
     def __init__(
         self,
         redis: Redis,
+        keys: Keyspace,
         max_bytes: int = 0,
         max_files: int = 0,
         memory_share: float = 1.0,
     ) -> None:
         self.redis = redis
+        self.keys = keys
         self.max_bytes = max_bytes
         self.max_files = max_files
         self.memory_share = memory_share
@@ -76,7 +79,7 @@ class FileQuota:
         if self.memory_share < 1:
             await self._check_memory(owner, size)
         args = self._args(file_id, size, until_s, 0)
-        reply = await self._hold(keys=list(keys.file_quota(owner)), args=args)
+        reply = await self._hold(keys=list(self.keys.file_quota(owner)), args=args)
         if int(reply[0]) == 0:
             limit: Limit = "files" if reply[1] == "files" else "bytes"
             most = self.max_files if limit == "files" else self.max_bytes
@@ -95,7 +98,7 @@ class FileQuota:
         """Counts the written file at its size until it expires, whatever the limits (it is stored):
         queued on `pipe`, the transaction that makes the file."""
         await self._hold(
-            keys=list(keys.file_quota(owner)), args=self._args(file_id, size, until_s, 1), client=pipe
+            keys=list(self.keys.file_quota(owner)), args=self._args(file_id, size, until_s, 1), client=pipe
         )
 
     def _args(self, file_id: str, size: int, until_s: float, exact: int) -> list[str | int]:
@@ -103,11 +106,11 @@ class FileQuota:
 
     async def release(self, owner: str, file_id: str) -> None:
         """The file no longer counts (its upload failed; a file deleted leaves in scripts/delete.lua)."""
-        await self._release(keys=list(keys.file_quota(owner)), args=[_now_ms(), file_id])
+        await self._release(keys=list(self.keys.file_quota(owner)), args=[_now_ms(), file_id])
 
     async def kept(self, owner: str) -> tuple[int, int]:
         """The bytes and the files the key keeps, as last counted (expired files may still be in)."""
-        found = keys.file_quota(owner)
+        found = self.keys.file_quota(owner)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.get(found.total)
             pipe.hlen(found.sizes)

@@ -28,11 +28,12 @@ def file_store(request: Request) -> FileStore:
     settings = state.settings
     quota = FileQuota(
         state.redis,
+        state.keys,
         settings.key_max_stored_file_bytes,
         settings.key_max_stored_files,
         memory_share=settings.files_max_memory_share,
     )
-    return FileStore(state.redis, settings.file_ttl_s, quota)
+    return FileStore(state.redis, state.keys, settings.file_ttl_s, quota)
 
 
 _FILE = Reply("the file", OBJECT)

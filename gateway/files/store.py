@@ -10,7 +10,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from common import keys, lua
+from common import lua
+from common.keys import Keyspace
 from gateway.files.quota import FileQuota
 from gateway.owned import newest_after
 
@@ -74,10 +75,11 @@ class FileStore:
     """Every gateway reads and writes the same files; a file and its lines expire together. `quota`
     counts what each owner keeps (none: counted, never refused)."""
 
-    def __init__(self, redis: Redis, ttl_s: int, quota: FileQuota | None = None) -> None:
+    def __init__(self, redis: Redis, keys: Keyspace, ttl_s: int, quota: FileQuota | None = None) -> None:
         self.redis = redis
+        self.keys = keys
         self.ttl_s = ttl_s
-        self.quota = quota or FileQuota(redis)
+        self.quota = quota or FileQuota(redis, keys)
         self._delete = lua.register(redis, __name__, "delete.lua")
 
     async def hold(self, owner: str, file_id: str, size: int) -> None:
@@ -88,13 +90,13 @@ class FileStore:
     async def append_lines(self, file_id: str, lines: list[bytes]) -> None:
         if lines:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.rpush(keys.file_lines(file_id), *lines)
-                pipe.expire(keys.file_lines(file_id), ARRIVING_TTL_S)
+                pipe.rpush(self.keys.file_lines(file_id), *lines)
+                pipe.expire(self.keys.file_lines(file_id), ARRIVING_TTL_S)
                 await pipe.execute()
 
     async def discard(self, owner: str, file_id: str) -> None:
         """Deletes the lines of an upload that failed, and what was held for it."""
-        await self.redis.delete(keys.file_lines(file_id))
+        await self.redis.delete(self.keys.file_lines(file_id))
         await self.quota.release(owner, file_id)
 
     async def register(
@@ -114,18 +116,18 @@ class FileStore:
             "expires_at": str(stored.expires_at),
         }
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.file(file_id), mapping=fields)
-            pipe.expire(keys.file(file_id), self.ttl_s)
-            pipe.expire(keys.file_lines(file_id), self.ttl_s)
-            pipe.zadd(keys.owner_files(owner), {file_id: now})
-            pipe.expire(keys.owner_files(owner), self.ttl_s)
+            pipe.hset(self.keys.file(file_id), mapping=fields)
+            pipe.expire(self.keys.file(file_id), self.ttl_s)
+            pipe.expire(self.keys.file_lines(file_id), self.ttl_s)
+            pipe.zadd(self.keys.owner_files(owner), {file_id: now})
+            pipe.expire(self.keys.owner_files(owner), self.ttl_s)
             await self.quota.settle(owner, file_id, size, time.time() + self.ttl_s, pipe)  # as its keys
             await pipe.execute()
         return stored
 
     async def get(self, file_id: str, owner: str) -> StoredFile | None:
         """The file if `owner` made it; another key's file does not exist for them."""
-        fields: dict[str, str] = await self.redis.hgetall(keys.file(file_id))  # type: ignore[misc]
+        fields: dict[str, str] = await self.redis.hgetall(self.keys.file(file_id))  # type: ignore[misc]
         if not fields or fields.get("owner", "") != owner:
             return None
         return StoredFile.from_fields(fields)
@@ -137,14 +139,14 @@ class FileStore:
         found: list[StoredFile] = []
         offset = 0
         while len(found) < limit:
-            ids = await newest_after(self.redis, keys.owner_files(owner), after, offset, limit * 2)
+            ids = await newest_after(self.redis, self.keys.owner_files(owner), after, offset, limit * 2)
             if not ids:
                 break
             offset += len(ids)
             for file_id in ids:
                 stored = await self.get(file_id, owner)
                 if stored is None:  # expired: out of the index, and out of the count of those passed
-                    await self.redis.zrem(keys.owner_files(owner), file_id)
+                    await self.redis.zrem(self.keys.owner_files(owner), file_id)
                     offset -= 1
                 elif purpose is None or stored.purpose == purpose:
                     found.append(stored)
@@ -153,10 +155,10 @@ class FileStore:
     async def batch_reading(self, file_id: str) -> str | None:
         """The id of a batch not yet ended whose input is the file, if any: it reads its lines until it
         ends."""
-        batch_ids: list[str] = await self.redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+        batch_ids: list[str] = await self.redis.zrange(self.keys.batches_active, 0, -1)
         async with self.redis.pipeline(transaction=False) as pipe:
             for batch_id in batch_ids:
-                pipe.hget(keys.batch(batch_id), "input_file_id")
+                pipe.hget(self.keys.batch(batch_id), "input_file_id")
             inputs: list[str | None] = await pipe.execute()
         return next((b for b, source in zip(batch_ids, inputs, strict=True) if source == file_id), None)
 
@@ -166,25 +168,25 @@ class FileStore:
         read before the check: a batch created or ended between them (BatchState.create watches the file)
         makes it look again. It works on a Redis out of memory, to which it gives memory back."""
         while True:
-            active: list[str] = await self.redis.zrange(keys.BATCHES_ACTIVE, 0, -1)
+            active: list[str] = await self.redis.zrange(self.keys.batches_active, 0, -1)
             if await self.get(file_id, owner) is None:
                 return False
             if (reader := await self.batch_reading(file_id)) is not None:
                 raise FileInUse(file_id, reader)
-            file_keys = [keys.file(file_id), keys.file_lines(file_id), keys.owner_files(owner)]
+            file_keys = [self.keys.file(file_id), self.keys.file_lines(file_id), self.keys.owner_files(owner)]
             outcome = await self._delete(
-                keys=[*keys.file_quota(owner), *file_keys, keys.BATCHES_ACTIVE],
+                keys=[*self.keys.file_quota(owner), *file_keys, self.keys.batches_active],
                 args=[int(time.time() * 1000), file_id, owner, *active],
             )
             if int(outcome) >= 0:
                 return bool(outcome)
 
     async def line_count(self, file_id: str) -> int:
-        count: int = await self.redis.llen(keys.file_lines(file_id))  # type: ignore[misc]
+        count: int = await self.redis.llen(self.keys.file_lines(file_id))  # type: ignore[misc]
         return count
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
-        lines: list[str] = await self.redis.lrange(keys.file_lines(file_id), start, start + count - 1)  # type: ignore[misc]
+        lines: list[str] = await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)  # type: ignore[misc]
         return lines
 
     async def content(self, file_id: str) -> AsyncIterator[bytes]:

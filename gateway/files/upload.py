@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from common import keys
 from gateway.errors import ApiError
 from gateway.files.store import FileStore
 
@@ -185,9 +184,9 @@ async def receive_upload(
         await hold(reader.size)
         await store.append_lines(file_id, reader.take())
     except MultipartParseError as e:
-        await store.redis.delete(keys.file_lines(file_id))
+        await store.redis.delete(store.keys.file_lines(file_id))
         raise ApiError(400, f"the body is not valid multipart/form-data: {e}", param="file") from e
     except BaseException:
-        await store.redis.delete(keys.file_lines(file_id))
+        await store.redis.delete(store.keys.file_lines(file_id))
         raise
     return Upload(reader.fields, reader.filename, reader.size, reader.lines)

@@ -10,7 +10,6 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from common import keys
 from common.apikeys import Principal
 from common.error_codes import ErrorCode
 from common.events import entry_logprobs, is_failure, is_final
@@ -297,7 +296,7 @@ class ChoiceEvents:
     def __init__(self, choices: Choices, tick_s: float) -> None:
         self._choices = choices
         self._tick_s = tick_s
-        self._index = {keys.events(job_id): i for i, job_id in enumerate(choices.job_ids)}
+        self._index = {choices.shard.keys.events(job_id): i for i, job_id in enumerate(choices.job_ids)}
         self._sent = {stream: SentTokens() for stream in self._index}
         self._following = set(self._index)
         self._follower: Follower = choices.shard.relay.follower(dict.fromkeys(self._index, "0-0"))

@@ -9,7 +9,6 @@ from typing import Any
 
 import anyio
 
-from common import keys
 from common.error_codes import ErrorCode
 from common.events import entry_logprobs
 from common.wire import TERMINAL
@@ -23,7 +22,7 @@ RESPONSE = OwnedKind("response", "response_id", ErrorCode.response_not_found, "r
 
 
 async def load_meta(state: AppState, resp_id: str, owner: str) -> dict[str, str]:
-    meta: dict[str, str] = await state.redis.hgetall(keys.response(resp_id))  # type: ignore[misc]
+    meta: dict[str, str] = await state.redis.hgetall(state.keys.response(resp_id))  # type: ignore[misc]
     if not meta or meta.get("owner", "") != owner or meta.get("store") != "1":
         raise RESPONSE.not_found(resp_id)
     return meta
@@ -34,10 +33,10 @@ async def save_meta(state: AppState, meta: dict[str, str]) -> None:
     continuation of it is told why it cannot be)."""
     ttl = state.settings.job_ttl_s
     if meta["store"] == "1":
-        await state.redis.hset(keys.response(meta["id"]), mapping=meta)  # type: ignore[misc]
-        await state.redis.expire(keys.response(meta["id"]), ttl)
+        await state.redis.hset(state.keys.response(meta["id"]), mapping=meta)  # type: ignore[misc]
+        await state.redis.expire(state.keys.response(meta["id"]), ttl)
     else:
-        await state.redis.set(keys.unstored_response(meta["id"]), meta["owner"], ex=ttl)
+        await state.redis.set(state.keys.unstored_response(meta["id"]), meta["owner"], ex=ttl)
 
 
 async def job_logprobs(state: AppState, meta: dict[str, str]) -> list[dict[str, Any]] | None:
@@ -46,7 +45,7 @@ async def job_logprobs(state: AppState, meta: dict[str, str]) -> list[dict[str, 
         return None
     shard = state.shards.of_job(meta["job_id"], meta["model"])
     sent, found = SentTokens(), []
-    for _id, fields in await shard.redis.xrange(keys.events(meta["job_id"])):
+    for _id, fields in await shard.redis.xrange(shard.keys.events(meta["job_id"])):
         if sent.fresh(fields) and (entries := entry_logprobs(fields)):
             found.extend(entries)
     return found
@@ -70,7 +69,7 @@ async def forget_unstored(state: AppState, meta: dict[str, str]) -> None:
 async def delete(state: AppState, meta: dict[str, str]) -> None:
     """Removes the response and its job (a running one stops)."""
     with anyio.CancelScope(shield=True):
-        await state.redis.delete(keys.response(meta["id"]))
+        await state.redis.delete(state.keys.response(meta["id"]))
         await state.shards.of_job(meta["job_id"], meta["model"]).queue.purge(meta["job_id"], meta["model"])
 
 
@@ -79,9 +78,9 @@ async def earlier_items(state: AppState, previous_id: str, owner: str) -> list[d
     items (its whole conversation) and its output items. 404 naming `previous_response_id` for a
     response this key does not have, 400 for one made with `store: false` or not ended yet."""
     param = "previous_response_id"
-    meta: dict[str, str] = await state.redis.hgetall(keys.response(previous_id))  # type: ignore[misc]
+    meta: dict[str, str] = await state.redis.hgetall(state.keys.response(previous_id))  # type: ignore[misc]
     if not meta or meta.get("owner") != owner:
-        if await state.redis.get(keys.unstored_response(previous_id)) == owner:
+        if await state.redis.get(state.keys.unstored_response(previous_id)) == owner:
             message = (
                 f"{param}: response {previous_id!r} was created with store=false and cannot be continued"
             )

@@ -10,7 +10,6 @@ from redis.asyncio import Redis
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from common import keys
 from gateway.streaming.departure import disconnect_watch
 from gateway.streaming.direct import DirectBody, PushedWrites, direct_body, write_direct
 from gateway.streaming.follower import Follower
@@ -37,7 +36,7 @@ class PushedStream:
     async def run(self, streams: StreamRelay, after: str, opening: bytes = b"") -> None:
         """Writes `opening`, then the stream after `after`, up to its final entry."""
         # the relay hands entries over from its next read, never within this call
-        self._follower = streams.follower({keys.events(self.reading.job_id): after}, self._arrived)
+        self._follower = streams.follower({streams.keys.events(self.reading.job_id): after}, self._arrived)
         self._writes = writes = PushedWrites(self.body, self._follower, self.keepalive_s, self.on_pause)
         try:
             writes.write(opening)

@@ -11,8 +11,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common import keys
 from common.events import TOKEN, is_final
+from common.keys import Keyspace
 from gateway.streaming.ids import Entry, KeyedEntry, parse_id
 from gateway.streaming.relay import StreamRelay
 
@@ -33,7 +33,7 @@ class StoreOutage(RedisConnectionError):
     ConnectionError, so that the gateway answers it as any other: 503 `store_unavailable`)."""
 
 
-async def read_position(redis: Redis, job_id: str, after: str) -> str:
+async def read_position(redis: Redis, keys: Keyspace, job_id: str, after: str) -> str:
     """Where `after` stands in the job's stream: "ended" when the final entry is at or before it
     (nothing more will come), "beyond" when it is past the newest entry of a stream still being
     written (no such event was ever sent), else "ok"."""
@@ -78,7 +78,7 @@ class JobStreamReading:
         self._streams = streams
         self._redis = redis
         self.job_id = job_id
-        self._stream = keys.events(job_id)
+        self._stream = streams.keys.events(job_id)
         self._last_id = after  # of the last entry sent: a client that resumes from it misses nothing
         self._sent = SentTokens()
 
@@ -124,7 +124,7 @@ async def batches(
     `store_unavailable`) once Redis has been away for the relay's outage limit.
     """
     reading = JobStreamReading(streams, redis, job_id, after)
-    async with streams.follow({keys.events(job_id): after}) as follower:
+    async with streams.follow({streams.keys.events(job_id): after}) as follower:
         while True:
             arrived = await follower.next(keepalive_s)
             if not arrived:
@@ -155,7 +155,7 @@ async def stream_exists(streams: StreamRelay, redis: Redis, stream: str) -> bool
 async def wait_final(streams: StreamRelay, redis: Redis, job_id: str, timeout_s: float) -> None:
     """Return once the job's final event is in its stream, or after `timeout_s`; raises StoreOutage once
     Redis has been away for the relay's outage limit."""
-    stream = keys.events(job_id)
+    stream = streams.keys.events(job_id)
     newest = await redis.xrevrange(stream, count=1)
     if newest and is_final(newest[0][1]):
         return

@@ -41,17 +41,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common import keys
 from common.error_codes import ErrorCode
 from common.redis_client import connection_pool
 from common.store_epoch import epoch_of
+from common.stores import Store
 from common.wire import EventType
 from gateway.streaming.follower import Follower, Tap
 from gateway.streaming.stream_reader import StreamReader
 
 logger = logging.getLogger(__name__)
-
-_EVENTS_PREFIX = keys.events("")
 
 
 class StreamRelay:
@@ -60,7 +58,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        url: str,
+        store: Store,
         *,
         connections: int,
         buffer: int,
@@ -80,8 +78,10 @@ class StreamRelay:
         # the sweep drops a connection whose reply is overdue instead. The subscription hears a PING
         # reply every sweep, so it is overdue when it has heard nothing for much longer.
         self._timeout_s = max(socket_timeout_s, 4 * sweep_s)
+        self.keys = store.keys  # the store's keyspace: its streams' and notices' names
         self._pool = pool = connection_pool(
-            url,
+            store.url,
+            tag=store.keys.tag,
             decode_responses=True,
             client_name=client_name,
             socket_keepalive=True,
@@ -125,7 +125,7 @@ class StreamRelay:
         delay = 0.05
         while not self.closed:
             try:
-                await self._subscription.send_command("SUBSCRIBE", keys.STREAM_NOTICES)
+                await self._subscription.send_command("SUBSCRIBE", self.keys.stream_notices)
                 for reader in self._readers:
                     reader.all_due()
                 while not self.closed:
@@ -218,8 +218,9 @@ class StreamRelay:
         """Redis lost its data of `epoch`: every followed stream of a job of that epoch gets `fields` as
         its last entry now (it will never get another), and the relay answers `lost` for them after."""
         self.lost_epochs.add(epoch)
+        events = self.keys.events_prefix
         for reader in self._readers:
-            reader.end_streams(lambda key: epoch_of(key.removeprefix(_EVENTS_PREFIX)) == epoch, fields)
+            reader.end_streams(lambda key: epoch_of(key.removeprefix(events)) == epoch, fields)
 
     def lost(self, job_id: str) -> bool:
         """Whether the job was lost with its Redis's data (`end_lost`)."""

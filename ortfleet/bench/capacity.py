@@ -28,11 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from tqdm import tqdm
 
-from common import aio, keys
+from common import aio
 from common.jobs.queue import JobQueue
 from common.jobs.reads import notice_streams, stage_jobs
 from common.jobs.record import JobRecord
 from common.jobs.writes import StepWrite
+from common.keys import STANDALONE as keys  # benchmarks run on one Redis
 from common.redis_client import connect, gateway_client_name
 from common.registry import WorkerInfo, heartbeat
 from common.wire import JobStatus
@@ -94,7 +95,7 @@ async def _register_stand_in(redis_url: str) -> None:
         pid=os.getpid(),
         started_at=time.time(),
     )
-    await heartbeat(redis, info, 3600, 3600)
+    await heartbeat(redis, keys, info, 3600, 3600)
     await redis.aclose()
 
 

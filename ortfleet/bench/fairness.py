@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from common import aio, keys
+from common import aio
 from common.fleet_stats import served_tokens
 from common.jobs.record import JobRecord
+from common.keys import STANDALONE as keys  # benchmarks run on one Redis
 from common.redis_client import connect
 from common.wire import JobStatus
 from ortfleet.bench.http import Connection, HttpError
@@ -87,9 +88,9 @@ async def _scenarios(
         print("scenario A: with the batch flood", file=sys.stderr)
         flood = asyncio.create_task(_flood(url, tokens["flood"], options))
         await asyncio.sleep(1.0)  # the flood fills every slot first
-        served_before, began = await served_tokens(redis, NAME), time.monotonic()
+        served_before, began = await served_tokens(redis, keys, NAME), time.monotonic()
         loaded_ids = await _light_jobs(url, tokens["light"], options)
-        served_after, ended = await served_tokens(redis, NAME), time.monotonic()
+        served_after, ended = await served_tokens(redis, keys, NAME), time.monotonic()
         flood_rate = (int(served_after.get("batch", 0)) - int(served_before.get("batch", 0))) / (
             ended - began
         )

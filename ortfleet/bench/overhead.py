@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from common import aio, keys
+from common import aio
+from common.keys import STANDALONE as keys  # benchmarks run on one Redis
 from common.redis_client import connect
 from common.wire import Timings
 from ortfleet.bench.backends import PROMPTS, Backend, DirectBackend, FleetBackend, RequestResult

@@ -18,8 +18,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common import aio, keys
+from common import aio
 from common.jobs.record import JobRecord
+from common.keys import STANDALONE as keys  # benchmarks run on one Redis
 from common.redis_client import connect
 from common.registry import live_workers
 from common.wire import JobStatus
@@ -93,7 +94,7 @@ async def _simulate(
 ) -> dict[str, Any]:
     redis = connect(redis_url)
     try:
-        registry = {w["id"]: by_pid[int(w["pid"])] for w in await live_workers(redis)}
+        registry = {w["id"]: by_pid[int(w["pid"])] for w in await live_workers(redis, keys)}
         clients = options.clients or math.ceil(1.5 * sum(w.capacity for w in options.workers))
         began, stopped, job_ids = await _load(url, clients, options)
         jobs = await _read_jobs(redis, job_ids)

@@ -17,10 +17,12 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.fleet_stats import known_models, queue_stats, recent_outcomes, summed
-from common.redis_client import connect
+from common.keys import Keyspace
+from common.redis_client import cluster_node, connect_store
 from common.redis_url import mask_url
 from common.registry import live_workers
 from common.settings import FleetSettings
+from common.stores import Store
 from gateway.batch_progress import BatchProgress, active_batches
 
 if TYPE_CHECKING:
@@ -105,11 +107,12 @@ def _add_redis_url(parser: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    urls = _redis_urls(args)
-    if urls is None:
+    stores = _stores(args)
+    if stores is None:
         return 2
+    urls = list(dict.fromkeys(store.url for store in stores))
     try:
-        status = asyncio.run(_read_once(urls))
+        status = asyncio.run(_read_once(stores))
     except (RedisError, OSError) as e:
         print(f"ortfleet status: cannot read the fleet from Redis at {_shown(urls)}: {e}", file=sys.stderr)
         return 1
@@ -121,11 +124,12 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_top(args: argparse.Namespace) -> int:
-    urls = _redis_urls(args)
-    if urls is None:
+    stores = _stores(args)
+    if stores is None:
         return 2
+    urls = list(dict.fromkeys(store.url for store in stores))
     try:
-        asyncio.run(_watch(urls, max(0.1, args.interval), args.iterations))
+        asyncio.run(_watch(stores, max(0.1, args.interval), args.iterations))
     except KeyboardInterrupt:
         pass
     except (RedisError, OSError) as e:
@@ -134,37 +138,34 @@ def run_top(args: argparse.Namespace) -> int:
     return 0
 
 
-def _redis_urls(args: argparse.Namespace) -> list[str] | None:
-    """The Redis to read: the one --redis-url names, else the fleet's and every one of its shard map (the
-    models' own Redis servers and stores)."""
-    if args.redis_url:
-        url: str = args.redis_url
-        return [url]
+def _stores(args: argparse.Namespace) -> list[Store] | None:
+    """The stores to read: the Redis --redis-url names, else the fleet's and every store of its shard map
+    (the models' own Redis servers, or their hash tags on a Redis Cluster)."""
     try:
-        settings = FleetSettings()
+        settings = FleetSettings() if not args.redis_url else FleetSettings(redis_url=args.redis_url)
     except ValidationError as e:
         print(f"ortfleet: invalid settings:\n{e}", file=sys.stderr)
         return None
-    shards = [url.get_secret_value() for urls in settings.redis_shards.values() for url in urls]
-    return list(dict.fromkeys([settings.redis_url.get_secret_value(), *shards]))
+    cluster = cluster_node(settings.redis_url.get_secret_value())
+    return [settings.home_store(cluster)] if args.redis_url else settings.all_stores(cluster)
 
 
 def _shown(urls: list[str]) -> str:
     return ", ".join(mask_url(url) for url in urls)
 
 
-async def _read_once(urls: list[str]) -> FleetStatus:
-    redises = [connect(url) for url in urls]
+async def _read_once(stores: list[Store]) -> FleetStatus:
+    redises = [(connect_store(store), store.keys) for store in stores]
     try:
         return await read_status(redises)
     finally:
-        for redis in redises:
+        for redis, _keys in redises:
             await redis.aclose()
 
 
-async def _watch(urls: list[str], interval_s: float, iterations: int) -> None:
-    redises = [connect(url) for url in urls]
-    shown = _shown(urls)
+async def _watch(stores: list[Store], interval_s: float, iterations: int) -> None:
+    redises = [(connect_store(store), store.keys) for store in stores]
+    shown = _shown(list(dict.fromkeys(store.url for store in stores)))
     tty = sys.stdout.isatty()
     try:
         count = 0
@@ -177,23 +178,23 @@ async def _watch(urls: list[str], interval_s: float, iterations: int) -> None:
                 return
             await asyncio.sleep(interval_s)
     finally:
-        for redis in redises:
+        for redis, _keys in redises:
             await redis.aclose()
 
 
-async def read_status(redises: Sequence[Redis]) -> FleetStatus:
+async def read_status(redises: Sequence[tuple[Redis, Keyspace]]) -> FleetStatus:
     """Workers with a live heartbeat, and every model known to the fleet with its queue and recent jobs,
     from each Redis (the first the fleet's own, with the batches), a model's figures summed over them."""
     now = time.time()
     entries: list[dict[str, str]] = []
     known: set[str] = set()
-    for redis in redises:
-        entries += await live_workers(redis)
-        known |= set(await known_models(redis))
+    for redis, keys in redises:
+        entries += await live_workers(redis, keys)
+        known |= set(await known_models(redis, keys))
     workers = sorted((_worker_row(entry, now) for entry in entries), key=lambda w: (w.model, w.id))
     names = sorted(known | {w.model for w in workers})
-    queues = summed([await queue_stats(redis, names, now) for redis in redises])
-    outcomes = summed([await recent_outcomes(redis, names, now) for redis in redises])
+    queues = summed([await queue_stats(redis, keys, names, now) for redis, keys in redises])
+    outcomes = summed([await recent_outcomes(redis, keys, names, now) for redis, keys in redises])
     models = []
     for name in names:
         serving = [w for w in workers if w.model == name]
@@ -212,7 +213,7 @@ async def read_status(redises: Sequence[Redis]) -> FleetStatus:
                 waiting_keys=queues[name].waiting_keys,
             )
         )
-    return FleetStatus(now, workers, models, await active_batches(redises[0]))
+    return FleetStatus(now, workers, models, await active_batches(*redises[0]))
 
 
 def _worker_row(entry: dict[str, str], now: float) -> WorkerRow:

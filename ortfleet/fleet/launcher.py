@@ -22,8 +22,8 @@ from typing import Literal
 
 from pydantic_settings import SettingsError
 
-from common import keys
-from common.redis_client import connect_blocking
+from common.redis_client import cluster_node, connect_blocking
+from common.stores import Store, home_store
 from common.worker_settings import WorkerSettings
 from ortfleet.fleet.processes import (
     StartupError,
@@ -212,7 +212,7 @@ class LocalFleet:
         child = self._spawn(label or f"worker-{name}", "worker", command, env)
         child.grace_s = worker_grace_s({**self.env, **(env or {})})
         if wait:
-            self.wait_registered(child, timeout_s=timeout_s, urls=self.redis_urls_for(name, env))
+            self.wait_registered(child, timeout_s=timeout_s, stores=self.stores_for(name, env))
         return child
 
     def start_core(
@@ -234,9 +234,10 @@ class LocalFleet:
         ]  # fmt: skip
         return self._spawn(label, "core", command, env)
 
-    def redis_urls_for(self, model: str, env: Mapping[str, str] | None = None) -> list[str]:
-        """The Redis servers a worker of `model` may register on: its stores, if ORTFLEET_REDIS_SHARDS
-        gives it some (the one ORTFLEET_STORE names, if it names one)."""
+    def stores_for(self, model: str, env: Mapping[str, str] | None = None) -> list[Store]:
+        """The stores a worker of `model` may register on: its stores, if ORTFLEET_REDIS_SHARDS gives it
+        some (the one ORTFLEET_STORE names, if it names one), on a Redis Cluster where the fleet's Redis
+        is one."""
         given = {**os.environ, **self.env, **(env or {})}
         shards = given.get("ORTFLEET_REDIS_SHARDS")
         settings = WorkerSettings(
@@ -244,25 +245,29 @@ class LocalFleet:
             redis_shards=json.loads(shards) if shards else {},
             store=int(given.get("ORTFLEET_STORE") or 0),
         )
-        stores = settings.redis_urls_for(model)
+        stores = settings.stores_for(model, cluster_node(self.redis_url))
         return [stores[settings.store - 1]] if 0 < settings.store <= len(stores) else stores
 
     def wait_registered(
-        self, child: FleetProcess, *, timeout_s: float = 60.0, urls: list[str] | None = None
+        self, child: FleetProcess, *, timeout_s: float = 60.0, stores: list[Store] | None = None
     ) -> None:
-        """Until the worker process `child` has a live entry in the registry of one of `urls` (the fleet's
-        Redis by default)."""
+        """Until the worker process `child` has a live entry in the registry of one of `stores` (the
+        fleet's Redis by default)."""
         deadline = time.monotonic() + timeout_s
         with contextlib.ExitStack() as stack:
-            redises = [stack.enter_context(connect_blocking(url)) for url in urls or [self.redis_url]]
+            stores = stores or [home_store(self.redis_url, cluster_node(self.redis_url))]
+            redises = [
+                (stack.enter_context(connect_blocking(store.url, cluster=store.cluster)), store.keys)
+                for store in stores
+            ]
             while time.monotonic() < deadline:
                 if not child.alive():
                     raise StartupError(
                         f"{child.name} exited with code {child.process.returncode}:\n{child.log_tail()}"
                     )
                 now_ms = int(time.time() * 1000)
-                for redis in redises:
-                    for worker_id in redis.zrangebyscore(keys.WORKERS, now_ms, "+inf"):
+                for redis, keys in redises:
+                    for worker_id in redis.zrangebyscore(keys.workers, now_ms, "+inf"):
                         if redis.hget(keys.worker(worker_id), "pid") == str(child.pid):
                             return
                 time.sleep(0.05)
