@@ -62,7 +62,10 @@ def start_cluster_fleet(directory: Path, model_dir: Path, env: dict[str, str] | 
 @pytest.fixture(scope="module")
 def on_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[ClusterFleet]:
     """A gateway and one tiny-model worker on each of the model's three stores, on a cluster of their own."""
-    setup = start_cluster_fleet(tmp_path_factory.mktemp("cluster"), tiny_model)
+    # each step 10 ms longer: a long job is still running when it is cancelled
+    setup = start_cluster_fleet(
+        tmp_path_factory.mktemp("cluster"), tiny_model, {"ORTFLEET_STEP_DELAY_S": "0.01"}
+    )
     try:
         setup.fleet.start_gateway()
         for store in range(1, STORES + 1):
@@ -118,28 +121,28 @@ async def test_openai_calls_cancel_and_idempotency_on_the_cluster(on_cluster: Cl
             logprobs=True,
             top_logprobs=2,
         )
-        assert chat.choices[0].message.content and chat.choices[0].logprobs is not None
-        pieces = [
+        logprobs = chat.choices[0].logprobs
+        assert chat.usage is not None and chat.usage.completion_tokens > 0, chat
+        assert logprobs is not None and len(logprobs.content or []) == chat.usage.completion_tokens
+        pieces = [  # a streamed completion: its chunks arrive through the relay of the job's store
             chunk.choices[0].text
             async for chunk in await sdk.completions.create(
                 model=MODEL, prompt="Once", max_tokens=8, stream=True
             )
             if chunk.choices
         ]
-        assert "".join(pieces)
-        tokens = await sdk.post(
-            "/tokenize", body={"model": MODEL, "prompt": "Hello there"}, cast_to=httpx.Response
-        )
-        assert tokens.json()["count"] > 0
+        assert len(pieces) > 1
     async with httpx.AsyncClient(base_url=on_cluster.url, timeout=60) as client:
+        tokens = await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"})
+        assert tokens.status_code == 200 and tokens.json()["count"] > 0, tokens.text
         body = {"model": MODEL, "prompt": "Again:", "max_tokens": 6}
         first = await submit(client, body, **{"Idempotency-Key": "cluster-retry"})
         retried = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "cluster-retry"})
         assert retried.json()["id"] == first["id"]
         long = await submit(
-            client, {"model": MODEL, "prompt": "Long:", "max_tokens": 4000, "ignore_eos": True}
+            client, {"model": MODEL, "prompt": "Long:", "max_tokens": 400, "ignore_eos": True}
         )
-        cancelled = await client.post(f"/v1/jobs/{long['id']}/cancel")
+        cancelled = await client.delete(f"/v1/jobs/{long['id']}")
         assert cancelled.status_code in (200, 202), cancelled.text
         assert (await wait_done(client, long["id"]))["status"] == "cancelled"
         listed = (await client.get("/v1/jobs", params={"limit": 100})).json()
@@ -185,10 +188,9 @@ async def read_all(
 
 
 async def finals_of(client: httpx.AsyncClient, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [await wait_done(client, job["id"], timeout_s=120) for job in jobs]
+    return [await wait_done(client, job["id"], timeout_s=60) for job in jobs]
 
 
-@pytest.mark.slow
 async def test_a_primary_killed_mid_load_loses_no_accepted_job_and_no_stream_has_a_gap(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -217,6 +219,10 @@ async def test_a_primary_killed_mid_load_loses_no_accepted_job_and_no_stream_has
             )
             setup.cluster.kill(victim)
             setup.cluster.wait_failover(victim)
+            setup.cluster.restart(
+                victim
+            )  # back as its successor's replica: submissions are acknowledged again
+            setup.cluster.wait_until(setup.cluster.healthy, "the old primary replicates its successor")
             after = [
                 await submit(client, {**body, "prompt": f"After {i}:", "max_tokens": 20}) for i in range(6)
             ]
@@ -232,7 +238,6 @@ async def test_a_primary_killed_mid_load_loses_no_accepted_job_and_no_stream_has
         assert_whole_stream(reader.events, final)
 
 
-@pytest.mark.slow
 async def test_a_stores_slot_moved_to_another_primary_mid_load_loses_nothing(
     tmp_path: Path, tiny_model: Path
 ) -> None:
