@@ -151,4 +151,5 @@ def notice_streams(pipe: Pipeline, streams: list[str], keys: Keyspace = STANDALO
     """Tells the gateways' relays that these job streams have new entries, as the job scripts do, for
     writers that add entries themselves (benchmarks' synthetic publishers, tests)."""
     if streams:
-        pipe.publish(keys.stream_notices, " ".join(dict.fromkeys(streams)))
+        command = "SPUBLISH" if keys.tag is not None else "PUBLISH"  # as common/jobs/scripts/notice.lua
+        pipe.execute_command(command, keys.stream_notices, " ".join(dict.fromkeys(streams)))

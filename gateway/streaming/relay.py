@@ -79,6 +79,9 @@ class StreamRelay:
         # reply every sweep, so it is overdue when it has heard nothing for much longer.
         self._timeout_s = max(socket_timeout_s, 4 * sweep_s)
         self.keys = store.keys  # the store's keyspace: its streams' and notices' names
+        # On a Redis Cluster the notices are sharded (common/jobs/scripts/notice.lua): heard on the node
+        # that serves the store's slot, where the subscription's connection goes.
+        self._subscribe = "SSUBSCRIBE" if store.cluster else "SUBSCRIBE"
         self._pool = pool = connection_pool(
             store.url,
             tag=store.keys.tag,
@@ -125,7 +128,7 @@ class StreamRelay:
         delay = 0.05
         while not self.closed:
             try:
-                await self._subscription.send_command("SUBSCRIBE", self.keys.stream_notices)
+                await self._subscription.send_command(self._subscribe, self.keys.stream_notices)
                 for reader in self._readers:
                     reader.all_due()
                 while not self.closed:
@@ -133,8 +136,11 @@ class StreamRelay:
                     self._heard_at = asyncio.get_running_loop().time()
                     self.reachable()  # Redis answered (also when no stream is followed, so none is read)
                     delay = 0.05
-                    if isinstance(message, list) and message and message[0] == "message":
+                    if isinstance(message, list) and message and message[0] in ("message", "smessage"):
                         self._noticed(message[2])
+                    elif isinstance(message, list) and message and message[0] == "sunsubscribe":
+                        # the store's slot moved to another primary: subscribe there
+                        raise RedisConnectionError("the notices channel's hash slot moved to another node")
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 await self._subscription.disconnect()
                 self.unreachable(e)

@@ -1,3 +1,4 @@
+-- include: notice.lua
 -- include: append.lua
 -- include: pairs.lua
 -- include: active.lua
@@ -19,7 +20,7 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   leave_active(KEYS[6], KEYS[8], ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2])
   append_event(KEYS[1], KEYS[3], (pairs_at(8)))
-  redis.call('PUBLISH', ARGV[#ARGV], KEYS[3])
+  notice(ARGV[#ARGV], KEYS[3])
   redis.call('DEL', KEYS[4])
   note_outcome(KEYS[7], 'cancelled', ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[5]))
   keep_after_end({id = ARGV[1], rec = KEYS[1], events = KEYS[3], idem = KEYS[11], jobs = KEYS[9],

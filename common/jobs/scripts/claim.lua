@@ -1,3 +1,4 @@
+-- include: notice.lua
 -- include: append.lua
 -- The claim. Which job a worker takes next is decided by `claimable`: the head of the highest class
 -- that has waiting jobs, in each class's fair-share order; only a job promised the worker's freed row
@@ -197,5 +198,5 @@ while taken < wanted do
   take(id, job, c, score, suspect)
   if suspect then break end
 end
-if #noticed > 0 then redis.call('PUBLISH', notices, table.concat(noticed, ' ')) end
+if #noticed > 0 then notice(notices, table.concat(noticed, ' ')) end
 return out

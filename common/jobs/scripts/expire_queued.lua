@@ -1,3 +1,4 @@
+-- include: notice.lua
 -- include: active.lua
 -- include: uncount.lua
 -- include: note_outcome.lua
@@ -25,5 +26,5 @@ end
 uncount(KEYS[2], f.cost)
 local noticed = {}
 expire_in_queue(id, job, KEYS[1], KEYS[3], now, tonumber(ARGV[3]), ARGV[4], noticed, ARGV[6])
-redis.call('PUBLISH', ARGV[7], table.concat(noticed, ' '))
+notice(ARGV[7], table.concat(noticed, ' '))
 return 1

@@ -1,3 +1,4 @@
+-- include: notice.lua
 -- include: append.lua
 -- include: pairs.lua
 -- include: active.lua
@@ -38,7 +39,7 @@ end
 local rec, at = pairs_at(11)
 redis.call('HSET', KEYS[1], unpack(rec))
 append_event(KEYS[1], KEYS[2], (pairs_at(at + 1)))
-redis.call('PUBLISH', ARGV[#ARGV], KEYS[2])
+notice(ARGV[#ARGV], KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])
 leave_active(KEYS[5], KEYS[8], ARGV[2])

@@ -1,3 +1,4 @@
+-- include: notice.lua
 -- include: append.lua
 -- include: pairs.lua
 -- KEYS: record, events
@@ -15,5 +16,5 @@ for _ = 1, tonumber(ARGV[at]) do
   append_event(KEYS[1], KEYS[2], ev)
   written = written + 1
 end
-if written > 0 then redis.call('PUBLISH', ARGV[#ARGV], KEYS[2]) end
+if written > 0 then notice(ARGV[#ARGV], KEYS[2]) end
 return written

@@ -1,3 +1,4 @@
+-- include: notice.lua
 -- The writes of one engine step for all of a worker's running jobs, each fenced by its own attempt.
 -- KEYS: per job, in order: record, events
 -- ARGV: per job: attempt, from, to, n record fields, fields..., n entries, then per entry: n fields,
@@ -69,6 +70,6 @@ for j = 1, #KEYS / 2 do
   end
 end
 if #noticed > 0 then
-  redis.call('PUBLISH', ARGV[#ARGV], table.concat(noticed, ' ') .. '\n[' .. table.concat(carried, ',') .. ']')
+  notice(ARGV[#ARGV], table.concat(noticed, ' ') .. '\n[' .. table.concat(carried, ',') .. ']')
 end
 return out
