@@ -149,7 +149,7 @@ def test_every_command_and_setting_in_the_manifests_is_ortfleets(overlay: str) -
                 GatewaySettings(**{k.removeprefix("ORTFLEET_").lower(): v for k, v in config["data"].items()})
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [overlay for overlay in OVERLAYS if overlay != "gpu-cluster"])
 @pytest.mark.unit
 def test_processes_follow_the_sentinels_of_the_referenced_redis_chart(overlay: str) -> None:
     values = yaml.safe_load((KUBERNETES / "redis" / "values.yaml").read_text())
@@ -378,3 +378,34 @@ async def eventually(prometheus: Any, http: httpx.AsyncClient, query: str, expec
     while (value := await scalar(prometheus, http, query)) != expected and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.5)
     return value
+
+
+@pytest.mark.unit
+def test_the_cluster_overlay_spreads_the_gpu_model_over_three_stores_of_the_referenced_cluster_chart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    values = yaml.safe_load((KUBERNETES / "redis" / "values-cluster.yaml").read_text())
+    assert values["cluster"] == {"nodes": 6, "replicas": 1}  # three primaries, a replica each
+    assert (
+        values["existingSecret"] == "ortfleet-redis"
+        and values["existingSecretPasswordKey"] == "redis-password"
+    )
+    assert "maxmemory-policy noeviction" in values["redis"]["configmap"]
+    models = {served_model(d["spec"]["template"]["spec"]["containers"][0]) for d in workers("gpu-cluster")}
+    maps = set()
+    for deployment in objects("gpu-cluster", "Deployment"):
+        main = deployment["spec"]["template"]["spec"]["containers"][0]
+        names = [item["name"] for item in main["env"]]
+        assert names.index("REDIS_PASSWORD") < names.index("ORTFLEET_REDIS_URL"), "$(VAR) needs VAR first"
+        values_env = {k: v.replace("$(REDIS_PASSWORD)", "secret") for k, v in env(main).items()}
+        assert values_env["ORTFLEET_REDIS_URL"] == "redis://:secret@ortfleet-redis-cluster:6379/0"
+        for name in ("ORTFLEET_REDIS_URL", "ORTFLEET_REDIS_SHARDS"):  # read as the process reads them
+            monkeypatch.setenv(name, values_env[name])
+        settings = FleetSettings()
+        maps.add(values_env["ORTFLEET_REDIS_SHARDS"])
+        for model in models:
+            stores = settings.stores_for(model)
+            assert len(stores) == 3 and all(store.cluster for store in stores)
+            assert len({store.keys.tag for store in stores}) == 3
+    assert len(maps) == 1, "every gateway and worker must get the same map"
+    assert all(s["spec"]["minReplicaCount"] >= 3 for s in objects("gpu-cluster", "ScaledObject"))

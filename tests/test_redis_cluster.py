@@ -18,7 +18,7 @@ import pytest
 from redis.crc import key_slot
 
 from common.keys import HOME_TAG, Keyspace, store_tag
-from tests.conftest import Fleet
+from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.redis_cluster import RedisCluster
 from tests.sentinel_group import Reader
@@ -52,7 +52,7 @@ class ClusterFleet:
 
 
 def start_cluster_fleet(directory: Path, model_dir: Path, env: dict[str, str] | None = None) -> ClusterFleet:
-    cluster = RedisCluster(directory)
+    cluster = RedisCluster(directory, LOGS)
     cluster.start()
     shards = json.dumps({MODEL: STORES})
     fleet = Fleet(cluster.url, model_dir, env={"ORTFLEET_REDIS_SHARDS": shards, **(env or {})})

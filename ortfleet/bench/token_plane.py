@@ -59,6 +59,7 @@ class TokenPlaneOptions:
     writes_per_s: float  # ORTFLEET_STREAM_WRITES_PER_S
     stores: list[int] = field(default_factory=lambda: [1])  # Redis stores of the model, a fleet each
     engine_core: str = "off"  # ORTFLEET_ENGINE_CORE of the workers: off, or process (a fake engine core)
+    cluster: int = 0  # primaries of a Redis Cluster as each fleet's Redis (0: standalone servers)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def run(options: TokenPlaneOptions) -> dict[str, Any]:
                 "ORTFLEET_MAX_QUEUED_JOBS": "100000000",
                 "ORTFLEET_MAX_QUEUED_TOKENS": "1000000000000",
             }
-            with throwaway_fleet(env) as fleet:
+            with throwaway_fleet(env, cluster=options.cluster) as fleet:
                 urls = fleet.spread_model(MODEL, stores, appendonly=False)
                 gateways = fleet.start_gateways(options.gateways, port=free_port())
                 workers = _start_workers(fleet, options, stores)
@@ -94,7 +95,12 @@ def run(options: TokenPlaneOptions) -> dict[str, Any]:
                 for streams in options.streams:
                     level = _level(options, urls, url, gateways, workers, streams)
                     runs.append(
-                        {"stores": stores, "coalesce_ms": coalesce_ms, **_token_plane_cost(level, per_job)}
+                        {
+                            "stores": stores,
+                            "cluster": options.cluster,
+                            "coalesce_ms": coalesce_ms,
+                            **_token_plane_cost(level, per_job),
+                        }
                     )
     return {
         "bench": "tokens",
@@ -371,10 +377,12 @@ def _thousands(value: float | None) -> str:
 def text(figures: dict[str, Any]) -> str:
     options = figures["options"]
     core = "" if options.get("engine_core", "off") == "off" else " (each in an engine core of its own)"
+    cluster = options.get("cluster", 0)
+    on = f", stores on a Redis Cluster of {cluster} primaries" if cluster else ""
     head = (
         f"{options['workers']} fake-engine worker(s) of {options['rows']} rows every "
         f"{options['step_ms']:g} ms{core}, "
-        f"{options['gateways']} gateway(s), jobs of {options['max_tokens']} tokens"
+        f"{options['gateways']} gateway(s), jobs of {options['max_tokens']} tokens{on}"
     )
     rows = []
     for level in figures["levels"]:

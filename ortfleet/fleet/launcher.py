@@ -36,6 +36,7 @@ from ortfleet.fleet.processes import (
     wait_ready,
     worker_command,
 )
+from ortfleet.fleet.redis_cluster import RedisCluster
 
 Role = Literal["redis", "gateway", "worker", "core"]
 LineSink = Callable[[str, str], None]
@@ -122,6 +123,7 @@ class LocalFleet:
         self.exits: SimpleQueue[FleetProcess] = SimpleQueue()
         self.stopping = False
         self.gateway_url = ""
+        self.cluster: RedisCluster | None = None  # the fleet's Redis, where it started a cluster of its own
         self._threads: list[threading.Thread] = []
 
     def __enter__(self) -> LocalFleet:
@@ -153,12 +155,38 @@ class LocalFleet:
             self.redis_url = url
         return self._adopt(FleetProcess("redis", "redis", process, log, url=url))
 
+    def start_redis_cluster(
+        self, primaries: int, replicas_each: int = 0, *, appendonly: bool = True
+    ) -> RedisCluster:
+        """A Redis Cluster of the fleet's own on free ports, `primaries` primaries with `replicas_each`
+        replicas each: the fleet's Redis (the URL of its first node); stopped with the fleet."""
+        cluster = RedisCluster(
+            self.log_dir / f"redis-cluster-{len(self.processes)}", self.log_dir, appendonly
+        )
+        try:
+            cluster.start(primaries, replicas_each)
+        except BaseException:
+            cluster.stop_all()
+            raise
+        for port, node in cluster.nodes.items():
+            assert node.process is not None
+            log = self.log_dir / f"redis-cluster-{port}.log"
+            self._adopt(FleetProcess("redis", "redis", node.process, log, url=f"redis://127.0.0.1:{port}/0"))
+        self.redis_url = cluster.url
+        self.cluster = cluster
+        return cluster
+
     def spread_model(
         self, model: str, stores: int, *, appendonly: bool = True, data_dir: Path | None = None
     ) -> list[str]:
-        """Gives `model` `stores` Redis stores, the fleet's Redis the first and the others started now
-        (their data in `data_dir`/store-N, if given), in the environment of every process started after
-        (ORTFLEET_REDIS_SHARDS); their URLs."""
+        """Gives `model` `stores` Redis stores, in the environment of every process started after
+        (ORTFLEET_REDIS_SHARDS): on the fleet's Redis Cluster (start_redis_cluster), as many hash tags;
+        else the fleet's Redis the first and the others started now (their data in `data_dir`/store-N, if
+        given). The URLs of the Redis servers that hold them (a cluster's primaries)."""
+        if self.cluster is not None:
+            shards = json.loads(self.env.get("ORTFLEET_REDIS_SHARDS", "{}"))
+            self.env["ORTFLEET_REDIS_SHARDS"] = json.dumps({**shards, model: stores})
+            return [f"redis://127.0.0.1:{port}/0" for port in self.cluster.primary_ports()]
         extra = [
             self.start_redis(
                 appendonly=appendonly, home=False, data_dir=data_dir / f"store-{n}" if data_dir else None
@@ -407,10 +435,14 @@ def worker_grace_s(overrides: Mapping[str, str]) -> float:
     return settings.shutdown_grace_s
 
 
-def throwaway_fleet(env: Mapping[str, str] | None = None) -> LocalFleet:
-    """A fleet for a benchmark or a drill: quiet logs and a redis-server of its own that keeps nothing."""
+def throwaway_fleet(env: Mapping[str, str] | None = None, *, cluster: int = 0) -> LocalFleet:
+    """A fleet for a benchmark or a drill: quiet logs and a redis-server of its own that keeps nothing
+    (with `cluster`, a Redis Cluster of that many primaries, without replicas)."""
     fleet = LocalFleet(env={"ORTFLEET_LOG_LEVEL": "warning", **(env or {})})
-    fleet.start_redis(appendonly=False)
+    if cluster:
+        fleet.start_redis_cluster(cluster, appendonly=False)
+    else:
+        fleet.start_redis(appendonly=False)
     return fleet
 
 

@@ -112,6 +112,14 @@ def add_modes(modes: Subparsers) -> None:
         help="Redis stores of the model, a fleet each (default 1; --workers at least the largest)",
     )
     tokens.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="PRIMARIES",
+        help="each fleet's Redis a Redis Cluster of PRIMARIES primaries (no replicas), the model's "
+        "stores hash tags on it (default 0: standalone Redis servers)",
+    )
+    tokens.add_argument(
         "--engine-core",
         choices=["off", "process"],
         default="off",
@@ -170,6 +178,7 @@ def run_tokens(args: argparse.Namespace) -> int:
         writes_per_s=args.writes_per_s,
         stores=args.stores,
         engine_core=args.engine_core,
+        cluster=args.cluster,
     )
     if args.workers < max(args.stores):
         print(
