@@ -23,6 +23,8 @@ import pytest
 from common.store_epoch import epoch_of
 from ortfleet.fleet.launcher import worker_grace_s
 from ortfleet.fleet.processes import REDIS_MISSING, free_port
+from ortfleet.fleet.redis_cluster import RedisCluster
+from tests.conftest import LOGS
 
 SECRET = "hunter2-s3cret"
 
@@ -195,6 +197,34 @@ def test_up_spreads_a_model_over_stores_with_a_worker_each(tiny_model: Path, tmp
                 assert job["status"] == "succeeded", job
         # A job id carries the epoch of the Redis that holds it: the jobs went to both stores.
         assert len({epoch_of(job_id) for job_id in ids}) == 2, ids
+
+
+def test_up_on_a_redis_cluster_spreads_the_model_over_hash_tags_of_it(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    cluster = RedisCluster(tmp_path / "cluster", LOGS)
+    cluster.start(primaries=2, replicas_each=0)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        args = ("--model", str(tiny_model), "--workers", "2", "--stores", "2", "--port", str(port))
+        with ortfleet_up(tmp_path / "up.log", *args, "--redis-url", cluster.url) as up:
+            up.read_until("curl -N", timeout_s=120)
+            assert "spread over 2 stores on the Redis Cluster" in up.logs(), up.logs()
+            commands = [" ".join(child.cmdline()) for child in up.descendants()]
+            assert not any("redis-server" in c for c in commands), commands
+            with httpx.Client(base_url=base, timeout=60) as http:
+                assert http.get("/readyz").json()["models"][tiny_model.name]["workers"] == 2
+                ids = [
+                    http.post("/v1/jobs", json={"prompt": f"Hi {i}", "max_tokens": 4}).json()["id"]
+                    for i in range(6)
+                ]
+                for job_id in ids:
+                    assert http.get(f"/v1/jobs/{job_id}", params={"wait": 30}).json()["status"] == "succeeded"
+        # A job id carries its store's epoch: the jobs went to both hash tags.
+        assert len({epoch_of(job_id) for job_id in ids}) == 2, ids
+    finally:
+        cluster.stop_all()
 
 
 def test_up_refuses_more_stores_than_workers(tiny_model: Path) -> None:

@@ -108,8 +108,9 @@ def register(subparsers: Subparsers) -> None:
         metavar="N",
         type=_positive_int,
         default=1,
-        help="spread the model's jobs over N redis-servers, the workers over them in turn "
-        "(ORTFLEET_REDIS_SHARDS, ORTFLEET_STORE); at most one per worker (default 1)",
+        help="spread the model's jobs over N stores, the workers over them in turn (ORTFLEET_REDIS_SHARDS, "
+        "ORTFLEET_STORE): N redis-servers started here, or with --redis-url naming a Redis Cluster node, N "
+        "hash tags on that cluster; at most one per worker (default 1)",
     )
     parser.add_argument(
         "--startup-timeout",
@@ -162,7 +163,16 @@ def run(args: argparse.Namespace) -> int:
         served = _resolve_model(args, settings.model_cache, console)
         if args.redis_url:
             fleet.redis_url = args.redis_url
-            _check_redis(fleet.redis_url, settings.allow_evicting_redis)
+            cluster = _check_redis(fleet.redis_url, settings.allow_evicting_redis)
+            if args.stores > 1 and not cluster:
+                raise StartupError(
+                    "--stores starts its own redis-servers, or spreads the model over hash tags of a Redis "
+                    f"Cluster; {mask_url(args.redis_url)} is a standalone Redis: give the model its stores in "
+                    "ORTFLEET_REDIS_SHARDS instead"
+                )
+            if args.stores > 1:
+                fleet.env["ORTFLEET_REDIS_SHARDS"] = _with_cluster_stores(served.name, args.stores)
+                console.say(f"{served.name!r} spread over {args.stores} stores on the Redis Cluster")
         else:
             data_dir = Path(tempfile.mkdtemp(prefix="ortfleet-up-"))
             _start_redis(fleet, console, signals, data_dir)
@@ -203,12 +213,13 @@ def run(args: argparse.Namespace) -> int:
             console.say("fleet stopped")
 
 
+def _with_cluster_stores(model: str, stores: int) -> str:
+    """ORTFLEET_REDIS_SHARDS as the environment gives it, with `model` given `stores` stores on the cluster."""
+    shards = json.loads(os.environ.get("ORTFLEET_REDIS_SHARDS") or "{}")
+    return json.dumps({**shards, model: stores})
+
+
 def _check_stores(args: argparse.Namespace, workers: int) -> None:
-    if args.stores > 1 and args.redis_url:
-        raise StartupError(
-            "--stores starts its own redis-servers; with --redis-url, give the model its stores in "
-            "ORTFLEET_REDIS_SHARDS instead"
-        )
     if args.stores > workers:
         raise StartupError(f"--stores {args.stores} with {workers} worker(s): each store needs a worker")
 
@@ -269,7 +280,8 @@ def _check_port_free(host: str, port: int) -> None:
             ) from e
 
 
-def _check_redis(url: str, allow_eviction: bool) -> None:
+def _check_redis(url: str, allow_eviction: bool) -> bool:
+    """Whether the Redis at `url`, checked, is a node of a Redis Cluster."""
     from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 
     try:
@@ -280,6 +292,7 @@ def _check_redis(url: str, allow_eviction: bool) -> None:
         raise StartupError(f"{e}; start it, or leave out --redis-url to have a redis-server started") from e
     if config.evicts and not allow_eviction:
         raise StartupError(config.eviction_refusal(mask_url(url)))
+    return config.cluster
 
 
 def _start_redis(fleet: LocalFleet, console: Console, signals: StopSignals, data_dir: Path) -> None:
