@@ -67,6 +67,9 @@ class StoreWatch:
         self.on_loss: list[Callable[[str], None]] = []
         self._reading_epoch = asyncio.Lock()
         self.memory: tuple[int, int] | None = None  # used_memory, maxmemory (0: no limit), as last read
+        # On a Redis Cluster, the id of the node that serves the store's slot, as last read (shown in
+        # /v1/fleet and `ortfleet status` in place of its address, which a caller is never told)
+        self.node: str | None = None
         self._filled = False  # full when last judged (headroom): past the high mark, or a write refused
 
     async def check_memory(self) -> None:
@@ -208,12 +211,20 @@ class StoreWatch:
             try:
                 await self.check_epoch()
                 await self.check_memory()
+                if self.keys.tag is not None:
+                    self.node = await store_node(self.redis)
                 if loop.time() >= config_due:
                     await self.check_config()
                     config_due = loop.time() + CONFIG_EVERY_S
             except (RedisError, OSError) as e:
                 logger.debug("Redis at %s could not be read (%s)", self.label, e)
             await asyncio.sleep(EPOCH_EVERY_S)
+
+
+async def store_node(redis: Redis) -> str:
+    """The id of the Redis Cluster node a store's connections reach (the primary of its slot)."""
+    node_id: str = await redis.execute_command("CLUSTER MYID")  # type: ignore[no-untyped-call]
+    return node_id
 
 
 class StoreMetrics:

@@ -108,8 +108,9 @@ async def fleet_overview(request: Request) -> Response:
         for model in models:
             for field in MODEL_LOAD_FIELDS:
                 del model[field]
+    stores = [{"name": name, "node": shard.watch.node} for name, shard in state.shards.named()]
     overview = {"object": "fleet", "taken_at": now, "load": load, "models": models, "workers": workers}
-    return JSONResponse({**overview, "store": problems})
+    return JSONResponse({**overview, "stores": stores, "store": problems})
 
 
 routes = [Route("/v1/fleet", fleet_overview, methods=["GET"])]

@@ -108,6 +108,10 @@ async def test_a_models_jobs_spread_over_every_primary_and_stream_whole(on_clust
     ids = {job["id"] for job in jobs}
     assert set().union(*placed) >= ids
     assert all(ids & jobs_here for jobs_here in placed), [len(ids & here) for here in placed]
+    nodes = [store["node"] for store in fleet_view["stores"]]  # the home store's, then the model's three
+    assert len(nodes) == STORES + 1 and all(nodes), fleet_view["stores"]
+    assert len(set(nodes[1:])) == STORES  # a primary each: named by node id, not by address
+    assert "127.0.0.1:" not in json.dumps(fleet_view)  # no node named by its address
     [model] = [m for m in fleet_view["models"] if m["id"] == MODEL]
     assert model["workers"] == STORES and model["ready_workers"] == STORES
 

@@ -166,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
             cluster = _check_redis(fleet.redis_url, settings.allow_evicting_redis)
             if args.stores > 1 and not cluster:
                 raise StartupError(
-                    "--stores starts its own redis-servers, or spreads the model over hash tags of a Redis "
-                    f"Cluster; {mask_url(args.redis_url)} is a standalone Redis: give the model its stores in "
-                    "ORTFLEET_REDIS_SHARDS instead"
+                    "--stores starts its own redis-servers, or spreads the model over hash tags of a "
+                    f"Redis Cluster; {mask_url(args.redis_url)} is a standalone Redis: give the model its "
+                    "stores in ORTFLEET_REDIS_SHARDS instead"
                 )
             if args.stores > 1:
                 fleet.env["ORTFLEET_REDIS_SHARDS"] = _with_cluster_stores(served.name, args.stores)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_cluster_stores(model: str, stores: int) -> str:
-    """ORTFLEET_REDIS_SHARDS as the environment gives it, with `model` given `stores` stores on the cluster."""
+    """ORTFLEET_REDIS_SHARDS as the environment gives it, `model` given `stores` stores on the cluster."""
     shards = json.loads(os.environ.get("ORTFLEET_REDIS_SHARDS") or "{}")
     return json.dumps({**shards, model: stores})
 
