@@ -208,6 +208,17 @@ def served_model(container: dict[str, Any]) -> str:
     return DEFAULT_MODEL_NAME
 
 
+def settings_of(main: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> tuple[FleetSettings, str]:
+    """The settings a container's process reads (its password "secret"), and its shard map as given."""
+    names = [item["name"] for item in main["env"]]
+    for name in ("ORTFLEET_REDIS_URL", "ORTFLEET_REDIS_SHARDS"):
+        assert names.index("REDIS_PASSWORD") < names.index(name), "$(VAR) needs VAR first"
+    values = {k: v.replace("$(REDIS_PASSWORD)", "secret") for k, v in env(main).items()}
+    for name in ("ORTFLEET_REDIS_URL", "ORTFLEET_REDIS_SHARDS"):  # read as the process reads them
+        monkeypatch.setenv(name, values[name])
+    return FleetSettings(), values["ORTFLEET_REDIS_SHARDS"]
+
+
 @pytest.mark.unit
 def test_the_stores_overlay_spreads_the_gpu_model_over_three_sentinel_backed_stores(
     monkeypatch: pytest.MonkeyPatch,
@@ -224,13 +235,8 @@ def test_the_stores_overlay_spreads_the_gpu_model_over_three_sentinel_backed_sto
     maps = set()
     for deployment in objects("gpu-stores", "Deployment"):
         main = deployment["spec"]["template"]["spec"]["containers"][0]
-        names = [item["name"] for item in main["env"]]
-        assert names.index("REDIS_PASSWORD") < names.index("ORTFLEET_REDIS_SHARDS"), "$(VAR) needs VAR first"
-        values = {k: v.replace("$(REDIS_PASSWORD)", "secret") for k, v in env(main).items()}
-        for name in ("ORTFLEET_REDIS_URL", "ORTFLEET_REDIS_SHARDS"):  # read as the process reads them
-            monkeypatch.setenv(name, values[name])
-        settings = FleetSettings()
-        maps.add(values["ORTFLEET_REDIS_SHARDS"])
+        settings, shards = settings_of(main, monkeypatch)
+        maps.add(shards)
         for model in models:
             urls = [parse_sentinel_url(url) for url in [store.url for store in settings.stores_for(model)]]
             assert [url.sentinels for url in urls] == [
@@ -395,14 +401,9 @@ def test_the_cluster_overlay_spreads_the_gpu_model_over_three_stores_of_the_refe
     maps = set()
     for deployment in objects("gpu-cluster", "Deployment"):
         main = deployment["spec"]["template"]["spec"]["containers"][0]
-        names = [item["name"] for item in main["env"]]
-        assert names.index("REDIS_PASSWORD") < names.index("ORTFLEET_REDIS_URL"), "$(VAR) needs VAR first"
-        values_env = {k: v.replace("$(REDIS_PASSWORD)", "secret") for k, v in env(main).items()}
-        assert values_env["ORTFLEET_REDIS_URL"] == "redis://:secret@ortfleet-redis-cluster:6379/0"
-        for name in ("ORTFLEET_REDIS_URL", "ORTFLEET_REDIS_SHARDS"):  # read as the process reads them
-            monkeypatch.setenv(name, values_env[name])
-        settings = FleetSettings()
-        maps.add(values_env["ORTFLEET_REDIS_SHARDS"])
+        settings, shards = settings_of(main, monkeypatch)
+        assert settings.redis_url.get_secret_value() == "redis://:secret@ortfleet-redis-cluster:6379/0"
+        maps.add(shards)
         for model in models:
             stores = settings.stores_for(model)
             assert len(stores) == 3 and all(store.cluster for store in stores)

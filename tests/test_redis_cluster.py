@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,98 +184,77 @@ async def test_files_batches_and_responses_live_under_the_home_tag(on_cluster: C
         assert node.exists(home.file(upload.id), home.batch(batch.id), home.response(response.id)) == 3
 
 
-async def read_all(
-    client: httpx.AsyncClient, jobs: list[dict[str, Any]]
-) -> tuple[list[Reader], list[asyncio.Task[None]]]:
-    readers = [Reader(job["id"]) for job in jobs]
-    return readers, [asyncio.create_task(reader.read(client)) for reader in readers]
+def tokens_read(readers: list[Reader]) -> int:
+    return sum(reader.tokens() for reader in readers)
 
 
-async def finals_of(client: httpx.AsyncClient, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [await wait_done(client, job["id"], timeout_s=60) for job in jobs]
+async def streams_through(
+    directory: Path,
+    model_dir: Path,
+    env: dict[str, str],
+    disturb: Callable[[ClusterFleet, list[Reader]], Awaitable[None]],
+) -> None:
+    """Nine jobs stream from the model's three stores while `disturb` acts on the cluster, and six more are
+    submitted after it: every job succeeds, and every stream is whole."""
+    setup = start_cluster_fleet(directory, model_dir, {"ORTFLEET_STEP_DELAY_S": "0.02", **env})
+    try:
+        setup.fleet.start_gateway()
+        for store in range(1, STORES + 1):
+            setup.fleet.start_worker(MODEL, env={"ORTFLEET_STORE": str(store)})
+        setup.fleet.wait_workers(MODEL, STORES)
+        async with httpx.AsyncClient(base_url=setup.url, timeout=120) as client:
+            body = {"model": MODEL, "max_tokens": 120, "ignore_eos": True}
+            jobs = [await submit(client, {**body, "prompt": f"Story {i}:"}) for i in range(9)]
+            readers = [Reader(job["id"]) for job in jobs]
+            reading = [asyncio.create_task(reader.read(client)) for reader in readers]
+            await until(lambda: all(r.tokens() >= 5 for r in readers), "every reader gets tokens", 60)
+            await disturb(setup, readers)
+            after = [
+                await submit(client, {**body, "prompt": f"After {i}:", "max_tokens": 20}) for i in range(6)
+            ]
+            await asyncio.wait_for(asyncio.gather(*reading), 180)
+            finals = [await wait_done(client, job["id"], timeout_s=60) for job in jobs + after]
+    finally:
+        setup.fleet.stop_all()
+        setup.cluster.stop_all()
+
+    assert all(final["status"] == "succeeded" for final in finals), [f["status"] for f in finals]
+    for reader, final in zip(readers, finals, strict=False):
+        assert_whole_stream(reader.events, final)
 
 
 async def test_a_primary_killed_mid_load_loses_no_accepted_job_and_no_stream_has_a_gap(
     tmp_path: Path, tiny_model: Path
 ) -> None:
+    async def kill_a_primary(setup: ClusterFleet, _readers: list[Reader]) -> None:
+        # a primary other than the node the fleet was given (ORTFLEET_REDIS_URL), which stays a seed
+        ports = [setup.port_of(keys) for keys in setup.store_keys()]
+        victim = next(port for port in ports if port != setup.cluster.ports[0])
+        setup.cluster.kill(victim)
+        setup.cluster.wait_failover(victim)
+        setup.cluster.restart(victim)  # back as its successor's replica: submissions are confirmed again
+        setup.cluster.wait_until(setup.cluster.healthy, "the old primary replicates its successor")
+
     env = {
         "ORTFLEET_SUBMIT_REPLICAS": "1",
-        "ORTFLEET_STEP_DELAY_S": "0.02",
         "ORTFLEET_HEARTBEAT_TTL_S": "15",  # the failover takes seconds: the workers keep their jobs
     }
-    setup = start_cluster_fleet(tmp_path, tiny_model, env)
-    try:
-        setup.fleet.start_gateway()
-        for store in range(1, STORES + 1):
-            setup.fleet.start_worker(MODEL, env={"ORTFLEET_STORE": str(store)})
-        setup.fleet.wait_workers(MODEL, STORES)
-        async with httpx.AsyncClient(base_url=setup.url, timeout=120) as client:
-            body = {"model": MODEL, "max_tokens": 120, "ignore_eos": True}
-            jobs = [await submit(client, {**body, "prompt": f"Story {i}:"}) for i in range(9)]
-            readers, reading = await read_all(client, jobs)
-            await until(lambda: all(r.tokens() >= 5 for r in readers), "every reader gets tokens", 60)
-
-            # a primary other than the node the fleet was given (ORTFLEET_REDIS_URL), which stays a seed
-            victim = next(
-                setup.port_of(keys)
-                for keys in setup.store_keys()
-                if setup.port_of(keys) != setup.cluster.ports[0]
-            )
-            setup.cluster.kill(victim)
-            setup.cluster.wait_failover(victim)
-            setup.cluster.restart(
-                victim
-            )  # back as its successor's replica: submissions are acknowledged again
-            setup.cluster.wait_until(setup.cluster.healthy, "the old primary replicates its successor")
-            after = [
-                await submit(client, {**body, "prompt": f"After {i}:", "max_tokens": 20}) for i in range(6)
-            ]
-
-            await asyncio.wait_for(asyncio.gather(*reading), 180)
-            finals = await finals_of(client, jobs + after)
-    finally:
-        setup.fleet.stop_all()
-        setup.cluster.stop_all()
-
-    assert all(final["status"] == "succeeded" for final in finals), [f["status"] for f in finals]
-    for reader, final in zip(readers, finals, strict=False):
-        assert_whole_stream(reader.events, final)
+    await streams_through(tmp_path, tiny_model, env, kill_a_primary)
 
 
 async def test_a_stores_slot_moved_to_another_primary_mid_load_loses_nothing(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    setup = start_cluster_fleet(tmp_path, tiny_model, {"ORTFLEET_STEP_DELAY_S": "0.02"})
-    try:
-        setup.fleet.start_gateway()
-        for store in range(1, STORES + 1):
-            setup.fleet.start_worker(MODEL, env={"ORTFLEET_STORE": str(store)})
-        setup.fleet.wait_workers(MODEL, STORES)
-        async with httpx.AsyncClient(base_url=setup.url, timeout=120) as client:
-            body = {"model": MODEL, "max_tokens": 120, "ignore_eos": True}
-            jobs = [await submit(client, {**body, "prompt": f"Story {i}:"}) for i in range(9)]
-            readers, reading = await read_all(client, jobs)
-            await until(lambda: all(r.tokens() >= 5 for r in readers), "every reader gets tokens", 60)
+    async def move_a_slot(setup: ClusterFleet, readers: list[Reader]) -> None:
+        moved = setup.store_keys()[0]
+        slot = key_slot((moved.tag or "").encode())
+        source = setup.port_of(moved)
+        target = next(port for port in setup.cluster.primary_ports() if port != source)
+        migration = setup.cluster.begin_migration(slot, target)
+        migration.move_keys(limit=20)  # half-way: some of the store's keys moved, the rest not yet
+        read = tokens_read(readers)  # the jobs stream on while the slot is split between two primaries
+        await until(lambda: tokens_read(readers) >= read + 30, "tokens stream during the move", 60)
+        migration.finish()
+        assert setup.port_of(moved) == target
 
-            moved = setup.store_keys()[0]
-            slot = key_slot((moved.tag or "").encode())
-            source = setup.port_of(moved)
-            target = next(port for port in setup.cluster.primary_ports() if port != source)
-            migration = setup.cluster.begin_migration(slot, target)
-            migration.move_keys(limit=20)  # half-way: some of the store's keys moved, the rest not yet
-            await asyncio.sleep(0.3)  # jobs run on while the slot is split between two primaries
-            migration.finish()
-            assert setup.port_of(moved) == target
-            after = [
-                await submit(client, {**body, "prompt": f"After {i}:", "max_tokens": 20}) for i in range(6)
-            ]
-
-            await asyncio.wait_for(asyncio.gather(*reading), 180)
-            finals = await finals_of(client, jobs + after)
-    finally:
-        setup.fleet.stop_all()
-        setup.cluster.stop_all()
-
-    assert all(final["status"] == "succeeded" for final in finals), [f["status"] for f in finals]
-    for reader, final in zip(readers, finals, strict=False):
-        assert_whole_stream(reader.events, final)
+    await streams_through(tmp_path, tiny_model, {}, move_a_slot)
