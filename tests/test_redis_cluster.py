@@ -18,6 +18,7 @@ import pytest
 from redis.crc import key_slot
 
 from common.keys import HOME_TAG, Keyspace, store_tag
+from ortfleet.fleet.processes import stop
 from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.redis_cluster import RedisCluster
@@ -182,6 +183,54 @@ async def test_files_batches_and_responses_live_under_the_home_tag(on_cluster: C
     port = on_cluster.cluster.node_of_slot(key_slot(HOME_TAG.encode()))
     with on_cluster.cluster.client(port) as node:
         assert node.exists(home.file(upload.id), home.batch(batch.id), home.response(response.id)) == 3
+
+
+async def test_key_limits_purges_file_quotas_and_queue_deadlines_run_on_the_cluster(
+    on_cluster: ClusterFleet, tiny_model: Path
+) -> None:
+    """The scripts the routes above leave out: a key's request rate and tokenize budget, a purge, a file's
+    quota held and released, and a queued job expired at its deadline (by the gateway's sweep)."""
+    gone = f"{MODEL}-gone"  # known to the fleet (registered once), served by nobody now: its jobs wait
+    env = {
+        "ORTFLEET_API_KEYS": "alice:key-alice-0123456789",
+        "ORTFLEET_KEY_REQUESTS_PER_MINUTE": "600",
+        "ORTFLEET_KEY_TOKENIZE_CHARS_PER_S": "1",
+        "ORTFLEET_QUEUE_WITHOUT_WORKERS": "true",
+        "ORTFLEET_QUEUE_TIMEOUT_S": "1",
+    }
+    keyed = Fleet(
+        on_cluster.cluster.url, tiny_model, env={"ORTFLEET_REDIS_SHARDS": json.dumps({MODEL: STORES})}
+    )
+    try:
+        stop(keyed.start_worker(gone).process)
+        _, url = keyed.start_gateway(env)
+        headers = {"Authorization": "Bearer key-alice-0123456789"}
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+            done = await submit(client, {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+            assert (await wait_done(client, done["id"]))["status"] == "succeeded"
+            purged = await client.delete(f"/v1/jobs/{done['id']}", params={"purge": "true"})
+            assert purged.status_code == 204, purged.text
+            assert (await client.get(f"/v1/jobs/{done['id']}")).status_code == 404
+            tokens = await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello " * 100})
+            assert tokens.status_code == 200, tokens.text  # a full budget takes any one call
+            again = await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello"})
+            assert again.status_code == 429 and again.json()["error"]["code"] == "tokenize_rate_exceeded"
+            upload = await client.post(
+                "/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b'{"custom_id": "1"}\n')}
+            )
+            assert upload.status_code == 200, upload.text
+            assert (await client.delete(f"/v1/files/{upload.json()['id']}")).status_code == 200
+            waiting = await submit(client, {"model": gone, "prompt": "Hi", "max_tokens": 4})
+            expired = await wait_done(client, waiting["id"])
+    finally:
+        keyed.stop_all()
+
+    assert expired["status"] == "failed" and expired["error_code"] == "expired_in_queue", expired
+    home = Keyspace(HOME_TAG)
+    with on_cluster.cluster.client(on_cluster.cluster.node_of_slot(key_slot(HOME_TAG.encode()))) as node:
+        assert node.zcard(home.request_rate("alice")) >= 5  # each keyed request counted
+        assert node.exists(home.tokenize_budget("alice"))  # 600 characters at one a second: still spent
+        assert int(node.get(home.file_quota("alice").total) or 0) == 0  # held, then released
 
 
 def tokens_read(readers: list[Reader]) -> int:
