@@ -12,17 +12,19 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import httpx
 import openai
 import pytest
 from redis.asyncio import Redis
 
+from common.keys import HOME_TAG, STANDALONE, Keyspace
 from common.redis_client import connect
 from common.settings import FleetSettings
 from ortfleet.fleet.launcher import FleetProcess, LocalFleet
 from ortfleet.fleet.processes import free_port, start_redis, stop
+from ortfleet.fleet.redis_cluster import RedisCluster
 from tests.openai_schema import OpenAISchema, install
 
 if TYPE_CHECKING:
@@ -59,6 +61,13 @@ LOGS = Path(os.environ.get("ORTFLEET_TEST_LOGS", tempfile.mkdtemp(prefix="ortfle
 LOGS.mkdir(parents=True, exist_ok=True)  # a folder named by ORTFLEET_TEST_LOGS may not exist yet
 
 
+# ORTFLEET_TEST_REDIS=cluster: the session's Redis (redis_server, and the fleets and clients made on it)
+# is a Redis Cluster of three primaries, the fleet's home data and every model without stores of its own
+# under the home hash tag; `keys` names that keyspace, as the processes name it.
+CLUSTER = os.environ.get("ORTFLEET_TEST_REDIS", "") == "cluster"
+keys = Keyspace(HOME_TAG) if CLUSTER else STANDALONE
+
+
 @dataclass
 class RedisServer:
     port: int
@@ -82,8 +91,31 @@ def _start_redis_server(data: Path) -> RedisServer:
     return RedisServer(port, data, start_redis(port, data, log=LOGS / f"redis-{port}.log"))
 
 
+@dataclass
+class ClusterServer:
+    """The session's Redis as a Redis Cluster (ORTFLEET_TEST_REDIS=cluster): `url` names its first node."""
+
+    cluster: RedisCluster
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    @property
+    def port(self) -> int:
+        return self.cluster.ports[0]
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    if CLUSTER:
+        cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"), LOGS)
+        try:
+            cluster.start(primaries=3, replicas_each=0)
+            yield cast(RedisServer, ClusterServer(cluster))
+        finally:
+            cluster.stop_all()
+        return
     server = _start_redis_server(tmp_path_factory.mktemp("redis"))
     yield server
     stop(server.process)
@@ -117,7 +149,8 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture
 async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    client = connect(redis_server.url)
+    """A client of the session's Redis: on a cluster, of the home tag's primary."""
+    client = connect(redis_server.url, tag=keys.tag)
     yield client
     await client.aclose()
 

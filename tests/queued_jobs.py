@@ -12,8 +12,8 @@ from redis.asyncio import Redis
 
 from common.jobs.queue import JobQueue
 from common.jobs.submission import QueueLimits
-from common.keys import STANDALONE as keys
 from common.wire import JobSpec, PriorityClass, Sampling
+from tests.conftest import keys
 
 NO_LIMITS = QueueLimits(10_000, 10**9, 0)
 OWNERS = ("team", "flood", "light", "heavy", "long", "short", "busy", "idle", "thrifty", "late", "other")

@@ -9,8 +9,8 @@ from redis.asyncio import Redis
 
 from common.events import is_final, token_entry
 from common.jobs.reads import notice_streams
-from common.keys import STANDALONE as keys
 from gateway.streaming.relay import StreamRelay
+from tests.conftest import keys
 
 
 async def fresh_jobs(redis: Redis, *job_ids: str, attempt: int = 1) -> None:

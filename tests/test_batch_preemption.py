@@ -12,9 +12,8 @@ import pytest
 from redis.asyncio import Redis
 
 from common.jobs.queue import JobQueue
-from common.keys import STANDALONE as keys
 from common.wire import PriorityClass
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.fake_workers import Started
 from tests.jobs_client import read_events, wait_done
 from tests.jobs_client import submit as submit_http

@@ -18,9 +18,8 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
 from gateway.batches.lines import answer_line
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 
 FAST_DRIVER = {"ORTFLEET_BATCH_TICK_S": "0.05", "ORTFLEET_BATCH_LEASE_S": "1"}
 

@@ -17,12 +17,11 @@ import pytest
 
 from common.gateway_settings import GatewaySettings
 from common.jobs.payload import job_payload, parse_job_payload
-from common.keys import STANDALONE as keys
 from common.prefix_hints import hint_keys
 from common.wire import ChatMessage, JobSpec, Sampling
 from common.worker_settings import WorkerSettings
 from gateway.cache_scope import cache_scope
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.jobs_client import submit, wait_done
 from tests.test_security import bearer, create_key
 from worker.engines.ort_engine import engine_batching

@@ -20,11 +20,10 @@ import pytest
 from redis.asyncio import Redis
 
 from common.error_codes import ErrorCode
-from common.keys import STANDALONE as keys
 from ortfleet.bench.core_host import measure, text
 from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.launcher import serving_fleet
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
 from worker.core.channel import Frames, frame

@@ -16,11 +16,10 @@ import pytest
 from redis.asyncio import Redis
 
 from common.guidance import ResponseFormat
-from common.keys import STANDALONE as keys
 from common.redis_client import connect
 from common.registry import heartbeat, live_workers
 from gateway.guidance_check import PROBE_BYTES, check
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.fake_workers import Started, worker_info
 from tests.jobs_client import submit, wait_done
 from tests.redis_events import wait_final, wait_for_tokens

@@ -15,8 +15,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.test_security import bearer, create_key
 from tests.waiting import until_seen
 

@@ -14,10 +14,9 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
 from gateway.batches.state import BatchState, new_batch_id
 from gateway.files.store import FileInUse, FileStore, new_file_id
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 
 MAX_FILE = 300_000
 MAX_BODY = 4096

@@ -20,10 +20,9 @@ from redis.asyncio import Redis
 from common.gateway_settings import GatewaySettings
 from common.jobs.queue import JobQueue
 from common.jobs.submission import QueueLimits
-from common.keys import STANDALONE as keys
 from common.wire import ChatMessage, JobSpec, Sampling
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import LOGS, Fleet, Proc, RedisServer
+from tests.conftest import LOGS, Fleet, Proc, RedisServer, keys
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_observability import value
 from tests.test_security import bearer, create_key

@@ -19,8 +19,8 @@ from common.jobs.queue import JobQueue
 from common.jobs.record import SCRIPT_FIELDS, JobRecord, RecordUpdate
 from common.jobs.submission import QueueLimits
 from common.keys import ARQ_JOB_PREFIX, PREFIX
-from common.keys import STANDALONE as keys
 from common.wire import FinishReason, JobSpec, JobStatus, PriorityClass, Sampling, Timings, Usage
+from tests.conftest import keys
 
 NO_LIMITS = QueueLimits(1000, 10**9, 0)
 SCRIPTS = {name: lua.package_source("common.jobs", name) for name in lua.script_names("common.jobs")}

@@ -10,9 +10,8 @@ import pytest
 from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import LOGS, Fleet, RedisServer
+from tests.conftest import LOGS, Fleet, RedisServer, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers

@@ -11,8 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common.apikeys import ApiKeyError, parse_env_keys
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.jobs_client import submit as submit_http
 from tests.jobs_client import wait_done
 from tests.test_security import bearer, create_key

@@ -22,13 +22,12 @@ from redis.asyncio import Redis
 
 from common.apikeys import Principal
 from common.gateway_settings import GatewaySettings
-from common.keys import STANDALONE as keys
 from common.store_epoch import epoch_of
 from gateway.fleet import FleetSnapshot, ModelState
 from gateway.idempotency import idempotency_digest
 from gateway.placement import Placement, key_home, share_of_limit
 from gateway.shards import Shard
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.sentinel_group import Reader, SentinelGroup
 from tests.test_cli import ortfleet

@@ -14,8 +14,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet, Proc
+from tests.conftest import Fleet, Proc, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 JOB_ID = "x-ortfleet-job-id"

@@ -17,7 +17,6 @@ from redis.asyncio import Redis
 from common.events import done_entry, status_entry, token_entry
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
-from common.keys import STANDALONE as keys
 from common.stores import Store
 from common.wire import JobStatus, Usage
 from gateway.metrics import GatewayMetrics
@@ -28,7 +27,7 @@ from gateway.openai_api.streaming import DONE, ChunkStream, PushedChunks, TextFr
 from gateway.stopping import Stopping
 from gateway.streaming.relay import StreamRelay
 from gateway.streaming.sse import KEEPALIVE
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, keys
 from tests.stalled_client import TOKENS, USAGE, StallingBody, stall_mid_stream
 
 

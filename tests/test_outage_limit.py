@@ -15,8 +15,7 @@ import httpx
 import openai
 from redis import Redis as SyncRedis
 
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 from tests.waiting import until
 

@@ -8,8 +8,7 @@ import httpx
 import psutil
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 

@@ -12,8 +12,8 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
 from common.registry import live_workers
+from tests.conftest import keys
 from tests.test_batcher import collect, long_tokens
 from tests.test_observability import value
 from tests.waiting import until

@@ -9,9 +9,8 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
 from common.registry import live_workers
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.jobs_client import submit, wait_done
 
 DOCUMENT = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens on the tiny model

@@ -15,11 +15,10 @@ from redis.asyncio import Redis
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.submission import QueueLimits
-from common.keys import STANDALONE as keys
 from common.registry import live_workers
 from common.wire import JobSpec, JobStatus, PriorityClass, Sampling, Usage
 from ortfleet.commands.status import read_status, render
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.jobs_client import submit as submit_http
 from tests.jobs_client import wait_done
 from tests.queued_jobs import submit

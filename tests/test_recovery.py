@@ -15,8 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from common.jobs.queue import JobQueue
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet, Proc, RedisServer
+from tests.conftest import Fleet, Proc, RedisServer, keys
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 from tests.test_reliability import (
     SLOW,

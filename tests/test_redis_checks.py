@@ -16,10 +16,9 @@ import httpx
 import pytest
 from redis import Redis as SyncRedis
 
-from common.keys import STANDALONE as keys
 from common.stores import Store
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.test_startup_mistakes import PASSWORD, STARTS, assert_one_line, clean_env, first_answer
 from tests.waiting import until
 

@@ -23,6 +23,7 @@ from tests.conftest import LOGS, Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.redis_cluster import RedisCluster
 from tests.sentinel_group import Reader
+from tests.test_cli import ortfleet
 from tests.waiting import until
 
 MODEL = "tiny-cluster"
@@ -115,6 +116,15 @@ async def test_a_models_jobs_spread_over_every_primary_and_stream_whole(on_clust
     assert "127.0.0.1:" not in json.dumps(fleet_view)  # no node named by its address
     [model] = [m for m in fleet_view["models"] if m["id"] == MODEL]
     assert model["workers"] == STORES and model["ready_workers"] == STORES
+    # `ortfleet status` reads every store on the cluster, and names the node of each
+    shown = ortfleet(
+        "status", "--json", env={"ORTFLEET_REDIS_URL": on_cluster.cluster.url, **on_cluster.fleet.env}
+    )
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    [row] = [m for m in status["models"] if m["name"] == MODEL]
+    assert row["workers"] == STORES and row["finished_last_minute"] >= len(jobs)
+    assert [store["node"] for store in status["stores"]] == nodes  # as the gateway sees them
 
 
 async def test_openai_calls_cancel_and_idempotency_on_the_cluster(on_cluster: ClusterFleet) -> None:

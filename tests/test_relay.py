@@ -21,7 +21,6 @@ from common.jobs.queue import JobQueue
 from common.jobs.reads import notice_streams, stage_jobs
 from common.jobs.record import JobRecord
 from common.jobs.writes import StepResult, StepWrite
-from common.keys import STANDALONE as keys
 from common.redis_client import gateway_client_name
 from common.stores import Store
 from common.wire import JobStatus
@@ -34,7 +33,7 @@ from gateway.streaming.relay import StreamRelay
 from gateway.streaming.stream_reader import SWEEP_KEYS_PER_READ
 from ortfleet.bench.capacity import xread_calls
 from ortfleet.fleet.processes import free_port
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import read_events
 from tests.redis_events import add_entry
 from tests.test_observability import value

@@ -14,10 +14,9 @@ from redis.asyncio import Redis
 
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
-from common.keys import STANDALONE as keys
 from common.wire import JobStatus
 from ortfleet.fleet.launcher import FleetProcess
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import Event, read_events, streamed_text, submit, wait_done
 
 # Workers here generate about 100 tokens/s (a pause after each engine step) so faults land mid-stream,

@@ -17,14 +17,13 @@ from redis.asyncio import Redis
 from common.events import status_entry
 from common.jobs.reads import stage_jobs
 from common.jobs.record import JobRecord
-from common.keys import STANDALONE as keys
 from common.stores import Store
 from common.wire import JobStatus
 from gateway.responses.events import EventFrames
 from gateway.streaming.job_events import PushedStream
 from gateway.streaming.reading import JobStreamReading
 from gateway.streaming.relay import StreamRelay
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.redis_events import add_entry
 from tests.stalled_client import TOKENS, StallingBody, stall_mid_stream
 

@@ -14,8 +14,7 @@ from redis.asyncio import Redis
 from common.jobs.cancellation import CancelOutcome
 from common.jobs.queue import JobQueue
 from common.jobs.reads import WaitingJob
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.fake_workers import Started
 from tests.jobs_client import submit as submit_http
 from tests.jobs_client import wait_done

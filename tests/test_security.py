@@ -19,9 +19,8 @@ from redis.asyncio import Redis
 from starlette.routing import Route
 
 from common.apikeys import KeyFile
-from common.keys import STANDALONE as keys
 from ortfleet.cli import build_parser
-from tests.conftest import LOGS, Fleet
+from tests.conftest import LOGS, Fleet, keys
 from tests.jobs_client import read_events, submit, wait_done
 
 pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers

@@ -18,13 +18,12 @@ from common.jobs.claims import Claim
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.writes import StreamGap
-from common.keys import STANDALONE as keys
 from common.redis_url import BadRedisUrl, SentinelUrl, mask_url, parse_sentinel_url
 from common.stores import Store
 from common.wire import JobStatus
 from gateway.streaming.reading import batches
 from gateway.streaming.relay import StreamRelay
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import submit
 from tests.redis_events import fresh_jobs, lose_newest_tokens
 from tests.sentinel_group import Reader, SentinelGroup

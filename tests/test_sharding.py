@@ -12,9 +12,8 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from common.gateway_settings import GatewaySettings
-from common.keys import STANDALONE as keys
 from ortfleet.fleet.processes import free_port
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 

@@ -15,10 +15,9 @@ from common import aio
 from common.events import token_entry
 from common.jobs.queue import JobQueue
 from common.jobs.writes import StepResult, StepWrite
-from common.keys import STANDALONE as keys
 from common.redis_client import REPLY_WAIT_S, HeldConnection, connect
 from ortfleet.bench.machine import wakeups
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, keys
 from tests.fake_workers import Started
 from tests.redis_events import fresh_jobs, wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries

@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
 from common.store_epoch import epoch_of
 from ortfleet.fleet.launcher import FleetProcess
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.jobs_client import submit
 
 

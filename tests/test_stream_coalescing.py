@@ -10,8 +10,8 @@ from redis.asyncio import Redis
 
 from common.events import entry_token_ids, merge_token_entries, status_entry, token_entry
 from common.jobs.queue import JobQueue
-from common.keys import STANDALONE as keys
 from common.wire import JobStatus
+from tests.conftest import keys
 from tests.fake_workers import Started
 from tests.redis_events import fresh_jobs, lose_newest_tokens, wait_final
 from tests.test_worker_fake_engine import fake_text, submit, token_entries

@@ -10,8 +10,7 @@ import openai
 from redis.asyncio import Redis
 
 from common.events import entry_token_ids
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.fake_workers import Started
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.redis_events import wait_final

@@ -12,8 +12,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from common.keys import STANDALONE as keys
-from tests.conftest import Fleet, Proc, RedisServer
+from tests.conftest import Fleet, Proc, RedisServer, keys
 from tests.jobs_client import submit, wait_done
 from tests.test_security import bearer, create_key
 

@@ -16,11 +16,10 @@ from common.jobs.payload import job_payload
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.submission import QueueLimits
-from common.keys import STANDALONE as keys
 from common.registry import live_workers
 from common.wire import JobSpec, Sampling
 from common.worker_settings import WorkerSettings
-from tests.conftest import Fleet, RedisServer
+from tests.conftest import Fleet, RedisServer, keys
 from tests.fake_workers import Started, worker_info
 from tests.redis_events import wait_final, wait_for_tokens
 from tests.waiting import until

@@ -22,6 +22,7 @@ from common.redis_client import cluster_node, connect_store
 from common.redis_url import mask_url
 from common.registry import live_workers
 from common.settings import FleetSettings
+from common.store_watch import store_node
 from common.stores import Store
 from gateway.batch_progress import BatchProgress, active_batches
 
@@ -71,6 +72,9 @@ class FleetStatus:
     workers: list[WorkerRow]
     models: list[ModelRow]
     batches: list[BatchProgress] = field(default_factory=list)
+    # On a Redis Cluster, each store ("store 1" the fleet's own) with its hash tag and the id of the node
+    # that serves it now (CLUSTER MYID)
+    stores: list[dict[str, str]] = field(default_factory=list)
 
 
 def register(subparsers: Subparsers) -> None:
@@ -213,7 +217,12 @@ async def read_status(redises: Sequence[tuple[Redis, Keyspace]]) -> FleetStatus:
                 waiting_keys=queues[name].waiting_keys,
             )
         )
-    return FleetStatus(now, workers, models, await active_batches(*redises[0]))
+    stores = [
+        {"store": f"store {i}", "tag": keys.shown, "node": await store_node(redis)}
+        for i, (redis, keys) in enumerate(redises, 1)
+        if keys.tag is not None
+    ]
+    return FleetStatus(now, workers, models, await active_batches(*redises[0]), stores)
 
 
 def _worker_row(entry: dict[str, str], now: float) -> WorkerRow:
@@ -281,6 +290,9 @@ def render(status: FleetStatus, redis_url: str, width: int | None = None) -> str
         lines += _waiting_lines(status.models)
     else:
         lines.append("no model is known to this fleet yet")
+    if status.stores:
+        lines.append("")
+        lines += [f"{s['store']} {s['tag']} on cluster node {s['node']}" for s in status.stores]
     if status.batches:
         lines.append("")
         lines += table(
