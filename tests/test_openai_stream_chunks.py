@@ -74,7 +74,7 @@ def test_a_text_chunk_is_byte_for_byte_what_its_chunk_model_serializes_to(text: 
 def pushed_choices(relay: StreamRelay, redis: Redis, job_ids: list[str]) -> Choices:
     """The jobs of one completion request, on the test's Redis and relay."""
     metrics = GatewayMetrics()
-    shard = SimpleNamespace(relay=relay, redis=redis)
+    shard = SimpleNamespace(relay=relay, redis=redis, keys=keys)
     state = SimpleNamespace(
         shards=SimpleNamespace(of_model=lambda model: shard), metrics=metrics, stopping=Stopping()
     )

@@ -193,7 +193,7 @@ async def test_status_shows_the_waiting_jobs_per_class_and_the_keys_waiting(redi
         await submit(queue, model, owner="bob", priority=PriorityClass.batch)
     await redis.hset(keys.models, model, "{}")  # type: ignore[misc]
     try:
-        status = await read_status([redis])
+        status = await read_status([(redis, keys)])
     finally:
         await redis.hdel(keys.models, model)  # type: ignore[misc]
 
