@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, keys
 from worker.engines.fake_engine import FakeEngine
 from worker.service import WorkerService
 
@@ -50,7 +50,9 @@ class Started:
             shutdown_grace_s=0.5,
             **overrides,  # type: ignore[arg-type]
         )
-        service = WorkerService(settings, self.redis, engine, engine.tokenizer, worker_info(model, engine))
+        service = WorkerService(
+            settings, self.redis, engine, engine.tokenizer, worker_info(model, engine), keys
+        )
         self.running[service] = (asyncio.create_task(service.run()), engine)
         return service
 

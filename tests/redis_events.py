@@ -48,7 +48,7 @@ async def add_entry(redis: Redis, stream: str, fields: dict[str, str]) -> str:
     """Adds an entry to a job stream as the job scripts do: with a notice to the gateways' relays."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xadd(stream, fields)  # type: ignore[arg-type]
-        notice_streams(pipe, [stream])
+        notice_streams(pipe, keys, [stream])
         entry_id, _ = await pipe.execute()
     return str(entry_id)
 
@@ -58,7 +58,7 @@ async def add_tokens(redis: Redis, stream: str, indexes: range) -> None:
     async with redis.pipeline(transaction=False) as pipe:
         for i in indexes:
             pipe.xadd(stream, token_entry(f"t{i} ", [i], i))  # type: ignore[arg-type]
-        notice_streams(pipe, [stream])
+        notice_streams(pipe, keys, [stream])
         await pipe.execute()
 
 

@@ -40,7 +40,7 @@ async def assert_exact_stream(redis: Redis, job_id: str, prompt: str, count: int
 async def test_batch_work_yields_to_an_interactive_job_and_resumes_without_gap_or_duplicate(
     redis: Redis, start_worker: Started, model: str, continuous: bool
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     engine = FakeEngine(0.01, 2, continuous_batching=continuous)
     service = start_worker(model, engine)
     batch = [
@@ -69,7 +69,7 @@ async def test_batch_work_yields_to_an_interactive_job_and_resumes_without_gap_o
 async def test_workers_full_of_batch_work_free_only_as_many_slots_as_interactive_jobs_wait(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     workers = [start_worker(model, FakeEngine(0.01, 1)) for _ in range(3)]
     batch = [await submit(queue, model, priority=PriorityClass.batch, max_tokens=60) for _ in range(3)]
     for job_id in batch:
@@ -87,7 +87,7 @@ async def test_workers_full_of_batch_work_free_only_as_many_slots_as_interactive
 async def test_without_preemption_an_interactive_job_waits_for_the_batch_work(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     service = start_worker(model, FakeEngine(0.005, 1), preempt_batch=False)
     batch = await submit(queue, model, priority=PriorityClass.batch, max_tokens=40)
     await wait_for_tokens(redis, batch, 2)
@@ -103,7 +103,7 @@ async def test_without_preemption_an_interactive_job_waits_for_the_batch_work(
 async def test_a_preempted_job_is_not_failed_by_the_attempt_limit(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model, priority=PriorityClass.batch, max_tokens=10)
     for _ in range(3):  # three preemptions before any worker of the model starts it for real
         [claim] = await queue.claim(model, "w", 1, lease_s=30)
@@ -118,7 +118,7 @@ async def test_a_preempted_job_is_not_failed_by_the_attempt_limit(
 async def test_a_key_holding_every_slot_yields_one_to_another_keys_job_which_runs_first(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     service = start_worker(model, FakeEngine(0.01, 2), preempt_for_keys_after_s=0.05)
     hog = []
     for prompt in ("ab", "xyz"):  # the first has the more tokens
@@ -143,7 +143,7 @@ async def test_a_key_holding_every_slot_yields_one_to_another_keys_job_which_run
 async def test_slots_shared_evenly_are_not_preempted_for_another_key(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     service = start_worker(model, FakeEngine(0.01, 2), preempt_for_keys_after_s=0.05)
     running = [await submit(queue, model, owner=f"{o}-{model}", max_tokens=40) for o in ("alice", "bob")]
     for job_id in running:

@@ -71,7 +71,7 @@ def tenants(
 
 async def never_running_job(redis: Redis, tenants: Tenants) -> str:
     """A job of mallory's, queued for a model no worker serves: its stream stays open."""
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     spec = JobSpec(
         id="job_idle_" + secrets.token_hex(6),
         model=tenants.model + "-nowhere",
@@ -136,7 +136,7 @@ async def test_a_worker_fails_a_job_whose_prompt_breaks_the_chat_template_and_ke
 ) -> None:
     """A job written straight into Redis (past the gateway's checks) must not take its worker down."""
     model_name = tenants.model
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     spec = JobSpec(
         id="job_surrogate_" + secrets.token_hex(6),
         model=model_name,
@@ -393,7 +393,7 @@ async def test_paging_through_a_keys_jobs_lists_each_job_exactly_once_at_any_pag
     tenants: Tenants, redis: Redis
 ) -> None:
     """Jobs submitted in the same millisecond share a score: the cursor must not skip any of them."""
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     now = time.time()
     ids = []
     for i in range(23):

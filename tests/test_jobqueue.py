@@ -60,7 +60,7 @@ async def submit(
 async def test_a_late_release_cannot_put_back_a_job_another_worker_has_claimed(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model)
     [late] = await queue.claim(model, "late-worker", 1, lease_s=0)  # its lease has run out already
     [taken] = await queue.claim(model, "next-worker", 1, lease_s=30)
@@ -74,7 +74,7 @@ async def test_a_late_release_cannot_put_back_a_job_another_worker_has_claimed(
 
 
 async def test_a_worker_that_lost_its_job_cannot_renew_its_lease(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     await submit(queue, model)
     [late] = await queue.claim(model, "late-worker", 1, lease_s=0)
     [taken] = await queue.claim(model, "next-worker", 1, lease_s=30)
@@ -86,7 +86,7 @@ async def test_a_worker_that_lost_its_job_cannot_renew_its_lease(redis: Redis, m
 
 
 async def test_a_job_cancelled_while_queued_counts_in_the_recent_outcomes(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model)
 
     assert await queue.cancel(job_id, model) == "cancelled"
@@ -98,7 +98,7 @@ async def test_a_job_cancelled_while_queued_counts_in_the_recent_outcomes(redis:
 async def test_a_job_a_worker_ends_counts_once_in_the_recent_outcomes_and_a_late_attempt_not_at_all(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     await submit(queue, model)
     [late] = await queue.claim(model, "late-worker", 1, lease_s=0)  # its lease has run out already
     [taken] = await queue.claim(model, "next-worker", 1, lease_s=30)
@@ -118,7 +118,7 @@ async def test_a_job_a_worker_ends_counts_once_in_the_recent_outcomes_and_a_late
 async def test_a_job_that_expires_in_the_queue_counts_as_failed_in_the_recent_outcomes(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model, limits=QueueLimits(1000, 10**9, 1.0), age_s=5.0)
 
     assert await queue.claim(model, "worker", 1, lease_s=30) == []
@@ -133,7 +133,7 @@ async def test_a_job_that_expires_in_the_queue_counts_as_failed_in_the_recent_ou
 async def test_a_claim_looks_again_when_the_head_of_the_queue_moves_under_it(
     redis: Redis, model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     later = await submit(queue, model)
     handed_back = await submit(queue, model)
     await redis.zrem(keys.queue(model), handed_back)
@@ -159,7 +159,7 @@ async def test_a_claim_looks_again_when_the_head_of_the_queue_moves_under_it(
 async def test_a_claim_takes_the_job_a_row_was_freed_for_wherever_it_waits_then_the_head(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     ahead = [await submit(queue, model, owner="team-a") for _ in range(3)]
     promised = await submit(queue, model, owner="team-b")
     gone = await submit(queue, model, owner="team-b")
@@ -176,7 +176,7 @@ async def test_a_claim_takes_the_job_a_row_was_freed_for_wherever_it_waits_then_
 
 
 async def test_a_claim_carries_what_the_worker_needs_to_end_the_job(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model, owner="team-a")
     [claim] = await queue.claim(model, "worker", 1, lease_s=30)
     assert claim == Claim(job_id, 1, claim.payload, model, "team-a")
@@ -233,7 +233,7 @@ async def ttls(redis: Redis, *names: str) -> list[int]:
 async def test_a_job_ended_in_its_queue_keeps_its_data_for_the_job_ttl_from_its_end(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     owner = f"owner-{uuid.uuid4().hex[:8]}"
     idem = keys.idempotency(uuid.uuid4().hex)
     cancelled = await submit(queue, model, owner=owner, idempotency_key=idem)
@@ -251,7 +251,7 @@ async def test_a_job_ended_in_its_queue_keeps_its_data_for_the_job_ttl_from_its_
 async def test_a_claim_passes_over_jobs_that_need_more_kv_than_the_workers_budget(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     large = await submit(queue, model, kv_tokens=300)
     small = await submit(queue, model, kv_tokens=50)
 
@@ -301,7 +301,7 @@ def test_every_entry_a_script_adds_to_a_jobs_stream_keeps_the_records_tail() -> 
 async def test_a_deadline_whose_job_cannot_be_read_holds_up_no_other_jobs_expiry(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     broken = f"job_broken_{uuid.uuid4().hex[:8]}"
     await redis.set(keys.job(broken), "not a hash")  # any command on it as a hash answers WRONGTYPE
     await redis.zadd(keys.queue_deadlines, {broken: 1})  # overdue before every other deadline

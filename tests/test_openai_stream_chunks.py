@@ -88,7 +88,7 @@ async def test_a_pushed_stream_stops_writing_to_a_stalled_client_then_sends_ever
     taking entries, and when the client reads again it reads on from Redis: no token lost or repeated."""
     job_id = "pushed_" + secrets.token_hex(4)
     running = JobRecord(id=job_id, model="m", status=JobStatus.running, created_at=0, attempts=1)
-    await stage_jobs(redis, [running])
+    await stage_jobs(redis, keys, [running])
     stream_key = keys.events(job_id)
     relay = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=4)
     await relay.start()

@@ -50,7 +50,7 @@ async def claim_owners(queue: JobQueue, model: str, count: int) -> list[str]:
 async def test_a_worker_claims_interactive_jobs_before_batch_jobs_submitted_earlier(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     batch = [await submit(queue, model, priority=PriorityClass.batch) for _ in range(3)]
     interactive = [await submit(queue, model) for _ in range(2)]
 
@@ -60,7 +60,7 @@ async def test_a_worker_claims_interactive_jobs_before_batch_jobs_submitted_earl
 
 
 async def test_queue_position_counts_every_waiting_job_of_a_higher_class(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     first_batch = await submit(queue, model, priority=PriorityClass.batch)
     second_batch = await submit(queue, model, priority=PriorityClass.batch)
     interactive = await submit(queue, model)
@@ -71,7 +71,7 @@ async def test_queue_position_counts_every_waiting_job_of_a_higher_class(redis: 
 
 
 async def test_a_flooding_key_does_not_delay_a_key_that_arrives_later(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     for _ in range(50):
         await submit(queue, model, owner="flood")
     light = await submit(queue, model, owner="light")
@@ -84,7 +84,7 @@ async def test_a_flooding_key_does_not_delay_a_key_that_arrives_later(redis: Red
 
 
 async def test_keys_share_claims_by_tokens_in_proportion_to_their_weights(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     for _ in range(60):
         await submit(queue, model, owner="heavy", weight=3)
     for _ in range(60):
@@ -96,7 +96,7 @@ async def test_keys_share_claims_by_tokens_in_proportion_to_their_weights(redis:
 
 
 async def test_fair_share_counts_tokens_not_jobs(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     for _ in range(40):
         await submit(queue, model, owner="long", cost=300)
     for _ in range(40):
@@ -108,7 +108,7 @@ async def test_fair_share_counts_tokens_not_jobs(redis: Redis, model: str) -> No
 
 
 async def test_a_key_that_was_idle_holds_no_credit_to_burst_past_others(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     for _ in range(30):
         await submit(queue, model, owner="busy")
     await claim_owners(queue, model, 20)  # the class's virtual time moves on while "idle" sends nothing
@@ -121,7 +121,7 @@ async def test_a_key_that_was_idle_holds_no_credit_to_burst_past_others(redis: R
 
 
 async def test_finishing_under_the_estimate_gives_the_difference_back(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     await submit(queue, model, owner="thrifty", cost=1000)
     [claim] = await queue.claim(model, "w", 1, lease_s=30)
     before = int(await redis.hget(keys.fair_tags(model, "interactive"), "thrifty"))  # type: ignore[misc]
@@ -138,7 +138,7 @@ async def test_finishing_under_the_estimate_gives_the_difference_back(redis: Red
 async def test_a_batch_job_that_expired_in_its_queue_fails_and_frees_its_owners_slot(
     redis: Redis, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     spec = JobSpec(
         id=f"job_{uuid.uuid4().hex}",
         model=model,
@@ -159,7 +159,7 @@ async def test_a_batch_job_that_expired_in_its_queue_fails_and_frees_its_owners_
 
 
 async def test_a_job_whose_lease_ran_out_goes_back_to_its_place(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model, priority=PriorityClass.batch)
     [lost] = await queue.claim(model, "dead-worker", 1, lease_s=0)
     later = [await submit(queue, model, priority=PriorityClass.batch, owner="other") for _ in range(3)]
@@ -171,7 +171,7 @@ async def test_a_job_whose_lease_ran_out_goes_back_to_its_place(redis: Redis, mo
 
 
 async def test_a_preempted_job_goes_back_in_its_place_and_counts_no_attempt(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(queue, model, priority=PriorityClass.batch)
     tag = float(await redis.hget(keys.job(job_id), "tag"))  # type: ignore[misc]
     [claim] = await queue.claim(model, "w", 1, lease_s=30)
@@ -187,7 +187,7 @@ async def test_a_preempted_job_goes_back_in_its_place_and_counts_no_attempt(redi
 
 
 async def test_status_shows_the_waiting_jobs_per_class_and_the_keys_waiting(redis: Redis, model: str) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     await submit(queue, model, owner="alice")
     for _ in range(2):
         await submit(queue, model, owner="bob", priority=PriorityClass.batch)

@@ -59,7 +59,7 @@ async def lose_worker_of(redis: Redis, model: str, job_id: str) -> None:
 async def test_a_suspect_job_runs_alone_on_an_idle_worker_and_only_deaths_in_quarantine_count(
     redis: Redis,
 ) -> None:
-    queue, model = JobQueue(redis, 600), "unit-quarantine"
+    queue, model = JobQueue(redis, 600, keys), "unit-quarantine"
     for job_id in ("job_q1", "job_q2", "job_q3"):
         await queue_raw_job(redis, model, job_id)
     first = await queue.claim_jobs(model, "w1", 3, 30, idle=True)

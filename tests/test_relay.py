@@ -51,7 +51,7 @@ async def create_running_jobs(redis: Redis, prefix: str, count: int) -> list[str
     running = [
         JobRecord(id=i, model="relay", status=JobStatus.running, created_at=now, attempts=1) for i in job_ids
     ]
-    await stage_jobs(redis, running)
+    await stage_jobs(redis, keys, running)
     return job_ids
 
 
@@ -101,7 +101,7 @@ async def test_hundreds_of_open_streams_hold_no_more_redis_connections_than_the_
             for job_id in job_ids:
                 pipe.xadd(keys.events(job_id), {"type": "token", "text": "hi", "ids": "1", "index": "0"})
                 pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded"})
-            notice_streams(pipe, [keys.events(job_id) for job_id in job_ids])
+            notice_streams(pipe, keys, [keys.events(job_id) for job_id in job_ids])
             await pipe.execute()
         streams = await asyncio.wait_for(asyncio.gather(*readers), 120)
     assert streams == [["status", "token", "done"]] * STREAMS
@@ -210,7 +210,7 @@ async def test_a_client_that_stops_reading_holds_up_no_one_and_then_reads_every_
             async with redis.pipeline(transaction=False) as pipe:
                 for index in range(first, first + 250):
                     pipe.xadd(stream, {"type": "token", "text": "x" * 8192, "ids": "1", "index": str(index)})
-                notice_streams(pipe, [stream])
+                notice_streams(pipe, keys, [stream])
                 await pipe.execute()
         await add_entry(redis, stream, {"type": "done", "status": "succeeded"})
         read = await asyncio.wait_for(reading, 60)  # while the other client reads nothing
@@ -329,7 +329,7 @@ def tokens(*texts: str) -> list[dict[str, str]]:
 async def job_written_by_steps(redis: Redis, name: str) -> tuple[str, str, JobQueue]:
     """A running job (its first attempt), its stream, and the queue whose step writes add to it."""
     (job_id,) = await create_running_jobs(redis, name, 1)
-    return job_id, keys.events(job_id), JobQueue(redis, 3600)
+    return job_id, keys.events(job_id), JobQueue(redis, 3600, keys)
 
 
 @contextlib.asynccontextmanager

@@ -229,7 +229,7 @@ async def test_a_malformed_job_in_redis_fails_with_a_clear_error_and_the_worker_
         ("job_pickled", "\x80\x04\x95 not json"),
     ]:
         record = JobRecord(id=job_id, model=model_name, status=JobStatus.queued, created_at=time.time())
-        await stage_jobs(redis, [record])
+        await stage_jobs(redis, keys, [record])
         await redis.set(keys.arq_job(job_id), payload, ex=600)
         await redis.zadd(keys.queue(model_name), {job_id: 1})
         await redis.publish(keys.wake_channel(model_name), job_id)

@@ -208,7 +208,7 @@ async def test_a_pushed_response_stream_stops_writing_to_a_stalled_client_then_s
     once, in order, and the sequence numbers unbroken."""
     job_id = "job_pushedresp" + secrets.token_hex(4)
     running = JobRecord(id=job_id, model="m", status=JobStatus.running, created_at=0, attempts=1)
-    await stage_jobs(redis, [running])
+    await stage_jobs(redis, keys, [running])
     stream_key = keys.events(job_id)
     meta = {"id": "resp_" + job_id.removeprefix("job_"), "job_id": job_id, "model": "m", "created_at": "0"}
     relay = StreamRelay(Store(redis_server.url, keys), connections=1, buffer=4)

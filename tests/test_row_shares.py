@@ -78,7 +78,7 @@ def test_keys_within_their_shares_yield_nothing() -> None:
 async def test_another_keys_job_gets_a_row_even_when_the_holding_keys_own_job_waits_at_the_head(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     # bob's earlier job spent his fair share of tokens: his next one queues behind alice's
     spent = await submit(queue, model, owner="bob", cost=10_000)
     assert await queue.cancel(spent, model) is CancelOutcome.cancelled
@@ -104,7 +104,7 @@ async def test_another_keys_job_gets_a_row_even_when_the_holding_keys_own_job_wa
 async def test_rows_given_to_another_keys_jobs_one_after_another_come_from_different_jobs(
     redis: Redis, start_worker: Started, model: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     service = start_worker(model, FakeEngine(0.01, 4), preempt_for_keys_after_s=0.05)
     prompts = [f"story {i}" for i in range(6)]
     hog = [await submit(queue, model, owner="alice", prompt=p, max_tokens=300) for p in prompts]

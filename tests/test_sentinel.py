@@ -104,7 +104,7 @@ async def test_a_worker_writes_again_the_token_entries_a_failover_lost_before_wr
 ) -> None:
     job_id = "job_failover_gap"
     await fresh_jobs(redis, job_id)
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     writer = StepWriter(queue, 64)
     publisher = writer.publisher(job_id, 1)
     for index in range(5):

@@ -47,7 +47,7 @@ async def test_four_jobs_in_one_batch_cost_one_write_per_engine_step_not_one_per
 
 
 async def test_a_step_write_skips_a_job_whose_attempt_lost_it_and_writes_the_others(redis: Redis) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     kept, lost = "job_step_kept", "job_step_lost"
     await fresh_jobs(redis, kept, lost, attempt=2)
     writes = [
@@ -100,7 +100,7 @@ async def test_a_jobs_first_token_never_waits_for_another_jobs_write_in_flight(r
 async def test_step_writes_go_on_when_redis_forgets_its_scripts_or_closes_the_writers_connection(
     redis: Redis,
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = "job_step_held"
     await fresh_jobs(redis, job_id)
 
@@ -121,7 +121,7 @@ async def test_step_writes_go_on_when_redis_forgets_its_scripts_or_closes_the_wr
 async def test_step_writes_sent_while_another_is_out_each_reach_their_own_stream(redis: Redis) -> None:
     # A job's first token is written at once, beside the step write in flight (StepWriter's solo
     # write): the calls overlap, and each must get its own reply.
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     opener, *jobs = [f"job_step_overlap_{n}" for n in range(5)]
     await fresh_jobs(redis, opener, *jobs)
 
@@ -200,7 +200,7 @@ async def _steps_on_their_own_loop(url: str, job_ids: list[str]) -> int:
     step as the engine's hand-over does (an engine thread of Python's own would add wake-ups of its
     own, for the GIL)."""
     redis = connect(url)
-    writer = StepWriter(JobQueue(redis, 3600), 64)
+    writer = StepWriter(JobQueue(redis, 3600, keys), 64)
     publishers = [writer.publisher(job_id, 1) for job_id in job_ids]
     for publisher in publishers:  # each job's first token goes out at once, on its own
         publisher.add(token_entry("0", [0], 0))
@@ -248,7 +248,7 @@ async def second_token_written(redis: Redis, job_id: str) -> tuple[StepWriter, S
     """A job's writer and publisher once its first token is in its stream, and its second token too,
     by a plain step write whose reply is left in the socket for the next write."""
     await fresh_jobs(redis, job_id)
-    writer = StepWriter(JobQueue(redis, 3600), 64)
+    writer = StepWriter(JobQueue(redis, 3600, keys), 64)
     publisher = writer.publisher(job_id, 1)
     publisher.add(token_entry("0", [0], 0))
     await publisher.drain()
@@ -309,7 +309,7 @@ async def test_a_step_writes_notice_names_the_entry_before_its_own_whichever_scr
     redis: Redis, model_name: str
 ) -> None:
     job_id = await submit(redis, model_name, "Hello", max_tokens=4)  # submit.lua adds the first entry
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     await redis.hset(keys.job(job_id), "attempts", "1")  # as a claim leaves it
     notices = redis.pubsub()
     await notices.subscribe(keys.stream_notices)

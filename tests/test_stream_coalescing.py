@@ -99,7 +99,9 @@ async def test_entries_a_failover_lost_are_written_again_as_they_were_not_merged
 ) -> None:
     job_id = "job_coalesced_gap"
     await fresh_jobs(redis, job_id)
-    writer = StepWriter(JobQueue(redis, 3600), 64, 2)  # a stream interval: a write's tokens are one entry
+    writer = StepWriter(
+        JobQueue(redis, 3600, keys), 64, 2
+    )  # a stream interval: a write's tokens are one entry
     publisher = writer.publisher(job_id, 1)
     publisher.add(token_entry("a", [0], 0))
     await publisher.drain()

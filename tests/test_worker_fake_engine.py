@@ -41,7 +41,7 @@ async def submit(redis: Redis, model: str, prompt: str, **sampling: Any) -> str:
         sampling=Sampling(**sampling),
         submitted_at=time.time(),
     )
-    await JobQueue(redis, 3600).submit(spec, limits=QueueLimits(1000, 10**9, 0), cost=1)
+    await JobQueue(redis, 3600, keys).submit(spec, limits=QueueLimits(1000, 10**9, 0), cost=1)
     return spec.id
 
 
@@ -155,7 +155,7 @@ async def test_cancelling_a_running_job_stops_it_and_frees_its_slot(
     job_id = await submit(redis, model_name, "Hi", max_tokens=1000)
     await wait_for_tokens(redis, job_id, 1)
 
-    assert await JobQueue(redis, 3600).cancel(job_id, model_name) == "cancelling"
+    assert await JobQueue(redis, 3600, keys).cancel(job_id, model_name) == "cancelling"
     record = await wait_final(redis, job_id)
 
     assert record["status"] == "cancelled" and record["finish_reason"] == "cancelled"
@@ -167,7 +167,7 @@ async def test_cancelling_a_running_job_stops_it_and_frees_its_slot(
 async def test_a_resumed_job_continues_from_the_published_tokens_without_gap_or_duplicate(
     redis: Redis, start_worker: Started, model_name: str
 ) -> None:
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     job_id = await submit(redis, model_name, "Hello", max_tokens=10)
     [claim] = await queue.claim(model_name, "ghost", 1, 30)
     first = fake_text("Hello", 4)
@@ -211,7 +211,7 @@ async def test_a_worker_that_lost_its_lease_never_writes_into_the_job_again(
     ghost_engine = FakeEngine(0.01, 1)
     stalled = WorkerSettings(redis_url=redis_server.url, heartbeat_ttl_s=60.0, shutdown_grace_s=0.5)
     info = worker_info(model_name, ghost_engine)
-    ghost = WorkerService(stalled, redis, ghost_engine, ghost_engine.tokenizer, info)
+    ghost = WorkerService(stalled, redis, ghost_engine, ghost_engine.tokenizer, info, keys)
     ghost_task = asyncio.create_task(ghost.run())
     job_id = await submit(redis, model_name, "Hello", max_tokens=40)
     await wait_for_tokens(redis, job_id, 3)

@@ -20,7 +20,7 @@ from common.error_codes import ErrorCode
 from common.jobs.claims import Claim
 from common.jobs.payload import MalformedJob, parse_job_payload
 from common.jobs.queue import JobQueue
-from common.keys import STANDALONE, Keyspace
+from common.keys import Keyspace
 from common.registry import WorkerInfo
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, EngineUpdate, Finish, GenerationRequest, Tokenizer
@@ -55,7 +55,7 @@ class WorkerService:
         engine: Engine,
         tokenizer: Tokenizer,
         info: WorkerInfo,
-        keys: Keyspace = STANDALONE,
+        keys: Keyspace,
     ) -> None:
         self.settings = settings
         self.redis = redis

@@ -10,7 +10,7 @@ from common.jobs.claims import ClaimScript, JobLeasing, ReleaseScript, RenewScri
 from common.jobs.reads import JobReads
 from common.jobs.submission import JobSubmission, SubmitScript
 from common.jobs.writes import FinishScript, JobWrites, PublishScript, PublishStepScript
-from common.keys import STANDALONE, Keyspace
+from common.keys import Keyspace
 
 
 class JobQueue(JobReads, JobSubmission, JobCancellation, JobLeasing, JobWrites):
@@ -19,7 +19,7 @@ class JobQueue(JobReads, JobSubmission, JobCancellation, JobLeasing, JobWrites):
     Its Redis client is its own: callers read and change jobs through its methods only.
     """
 
-    def __init__(self, redis: Redis, ttl_s: int, keys: Keyspace = STANDALONE) -> None:
+    def __init__(self, redis: Redis, ttl_s: int, keys: Keyspace) -> None:
         self._redis = redis
         self.keys = keys  # the store's keyspace: every key it names
         self.ttl_s = ttl_s

@@ -9,7 +9,7 @@ from redis.asyncio.client import Pipeline
 
 from common.events import status_entry
 from common.jobs.record import JobRecord, load_record
-from common.keys import STANDALONE, Keyspace
+from common.keys import Keyspace
 from common.wire import PRIORITY_ORDER, PriorityClass
 
 
@@ -127,9 +127,7 @@ class JobReads:
         return int(value or 0)
 
 
-async def stage_jobs(
-    redis: Redis, records: list[JobRecord], ttl_s: int = 600, keys: Keyspace = STANDALONE
-) -> None:
+async def stage_jobs(redis: Redis, keys: Keyspace, records: list[JobRecord], ttl_s: int = 600) -> None:
     """Writes job records in a given state, with their owner's index entry and a first status event,
     as if they had been submitted and reached that state: for benchmarks and tests that need many jobs
     at a point of their life without running a model. Nothing is queued."""
@@ -143,11 +141,11 @@ async def stage_jobs(
             entry = status_entry(record.status, attempt=record.attempts or None)
             pipe.xadd(keys.events(record.id), entry)  # type: ignore[arg-type]
             pipe.expire(keys.events(record.id), ttl_s)
-        notice_streams(pipe, [keys.events(record.id) for record in records], keys)
+        notice_streams(pipe, keys, [keys.events(record.id) for record in records])
         await pipe.execute()
 
 
-def notice_streams(pipe: Pipeline, streams: list[str], keys: Keyspace = STANDALONE) -> None:
+def notice_streams(pipe: Pipeline, keys: Keyspace, streams: list[str]) -> None:
     """Tells the gateways' relays that these job streams have new entries, as the job scripts do, for
     writers that add entries themselves (benchmarks' synthetic publishers, tests)."""
     if streams:

@@ -110,7 +110,7 @@ async def _create_jobs(redis_url: str, count: int) -> None:
         JobRecord(id=job_id, model=MODEL, status=JobStatus.running, created_at=now, attempts=1)
         for job_id in _job_ids(count)
     ]
-    await stage_jobs(redis, running, ttl_s=3600)
+    await stage_jobs(redis, keys, running, ttl_s=3600)
     await redis.aclose()
 
 
@@ -336,7 +336,7 @@ async def _publish(redis_url: str, options: CapacityOptions, published: Any) -> 
     # Round robin: event m goes to stream m % streams at began + m / (rate * streams), so every
     # stream gets `rate` events a second with phases spread evenly.
     redis = connect(redis_url)
-    queue = JobQueue(redis, 3600)
+    queue = JobQueue(redis, 3600, keys)
     streams = options.streams
     ids = _job_ids(streams)
     per_s = options.rate * streams
@@ -359,7 +359,7 @@ async def _publish(redis_url: str, options: CapacityOptions, published: Any) -> 
                     for job_id, added in entries.items():
                         for entry in added:
                             pipe.xadd(keys.events(job_id), entry)  # type: ignore[arg-type]
-                    notice_streams(pipe, [keys.events(job_id) for job_id in entries])
+                    notice_streams(pipe, keys, [keys.events(job_id) for job_id in entries])
                     await pipe.execute()
             count = due
         await asyncio.sleep(max(0.0, 0.005 - (time.perf_counter() - now)))
@@ -367,7 +367,7 @@ async def _publish(redis_url: str, options: CapacityOptions, published: Any) -> 
     async with redis.pipeline(transaction=False) as pipe:
         for job_id in ids:
             pipe.xadd(keys.events(job_id), {"type": "done", "status": "succeeded", "finish_reason": "length"})
-        notice_streams(pipe, [keys.events(job_id) for job_id in ids])
+        notice_streams(pipe, keys, [keys.events(job_id) for job_id in ids])
         await pipe.execute()
     await redis.aclose()
 
