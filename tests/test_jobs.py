@@ -10,8 +10,9 @@ import pytest
 from httpx_sse import aconnect_sse
 from redis.asyncio import Redis
 
+from common.keys import STANDALONE
 from ortfleet.fleet.processes import free_port, start_redis, stop
-from tests.conftest import LOGS, Fleet, RedisServer, keys
+from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 
 pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers
@@ -298,7 +299,7 @@ async def test_a_job_keeps_its_data_while_it_runs_and_the_job_ttl_counts_from_it
     own_redis: RedisServer, tiny_model: Path, own_redis_client: Redis, model_name: str
 ) -> None:
     # A Redis of its own: no other test's job keeps the anonymous owner's index alive.
-    redis, ttl_s = own_redis_client, 60
+    redis, ttl_s, keys = own_redis_client, 60, STANDALONE
     fleet = Fleet(own_redis.url, tiny_model, env={"ORTFLEET_JOB_TTL_S": str(ttl_s)})
     try:
         fleet.start_gateway()

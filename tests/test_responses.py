@@ -154,9 +154,9 @@ async def test_a_max_output_tokens_past_the_context_gets_400_naming_max_output_t
 async def test_another_keys_files_batches_and_responses_do_not_exist_for_it(
     redis_server: object, tiny_model: object, model_name: str
 ) -> None:
-    from tests.conftest import RedisServer
+    from tests.conftest import ClusterServer, RedisServer
 
-    assert isinstance(redis_server, RedisServer)
+    assert isinstance(redis_server, RedisServer | ClusterServer)
     suffix = secrets.token_hex(4)  # tenants are Redis-wide: each test gets its own
     alice_key, bob_key = "alice-" + "a" * 24, "bob-" + "b" * 24
     env = {"ORTFLEET_API_KEYS": f"alice-{suffix}:{alice_key},bob-{suffix}:{bob_key}"}

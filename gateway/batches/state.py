@@ -223,9 +223,9 @@ class BatchState:
     ) -> Moved:
         """Moves the batch to `to` when its status is one of `from_statuses` (and, with `token`, the caller
         still holds its lease)."""
-        lease = self.keys.batch_lease(batch_id) if token is not None else ""
+        lease = [self.keys.batch_lease(batch_id)] if token is not None else []
         reply: str = await self._set_status(
-            keys=[self.keys.batch(batch_id), lease],
+            keys=[self.keys.batch(batch_id), *lease],
             args=[
                 token or "",
                 ",".join(s.value for s in from_statuses),

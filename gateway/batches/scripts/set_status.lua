@@ -1,6 +1,6 @@
--- KEYS: batch, lease (or '' for a client's request); ARGV: token, from statuses (comma-separated), to,
---       n fields, fields...
-if KEYS[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lease' end
+-- KEYS: batch, and its lease for a driver's move (none for a client's request); ARGV: token, from
+--       statuses (comma-separated), to, n fields, fields...
+if KEYS[2] and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 'lease' end
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 'missing' end
 local allowed = false
