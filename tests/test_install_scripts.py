@@ -74,6 +74,8 @@ ENGINE_CORE_SET = [
         "engine_failures", "reliability", "recovery",
     )
 ]  # fmt: skip
+# What scripts/test runs again on a Redis Cluster (ORTFLEET_TEST_REDIS=cluster).
+CLUSTER_SET = [f"tests/test_{name}.py" for name in ("jobs", "openai_api", "batches", "queue_order")]
 
 
 def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -103,10 +105,11 @@ def test_setup_prints_nothing_on_stdout_while_apt_and_uv_do(tmp_path: Path) -> N
                 "python -m pytest -q -m unit",
                 "python -m pytest -q --durations=25 -m not unit -n 2 --dist loadfile",
                 "python -m pytest -q -m not unit -n 2 --dist loadfile " + " ".join(ENGINE_CORE_SET),
+                "python -m pytest -q -m not unit -n 2 --dist loadfile " + " ".join(CLUSTER_SET),
             ],
         ),
     ],
-    ids=["arguments", "unit-tier-first-then-two-processes-then-engine-cores"],
+    ids=["arguments", "unit-tier-first-then-two-processes-then-engine-cores-then-a-cluster"],
 )
 def test_scripts_test_installs_a_hidden_package_and_runs_the_environment_s_tools(
     tmp_path: Path, arguments: list[str], pytest_runs: list[str]
