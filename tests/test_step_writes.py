@@ -67,7 +67,7 @@ class HeldFor(JobQueue):
     """Writes that carry `job_id`'s entries are held until `release` is set."""
 
     def __init__(self, redis: Redis, job_id: str) -> None:
-        super().__init__(redis, 3600)
+        super().__init__(redis, 3600, keys)
         self.job_id = job_id
         self.held, self.release = asyncio.Event(), asyncio.Event()
 
@@ -142,7 +142,7 @@ class FailsOnce(JobQueue):
     """Its first step write fails with a fault of the worker's own (not Redis')."""
 
     def __init__(self, redis: Redis) -> None:
-        super().__init__(redis, 3600)
+        super().__init__(redis, 3600, keys)
         self.failures = 0
 
     async def publish_step(
@@ -169,7 +169,7 @@ async def test_a_step_write_that_fails_for_a_fault_of_the_worker_is_tried_again(
 
 class NeverAnswers(JobQueue):
     def __init__(self, redis: Redis) -> None:
-        super().__init__(redis, 3600)
+        super().__init__(redis, 3600, keys)
         self.write_out = asyncio.Event()
 
     async def publish_step(
