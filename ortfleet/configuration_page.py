@@ -30,10 +30,10 @@ OTHER_VARIABLES = {
     "(default: a new temporary folder).",
     "ORTFLEET_TEST_PROCESSES": "How many processes `scripts/test` runs the tiers after `unit` in, each test "
     "file whole in one of them (default: 2).",
-    "ORTFLEET_TEST_REDIS": "`cluster`: the test suite's Redis is a Redis Cluster of three primaries, started "
-    "for the session, its fleets' data under the home hash tag (default: one redis-server); `scripts/test` runs "
-    "the jobs', OpenAI, batches' and fair share's modules so. Tests that open their own connections to the "
-    "session's Redis, or restart it, assume one redis-server.",
+    "ORTFLEET_TEST_REDIS": "`cluster`: the test suite's Redis is a Redis Cluster of three primaries, "
+    "started for the session, its fleets' data under the home hash tag (default: one redis-server); "
+    "`scripts/test` runs the jobs', OpenAI, batches' and fair share's modules so. Tests that open their own "
+    "connections to the session's Redis, or restart it, assume one redis-server.",
 }
 
 # Defaults computed when a process starts, shown as the rule that computes them.
