@@ -252,6 +252,7 @@ async def streams_through(
     model_dir: Path,
     env: dict[str, str],
     disturb: Callable[[ClusterFleet, list[Reader]], Awaitable[None]],
+    max_tokens: int = 120,
 ) -> None:
     """Nine jobs stream from the model's three stores while `disturb` acts on the cluster, and six more are
     submitted after it: every job succeeds, and every stream is whole."""
@@ -262,7 +263,7 @@ async def streams_through(
             setup.fleet.start_worker(MODEL, env={"ORTFLEET_STORE": str(store)})
         setup.fleet.wait_workers(MODEL, STORES)
         async with httpx.AsyncClient(base_url=setup.url, timeout=120) as client:
-            body = {"model": MODEL, "max_tokens": 120, "ignore_eos": True}
+            body = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True}
             jobs = [await submit(client, {**body, "prompt": f"Story {i}:"}) for i in range(9)]
             readers = [Reader(job["id"]) for job in jobs]
             reading = [asyncio.create_task(reader.read(client)) for reader in readers]
@@ -317,3 +318,15 @@ async def test_a_stores_slot_moved_to_another_primary_mid_load_loses_nothing(
         assert setup.port_of(moved) == target
 
     await streams_through(tmp_path, tiny_model, {}, move_a_slot)
+
+
+async def test_a_worker_stopped_mid_stream_hands_its_jobs_back_and_another_resumes_them(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    async def replace_a_worker(setup: ClusterFleet, _readers: list[Reader]) -> None:
+        first = setup.fleet.workers[0]  # store 1's
+        setup.fleet.start_worker(MODEL, env={"ORTFLEET_STORE": "1"})
+        stop(first.process)  # no shutdown grace in the tests: its running jobs go back to the queue
+        assert any("handed back to the queue" in line for line in first.last_lines()), first.last_lines()
+
+    await streams_through(tmp_path, tiny_model, {}, replace_a_worker, max_tokens=300)
