@@ -98,8 +98,9 @@ class FleetSettings(BaseSettings):
     def stores_for(self, model: str, cluster: bool = False) -> list[Store]:
         """The stores that hold `model`'s jobs (one, unless the shard map gives it several)."""
         given = self.redis_shards.get(model)
-        urls = None if given is None or isinstance(given, int) else [url.get_secret_value() for url in given]
-        return model_stores(self.home_store(cluster), model, given if isinstance(given, int) else urls)
+        if isinstance(given, list):
+            return model_stores(self.home_store(cluster), model, [url.get_secret_value() for url in given])
+        return model_stores(self.home_store(cluster), model, given)
 
     @field_validator("redis_shards", mode="before")
     @classmethod

@@ -101,9 +101,8 @@ async def check_one_model_per_name(
     feed it token ids of another vocabulary)."""
     fingerprint = served_fingerprint(model_dir)
     workers: list[dict[str, str]] = []
-    for store in settings.stores_for(
-        name, cluster
-    ):  # every store of the model: gateways place its jobs on any
+    # every store of the model: gateways place its jobs on any
+    for store in settings.stores_for(name, cluster):
         redis = connect_store(store)
         try:
             workers += await live_workers(redis, store.keys)
