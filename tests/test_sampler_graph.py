@@ -62,12 +62,16 @@ def random_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray
     return (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
 
 
-def compare_step(graph: SamplerGraph, rng: np.random.Generator, rows: int, vocab: int) -> int:
-    """The graph's step against RowSampler's picks; the rows the graph served."""
+def compare_step(
+    graph: SamplerGraph, rng: np.random.Generator, rows: int, vocab: int, on_card: bool = False
+) -> int:
+    """The graph's step against RowSampler's picks; the rows the graph served. `on_card`: the logits are
+    handed to the graph as a CUDA OrtValue, as the model leaves them."""
     ours, theirs = twin_samplers(rng, rows, vocab)
     logits = random_logits(rng, rows, vocab)
     produced = [int(p) for p in rng.integers(3, size=rows)]
-    step = graph.run(logits, ours, produced)
+    given = ort.OrtValue.ortvalue_from_numpy(logits, "cuda", 0) if on_card else logits
+    step = graph.run(given, ours, produced)
     for index, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
         expected = reference.choose(logits[index].copy(), produced[index])
         if step.host[index]:  # the host path draws with the uniform the graph was given
@@ -88,7 +92,7 @@ def compare_step(graph: SamplerGraph, rng: np.random.Generator, rows: int, vocab
     return int((~step.host).sum())
 
 
-def test_the_graph_picks_as_row_sampler_does_over_ten_thousand_rows() -> None:
+def ten_thousand_rows(providers: tuple[str, ...], on_card: bool) -> None:
     rng = np.random.default_rng(59)
     rows = served = 0
     for vocab, steps, width in (
@@ -98,12 +102,25 @@ def test_the_graph_picks_as_row_sampler_does_over_ten_thousand_rows() -> None:
         (300, 6, 256),
         (40, 8, 64),
     ):
-        graph = SamplerGraph(EOS, vocab)
+        graph = SamplerGraph(EOS, vocab, providers=providers)
         for _ in range(steps):
-            served += compare_step(graph, rng, width, vocab)
+            served += compare_step(graph, rng, width, vocab, on_card)
             rows += width
     assert rows >= 10_000
     assert served > 0.8 * rows
+
+
+def test_the_graph_picks_as_row_sampler_does_over_ten_thousand_rows() -> None:
+    ten_thousand_rows(("CPUExecutionProvider",), on_card=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ort.get_available_providers(),
+    reason="this onnxruntime has no CUDA provider",
+)
+def test_on_the_cuda_provider_with_the_logits_on_the_card_the_graph_picks_as_row_sampler_does() -> None:
+    ten_thousand_rows(("CUDAExecutionProvider", "CPUExecutionProvider"), on_card=True)
 
 
 def test_penalties_bias_and_min_tokens_change_the_greedy_pick_as_row_sampler_does() -> None:

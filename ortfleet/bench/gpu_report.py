@@ -13,12 +13,21 @@ from typing import Any
 from ortfleet.bench import serving
 
 BENCHES = {
+    "engine-graphs-off": "og.Engine alone, eager steps (ORTFLEET_CUDA_GRAPH=off)",
+    "engine-graphs-on": "og.Engine alone, CUDA graphs for decode steps (ORTFLEET_CUDA_GRAPH=on)",
     "serving": "default model, engine alone and fleet",
+    "serving-shared-core2": "default model, two frontends of one engine core",
+    "serving-shared-core4": "default model, four frontends of one engine core",
+    "serving-in-process": "default model, one worker with its engine in its own process",
     "serving-workers2": "default model, two workers sharing the card",
     "serving-workers4": "default model, four workers sharing the card",
     "serving-phi3": "Phi-3-mini shape (random weights), fp16",
     "sweep": "default model, a worker of 256 rows: where ITL grows",
     "overhead": "`ortfleet bench`: the fleet against its engine in-process",
+}
+OTHER = {  # shown as their JSON
+    "sampler-graph-cuda": "the sampler graph on the CUDA provider, logits on the card",
+    "paged-model": "the paged model run by ortfleet: tokens against og.Engine's, decode run times",
 }
 
 
@@ -27,7 +36,7 @@ def collect(folder: Path) -> dict[str, Any]:
     steps = folder / "steps.jsonl"
     if steps.is_file():
         report["steps"] = [json.loads(line) for line in steps.read_text().splitlines() if line.strip()]
-    for name in BENCHES:
+    for name in [*BENCHES, *OTHER]:
         path = folder / f"{name}.json"
         if path.is_file():
             report["benches"][name] = json.loads(path.read_text())
@@ -114,6 +123,11 @@ def markdown(report: dict[str, Any]) -> str:
             ]
         else:
             parts += ["```", serving.text(figures), "```"]
+    for name, title in OTHER.items():
+        figures = report["benches"].get(name)
+        if figures is not None:
+            shown = {k: v for k, v in figures.items() if k != "machine"}
+            parts += ["", f"## {name}: {title}", "", "```", json.dumps(shown, indent=1)[:6000], "```"]
     tests = report["gpu_tests"]
     if tests is not None:
         parts += [

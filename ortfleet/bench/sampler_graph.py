@@ -1,10 +1,12 @@
-"""The sampler graph (worker/engines/device_sampling/) on the CPU execution provider against `RowSampler`'s
-per-row loop, on one step of seeded random logits.
+"""The sampler graph (worker/engines/device_sampling/) against `RowSampler`'s per-row loop, on one step of
+seeded random logits.
 
-`python -m ortfleet.bench.sampler_graph [--rows N] [--vocab V] [--repeat R] [--json FILE]` times, for each
-kind of row (greedy, temperature over the whole vocabulary, top_k 50, top_p 0.9, and top_p 0.9 with 20
-log-probabilities), one step of N such rows: the graph's run (packing included) and RowSampler's `choose`
-over every row (with `token_logprobs` where they are asked), each the median of R runs.
+`python -m ortfleet.bench.sampler_graph [--rows N] [--vocab V] [--repeat R] [--device cpu|cuda] [--json FILE]`
+times, for each kind of row (greedy, temperature over the whole vocabulary, top_k 50, top_p 0.9, and top_p
+0.9 with 20 log-probabilities), one step of N such rows: the graph's run (packing included) and
+RowSampler's `choose` over every row (with `token_logprobs` where they are asked), each the median of R
+runs. With `--device cuda` the graph runs on the CUDA execution provider and reads the logits where a
+model on the card leaves them (an OrtValue on cuda:0, not copied); only its outputs come to the host.
 """
 
 from __future__ import annotations
@@ -43,17 +45,26 @@ def _median_ms(run: Callable[[], object], repeat: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def bench(rows: int, vocab: int, repeat: int, seed: int = 0) -> dict[str, Any]:
+PROVIDERS = {
+    "cpu": ("CPUExecutionProvider",),
+    "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
+}
+
+
+def bench(rows: int, vocab: int, repeat: int, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    import onnxruntime as ort
+
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal((rows, vocab)) * 8).astype(np.float32)  # peaked enough for a nucleus
-    graph = SamplerGraph(_EOS, vocab)
+    graph = SamplerGraph(_EOS, vocab, providers=PROVIDERS[device])
+    given = ort.OrtValue.ortvalue_from_numpy(logits, "cuda", 0) if device == "cuda" else logits
     produced = [0] * rows
     kinds: dict[str, Any] = {}
     for name, options in KINDS.items():
         requests = [GenerationRequest([1, 2, 3], 16, seed=row, **options) for row in range(rows)]
         samplers = [RowSampler(r, _EOS, vocab, None) for r in requests]
         top = options.get("logprobs")
-        hosted = int(graph.run(logits, samplers, produced).host.sum())
+        hosted = int(graph.run(given, samplers, produced).host.sum())  # also the first run's warm-up
 
         def cpu_loop(samplers: list[RowSampler] = samplers, top: int | None = top) -> None:
             for index, sampler in enumerate(samplers):
@@ -62,7 +73,7 @@ def bench(rows: int, vocab: int, repeat: int, seed: int = 0) -> dict[str, Any]:
                     token_logprobs(logits[index], token, top)
 
         def graph_step(samplers: list[RowSampler] = samplers) -> None:
-            graph.run(logits, samplers, produced)
+            graph.run(given, samplers, produced)
             for sampler in samplers:
                 sampler.accept(0)  # the step's draws are spent, as after a pick
 
@@ -75,7 +86,7 @@ def bench(rows: int, vocab: int, repeat: int, seed: int = 0) -> dict[str, Any]:
         "rows": rows,
         "vocab": vocab,
         "repeat": repeat,
-        "provider": "CPUExecutionProvider",
+        "provider": PROVIDERS[device][0],
         "kinds": kinds,
     }
 
@@ -85,10 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", choices=sorted(PROVIDERS), default="cpu", help="the graph's provider")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures to FILE")
     args = parser.parse_args(argv)
-    result = {**bench(args.rows, args.vocab, args.repeat), "machine": describe()}
-    print(f"{args.rows} rows, vocabulary {args.vocab}, CPU provider; ms a step, median of {args.repeat}")
+    result = {**bench(args.rows, args.vocab, args.repeat, device=args.device), "machine": describe()}
+    print(
+        f"{args.rows} rows, vocabulary {args.vocab}, {result['provider']}; ms a step, median of {args.repeat}"
+    )
     for name, figures in result["kinds"].items():
         print(
             f"  {name:24} graph {figures['graph_ms']:8.2f}  RowSampler {figures['row_sampler_ms']:8.2f}"

@@ -80,6 +80,7 @@ class ServingOptions:
     client_processes: int = 1  # the closed-loop clients run in this many processes
     engine_concurrency: list[int] | None = None  # the engine alone's levels (default: every level)
     shared_core: bool = False  # the local fleet's workers attach to one engine core
+    engine_only: bool = False  # the engine alone and nothing else: no fleet, no interference run
 
     def requests_at(self, concurrency: int) -> int:
         """Requests of a level: --requests, and at least two for each client."""
@@ -97,9 +98,11 @@ def plan(requests: int, lengths: tuple[int, int]) -> list[Planned]:
 def run(options: ServingOptions) -> dict[str, Any]:
     """The engine alone (with a model), then the server at each concurrency and the interference."""
     load_at_start = os.getloadavg()
-    planned = plan(max(options.requests_at(c) for c in options.concurrency), options.lengths)
     engine_levels = options.engine_concurrency or options.concurrency
-    steps = (1 if options.model_dir is not None else 0) + len(options.concurrency) + options.interference
+    served_levels = [] if options.engine_only else options.concurrency
+    planned = plan(max(options.requests_at(c) for c in [*engine_levels, *served_levels]), options.lengths)
+    interference_run = options.interference and not options.engine_only
+    steps = (1 if options.model_dir is not None else 0) + len(served_levels) + interference_run
     with tqdm(total=steps, desc="serving", unit="run", file=sys.stderr, leave=False) as bar:
         engine = engine_shape = None
         if options.model_dir is not None:  # before the fleet starts: nothing else runs meanwhile
@@ -107,10 +110,12 @@ def run(options: ServingOptions) -> dict[str, Any]:
             alone = [(c, planned[: options.requests_at(c)]) for c in engine_levels]
             engine, engine_shape = engine_alone(options.model_dir, alone, options.device)
             bar.update()
-        if options.url is not None:
+        measured: tuple[list[dict[str, Any]], dict[str, Any] | None] = ([], None)
+        name: str | None = None  # the engine alone (--engine-only) serves no name
+        if options.url is not None and not options.engine_only:
             name = options.name or aio.run(served_model(options.url))
             measured = _measure_server(options, options.url, name, planned, bar)
-        else:
+        elif not options.engine_only:
             assert options.model_dir is not None
             with serving_fleet(
                 options.model_dir,
@@ -130,18 +135,19 @@ def run(options: ServingOptions) -> dict[str, Any]:
         load_at_start,
         options.model_dir,
         {
-            "concurrency": options.concurrency,
+            "concurrency": served_levels,
+            "engine_concurrency": engine_levels,
             "requests": options.requests,
             "lengths": list(options.lengths),
             "long_prompt_tokens": options.long_prompt_tokens,
-            "interference": options.interference,
+            "interference": interference_run,
             "device": options.device,
             "gateways": options.gateways,
             "workers": options.workers,
             "shared_core": options.shared_core,
             "client_processes": options.client_processes,
         },
-        server=options.url or "local ortfleet fleet (started by the bench)",
+        server=None if options.engine_only else options.url or "local ortfleet fleet (started by the bench)",
         served_name=name,
     )
     figures |= {
@@ -293,7 +299,7 @@ def text(figures: dict[str, Any]) -> str:
 
     rows = []
     rows += [row("engine alone", level["concurrency"], level) for level in figures["engine_alone"] or []]
-    server = "ortfleet" if figures["server"].startswith("local") else "server"
+    server = "ortfleet" if (figures.get("server") or "local").startswith("local") else "server"
     rows += [row(server, level["concurrency"], level) for level in figures["levels"]]
     low, high = figures["options"]["lengths"]
     parts = [

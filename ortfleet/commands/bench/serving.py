@@ -100,6 +100,12 @@ def add_modes(modes: Subparsers) -> None:
         default=1,
         help="processes the closed-loop clients run in (default 1; a GPU's rates want several)",
     )
+    serving.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="measure the engine alone at --engine-concurrency (or --concurrency) and stop: no fleet, no "
+        "interference run (a quick look at an engine setting such as ORTFLEET_CUDA_GRAPH)",
+    )
     serving.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     serving.set_defaults(func=run_serving)
 
@@ -209,6 +215,8 @@ def run_serving(args: argparse.Namespace) -> int:
     from ortfleet.bench import serving
 
     url = server_url(args, "serving")
+    if args.engine_only and url is not None:
+        raise SystemExit("ortfleet bench serving: --engine-only measures a local engine: drop --url")
     options = serving.ServingOptions(
         model_dir=None if args.url and args.model is None else model_dir(args.model),
         concurrency=args.concurrency,
@@ -225,6 +233,7 @@ def run_serving(args: argparse.Namespace) -> int:
         client_processes=args.client_processes,
         engine_concurrency=args.engine_concurrency,
         shared_core=args.shared_core,
+        engine_only=args.engine_only,
     )
     figures = serving.run(options)
     return finish(figures, serving.text(figures), args.json)

@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.engines.batcher.sampler import RowSampler
-from worker.engines.device_sampling.graph import sampler_model
+from worker.engines.device_sampling.graph import OUTPUTS, sampler_model
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,28 @@ class SamplerGraph:
         model = sampler_model(candidates).SerializeToString()
         self._session = ort.InferenceSession(model, options, providers=list(providers))
 
-    def run(self, logits: np.ndarray, samplers: Sequence[RowSampler], produced: Sequence[int]) -> SampledStep:
-        """The next token of each row from the step's logits [rows, vocab] (float32, not modified);
+    def run(
+        self, logits: np.ndarray | ort.OrtValue, samplers: Sequence[RowSampler], produced: Sequence[int]
+    ) -> SampledStep:
+        """The next token of each row from the step's logits [rows, vocab] (float32, not modified): an
+        array, or an OrtValue where the model left them (on the card, read there without a copy);
         `produced`: the tokens each row has generated (for min_tokens)."""
-        feeds = self.pack(samplers, produced)
-        feeds["logits"] = np.ascontiguousarray(logits, np.float32)
-        tokens, logprobs, top_ids, top_logprobs, host = self._session.run(None, feeds)
+        return self.run_packed(self.pack(samplers, produced), logits)
+
+    def run_packed(self, feeds: dict[str, np.ndarray], logits: np.ndarray | ort.OrtValue) -> SampledStep:
+        """The graph on inputs `pack` made and the step's logits; only the outputs come back to the host."""
+        if isinstance(logits, np.ndarray):
+            outputs = self._session.run(None, {**feeds, "logits": np.ascontiguousarray(logits, np.float32)})
+        else:
+            binding = self._session.io_binding()
+            binding.bind_ortvalue_input("logits", logits)
+            for name, array in feeds.items():
+                binding.bind_cpu_input(name, array)
+            for name, _, _ in OUTPUTS:
+                binding.bind_output(name, "cpu")
+            self._session.run_with_iobinding(binding)
+            outputs = binding.copy_outputs_to_cpu()
+        tokens, logprobs, top_ids, top_logprobs, host = outputs
         return SampledStep(tokens, logprobs, top_ids, top_logprobs, host)
 
     def pack(self, samplers: Sequence[RowSampler], produced: Sequence[int]) -> dict[str, np.ndarray]:

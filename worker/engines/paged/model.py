@@ -1,0 +1,166 @@
+"""The CUDA model built with paged attention (`ortfleet model default --device cuda`), run by ortfleet
+itself rather than og.Engine: each run takes packed rows (a prompt chunk, or a decoding row's last token)
+and reads and writes their keys and values through block tables into one pool of KV blocks on the card.
+
+The model's contract (onnxruntime's `PagedAttention`, CUDA only):
+
+- `input_ids` int64 [tokens]: every row's new tokens, one row after another;
+- `cumulative_sequence_lengths` int32 [rows + 1]: where each row's tokens start, then the total;
+- `past_sequence_lengths` int32 [rows]: the tokens of each row already in the pool;
+- `block_table` int32 [rows, width]: each row's blocks in token order (token t of a row is at offset
+  t % block_size of block table[t // block_size]); a shorter row's table is padded, never read past its
+  length;
+- `attention_metadata` int32 [3], in host memory: the longest row's new tokens, the longest row's whole
+  length, and a lower bound of that length (0 says none), so the kernel picks its backend without reading
+  the card;
+- `past_key_values.N.key` / `.value` [blocks, block_size, kv_heads, head_size]: the pool, bound as the
+  same buffer to `present.N.key` / `.value` (the operator writes each run's new keys and values into it in
+  place, and refuses two buffers);
+- `logits` [tokens, vocab] (fp16): one row of logits for every token of the run, left on the card.
+
+A run's rows may mix prefills and decodes in any order. Which blocks a row holds is the caller's (the
+block manager's, blocks.py); this module keeps only the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    tokens: Sequence[int]  # the row's new tokens in this run: a prompt chunk, or its last sampled token
+    past: int  # the row's tokens already in the pool
+    table: Sequence[int]  # its blocks in token order, enough for past + len(tokens) tokens
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """What a paged model's folder says of its graph (genai_config.json)."""
+
+    layers: int
+    kv_heads: int
+    head_size: int
+    vocab: int
+    context: int
+    eos: frozenset[int]
+    filename: str
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+
+    @classmethod
+    def of(cls, model_dir: Path) -> PagedShape:
+        config = json.loads((model_dir / "genai_config.json").read_text())["model"]
+        decoder = config["decoder"]
+        if "block_table" not in decoder.get("inputs", {}):
+            raise ValueError(f"{model_dir} was not built with paged attention: its graph has no block_table")
+        eos = config["eos_token_id"]
+        return cls(
+            layers=decoder["num_hidden_layers"],
+            kv_heads=decoder["num_key_value_heads"],
+            head_size=decoder["head_size"],
+            vocab=config["vocab_size"],
+            context=config["context_length"],
+            eos=frozenset(eos if isinstance(eos, list) else [eos]),
+            filename=decoder["filename"],
+            inputs=decoder["inputs"],
+            outputs=decoder["outputs"],
+        )
+
+    def block_bytes(self, block_size: int, itemsize: int = 2) -> int:
+        """The pool's bytes for one block: keys and values of every layer."""
+        return 2 * self.layers * block_size * self.kv_heads * self.head_size * itemsize
+
+
+def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
+    """The graph's inputs but the pool for one run of `rows`; `last` (not an input) holds the index of
+    each row's last token among the run's tokens, whose logits pick its next token."""
+    if not rows:
+        raise ValueError("a run needs at least one row")
+    lengths = np.zeros(len(rows) + 1, np.int32)
+    width = 0
+    for index, row in enumerate(rows):
+        if not row.tokens:
+            raise ValueError(f"row {index} has no token to run")
+        end = row.past + len(row.tokens)
+        if len(row.table) * block_size < end:
+            raise ValueError(
+                f"row {index} needs {math.ceil(end / block_size)} blocks of {block_size} for {end} tokens, "
+                f"its table holds {len(row.table)}"
+            )
+        lengths[index + 1] = len(row.tokens)
+        width = max(width, math.ceil(end / block_size))
+    table = np.zeros((len(rows), width), np.int32)
+    for index, row in enumerate(rows):
+        used = math.ceil((row.past + len(row.tokens)) / block_size)
+        table[index, :used] = row.table[:used]
+    cumulative = np.cumsum(lengths, dtype=np.int32)
+    past = np.array([row.past for row in rows], np.int32)
+    return {
+        "input_ids": np.fromiter((t for row in rows for t in row.tokens), np.int64, int(cumulative[-1])),
+        "cumulative_sequence_lengths": cumulative,
+        "past_sequence_lengths": past,
+        "block_table": table,
+        "attention_metadata": np.array([lengths.max(), (past + lengths[1:]).max(), 0], np.int32),
+        "last": cumulative[1:] - 1,
+    }
+
+
+class PagedModel:
+    """The model's session on one card and its pool of `blocks` KV blocks of `block_size` tokens."""
+
+    def __init__(self, model_dir: Path, blocks: int, block_size: int, device_id: int = 0) -> None:
+        import onnxruntime as ort
+
+        self.shape = shape = PagedShape.of(model_dir)
+        self.blocks = blocks
+        self.block_size = block_size
+        self.device_id = device_id
+        options = ort.SessionOptions()
+        cuda = ("CUDAExecutionProvider", {"device_id": str(device_id)})
+        providers: list[Any] = [cuda, "CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(model_dir / shape.filename), options, providers=providers)
+        kv_type = {"tensor(float16)": np.float16, "tensor(bfloat16)": None, "tensor(float)": np.float32}
+        past_key = shape.inputs["past_key_names"] % 0
+        element = kv_type[next(i.type for i in self.session.get_inputs() if i.name == past_key)]
+        if element is None:
+            raise ValueError("bfloat16 KV pools are not supported")
+        dims = [blocks, block_size, shape.kv_heads, shape.head_size]
+        self.pool = [
+            (
+                ort.OrtValue.ortvalue_from_shape_and_type(dims, element, "cuda", device_id),
+                ort.OrtValue.ortvalue_from_shape_and_type(dims, element, "cuda", device_id),
+            )
+            for _ in range(shape.layers)
+        ]
+        self._ort = ort
+
+    def run(self, rows: Sequence[PackedRow]) -> tuple[Any, np.ndarray]:
+        """One run of `rows`: the logits of every token, on the card (an OrtValue [tokens, vocab]), and the
+        index of each row's last token among them."""
+        feeds = pack(rows, self.block_size)
+        last = feeds.pop("last")
+        shape = self.shape
+        binding = self.session.io_binding()
+        binding.bind_output(shape.outputs["logits"], "cuda", self.device_id)  # the first of the outputs
+        for name, array in feeds.items():
+            binding.bind_cpu_input(shape.inputs[name], array)
+        for layer, (key, value) in enumerate(self.pool):
+            binding.bind_ortvalue_input(shape.inputs["past_key_names"] % layer, key)
+            binding.bind_ortvalue_input(shape.inputs["past_value_names"] % layer, value)
+            binding.bind_ortvalue_output(shape.outputs["present_key_names"] % layer, key)
+            binding.bind_ortvalue_output(shape.outputs["present_value_names"] % layer, value)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0], last
+
+    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+        """One run of `rows`, and each row's last token's logits on the host, float32 [rows, vocab]."""
+        logits, last = self.run(rows)
+        return np.asarray(logits.numpy()[last], np.float32)
