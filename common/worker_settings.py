@@ -46,12 +46,14 @@ class WorkerSettings(FleetSettings):
         "gpu_utilization_factor (0.6 when absent) of the memory free once the weights are loaded.",
     )
     cuda_graph: Literal["auto", "on", "off"] = Field(
-        "off",
+        "auto",
         description="On a GPU (og.Engine): whether ORT-GenAI captures CUDA graphs, written as the CUDA "
-        "provider option enable_cuda_graph of the config the worker loads. auto: on for models with "
-        "paged attention (og.Engine's dynamic batching replays a graph for each pure-decode step shape "
-        "and runs prefill and mixed steps eagerly), off for the others; on: on for every CUDA model; "
-        "off (the default until graphs are timed on a card): never. Never set on the CPU.",
+        "provider option enable_cuda_graph of the config the worker loads. auto (the default): on for "
+        "models with paged attention (og.Engine's dynamic batching replays a graph for each pure-decode "
+        "step shape and runs prefill and mixed steps eagerly; on an H200 the default model's one-row "
+        "decode step took 1.3 ms against 4.0 eager), off for the others; on: on for every CUDA model; "
+        "off: never (a model that fails to load or capture with graphs, or the graphs' memory beside "
+        "the KV cache too much for the card). Never set on the CPU.",
     )
     engine_core: str = Field(
         "auto",

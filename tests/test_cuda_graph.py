@@ -115,9 +115,9 @@ def test_the_config_the_worker_loads(
 
 
 def test_the_setting_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert WorkerSettings().cuda_graph == "off"  # until graphs are timed on a card
-    monkeypatch.setenv("ORTFLEET_CUDA_GRAPH", "auto")
     assert WorkerSettings().cuda_graph == "auto"
+    monkeypatch.setenv("ORTFLEET_CUDA_GRAPH", "off")
+    assert WorkerSettings().cuda_graph == "off"
     monkeypatch.setenv("ORTFLEET_CUDA_GRAPH", "sometimes")
     with pytest.raises(pydantic.ValidationError):
         WorkerSettings()

@@ -10,10 +10,11 @@ the next one runs):
 2. **together**: the same prompts in one batch whose runs mix a chunked prefill (the first prompt in two
    chunks), whole prefills and decoding rows, rows starting at different runs: the tokens of each row
    against its tokens alone;
-3. **og.Engine**: the same prompt ids, greedy, N tokens (`min_new_tokens` = N), through the engine a GPU
-   worker runs today, in a child process: its tokens against ours alone;
-4. **decode runs**: ms a pure-decode run of 1, 16, 64 and 256 rows at 128 tokens of context, with the
-   logits left on the card, median of 20 after 3 unmeasured.
+3. **decode runs**: ms a pure-decode run of 1, 16, 64 and 256 rows at 128 tokens of context, with the
+   logits left on the card, median of 20 after 3 unmeasured;
+4. **og.Engine**: the same prompt ids, greedy, N tokens (`min_new_tokens` = N), through the engine a GPU
+   worker runs today, in a child process once the pool above is freed, with eager steps: its tokens
+   against ours alone; then with CUDA graphs (ORTFLEET_CUDA_GRAPH=on): its tokens against its eager ones.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import time
 import traceback
@@ -106,12 +108,17 @@ def together(model: PagedModel, prompts: list[list[int]], tokens: int) -> list[l
     return generated
 
 
-def og_engine_tokens(model_dir: Path, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def og_engine_tokens(
+    model_dir: Path, prompts: list[list[int]], tokens: int, cuda_graph: str
+) -> list[list[int]]:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        return child.submit(_og_engine_tokens, model_dir, prompts, tokens).result()
+        return child.submit(_og_engine_tokens, model_dir, prompts, tokens, cuda_graph).result()
 
 
-def _og_engine_tokens(model_dir: Path, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def _og_engine_tokens(
+    model_dir: Path, prompts: list[list[int]], tokens: int, cuda_graph: str
+) -> list[list[int]]:
+    os.environ["ORTFLEET_CUDA_GRAPH"] = cuda_graph
     from common import aio
     from ortfleet.bench.backends import open_worker_engine
     from worker.engine import GenerationRequest
@@ -228,9 +235,12 @@ def main(argv: list[str] | None = None) -> None:
         return ours
 
     ours = on_the_model(opened.pop())  # the pool goes back before og.Engine sizes its cache
-    theirs = stage("og_engine", lambda: og_engine_tokens(model_dir, prompts, args.tokens))
+    theirs = stage("og_engine", lambda: og_engine_tokens(model_dir, prompts, args.tokens, "off"))
     if ours is not None and theirs is not None:
         stage("alone_against_og_engine", lambda: agreement(ours, theirs))
+    graphs = stage("og_engine_cuda_graphs", lambda: og_engine_tokens(model_dir, prompts, args.tokens, "on"))
+    if graphs is not None and theirs is not None:
+        stage("og_engine_cuda_graphs_against_eager", lambda: agreement(graphs, theirs))
 
 
 if __name__ == "__main__":
