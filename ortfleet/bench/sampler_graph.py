@@ -51,12 +51,18 @@ PROVIDERS = {
 }
 
 
-def bench(rows: int, vocab: int, repeat: int, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+def bench(
+    rows: int, vocab: int, repeat: int, seed: int = 0, device: str = "cpu", profile: Path | None = None
+) -> dict[str, Any]:
     import onnxruntime as ort
 
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal((rows, vocab)) * 8).astype(np.float32)  # peaked enough for a nucleus
-    graph = SamplerGraph(_EOS, vocab, providers=PROVIDERS[device])
+    options = ort.SessionOptions()
+    if profile is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile / "sampler-graph")
+    graph = SamplerGraph(_EOS, vocab, providers=PROVIDERS[device], options=options)
     given = ort.OrtValue.ortvalue_from_numpy(logits, "cuda", 0) if device == "cuda" else logits
     produced = [0] * rows
     kinds: dict[str, Any] = {}
@@ -82,13 +88,29 @@ def bench(rows: int, vocab: int, repeat: int, seed: int = 0, device: str = "cpu"
             "row_sampler_ms": _median_ms(cpu_loop, repeat),
             "host_rows": hosted,
         }
-    return {
-        "rows": rows,
-        "vocab": vocab,
-        "repeat": repeat,
-        "provider": PROVIDERS[device][0],
-        "kinds": kinds,
-    }
+    provider = PROVIDERS[device][0]
+    result = {"rows": rows, "vocab": vocab, "repeat": repeat, "provider": provider, "kinds": kinds}
+    if profile is not None:
+        result["nodes"] = node_times(Path(graph.end_profiling()))
+    return result
+
+
+def node_times(trace: Path, top: int = 15) -> list[dict[str, Any]]:
+    """onnxruntime's profile of the session: the time of each kind of node on each provider over every
+    run, the costliest first, in ms (with the number of nodes of that kind)."""
+    spent: dict[tuple[str, str], list[float]] = {}
+    for event in json.loads(trace.read_text()):
+        details = event.get("args") or {}
+        kernel = event.get("cat") == "Node" and event["name"].endswith("_kernel_time")
+        if not kernel or "op_name" not in details:
+            continue
+        key = (details["op_name"], details.get("provider", "?"))
+        spent.setdefault(key, []).append(event.get("dur", 0) / 1000)
+    ranked = sorted(spent.items(), key=lambda item: -sum(item[1]))[:top]
+    return [
+        {"op": op, "provider": provider, "ms": round(sum(times), 3), "runs": len(times)}
+        for (op, provider), times in ranked
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,9 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", choices=sorted(PROVIDERS), default="cpu", help="the graph's provider")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="write onnxruntime's profile of the graph's runs into DIR and add each kind of node's time, "
+        "by provider, to the figures (where a step's time goes, and what left the card)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures to FILE")
     args = parser.parse_args(argv)
-    result = {**bench(args.rows, args.vocab, args.repeat, device=args.device), "machine": describe()}
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    figures = bench(args.rows, args.vocab, args.repeat, device=args.device, profile=args.profile)
+    result = {**figures, "machine": describe()}
     print(
         f"{args.rows} rows, vocabulary {args.vocab}, {result['provider']}; ms a step, median of {args.repeat}"
     )
@@ -108,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
             f"  {name:24} graph {figures['graph_ms']:8.2f}  RowSampler {figures['row_sampler_ms']:8.2f}"
             f"  rows to the host {figures['host_rows']}"
         )
+    for node in result.get("nodes", []):
+        print(f"  {node['op']:24} {node['provider']:24} {node['ms']:9.2f} ms over {node['runs']} runs")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

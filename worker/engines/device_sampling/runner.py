@@ -45,14 +45,19 @@ class SamplerGraph:
         candidates: int = 256,
         widths: Widths = Widths(),
         providers: Sequence[str] = ("CPUExecutionProvider",),
+        options: ort.SessionOptions | None = None,
     ) -> None:
         self.candidates = candidates
         self.widths = widths
         self._eos = np.zeros(vocab_size, np.bool_)
         self._eos[[t for t in eos_token_ids if t < vocab_size]] = True
-        options = ort.SessionOptions()
+        options = options or ort.SessionOptions()
         model = sampler_model(candidates).SerializeToString()
         self._session = ort.InferenceSession(model, options, providers=list(providers))
+
+    def end_profiling(self) -> str:
+        """The file of the session's profile, when its options asked for one (enable_profiling)."""
+        return str(self._session.end_profiling())
 
     def run(
         self, logits: np.ndarray | ort.OrtValue, samplers: Sequence[RowSampler], produced: Sequence[int]
