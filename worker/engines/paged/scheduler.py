@@ -1,0 +1,140 @@
+"""Which rows run in each step of the paged model (model.py), and with which tokens.
+
+A step is one run of the model, and its rows may mix decodes and prompt chunks (the paged operator takes
+both in one run):
+
+1. **Decode first.** Every row whose prompt is in brings its last sampled token: a decoding row gets a
+   token every step, whatever prefills are under way.
+2. **Then prefill**, up to `prefill_chunk` prompt tokens a step: the rows with the fewest prompt tokens
+   left first (a short chat behind long prompts gets its first token soon), each in chunks at fixed
+   offsets of its prompt (0, chunk, 2 chunk, ...; a row that reused cached blocks starts at their end and
+   goes on to the next multiple), so that a prompt's KV is computed in the same pieces in every run of it.
+3. **Admission**: waiting rows join first come first served while a row is free (`capacity`) and the pool
+   can reserve the row's whole length (blocks.py): a running row never runs out of KV, so no row is ever
+   preempted for memory. A row whose prompt starts with cached blocks of its scope reuses them and
+   prefills the rest.
+
+The scheduler owns the rows and the block manager's books; what a row's next token is (sampling, end of
+sequence, stop strings) is its caller's: `advance` takes the tokens the step produced, `end` a row that is
+done or cancelled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+from worker.engines.paged.blocks import BlockManager
+from worker.engines.paged.model import PackedRow
+
+
+@dataclass(eq=False)
+class PagedRow:
+    prompt: Sequence[int]
+    max_new_tokens: int
+    scope: str = ""  # whose cached prompt blocks it may reuse, and who may reuse its own
+    key: int = field(default_factory=count().__next__)  # its name in the block manager
+    computed: int = 0  # tokens whose KV is in the pool (prompt, then generated)
+    reused: int = 0  # prompt tokens whose KV came from the cache
+    generated: list[int] = field(default_factory=list)  # sampled; the last one is not in the pool yet
+
+    @property
+    def prompt_left(self) -> int:
+        return max(len(self.prompt) - self.computed, 0)
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed >= len(self.prompt)
+
+    @property
+    def length(self) -> int:
+        """Tokens the row's KV will hold at most: its prompt and max_new_tokens."""
+        return len(self.prompt) + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Planned:
+    row: PagedRow
+    packed: PackedRow
+    samples: bool  # its logits give the row's next token (a decode, or its prompt's last chunk)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, capacity: int, prefill_chunk: int) -> None:
+        if capacity < 1 or prefill_chunk < 1:
+            raise ValueError(f"a batch needs rows and a chunk: capacity {capacity}, chunk {prefill_chunk}")
+        self.blocks = blocks
+        self.capacity = capacity
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[PagedRow] = deque()
+        self.running: list[PagedRow] = []
+
+    def submit(self, row: PagedRow) -> None:
+        """Queues the row; a row that could never fit the pool is refused here, by name."""
+        size = self.blocks.block_size
+        needed = -(-row.length // size)
+        if not row.prompt:
+            raise ValueError("a row needs at least one prompt token")
+        if needed > self.blocks.blocks:
+            raise ValueError(
+                f"the row needs {needed} blocks of {size} tokens ({len(row.prompt)} prompt tokens and "
+                f"{row.max_new_tokens} to generate); the pool holds {self.blocks.blocks}"
+            )
+        self.waiting.append(row)
+
+    def plan(self) -> list[Planned]:
+        """The next step's rows: admissions first, then every decoding row, then prompt chunks. Each row's
+        blocks grow to hold what it brings."""
+        self._admit()
+        planned = [self._decode(row) for row in self.running if row.decoding]
+        budget = self.prefill_chunk
+        for row in sorted((r for r in self.running if not r.decoding), key=lambda r: r.prompt_left):
+            if budget <= 0:
+                break
+            start = row.computed
+            stop = min(len(row.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            table = self.blocks.grow(row.key, stop - start)
+            last = stop == len(row.prompt)
+            planned.append(Planned(row, PackedRow(row.prompt[start:stop], start, table), last))
+            budget -= stop - start
+        return planned
+
+    def advance(self, planned: Sequence[Planned], tokens: Sequence[int | None]) -> None:
+        """The step ran: each planned row's tokens are in the pool, and the rows that sample took their
+        next token (`tokens`, None for a prompt chunk before the last)."""
+        for plan, token in zip(planned, tokens, strict=True):
+            row = plan.row
+            row.computed += len(plan.packed.tokens)
+            self.blocks.computed(row.key, row.computed)
+            if plan.samples:
+                if token is None:
+                    raise ValueError("a row that samples needs its token")
+                row.generated.append(token)
+
+    def end(self, row: PagedRow) -> None:
+        """The row is done (its last token, end of sequence, a stop) or cancelled: out of the batch, its
+        blocks back to the pool (its whole prompt blocks kept for reuse)."""
+        if row in self.waiting:
+            self.waiting.remove(row)
+            return
+        self.running.remove(row)
+        self.blocks.release(row.key)
+
+    def rows(self) -> Iterator[PagedRow]:
+        yield from self.waiting
+        yield from self.running
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.capacity:
+            row = self.waiting[0]
+            if not self.blocks.fits(row.prompt, row.max_new_tokens, row.scope):
+                return  # first come, first served: no later row jumps ahead of one waiting for blocks
+            self.waiting.popleft()
+            row.reused = row.computed = self.blocks.admit(row.key, row.prompt, row.max_new_tokens, row.scope)
+            self.running.append(row)
+
+    def _decode(self, row: PagedRow) -> Planned:
+        table = self.blocks.grow(row.key, 1)
+        return Planned(row, PackedRow([row.generated[-1]], row.computed, table), True)
