@@ -1,0 +1,103 @@
+"""The paged scheduler on real models without a card: its runs computed by the model's own CPU graph
+through block tables (worker/engines/paged/cpu_model.py). A batch of requests, some prompts longer than a
+chunk and some sharing an opening, gives every request the tokens ortfleet's batcher gives it, on the tiny
+model and on the default model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker.engine import GenerationRequest
+from worker.engines.batcher.engine import BatchingEngine
+from worker.engines.batcher.sampler import RowSampler
+from worker.engines.paged.blocks import BlockManager
+from worker.engines.paged.cpu_model import CpuPagedModel
+from worker.engines.paged.scheduler import PagedRow, Scheduler
+
+CHUNK = 16
+BLOCK = 16
+
+
+def prompts(vocab: int, count: int, seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    opening = [int(t) for t in rng.integers(10, vocab, size=40)]  # two whole blocks and more
+    out = []
+    for index in range(count):
+        tail = [int(t) for t in rng.integers(10, vocab, size=int(rng.integers(1, 50)))]
+        out.append(opening + tail if index % 3 == 0 else tail)
+    return out
+
+
+def batcher_tokens(model_dir: Path, requests: list[GenerationRequest]) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        engine = BatchingEngine(model_dir, slots=4, prefill_chunk=CHUNK, prefix_cache=False)
+        try:
+            streams = engine.submit(requests)
+            out = []
+            for stream in streams:
+                tokens: list[int] = []
+                while True:
+                    update = await stream.updates.get()
+                    tokens += update.token_ids
+                    if update.finish is not None:
+                        assert update.error is None, update.error
+                        break
+                out.append(tokens)
+            return out
+        finally:
+            engine.close()
+
+    return asyncio.run(run())
+
+
+def paged_tokens(
+    model_dir: Path, requests: list[GenerationRequest], eos: frozenset[int]
+) -> tuple[list[list[int]], int]:
+    """Each request's greedy tokens through the scheduler on the CPU paged model; the prompt tokens reused."""
+    blocks = BlockManager(48, BLOCK)
+    model = CpuPagedModel(model_dir, blocks.blocks, BLOCK)
+    scheduler = Scheduler(blocks, capacity=4, prefill_chunk=CHUNK)
+    rows = [PagedRow(r.prompt_ids, r.max_new_tokens) for r in requests]
+    samplers = {row: RowSampler(r, eos, model.vocab, None) for row, r in zip(rows, requests, strict=True)}
+    for row in rows:
+        scheduler.submit(row)
+    while any(True for _ in scheduler.rows()):
+        planned = scheduler.plan()
+        logits = model.last_logits([p.packed for p in planned])
+        picks: list[int | None] = []
+        for plan, row_logits in zip(planned, logits, strict=True):
+            sampler = samplers[plan.row]
+            picks.append(sampler.choose(row_logits, len(plan.row.generated)) if plan.samples else None)
+            if plan.samples:
+                sampler.accept(picks[-1])  # type: ignore[arg-type]
+        scheduler.advance(planned, picks)
+        for plan in planned:
+            if plan.samples and len(plan.row.generated) >= plan.row.max_new_tokens:
+                scheduler.end(plan.row)
+        blocks.check()
+    return [row.generated for row in rows], sum(row.reused for row in rows)
+
+
+def eos_of(model_dir: Path) -> frozenset[int]:
+    import json
+
+    eos = json.loads((model_dir / "genai_config.json").read_text())["model"]["eos_token_id"]
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+@pytest.mark.parametrize("model_name", ["tiny_model", "default_model"])
+def test_the_paged_scheduler_on_the_cpu_graph_gives_every_request_the_batchers_tokens(
+    model_name: str, request: pytest.FixtureRequest
+) -> None:
+    model_dir: Path = request.getfixturevalue(model_name)
+    vocab = CpuPagedModel(model_dir, 1, BLOCK).vocab
+    tokens = 12 if model_name == "tiny_model" else 8
+    asked = [GenerationRequest(p, tokens, min_new_tokens=tokens) for p in prompts(vocab, 9)]
+    ours, reused = paged_tokens(model_dir, asked, eos_of(model_dir))
+    theirs = batcher_tokens(model_dir, asked)
+    assert ours == theirs
+    assert reused >= 2 * BLOCK  # later rows with the shared opening reused its whole blocks

@@ -1,0 +1,82 @@
+"""The paged model's contract (model.py) on the CPU, over the model folder's GroupQueryAttention graph (the
+one ortfleet's batcher runs, worker/engines/batcher/graph.py): the keys and values live in a pool of blocks
+[blocks, block_size, kv_heads, head], and each run gathers its rows' past from their blocks into a
+right-padded buffer, runs the graph on it, and writes the new positions back to their blocks.
+
+The graph takes one sequence length per run and, with a past, one row per prompt chunk: the decoding rows
+of a run share one run of the graph, each prompt chunk runs alone, as in the batcher. So a request's tokens
+here are the batcher's, which makes this the scheduler's reference on real models without a card. The
+gathers cost a copy of each row's past per run: it is a reference, not the CPU engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from worker.engines.batcher.graph import open_session, positions
+from worker.engines.paged.model import PackedRow, pack
+
+
+class CpuPagedModel:
+    def __init__(self, model_dir: Path, blocks: int, block_size: int, threads: int = 0) -> None:
+        self.session, self.layout = open_session(model_dir, threads)
+        self.blocks = blocks
+        self.block_size = block_size
+        self.vocab = self.layout.vocab_size
+        shape = (blocks * block_size, self.layout.kv_heads, self.layout.head_size)  # one slot a position
+        self.pool = [np.zeros(shape, np.float32) for _ in self.layout.past_names]
+
+    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+        pack(rows, self.block_size)  # the same checks as on the card
+        out = np.empty((len(rows), self.vocab), np.float32)
+        decoding = [index for index, row in enumerate(rows) if len(row.tokens) == 1 and row.past > 0]
+        if decoding:
+            out[decoding] = self._run([rows[index] for index in decoding])
+        for index, row in enumerate(rows):
+            if index not in decoding:
+                out[index] = self._run([row])[0]
+        return out
+
+    def _slots(self, row: PackedRow, start: int, stop: int) -> np.ndarray:
+        """The pool's slots of the row's positions [start, stop)."""
+        position = np.arange(start, stop)
+        table = np.asarray(row.table, np.int64)
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _run(self, rows: Sequence[PackedRow]) -> np.ndarray:
+        """One run of the graph on rows that bring as many tokens each; each one's last logits."""
+        new = len(rows[0].tokens)
+        width = max(row.past for row in rows) + new
+        layout = self.layout
+        buffers = [
+            np.zeros((len(rows), layout.kv_heads, width, layout.head_size), np.float32) for _ in self.pool
+        ]
+        mask = np.zeros((len(rows), width), np.int64)
+        for index, row in enumerate(rows):
+            past = self._slots(row, 0, row.past)
+            for buffer, pool in zip(buffers, self.pool, strict=True):
+                buffer[index, :, : row.past] = pool[past].transpose(1, 0, 2)
+            mask[index, : row.past + new] = 1
+        binding = self.session.io_binding()
+        for past_name, present_name, buffer in zip(
+            layout.past_names, layout.present_names, buffers, strict=True
+        ):
+            value = ort.OrtValue.ortvalue_from_numpy(buffer)
+            binding.bind_ortvalue_input(past_name, value)
+            binding.bind_ortvalue_output(present_name, value)  # written in place at each row's length
+        binding.bind_cpu_input("input_ids", np.asarray([list(row.tokens) for row in rows], np.int64))
+        binding.bind_cpu_input("attention_mask", mask)
+        if layout.position_ids is not None:
+            binding.bind_cpu_input(layout.position_ids, positions(mask, new))
+        binding.bind_output("logits")
+        self.session.run_with_iobinding(binding)
+        logits: np.ndarray = binding.get_outputs()[-1].numpy()
+        for index, row in enumerate(rows):
+            written = self._slots(row, row.past, row.past + new)
+            for buffer, pool in zip(buffers, self.pool, strict=True):
+                pool[written] = buffer[index, :, row.past : row.past + new].transpose(1, 0, 2)
+        return logits[:, -1]
