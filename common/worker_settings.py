@@ -80,11 +80,14 @@ class WorkerSettings(FleetSettings):
         description="How long a worker waits for its engine core to load the model and answer (process), "
         "or for a shared core to listen at its path (unix:PATH), at start and after the core exits.",
     )
-    scheduler: Literal["auto", "batcher", "og-engine"] = Field(
+    scheduler: Literal["auto", "batcher", "og-engine", "paged"] = Field(
         "auto",
         description="What batches the requests: batcher (ortfleet's continuous batcher: requests join "
         "and leave at every step, chunked prefill; CPU only), og-engine (ORT-GenAI's og.Engine: dynamic "
-        "batching where the model has paged attention, else its static scheduler) or auto (og.Engine "
+        "batching where the model has paged attention, else its static scheduler), paged (ortfleet's "
+        "own scheduler on a GPU model built with paged attention: the batcher's parameters, logprobs, "
+        "penalties and logit_bias among them, with each row's logits sampled on the host; not yet the "
+        "default: its tokens matched og.Engine's on a card, its speed is not measured) or auto (og.Engine "
         "where the model has paged attention or the device is a GPU, the batcher elsewhere).",
     )
     kv_budget_tokens: int | None = Field(

@@ -68,13 +68,12 @@ def paged_tokens(
     while any(True for _ in scheduler.rows()):
         planned = scheduler.plan()
         logits = model.last_logits([p.packed for p in planned])
-        picks: list[int | None] = []
+        scheduler.advance(planned)
         for plan, row_logits in zip(planned, logits, strict=True):
-            sampler = samplers[plan.row]
-            picks.append(sampler.choose(row_logits, len(plan.row.generated)) if plan.samples else None)
             if plan.samples:
-                sampler.accept(picks[-1])  # type: ignore[arg-type]
-        scheduler.advance(planned, picks)
+                sampler = samplers[plan.row]
+                plan.row.generated.append(sampler.choose(row_logits, len(plan.row.generated)))
+                sampler.accept(plan.row.generated[-1])
         for plan in planned:
             if plan.samples and len(plan.row.generated) >= plan.row.max_new_tokens:
                 scheduler.end(plan.row)

@@ -34,8 +34,10 @@ def run(
         planned = scheduler.plan()
         assert planned, "rows wait but nothing runs"
         logits = model.last_logits([p.packed for p in planned])
-        picks = [int(np.argmax(row)) if p.samples else None for p, row in zip(planned, logits, strict=True)]
-        scheduler.advance(planned, picks)
+        scheduler.advance(planned)
+        for plan, row_logits in zip(planned, logits, strict=True):
+            if plan.samples:
+                plan.row.generated.append(int(np.argmax(row_logits)))
         for plan in planned:
             if plan.samples and len(plan.row.generated) >= plan.row.max_new_tokens:
                 scheduler.end(plan.row)
@@ -43,6 +45,13 @@ def run(
         on_step(step, planned)
         step += 1
     return step
+
+
+def took(scheduler: Scheduler, planned: list[Planned], token: int = 1) -> None:
+    scheduler.advance(planned)
+    for plan in planned:
+        if plan.samples:
+            plan.row.generated.append(token)
 
 
 def alone(row: PagedRow) -> list[int]:
@@ -105,7 +114,7 @@ def test_a_decoding_row_gets_a_token_every_step_while_a_long_prompt_prefills() -
     for _ in range(2):
         planned = scheduler.plan()
         model.last_logits([p.packed for p in planned])
-        scheduler.advance(planned, [1 if p.samples else None for p in planned])
+        took(scheduler, planned)
     long = PagedRow(list(range(90)), 4)
     scheduler.submit(long)
     steps_while_prefilling = 0
@@ -115,7 +124,7 @@ def test_a_decoding_row_gets_a_token_every_step_while_a_long_prompt_prefills() -
         assert [p.row for p in planned if p.row is short] == [short]  # the short row in every step
         chunk = next(p for p in planned if p.row is long)
         assert len(chunk.packed.tokens) <= 16
-        scheduler.advance(planned, [1 if p.samples else None for p in planned])
+        took(scheduler, planned)
         steps_while_prefilling += 1
     assert steps_while_prefilling == 6  # 90 tokens in chunks of 16
     assert len(short.generated) == 2 + 6

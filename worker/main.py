@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, help="engine batch rows (ORTFLEET_MAX_BATCH_SIZE)")
     parser.add_argument(
         "--scheduler",
-        choices=["auto", "batcher", "og-engine"],
+        choices=["auto", "batcher", "og-engine", "paged"],
         help="what batches the requests (ORTFLEET_SCHEDULER, default auto)",
     )
     parser.add_argument(

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, help="ORT-GenAI model folder (ORTFLEET_MODEL)")
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (ORTFLEET_DEVICE)")
     parser.add_argument("--max-batch-size", type=int, help="engine batch rows (ORTFLEET_MAX_BATCH_SIZE)")
-    parser.add_argument("--scheduler", choices=["auto", "batcher", "og-engine"], help="ORTFLEET_SCHEDULER")
+    parser.add_argument(
+        "--scheduler", choices=["auto", "batcher", "og-engine", "paged"], help="ORTFLEET_SCHEDULER"
+    )
     parser.add_argument("--fake-engine", metavar="DELAY_MS:CAPACITY[:static]", help="as the worker's")
     return parser
 

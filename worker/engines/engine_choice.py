@@ -20,7 +20,7 @@ def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
     keeps og.Engine where it batches continuously itself (paged attention) or runs on a GPU."""
     from worker.engines.genai_config import uses_dynamic_batching
 
-    if scheduler == "og-engine":
+    if scheduler in ("og-engine", "paged"):
         return False
     if device.kind != "cpu":
         if scheduler == "batcher":
@@ -31,11 +31,58 @@ def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
     return scheduler == "batcher" or not uses_dynamic_batching(model_dir)
 
 
+def uses_paged_engine(scheduler: str, model_dir: Path, device: Device) -> bool:
+    """Whether ortfleet's own scheduler runs the paged CUDA model (ORTFLEET_SCHEDULER=paged); refuses a
+    device or a model it cannot run, by name."""
+    from worker.engines.genai_config import uses_dynamic_batching
+
+    if scheduler != "paged":
+        return False
+    if device.kind != "cuda":
+        raise CannotStart("--scheduler paged runs the paged model on a GPU; use --device cuda:N")
+    if not uses_dynamic_batching(model_dir):
+        raise CannotStart(
+            f"--scheduler paged needs a model built with paged attention for CUDA; {model_dir} is not one "
+            "(ortfleet model default --device cuda builds one)"
+        )
+    return True
+
+
+def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> BatchingEngine:
+    """The paged engine on the card: a pool of KV blocks sized as og.Engine's cache would be (row_sizing)
+    and at most 256 rows a run (the paged operator's limit)."""
+    from worker.engines.genai_config import context_length, read_genai
+    from worker.engines.paged.engine import PagedEngine
+    from worker.engines.paged.model import MAX_ROWS, PagedModel
+    from worker.engines.row_sizing import gpu_memory, kv_geometry, plan_kv, weights_bytes
+
+    genai = read_genai(model_dir)
+    block_size = kv_geometry(genai).block_size
+    memory = gpu_memory(device.gpu_label)
+    total, free = memory if memory is not None else (None, None)
+    plan = plan_kv(
+        genai, context_length(model_dir), total, free, weights_bytes(model_dir), settings.gpu_kv_fraction
+    )
+    if plan.tokens < block_size:
+        raise CannotStart(f"the paged engine found no memory for its KV pool on {device} ({plan.source})")
+    blocks = plan.tokens // block_size
+    return PagedEngine(
+        model_dir,
+        lambda: PagedModel(model_dir, blocks, block_size, device.index or 0),
+        min(settings.max_batch_size or MAX_ROWS, MAX_ROWS),
+        settings.prefill_chunk_tokens,
+        settings.step_delay_s,
+        settings.prefix_cache,
+    )
+
+
 def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> OrtEngine | BatchingEngine:
     """The engine a worker with these settings runs the model with on the device (loads the model)."""
     from worker.engines.batcher.engine import BatchingEngine
     from worker.engines.ort_engine import OrtEngine
 
+    if uses_paged_engine(settings.scheduler, model_dir, device):
+        return open_paged_engine(model_dir, device, settings)
     if uses_batcher(settings.scheduler, model_dir, device):
         return BatchingEngine(
             model_dir,
@@ -59,4 +106,6 @@ def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> Or
 
 
 def engine_kind(scheduler: str, model_dir: Path, device: Device) -> str:
+    if uses_paged_engine(scheduler, model_dir, device):
+        return "ortfleet's paged engine"
     return "ortfleet's batcher" if uses_batcher(scheduler, model_dir, device) else "og.Engine"

@@ -49,6 +49,7 @@ class BatchingEngine(EngineThread):
     """worker.engine.Engine on ortfleet's continuous batcher (see the module's docstring)."""
 
     continuous_batching = True
+    kv_budget_source = "ORTFLEET_KV_BUDGET_TOKENS"  # where the KV budget a refusal names comes from
     handles_stop_strings = False  # the job runner matches stop strings on the text
     exposes_logits = True
     replays_guidance = True
@@ -145,10 +146,10 @@ class BatchingEngine(EngineThread):
         code = ErrorCode.context_length_exceeded
         if not request.prompt_ids or before >= self.context_length:
             error = f"the prompt holds {before} tokens; the model's context is {self.context_length}"
-        elif reserved > self._rows.kv.budget_tokens:
+        elif reserved > self.kv_budget_tokens:
             error = (
                 f"the request needs {reserved} tokens of KV cache (prompt and max_tokens); this worker's "
-                f"budget is {self._rows.kv.budget_tokens} (ORTFLEET_KV_BUDGET_TOKENS)"
+                f"budget is {self.kv_budget_tokens} ({self.kv_budget_source})"
             )
         else:
             try:
@@ -161,10 +162,14 @@ class BatchingEngine(EngineThread):
             else:
                 too_small = self._too_small(request, sampler)
                 if too_small is None:
-                    self._rows.waiting.append(Row(stream, sampler, reserved))
+                    self._queue(Row(stream, sampler, reserved))
                     return
                 error, code = too_small, ErrorCode.max_tokens_too_small
         updates.append((stream, EngineUpdate([], Finish.error, error, error_code=code)))
+
+    def _queue(self, row: Row) -> None:
+        """A request that passed its checks waits for a slot."""
+        self._rows.waiting.append(row)
 
     def _grammar(self, request: GenerationRequest) -> LLTokenizer | None:
         if request.guidance is None:

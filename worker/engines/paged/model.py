@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+MAX_ROWS = 256  # rows a run may hold: onnxruntime's PagedAttention scans the rows' lengths in one block
+
 
 @dataclass(frozen=True)
 class PackedRow:
@@ -84,6 +86,8 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
     each row's last token among the run's tokens, whose logits pick its next token."""
     if not rows:
         raise ValueError("a run needs at least one row")
+    if len(rows) > MAX_ROWS:
+        raise ValueError(f"a run holds at most {MAX_ROWS} rows, not {len(rows)}")
     lengths = np.zeros(len(rows) + 1, np.int32)
     width = 0
     for index, row in enumerate(rows):
@@ -120,6 +124,7 @@ class PagedModel:
         import onnxruntime as ort
 
         self.shape = shape = PagedShape.of(model_dir)
+        self.vocab = shape.vocab
         self.blocks = blocks
         self.block_size = block_size
         self.device_id = device_id

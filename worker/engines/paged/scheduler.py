@@ -15,8 +15,8 @@ both in one run):
    prefills the rest.
 
 The scheduler owns the rows and the block manager's books; what a row's next token is (sampling, end of
-sequence, stop strings) is its caller's: `advance` takes the tokens the step produced, `end` a row that is
-done or cancelled.
+sequence, stop strings) is its caller's: after `advance`, the caller appends each sampling row's next token
+to its `generated`, and `end`s a row that is done or cancelled.
 """
 
 from __future__ import annotations
@@ -101,17 +101,13 @@ class Scheduler:
             budget -= stop - start
         return planned
 
-    def advance(self, planned: Sequence[Planned], tokens: Sequence[int | None]) -> None:
-        """The step ran: each planned row's tokens are in the pool, and the rows that sample took their
-        next token (`tokens`, None for a prompt chunk before the last)."""
-        for plan, token in zip(planned, tokens, strict=True):
+    def advance(self, planned: Sequence[Planned]) -> None:
+        """The step ran: each planned row's tokens are in the pool (its whole prompt blocks offered to the
+        cache). The caller then gives each row that samples its next token (`PagedRow.generated`)."""
+        for plan in planned:
             row = plan.row
             row.computed += len(plan.packed.tokens)
             self.blocks.computed(row.key, row.computed)
-            if plan.samples:
-                if token is None:
-                    raise ValueError("a row that samples needs its token")
-                row.generated.append(token)
 
     def end(self, row: PagedRow) -> None:
         """The row is done (its last token, end of sequence, a stop) or cancelled: out of the batch, its

@@ -1,0 +1,246 @@
+"""worker.engine.Engine on the paged model, scheduled by ortfleet (scheduler.py) rather than og.Engine.
+
+Each step is one run of the model (model.py on a card; cpu_model.py, its contract on the CPU graph) with
+the scheduler's rows: every decoding row's last token and the step's prompt chunks. Each row whose logits
+give its next token then goes through the batcher's own per-token path (BatchingEngine._next: RowSampler's
+pick with penalties, logit_bias, min_tokens, a grammar; log-probabilities; replay of an earlier attempt's
+tokens; the end of sequence, max_tokens and the context), so a request asks here what it asks of the CPU
+batcher. Logits come to the host for that; the sampler graph (device_sampling/) is to keep them on the
+card. Prompt log-probabilities are refused: a run returns each row's last logits only.
+
+A run that fails leaves no row's KV to trust: every request goes back to the queue as `lost` and the
+worker restarts the engine with a fresh pool (BatchingEngine._fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import onnxruntime_genai as og
+
+from common.error_codes import ErrorCode
+from worker.engine import EngineUpdate, Finish, GenerationStream, deliver_all
+from worker.engines.batcher.counters import BatcherCounters
+from worker.engines.batcher.engine import BatchingEngine
+from worker.engines.batcher.rows import Row
+from worker.engines.engine_thread import EngineThread, Updates
+from worker.engines.genai_config import context_length, vocab_size
+from worker.engines.ort_tokenizer import OrtTokenizer
+from worker.engines.paged.blocks import BlockManager
+from worker.engines.paged.model import PackedRow
+from worker.engines.paged.scheduler import PagedRow, Planned, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PagedRunner(Protocol):
+    blocks: int
+    block_size: int
+    vocab: int
+
+    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray: ...
+
+
+class PagedRows:
+    """The batcher's rows (Row: a request's stream, sampler and progress) over the scheduler's: which
+    Row each PagedRow is, and what the batcher's per-token path asks of its rows (end, running, every)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._row: dict[PagedRow, Row] = {}
+        self._paged: dict[Row, PagedRow] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.scheduler.capacity
+
+    @capacity.setter
+    def capacity(self, rows: int) -> None:
+        self.scheduler.capacity = rows
+
+    def add(self, row: Row, paged: PagedRow) -> None:
+        self.scheduler.submit(paged)
+        self._row[paged], self._paged[row] = row, paged
+
+    def row_of(self, paged: PagedRow) -> Row:
+        return self._row[paged]
+
+    def __contains__(self, row: Row) -> bool:
+        return row in self._paged
+
+    def end(self, row: Row) -> None:
+        paged = self._paged.pop(row)
+        del self._row[paged]
+        self.scheduler.end(paged)
+
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    def every(self) -> list[Row]:
+        return [self._row[paged] for paged in self.scheduler.rows()]
+
+    def counts(self) -> tuple[int, int, int]:
+        """Rows waiting, prefilling, decoding."""
+        running = self.scheduler.running
+        decoding = sum(1 for row in running if row.decoding)
+        return len(self.scheduler.waiting), len(running) - decoding, decoding
+
+    def clear(self, blocks: BlockManager) -> list[Row]:
+        """Takes every row out and starts `blocks` afresh (the pool's KV can no longer be trusted)."""
+        rows = self.every()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self.scheduler.blocks = blocks
+        self._row.clear()
+        self._paged.clear()
+        return rows
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.every())
+
+
+class PagedEngine(BatchingEngine):
+    """See the module's docstring. `runner` makes the model's runner (and a fresh one after a failure)."""
+
+    kv_budget_source = "the paged KV pool"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        runner: Callable[[], PagedRunner],
+        capacity: int,
+        prefill_chunk: int,
+        step_delay_s: float = 0.0,
+        prefix_cache: bool = True,
+    ) -> None:
+        EngineThread.__init__(self, "paged")
+        self.context_length = context_length(model_dir)
+        self.prefill_chunk = prefill_chunk
+        self._step_delay_s = step_delay_s
+        self._model_dir = model_dir
+        self.tokenizer = OrtTokenizer(og.Config(str(model_dir)), vocab_size(model_dir), model_dir)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._grammar_tokenizer = None
+        self._byte_tokens = None
+        self.counters = BatcherCounters()
+        self._make_runner = runner
+        self._runner = runner()
+        self.vocab_size = self._runner.vocab
+        self._prefix_cache = prefix_cache
+        self.prefix_block_tokens = self._runner.block_size if prefix_cache else 0
+        blocks = BlockManager(self._runner.blocks, self._runner.block_size)
+        self._rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))  # type: ignore[assignment]
+        self._thread.start()
+
+    @property
+    def _paged_rows(self) -> PagedRows:
+        rows = self._rows
+        assert isinstance(rows, PagedRows)
+        return rows
+
+    # The event loop's side.
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return self._runner.blocks * self._runner.block_size
+
+    @property
+    def kv_tokens_reserved(self) -> int:
+        blocks = self._paged_rows.scheduler.blocks
+        return (blocks.blocks - blocks.available) * blocks.block_size
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        blocks = self._paged_rows.scheduler.blocks
+        return blocks.cached_blocks * blocks.block_size
+
+    def rows(self) -> tuple[int, int, int]:
+        return self._paged_rows.counts()
+
+    # The engine's thread.
+
+    def _main(self) -> None:
+        try:
+            while True:
+                if not self._drain_commands(block=not self._paged_rows.every()):
+                    return
+                if self._failed:
+                    continue
+                updates: Updates = []
+                self._step(updates)
+                deliver_all(updates)
+                if self._step_delay_s and self._paged_rows.running():
+                    time.sleep(self._step_delay_s)
+        except BaseException:
+            logger.exception("the paged engine's thread died")
+            raise
+
+    def _start(self, stream: GenerationStream, updates: Updates) -> None:
+        if stream.request.prompt_logprobs is not None:
+            error = "prompt_logprobs: the paged engine returns the logits of each row's last token only"
+            code = ErrorCode.unsupported_parameter
+            updates.append((stream, EngineUpdate([], Finish.error, error, error_code=code)))
+            return
+        super()._start(stream, updates)
+
+    def _queue(self, row: Row) -> None:
+        request = row.request
+        prompt = request.prompt_ids
+        scope = request.cache_scope if self._prefix_cache else f"\0{id(row)}"  # off: no two rows share
+        self._paged_rows.add(row, PagedRow(prompt, row.reserved - len(prompt), scope))
+
+    def _step(self, updates: Updates) -> None:
+        rows = self._paged_rows
+        planned = rows.scheduler.plan()
+        if not planned:
+            return
+        try:
+            logits = self._runner.last_logits([plan.packed for plan in planned])
+        except Exception as e:  # no row's KV can be trusted after a run that broke
+            logger.exception("a paged run failed")
+            self._fail(f"a paged run failed: {e}")
+            return
+        rows.scheduler.advance(planned)
+        self._count(planned)
+        for plan, row_logits in zip(planned, logits, strict=True):
+            if not plan.samples:
+                continue
+            row = rows.row_of(plan.row)
+            row.length = plan.row.computed
+            if row.first_update:
+                row.cached = plan.row.reused
+            self._next(row, row_logits, updates)
+            if row in rows:  # it goes on: its next token is fed at the next step
+                plan.row.generated.append(row.next_token)
+
+    def _count(self, planned: list[Planned]) -> None:
+        counters = self.counters
+        for plan in planned:
+            row, tokens = plan.row, len(plan.packed.tokens)
+            if plan.packed.past < len(row.prompt):
+                counters.prefill_tokens += tokens
+                counters.prefill_runs += 1
+                if plan.packed.past == row.reused:  # its first chunk: the prompt was just admitted
+                    counters.prefix_tokens_queried += len(row.prompt)
+                    counters.prefix_hits += row.reused > 0
+                    counters.prefix_tokens_reused += row.reused
+            else:
+                counters.decode_tokens += tokens
+        counters.decode_steps += 1
+
+    def _fail(self, cause: str) -> None:
+        logger.error("the paged engine failed: %s", cause)
+        rows = self._paged_rows.clear(BlockManager(self._runner.blocks, self._runner.block_size))
+        self._failed = cause
+        deliver_all([(row.stream, EngineUpdate([], Finish.lost, cause)) for row in rows])
+        self._tell_failure(cause)
+
+    def _renew(self) -> None:
+        self._runner = self._make_runner()
+        self._paged_rows.clear(BlockManager(self._runner.blocks, self._runner.block_size))
+        logger.info("the paged engine starts again with a fresh KV pool")
