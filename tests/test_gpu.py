@@ -21,22 +21,11 @@ from pydantic import BaseModel
 from ortfleet.bench.machine import child_pids
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet, RedisServer
+from tests.gpu_marks import ON_A_GPU
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.test_reliability import assert_contiguous, kill_while_streaming, stream_until_tokens
 
-
-def _cuda_available() -> bool:
-    try:
-        import onnxruntime_genai as og
-    except ImportError:
-        return False
-    return bool(og.is_cuda_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _cuda_available(), reason="onnxruntime-genai cannot use CUDA here"),
-]
+pytestmark = ON_A_GPU
 
 NAME = "smollm2-gpu"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -10,23 +10,12 @@ from pathlib import Path
 import pytest
 
 from common.worker_settings import WorkerSettings
+from tests.gpu_marks import ON_A_GPU
 from worker.engine import GenerationRequest
 from worker.engines.device import Device
 from worker.engines.engine_choice import open_engine
 
-
-def _cuda_available() -> bool:
-    try:
-        import onnxruntime_genai as og
-    except ImportError:
-        return False
-    return bool(og.is_cuda_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _cuda_available(), reason="onnxruntime-genai cannot use CUDA here"),
-]
+pytestmark = ON_A_GPU
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
 
