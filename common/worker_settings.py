@@ -90,6 +90,15 @@ class WorkerSettings(FleetSettings):
         "default: its tokens matched og.Engine's on a card, its speed is not measured) or auto (og.Engine "
         "where the model has paged attention or the device is a GPU, the batcher elsewhere).",
     )
+    sampling: Literal["host", "graph"] = Field(
+        "host",
+        description="On the paged engine (scheduler paged): where each row's next token is picked. host: "
+        "RowSampler, row by row, on the logits copied to the host; graph: the sampler graph, one "
+        "onnxruntime run for every row it can serve on the engine's device (greedy, temperature, top_k, "
+        "top_p, penalties, logit_bias, min_tokens, log-probabilities), RowSampler for the others "
+        "(grammars, and rows whose pick it cannot make exactly as RowSampler would). Its step on an "
+        "H200 took 70 ms at 256 rows, not yet faster than the host.",
+    )
     kv_budget_tokens: int | None = Field(
         None,
         ge=1,

@@ -56,7 +56,7 @@ def test_the_paged_engines_pool_is_sized_from_the_cards_memory(
     monkeypatch.setattr(paged_model, "PagedModel", lambda *args: made.setdefault("model", args))
 
     def fake_engine(model_dir: Path, runner: Any, capacity: int, chunk: int, *rest: Any) -> object:
-        made.update(runner=runner(), capacity=capacity, chunk=chunk)
+        made.update(runner=runner(), capacity=capacity, chunk=chunk, sampler=rest[-1])
         return object()
 
     monkeypatch.setattr(engine, "PagedEngine", fake_engine)
@@ -68,3 +68,6 @@ def test_the_paged_engines_pool_is_sized_from_the_cards_memory(
     assert blocks == int(0.6 * (40 * 2**30 - 1000)) // token_bytes // 256  # og's share of the free memory
     assert made["capacity"] == 256  # the paged operator's limit, below max_batch_size
     assert made["chunk"] == WorkerSettings().prefill_chunk_tokens
+    assert made["sampler"] is None  # RowSampler on the host unless ORTFLEET_SAMPLING=graph
+    engine_choice.open_engine(folder, CUDA, WorkerSettings(scheduler="paged", sampling="graph"))
+    assert made["sampler"].keywords["providers"][0] == "CUDAExecutionProvider"

@@ -16,6 +16,7 @@ BENCHES = {
     "engine-graphs-off": "og.Engine alone, eager steps (ORTFLEET_CUDA_GRAPH=off)",
     "engine-graphs-on": "og.Engine alone, CUDA graphs for decode steps (ORTFLEET_CUDA_GRAPH=on)",
     "paged-engine": "ortfleet's paged engine alone (ORTFLEET_SCHEDULER=paged)",
+    "paged-engine-graph": "the paged engine alone, the sampler graph picking (ORTFLEET_SAMPLING=graph)",
     "serving": "default model, engine alone and fleet",
     "serving-shared-core2": "default model, two frontends of one engine core",
     "serving-shared-core4": "default model, four frontends of one engine core",

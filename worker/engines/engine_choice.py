@@ -3,6 +3,7 @@ measure its engine alone open it through here, so both run the same engine with 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ def uses_paged_engine(scheduler: str, model_dir: Path, device: Device) -> bool:
 def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> BatchingEngine:
     """The paged engine on the card: a pool of KV blocks sized as og.Engine's cache would be (row_sizing)
     and at most 256 rows a run (the paged operator's limit)."""
+    from worker.engines.device_sampling.runner import SamplerGraph
     from worker.engines.genai_config import context_length, read_genai
     from worker.engines.paged.engine import PagedEngine
     from worker.engines.paged.model import MAX_ROWS, PagedModel
@@ -66,6 +68,9 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
     if plan.tokens < block_size:
         raise CannotStart(f"the paged engine found no memory for its KV pool on {device} ({plan.source})")
     blocks = plan.tokens // block_size
+    sampler = None
+    if settings.sampling == "graph":
+        sampler = partial(SamplerGraph, providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
     return PagedEngine(
         model_dir,
         lambda: PagedModel(model_dir, blocks, block_size, device.index or 0),
@@ -73,6 +78,7 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
         settings.prefill_chunk_tokens,
         settings.step_delay_s,
         settings.prefix_cache,
+        sampler,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,14 @@ import onnxruntime_genai as og
 from llguidance import LLTokenizer
 
 from common.error_codes import ErrorCode
-from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, deliver_all
+from worker.engine import (
+    EngineUpdate,
+    Finish,
+    GenerationRequest,
+    GenerationStream,
+    TokenLogprobs,
+    deliver_all,
+)
 from worker.engines.batcher.closing_walk import ByteTokens
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.graph import DecoderGraph, open_session
@@ -43,6 +51,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 8
 DEFAULT_PREFILL_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A row's next token as the sampler graph picked it (device_sampling/), with its log-probabilities
+    when the request asked for them."""
+
+    token: int
+    logprobs: TokenLogprobs | None
 
 
 class BatchingEngine(EngineThread):
@@ -262,13 +279,18 @@ class BatchingEngine(EngineThread):
         for index, row in enumerate(stepped):
             self._next(row, logits[index, -1], updates)
 
-    def _next(self, row: Row, logits: np.ndarray, updates: Updates) -> None:
-        """The row's next token from its logits: replayed, delivered, or the row's end."""
+    def _next(self, row: Row, logits: np.ndarray, updates: Updates, picked: Picked | None = None) -> None:
+        """The row's next token from its logits, or as the sampler graph `picked` it: replayed, delivered,
+        or the row's end."""
         request = row.request
-        raw = logits.copy() if request.logprobs is not None and not row.replaying else None
+        wants_logprobs = request.logprobs is not None and not row.replaying
+        raw = logits.copy() if wants_logprobs and picked is None else None
         try:
-            left = self._budget(request) - row.replayed - row.produced
-            token = row.sampler.choose(logits, row.produced, left)
+            if picked is None:
+                left = self._budget(request) - row.replayed - row.produced
+                token = row.sampler.choose(logits, row.produced, left)
+            else:
+                token = picked.token
             if row.replaying:
                 expected = request.replay_ids[row.replayed]
                 if token != expected:  # computed otherwise than the first time: the stream goes on as it was
@@ -306,8 +328,11 @@ class BatchingEngine(EngineThread):
         else:
             row.next_token = token
         logprobs = None
-        if raw is not None and tokens:
-            logprobs = (token_logprobs(raw, token, request.logprobs or 0),)
+        if wants_logprobs and tokens:
+            if picked is not None and picked.logprobs is not None:
+                logprobs = (picked.logprobs,)
+            elif raw is not None:
+                logprobs = (token_logprobs(raw, token, request.logprobs or 0),)
         cached = row.cached if first else None
         asked = first and request.prompt_logprobs is not None
         prompt_logprobs = tuple(row.prompt_logprobs) if asked else None

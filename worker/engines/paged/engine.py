@@ -5,8 +5,9 @@ the scheduler's rows: every decoding row's last token and the step's prompt chun
 give its next token then goes through the batcher's own per-token path (BatchingEngine._next: RowSampler's
 pick with penalties, logit_bias, min_tokens, a grammar; log-probabilities; replay of an earlier attempt's
 tokens; the end of sequence, max_tokens and the context), so a request asks here what it asks of the CPU
-batcher. Logits come to the host for that; the sampler graph (device_sampling/) is to keep them on the
-card. Prompt log-probabilities are refused: a run returns each row's last logits only.
+batcher. With `sampler` (ORTFLEET_SAMPLING=graph) the sampler graph (device_sampling/) picks every row it
+can serve in one run and RowSampler the rest (grammars, and the rows it flags); the logits come to the
+host either way for now. Prompt log-probabilities are refused: a run returns each row's last logits only.
 
 A run that fails leaves no row's KV to trust: every request goes back to the queue as `lost` and the
 worker restarts the engine with a fresh pool (BatchingEngine._fail).
@@ -24,10 +25,11 @@ import numpy as np
 import onnxruntime_genai as og
 
 from common.error_codes import ErrorCode
-from worker.engine import EngineUpdate, Finish, GenerationStream, deliver_all
+from worker.engine import EngineUpdate, Finish, GenerationStream, TokenLogprobs, deliver_all
 from worker.engines.batcher.counters import BatcherCounters
-from worker.engines.batcher.engine import BatchingEngine
+from worker.engines.batcher.engine import BatchingEngine, Picked
 from worker.engines.batcher.rows import Row
+from worker.engines.device_sampling.runner import SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
@@ -117,6 +119,7 @@ class PagedEngine(BatchingEngine):
         prefill_chunk: int,
         step_delay_s: float = 0.0,
         prefix_cache: bool = True,
+        sampler: Callable[[frozenset[int], int], SamplerGraph] | None = None,
     ) -> None:
         EngineThread.__init__(self, "paged")
         self.context_length = context_length(model_dir)
@@ -135,6 +138,8 @@ class PagedEngine(BatchingEngine):
         self.prefix_block_tokens = self._runner.block_size if prefix_cache else 0
         blocks = BlockManager(self._runner.blocks, self._runner.block_size)
         self._rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))  # type: ignore[assignment]
+        # ORTFLEET_SAMPLING=graph: the sampler graph picks the rows it can serve, the others go to RowSampler
+        self._sampler = sampler(self.eos_token_ids, self.vocab_size) if sampler is not None else None
         self._thread.start()
 
     @property
@@ -207,16 +212,38 @@ class PagedEngine(BatchingEngine):
             return
         rows.scheduler.advance(planned)
         self._count(planned)
-        for plan, row_logits in zip(planned, logits, strict=True):
-            if not plan.samples:
-                continue
+        sampling = [
+            (plan, row_logits) for plan, row_logits in zip(planned, logits, strict=True) if plan.samples
+        ]
+        picks = self._picks(sampling)
+        for (plan, row_logits), picked in zip(sampling, picks, strict=True):
             row = rows.row_of(plan.row)
             row.length = plan.row.computed
             if row.first_update:
                 row.cached = plan.row.reused
-            self._next(row, row_logits, updates)
+            self._next(row, row_logits, updates, picked)
             if row in rows:  # it goes on: its next token is fed at the next step
                 plan.row.generated.append(row.next_token)
+
+    def _picks(self, sampling: list[tuple[Planned, np.ndarray]]) -> list[Picked | None]:
+        """The sampler graph's pick of each row it serves (None: RowSampler picks it on the host)."""
+        if self._sampler is None or not sampling:
+            return [None] * len(sampling)
+        rows = [self._paged_rows.row_of(plan.row) for plan, _ in sampling]
+        logits = np.stack([row_logits for _, row_logits in sampling])
+        step = self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
+        picks: list[Picked | None] = []
+        for index, row in enumerate(rows):
+            if step.host[index]:
+                picks.append(None)
+                continue
+            asked = row.request.logprobs
+            found = None
+            if asked is not None:
+                top = zip(step.top_ids[index][:asked], step.top_logprobs[index][:asked], strict=True)
+                found = TokenLogprobs(float(step.logprobs[index]), tuple((int(t), float(v)) for t, v in top))
+            picks.append(Picked(int(step.tokens[index]), found))
+        return picks
 
     def _count(self, planned: list[Planned]) -> None:
         counters = self.counters
