@@ -85,9 +85,10 @@ class WorkerSettings(FleetSettings):
         description="What batches the requests: batcher (ortfleet's continuous batcher: requests join "
         "and leave at every step, chunked prefill; CPU only), og-engine (ORT-GenAI's og.Engine: dynamic "
         "batching where the model has paged attention, else its static scheduler), paged (ortfleet's "
-        "own scheduler on a GPU model built with paged attention: the batcher's parameters, logprobs, "
-        "penalties and logit_bias among them, with each row's logits sampled on the host; not yet the "
-        "default: its tokens matched og.Engine's on a card, its speed is not measured) or auto (og.Engine "
+        "own scheduler over a pool of KV blocks: on a GPU, the model built with paged attention, with the "
+        "batcher's parameters, logprobs, penalties and logit_bias among them; not yet the default there: "
+        "the engine has not run on a card; on the CPU, the model's own graph through the same block "
+        "tables, the batcher's tokens at a higher cost per step) or auto (og.Engine "
         "where the model has paged attention or the device is a GPU, the batcher elsewhere).",
     )
     sampling: Literal["host", "graph"] = Field(

@@ -30,16 +30,17 @@ def model(tmp_path: Path, paged: bool) -> Path:
     return tmp_path
 
 
-def test_the_paged_engine_runs_only_a_paged_model_on_a_gpu(tmp_path: Path) -> None:
+def test_the_paged_engine_runs_a_paged_model_on_a_gpu_and_a_cpu_model_on_the_cpu(tmp_path: Path) -> None:
     paged = model(tmp_path, paged=True)
-    assert engine_choice.uses_paged_engine("paged", paged, CUDA)
-    assert engine_choice.engine_kind("paged", paged, CUDA) == "ortfleet's paged engine"
-    assert not engine_choice.uses_paged_engine("auto", paged, CUDA)
-    assert not engine_choice.uses_batcher("paged", paged, CPU)
-    with pytest.raises(CannotStart, match="runs the paged model on a GPU"):
-        engine_choice.uses_paged_engine("paged", paged, CPU)
     (tmp_path / "plain").mkdir()
     plain = model(tmp_path / "plain", paged=False)
+    assert engine_choice.uses_paged_engine("paged", paged, CUDA)
+    assert engine_choice.uses_paged_engine("paged", plain, CPU)
+    assert engine_choice.engine_kind("paged", paged, CUDA) == "ortfleet's paged engine"
+    assert not engine_choice.uses_paged_engine("auto", paged, CUDA)
+    assert not engine_choice.uses_batcher("paged", plain, CPU)
+    with pytest.raises(CannotStart, match="built with paged attention, which runs on CUDA only"):
+        engine_choice.uses_paged_engine("paged", paged, CPU)
     with pytest.raises(CannotStart, match="needs a model built with paged attention for CUDA"):
         engine_choice.uses_paged_engine("paged", plain, CUDA)
 

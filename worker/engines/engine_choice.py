@@ -3,6 +3,7 @@ measure its engine alone open it through here, so both run the same engine with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,48 +34,63 @@ def uses_batcher(scheduler: str, model_dir: Path, device: Device) -> bool:
 
 
 def uses_paged_engine(scheduler: str, model_dir: Path, device: Device) -> bool:
-    """Whether ortfleet's own scheduler runs the paged CUDA model (ORTFLEET_SCHEDULER=paged); refuses a
-    device or a model it cannot run, by name."""
+    """Whether ortfleet's paged engine runs the model (ORTFLEET_SCHEDULER=paged): on a GPU, the model
+    built with paged attention for CUDA; on the CPU, a CPU model's own graph through the same block tables
+    (worker/engines/paged/cpu_model.py). Refuses a model the device cannot run, by name."""
     from worker.engines.genai_config import uses_dynamic_batching
 
     if scheduler != "paged":
         return False
-    if device.kind != "cuda":
-        raise CannotStart("--scheduler paged runs the paged model on a GPU; use --device cuda:N")
-    if not uses_dynamic_batching(model_dir):
+    paged = uses_dynamic_batching(model_dir)
+    if device.kind == "cuda" and not paged:
         raise CannotStart(
-            f"--scheduler paged needs a model built with paged attention for CUDA; {model_dir} is not one "
-            "(ortfleet model default --device cuda builds one)"
+            f"--scheduler paged on a GPU needs a model built with paged attention for CUDA; {model_dir} is "
+            "not one (ortfleet model default --device cuda builds one)"
+        )
+    if device.kind != "cuda" and paged:
+        raise CannotStart(
+            f"{model_dir} is built with paged attention, which runs on CUDA only: use --device cuda"
         )
     return True
 
 
 def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> BatchingEngine:
-    """The paged engine on the card: a pool of KV blocks sized as og.Engine's cache would be (row_sizing)
-    and at most 256 rows a run (the paged operator's limit)."""
+    """The paged engine. On a GPU: a pool of KV blocks sized as og.Engine's cache would be (row_sizing),
+    at most 256 rows a run (the paged operator's limit). On the CPU: blocks of a prefill chunk, as many as
+    ORTFLEET_KV_BUDGET_TOKENS holds (else every row at the full context), over the model's CPU graph."""
+    from worker.engines.batcher.engine import DEFAULT_SLOTS
     from worker.engines.device_sampling.runner import SamplerGraph
     from worker.engines.genai_config import context_length, read_genai
-    from worker.engines.paged.engine import PagedEngine
+    from worker.engines.paged.cpu_model import CpuPagedModel
+    from worker.engines.paged.engine import PagedEngine, PagedRunner
     from worker.engines.paged.model import MAX_ROWS, PagedModel
     from worker.engines.row_sizing import gpu_memory, kv_geometry, plan_kv, weights_bytes
 
-    genai = read_genai(model_dir)
-    block_size = kv_geometry(genai).block_size
-    memory = gpu_memory(device.gpu_label)
-    total, free = memory if memory is not None else (None, None)
-    plan = plan_kv(
-        genai, context_length(model_dir), total, free, weights_bytes(model_dir), settings.gpu_kv_fraction
-    )
-    if plan.tokens < block_size:
-        raise CannotStart(f"the paged engine found no memory for its KV pool on {device} ({plan.source})")
-    blocks = plan.tokens // block_size
-    sampler = None
-    if settings.sampling == "graph":
-        sampler = partial(SamplerGraph, providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+    context = context_length(model_dir)
+    runner: Callable[[], PagedRunner]
+    if device.kind == "cuda":
+        genai = read_genai(model_dir)
+        block_size = kv_geometry(genai).block_size
+        memory = gpu_memory(device.gpu_label)
+        total, free = memory if memory is not None else (None, None)
+        plan = plan_kv(genai, context, total, free, weights_bytes(model_dir), settings.gpu_kv_fraction)
+        if plan.tokens < block_size:
+            raise CannotStart(f"the paged engine found no memory for its KV pool on {device} ({plan.source})")
+        blocks = plan.tokens // block_size
+        capacity = min(settings.max_batch_size or MAX_ROWS, MAX_ROWS)
+        providers: tuple[str, ...] = ("CUDAExecutionProvider", "CPUExecutionProvider")
+        runner = partial(PagedModel, model_dir, blocks, block_size, device.index or 0)
+    else:
+        block_size = settings.prefill_chunk_tokens
+        capacity = settings.max_batch_size or DEFAULT_SLOTS
+        blocks = max((settings.kv_budget_tokens or capacity * context) // block_size, 1)
+        providers = ("CPUExecutionProvider",)
+        runner = partial(CpuPagedModel, model_dir, blocks, block_size)
+    sampler = partial(SamplerGraph, providers=providers) if settings.sampling == "graph" else None
     return PagedEngine(
         model_dir,
-        lambda: PagedModel(model_dir, blocks, block_size, device.index or 0),
-        min(settings.max_batch_size or MAX_ROWS, MAX_ROWS),
+        runner,
+        capacity,
         settings.prefill_chunk_tokens,
         settings.step_delay_s,
         settings.prefix_cache,

@@ -1,0 +1,83 @@
+"""A worker on the paged engine (`--scheduler paged`) in a fleet, on real processes: on the CPU it runs the
+tiny model's own graph through block tables, so what it writes is what a worker on the batcher writes:
+the same completion and log-probabilities through the OpenAI route, in an engine core as in the worker's
+own process; a cancel; and a job whose engine core is killed mid-stream resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import httpx
+
+from ortfleet.bench.machine import child_pids
+from tests.conftest import Fleet
+from tests.jobs_client import read_events, submit, wait_done
+from tests.test_reliability import SLOW, assert_contiguous, stream_until_tokens
+
+IN_A_CORE = {"ORTFLEET_ENGINE_CORE": "process"}
+BODY: dict[str, Any] = {
+    "prompt": "The quick brown fox",
+    "max_tokens": 40,
+    "logprobs": 3,
+    "temperature": 0,
+    "presence_penalty": 0.4,
+}
+
+
+async def test_a_paged_worker_writes_what_a_batcher_worker_writes_in_a_core_or_in_process(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name + "-batcher", "--scheduler", "batcher")
+    fleet.start_worker(model_name + "-paged", "--scheduler", "paged")
+    fleet.start_worker(model_name + "-paged-core", "--scheduler", "paged", env=IN_A_CORE)
+    answers = []
+    for suffix in ("-batcher", "-paged", "-paged-core"):
+        response = await client.post("/v1/completions", json={**BODY, "model": model_name + suffix})
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0])
+    assert answers[0]["text"] and answers[0]["logprobs"]["top_logprobs"]
+    for answer in answers[1:]:
+        assert answer["text"] == answers[0]["text"]
+        assert answer["logprobs"]["tokens"] == answers[0]["logprobs"]["tokens"]
+        for ours, theirs in zip(
+            answer["logprobs"]["token_logprobs"], answers[0]["logprobs"]["token_logprobs"], strict=True
+        ):
+            assert abs(ours - theirs) < 1e-4
+    refused = await client.post(
+        "/v1/completions",
+        json={"model": model_name + "-paged", "prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1},
+    )
+    assert refused.status_code == 400 and "prompt_logprobs" in refused.text
+
+
+async def test_a_paged_workers_job_is_cancelled_mid_stream(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    fleet.start_worker(model_name, "--scheduler", "paged", env=SLOW)
+    job = await submit(client, {"model": model_name, "prompt": "Count with me", "max_tokens": 400})
+    await stream_until_tokens(client, job["id"], 5)
+    response = await client.delete(f"/v1/jobs/{job['id']}")
+    assert response.status_code in (200, 202), response.text
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "cancelled"
+    assert done["usage"]["completion_tokens"] < 400
+
+
+async def test_a_paged_workers_core_killed_mid_stream_is_replaced_and_its_job_resumes_exactly(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+) -> None:
+    worker = fleet.start_worker(model_name, "--scheduler", "paged", env={**SLOW, **IN_A_CORE})
+    body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
+    reference = await wait_done(client, (await submit(client, body))["id"])
+    assert reference["status"] == "succeeded"
+    (core,) = child_pids(worker.pid)
+    job = await submit(client, body)
+    await stream_until_tokens(client, job["id"], 30)
+    os.kill(core, signal.SIGKILL)
+    events = await read_events(client, job["id"])
+    done = await wait_done(client, job["id"])
+    assert done["status"] == "succeeded" and done["attempts"] == 2
+    assert done["output"] == reference["output"] and done["resume_exact"] is True
+    assert len(assert_contiguous(events)) == done["usage"]["completion_tokens"]
