@@ -64,3 +64,14 @@ def test_the_shape_of_a_paged_folder_and_the_refusal_of_another(tmp_path) -> Non
     (tmp_path / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not built with paged attention"):
         PagedShape.of(tmp_path)
+
+
+def test_the_last_rows_of_a_runs_logits_come_back_as_float32() -> None:
+    import onnxruntime as ort
+
+    from worker.engines.paged.model import LastRows
+
+    logits = np.random.default_rng(0).standard_normal((7, 50)).astype(np.float16)
+    taken = LastRows().take(ort.OrtValue.ortvalue_from_numpy(logits), np.array([2, 4, 6]))
+    assert taken.dtype == np.float32 and taken.shape == (3, 50)
+    np.testing.assert_array_equal(taken, logits[[2, 4, 6]].astype(np.float32))

@@ -129,9 +129,10 @@ class PagedModel:
         self.block_size = block_size
         self.device_id = device_id
         options = ort.SessionOptions()
-        cuda = ("CUDAExecutionProvider", {"device_id": str(device_id)})
-        providers: list[Any] = [cuda, "CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(model_dir / shape.filename), options, providers=providers)
+        self.session = ort.InferenceSession(
+            str(model_dir / shape.filename), options, providers=self._providers()
+        )
+        self._gather: LastRows | None = None
         kv_type = {"tensor(float16)": np.float16, "tensor(bfloat16)": None, "tensor(float)": np.float32}
         past_key = shape.inputs["past_key_names"] % 0
         element = kv_type[next(i.type for i in self.session.get_inputs() if i.name == past_key)]
@@ -166,6 +167,54 @@ class PagedModel:
         return binding.get_outputs()[0], last
 
     def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
-        """One run of `rows`, and each row's last token's logits on the host, float32 [rows, vocab]."""
+        """One run of `rows`, and each row's last token's logits on the host, float32 [rows, vocab]: taken
+        from the run's logits and cast on the card (LastRows), so a prompt chunk brings one row back."""
         logits, last = self.run(rows)
-        return np.asarray(logits.numpy()[last], np.float32)
+        return self._last_rows.take(logits, last)
+
+    @property
+    def _last_rows(self) -> LastRows:
+        if self._gather is None:
+            self._gather = LastRows(self._providers())
+        return self._gather
+
+    def _providers(self) -> list[Any]:
+        return [("CUDAExecutionProvider", {"device_id": str(self.device_id)}), "CPUExecutionProvider"]
+
+
+class LastRows:
+    """A small onnxruntime graph that takes the rows `index` of a run's logits [tokens, vocab] where they
+    are (on the card) and brings them to the host as float32 [rows, vocab]."""
+
+    def __init__(self, providers: Sequence[Any] = ("CPUExecutionProvider",)) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        nodes = [
+            helper.make_node("Gather", ["logits", "index"], ["rows"], axis=0),
+            helper.make_node("Cast", ["rows"], ["last"], to=TensorProto.FLOAT),
+        ]
+        graph = helper.make_graph(
+            nodes,
+            "last_rows",
+            [
+                helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["tokens", "vocab"]),
+                helper.make_tensor_value_info("index", TensorProto.INT64, ["rows"]),
+            ],
+            [helper.make_tensor_value_info("last", TensorProto.FLOAT, ["rows", "vocab"])],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        model.ir_version = 8
+        onnx.checker.check_model(model)
+        self._session = ort.InferenceSession(model.SerializeToString(), providers=list(providers))
+
+    def take(self, logits: Any, index: np.ndarray) -> np.ndarray:
+        """`logits`: an OrtValue of float16 [tokens, vocab], on whichever device the session runs on."""
+        binding = self._session.io_binding()
+        binding.bind_ortvalue_input("logits", logits)
+        binding.bind_cpu_input("index", np.asarray(index, np.int64))
+        binding.bind_output("last", "cpu")
+        self._session.run_with_iobinding(binding)
+        rows: np.ndarray = binding.copy_outputs_to_cpu()[0]
+        return rows
