@@ -221,10 +221,11 @@ async def test_a_worker_whose_engine_runs_in_a_core_writes_what_one_with_the_eng
     assert cores[model_name + "-in"] == "in-process" and cores[model_name + "-core"] == "own"
 
 
+@pytest.mark.parametrize("scheduler", ["batcher", "paged"])
 async def test_a_core_killed_mid_stream_is_replaced_and_its_jobs_resume_with_no_gap(
-    fleet: Fleet, client: httpx.AsyncClient, model_name: str
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str, scheduler: str
 ) -> None:
-    worker = fleet.start_worker(model_name, "--scheduler", "batcher", env={**SLOW, **IN_A_CORE})
+    worker = fleet.start_worker(model_name, "--scheduler", scheduler, env={**SLOW, **IN_A_CORE})
     body = {"model": model_name, "prompt": "The quick brown fox", "max_tokens": 200}
     reference = await wait_done(client, (await submit(client, body))["id"])
     assert reference["status"] == "succeeded" and reference["attempts"] == 1
