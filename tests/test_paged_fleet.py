@@ -11,9 +11,9 @@ import httpx
 
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
+from tests.test_engine_core import IN_A_CORE
 from tests.test_reliability import SLOW, stream_until_tokens
 
-IN_A_CORE = {"ORTFLEET_ENGINE_CORE": "process"}
 BODY: dict[str, Any] = {
     "prompt": "The quick brown fox",
     "max_tokens": 40,
