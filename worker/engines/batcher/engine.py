@@ -146,15 +146,19 @@ class BatchingEngine(EngineThread):
                 if self._failed:
                     continue
                 updates: Updates = []
-                self._rows.admit()
-                self._prefill(updates)
-                self._decode(updates)
+                self._step(updates)
                 deliver_all(updates)
                 if self._step_delay_s and self._rows.running():
                     time.sleep(self._step_delay_s)
         except BaseException:
-            logger.exception("the batcher's thread died")
+            logger.exception("the %s thread died", self._thread.name)
             raise
+
+    def _step(self, updates: Updates) -> None:
+        """One iteration: admissions, prompt chunks, then one decode run (see the module's docstring)."""
+        self._rows.admit()
+        self._prefill(updates)
+        self._decode(updates)
 
     def _start(self, stream: GenerationStream, updates: Updates) -> None:
         request = stream.request
@@ -352,7 +356,7 @@ class BatchingEngine(EngineThread):
     def _fail(self, cause: str) -> None:
         """A decode run failed: no row's KV can be trusted. Every request goes back to the queue (`lost`),
         and the worker restarts the engine (on_failure)."""
-        logger.error("the batcher failed: %s", cause)
+        logger.error("the %s engine failed: %s", self._thread.name, cause)
         rows = self._rows.clear()
         self._failed = cause
         deliver_all([(row.stream, EngineUpdate([], Finish.lost, cause)) for row in rows])

@@ -10,14 +10,13 @@ can serve in one run and RowSampler the rest (grammars, and the rows it flags); 
 host either way for now. Prompt log-probabilities are refused: a run returns each row's last logits only.
 
 A run that fails leaves no row's KV to trust: every request goes back to the queue as `lost` and the
-worker restarts the engine with a fresh pool (BatchingEngine._fail).
+worker restarts the engine with a fresh pool (BatchingEngine._fail, PagedRows.clear).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -25,7 +24,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from common.error_codes import ErrorCode
-from worker.engine import EngineUpdate, Finish, GenerationStream, TokenLogprobs, deliver_all
+from worker.engine import EngineUpdate, Finish, GenerationStream, TokenLogprobs
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.engine import BatchingEngine, Picked
 from worker.engines.batcher.rows import Row
@@ -80,6 +79,10 @@ class PagedRows:
         del self._row[paged]
         self.scheduler.end(paged)
 
+    @property
+    def waiting(self) -> Sequence[PagedRow]:
+        return self.scheduler.waiting
+
     def running(self) -> int:
         return len(self.scheduler.running)
 
@@ -92,18 +95,15 @@ class PagedRows:
         decoding = sum(1 for row in running if row.decoding)
         return len(self.scheduler.waiting), len(running) - decoding, decoding
 
-    def clear(self, blocks: BlockManager) -> list[Row]:
-        """Takes every row out and starts `blocks` afresh (the pool's KV can no longer be trusted)."""
+    def clear(self) -> list[Row]:
+        """Takes every row out, with a fresh pool of the same size (its KV can no longer be trusted)."""
         rows = self.every()
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
-        self.scheduler.blocks = blocks
+        self.scheduler.blocks = BlockManager(self.scheduler.blocks.blocks, self.scheduler.blocks.block_size)
         self._row.clear()
         self._paged.clear()
         return rows
-
-    def __iter__(self) -> Iterator[Row]:
-        return iter(self.every())
 
 
 class PagedEngine(BatchingEngine):
@@ -137,16 +137,11 @@ class PagedEngine(BatchingEngine):
         self._prefix_cache = prefix_cache
         self.prefix_block_tokens = self._runner.block_size if prefix_cache else 0
         blocks = BlockManager(self._runner.blocks, self._runner.block_size)
-        self._rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))  # type: ignore[assignment]
+        self._paged_rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))
+        self._rows = self._paged_rows  # type: ignore[assignment]  # what BatchingEngine's own methods use
         # ORTFLEET_SAMPLING=graph: the sampler graph picks the rows it can serve, the others go to RowSampler
         self._sampler = sampler(self.eos_token_ids, self.vocab_size) if sampler is not None else None
         self._thread.start()
-
-    @property
-    def _paged_rows(self) -> PagedRows:
-        rows = self._rows
-        assert isinstance(rows, PagedRows)
-        return rows
 
     # The event loop's side.
 
@@ -168,22 +163,6 @@ class PagedEngine(BatchingEngine):
         return self._paged_rows.counts()
 
     # The engine's thread.
-
-    def _main(self) -> None:
-        try:
-            while True:
-                if not self._drain_commands(block=not self._paged_rows.every()):
-                    return
-                if self._failed:
-                    continue
-                updates: Updates = []
-                self._step(updates)
-                deliver_all(updates)
-                if self._step_delay_s and self._paged_rows.running():
-                    time.sleep(self._step_delay_s)
-        except BaseException:
-            logger.exception("the paged engine's thread died")
-            raise
 
     def _start(self, stream: GenerationStream, updates: Updates) -> None:
         if stream.request.prompt_logprobs is not None:
@@ -260,14 +239,6 @@ class PagedEngine(BatchingEngine):
                 counters.decode_tokens += tokens
         counters.decode_steps += 1
 
-    def _fail(self, cause: str) -> None:
-        logger.error("the paged engine failed: %s", cause)
-        rows = self._paged_rows.clear(BlockManager(self._runner.blocks, self._runner.block_size))
-        self._failed = cause
-        deliver_all([(row.stream, EngineUpdate([], Finish.lost, cause)) for row in rows])
-        self._tell_failure(cause)
-
     def _renew(self) -> None:
-        self._runner = self._make_runner()
-        self._paged_rows.clear(BlockManager(self._runner.blocks, self._runner.block_size))
+        self._runner = self._make_runner()  # its pool is new; _fail gave the scheduler fresh books
         logger.info("the paged engine starts again with a fresh KV pool")
