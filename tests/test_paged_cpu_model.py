@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.test_batcher import collect
 from worker.engine import GenerationRequest
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.batcher.sampler import RowSampler
+from worker.engines.genai_config import eos_token_ids
 from worker.engines.paged.blocks import BlockManager
 from worker.engines.paged.cpu_model import CpuPagedModel
 from worker.engines.paged.scheduler import PagedRow, Scheduler
@@ -36,18 +38,9 @@ def batcher_tokens(model_dir: Path, requests: list[GenerationRequest]) -> list[l
     async def run() -> list[list[int]]:
         engine = BatchingEngine(model_dir, slots=4, prefill_chunk=CHUNK, prefix_cache=False)
         try:
-            streams = engine.submit(requests)
-            out = []
-            for stream in streams:
-                tokens: list[int] = []
-                while True:
-                    update = await stream.updates.get()
-                    tokens += update.token_ids
-                    if update.finish is not None:
-                        assert update.error is None, update.error
-                        break
-                out.append(tokens)
-            return out
+            out = [await collect(stream) for stream in engine.submit(requests)]
+            assert all(result.error is None for result in out), out
+            return [result.tokens for result in out]
         finally:
             engine.close()
 
@@ -81,13 +74,6 @@ def paged_tokens(
     return [row.generated for row in rows], sum(row.reused for row in rows)
 
 
-def eos_of(model_dir: Path) -> frozenset[int]:
-    import json
-
-    eos = json.loads((model_dir / "genai_config.json").read_text())["model"]["eos_token_id"]
-    return frozenset(eos if isinstance(eos, list) else [eos])
-
-
 @pytest.mark.parametrize("model_name", ["tiny_model", "default_model"])
 def test_the_paged_scheduler_on_the_cpu_graph_gives_every_request_the_batchers_tokens(
     model_name: str, request: pytest.FixtureRequest
@@ -96,7 +82,7 @@ def test_the_paged_scheduler_on_the_cpu_graph_gives_every_request_the_batchers_t
     vocab = CpuPagedModel(model_dir, 1, BLOCK).vocab
     tokens = 12 if model_name == "tiny_model" else 8
     asked = [GenerationRequest(p, tokens, min_new_tokens=tokens) for p in prompts(vocab, 9)]
-    ours, reused = paged_tokens(model_dir, asked, eos_of(model_dir))
+    ours, reused = paged_tokens(model_dir, asked, eos_token_ids(model_dir))
     theirs = batcher_tokens(model_dir, asked)
     assert ours == theirs
     assert reused >= 2 * BLOCK  # later rows with the shared opening reused its whole blocks

@@ -13,7 +13,6 @@ step at each batch size and past length, the candidates measured back to back.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from tqdm import tqdm
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import table
 from ortfleet.bench.session_rows import MODES, Layout, SessionRows, open_session
+from worker.engines.genai_config import eos_token_ids, read_genai
 
 CANDIDATES = (*(f"session-{mode}" for mode in MODES), "generators", "og-batch")
 PROMPTS = (
@@ -65,13 +65,12 @@ class _Model:
 
 
 def run(options: BatchingOptions) -> dict[str, Any]:
-    config = json.loads((options.model_dir / "genai_config.json").read_text())["model"]
-    eos = config["eos_token_id"]
+    config = read_genai(options.model_dir)["model"]
     model = _Model(
         og.Model(str(options.model_dir)),
         config["vocab_size"],
         config["pad_token_id"],
-        frozenset(eos if isinstance(eos, list) else [eos]),
+        eos_token_ids(options.model_dir),
     )
     load_at_start = os.getloadavg()
     tokenizer = og.Tokenizer(model.model)

@@ -81,3 +81,9 @@ def vocab_size(model_dir: Path) -> int | None:
     genai = read_genai(model_dir)
     size = genai.get("model", {}).get("vocab_size")
     return int(size) if isinstance(size, int) else None
+
+
+def eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """The model's end-of-sequence ids, as genai_config.json gives them (one id or a list)."""
+    eos = read_genai(model_dir)["model"]["eos_token_id"]
+    return frozenset(eos if isinstance(eos, list) else [eos])

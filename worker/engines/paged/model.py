@@ -24,7 +24,6 @@ block manager's, blocks.py); this module keeps only the pool.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from worker.engines.genai_config import eos_token_ids, read_genai
 
 MAX_ROWS = 256  # rows a run may hold: onnxruntime's PagedAttention scans the rows' lengths in one block
 
@@ -59,18 +60,17 @@ class PagedShape:
 
     @classmethod
     def of(cls, model_dir: Path) -> PagedShape:
-        config = json.loads((model_dir / "genai_config.json").read_text())["model"]
+        config = read_genai(model_dir)["model"]
         decoder = config["decoder"]
         if "block_table" not in decoder.get("inputs", {}):
             raise ValueError(f"{model_dir} was not built with paged attention: its graph has no block_table")
-        eos = config["eos_token_id"]
         return cls(
             layers=decoder["num_hidden_layers"],
             kv_heads=decoder["num_key_value_heads"],
             head_size=decoder["head_size"],
             vocab=config["vocab_size"],
             context=config["context_length"],
-            eos=frozenset(eos if isinstance(eos, list) else [eos]),
+            eos=eos_token_ids(model_dir),
             filename=decoder["filename"],
             inputs=decoder["inputs"],
             outputs=decoder["outputs"],
@@ -146,7 +146,6 @@ class PagedModel:
             )
             for _ in range(shape.layers)
         ]
-        self._ort = ort
 
     def run(self, rows: Sequence[PackedRow]) -> tuple[Any, np.ndarray]:
         """One run of `rows`: the logits of every token, on the card (an OrtValue [tokens, vocab]), and the

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from worker.engines.paged.blocks import BlockManager
+from worker.engines.paged.blocks import BlockManager, OutOfBlocks
 from worker.engines.paged.model import PackedRow
 
 
@@ -125,10 +125,13 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.capacity:
             row = self.waiting[0]
-            if not self.blocks.fits(row.prompt, row.max_new_tokens, row.scope):
+            try:  # admit checks the pool before it takes anything, and hashes the prompt once
+                row.reused = row.computed = self.blocks.admit(
+                    row.key, row.prompt, row.max_new_tokens, row.scope
+                )
+            except OutOfBlocks:
                 return  # first come, first served: no later row jumps ahead of one waiting for blocks
             self.waiting.popleft()
-            row.reused = row.computed = self.blocks.admit(row.key, row.prompt, row.max_new_tokens, row.scope)
             self.running.append(row)
 
     def _decode(self, row: PagedRow) -> Planned:
