@@ -112,10 +112,12 @@ def run(options: ServingOptions) -> dict[str, Any]:
             bar.update()
         measured: tuple[list[dict[str, Any]], dict[str, Any] | None] = ([], None)
         name: str | None = None  # the engine alone (--engine-only) serves no name
-        if options.url is not None and not options.engine_only:
+        if options.engine_only:
+            pass  # no server: no levels, no interference, no name
+        elif options.url is not None:
             name = options.name or aio.run(served_model(options.url))
             measured = _measure_server(options, options.url, name, planned, bar)
-        elif not options.engine_only:
+        else:
             assert options.model_dir is not None
             with serving_fleet(
                 options.model_dir,
