@@ -1,17 +1,20 @@
 """The paged engine (ORTFLEET_SCHEDULER=paged) on a card: the default model's greedy tokens against
-og.Engine's, and the log-probabilities og.Engine cannot give. Skipped where onnxruntime-genai cannot use
-CUDA; `scripts/gpu-report` runs it on a GPU host."""
+og.Engine's, the log-probabilities og.Engine cannot give, and prompt log-probabilities against the CPU
+batcher's on the same weights. Skipped where onnxruntime-genai cannot use CUDA; `scripts/gpu-report` runs
+it on a GPU host."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.worker_settings import WorkerSettings
 from tests.gpu_marks import ON_A_GPU
-from worker.engine import GenerationRequest
+from worker.engine import GenerationRequest, TokenLogprobs
+from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.device import Device
 from worker.engines.engine_choice import open_engine
 
@@ -26,6 +29,25 @@ def cuda_model() -> Path:
     from ortfleet.modelbuild.default import ensure_default_model
 
     return ensure_default_model(FleetSettings().model_cache, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def float_cpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's weights in fp32 for the CPU (about a minute to build): the CPU batcher's model
+    to hold the card's fp16 log-probabilities against. The CPU default is int4, whose prompt
+    log-probabilities are about 0.8 from fp32's on average, too far to check anything by."""
+    from ortfleet.modelbuild.cache import install_model
+    from ortfleet.modelbuild.convert import StageProgress
+    from ortfleet.modelbuild.default import DEFAULT_MODEL_SOURCE, DefaultVariant, _convert
+
+    recipe = "smollm2-135m-instruct-gguf-to-fp32-cpu/1"
+    variant = DefaultVariant("smollm2-135m-instruct-fp32-cpu", recipe, "fp32", "cpu")
+    return install_model(
+        tmp_path_factory.mktemp("fp32") / variant.name,
+        lambda work, staged: _convert(work, staged, variant, StageProgress(4, enabled=False)),
+        source=DEFAULT_MODEL_SOURCE,
+        recipe=recipe,
+    )
 
 
 def generate(
@@ -75,3 +97,49 @@ def test_the_paged_engine_on_the_card_gives_log_probabilities(cuda_model: Path) 
         cuda_model, "paged", [GenerationRequest(ids, 8, min_new_tokens=8, logprobs=5)]
     )
     assert len(tokens) == 8 and entries == 8
+
+
+def prompt_logprobs(engine: BatchingEngine, requests: list[GenerationRequest]) -> tuple[TokenLogprobs, ...]:
+    """The requests on `engine` one after another (closed afterwards): the last one's prompt
+    log-probabilities, from its first update."""
+
+    async def run() -> tuple[TokenLogprobs, ...]:
+        try:
+            found = None
+            for request in requests:
+                [stream] = engine.submit([request])
+                while True:
+                    update = await stream.updates.get()
+                    assert update.error is None, update.error
+                    found = found if update.prompt_logprobs is None else update.prompt_logprobs
+                    if update.finish is not None:
+                        break
+            assert found is not None
+            return found
+        finally:
+            engine.close()
+
+    return asyncio.run(run())
+
+
+def test_the_paged_engine_on_the_card_gives_the_cpu_batchers_prompt_log_probabilities(
+    cuda_model: Path, float_cpu_model: Path
+) -> None:
+    batcher = BatchingEngine(float_cpu_model, slots=2, prefill_chunk=64)
+    text = " ".join(f"{prompt} Answer {n}, in a land far away." for n in range(12) for prompt in PROMPTS)
+    ids = batcher.tokenizer.encode(text)
+    assert len(ids) > 256  # a whole KV block of the card's (256 tokens) and more
+    asked = GenerationRequest(ids, 2, prompt_logprobs=3)
+    theirs = prompt_logprobs(batcher, [asked])
+    settings = WorkerSettings(scheduler="paged", gpu_kv_fraction=0.2, prefill_chunk_tokens=64)
+    engine = open_engine(cuda_model, Device("cuda", 0), settings)
+    assert isinstance(engine, BatchingEngine)  # the paged engine
+    # The prompt's first block cached by a request that does not ask: the asking one reuses none of it, and
+    # its prompt runs in chunks of 64 tokens.
+    ours = prompt_logprobs(engine, [GenerationRequest(ids, 2), asked])
+    assert len(ours) == len(theirs) == len(ids) - 1
+    gaps = np.array([abs(mine.logprob - other.logprob) for mine, other in zip(ours, theirs, strict=True)])
+    # fp16 on the card against fp32 on the CPU; a position off by one, or another row's logits, would be
+    # nats away
+    assert gaps.mean() < 5e-2 and gaps.max() < 0.2, gaps.round(3).tolist()
+    assert all(len(entry.top) == 3 for entry in ours)

@@ -1,19 +1,20 @@
 """The paged engine (worker/engines/paged/engine.py) behind the engine seam, on real inference without a
 card: its runs are the paged contract computed by the tiny model's CPU graph (cpu_model.py). A batch of
-requests gets the CPU batcher's tokens, log-probabilities and seeded samples; a cancel, a replay, the
-refusals and a failed run behave as the batcher's do."""
+requests gets the CPU batcher's tokens, log-probabilities, prompt log-probabilities and seeded samples;
+a cancel, a replay, the refusals and a failed run behave as the batcher's do."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.test_batcher import Collected, collect
-from worker.engine import Finish, GenerationRequest
+from worker.engine import Finish, GenerationRequest, GenerationStream, TokenLogprobs
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.device_sampling.runner import SamplerGraph
 from worker.engines.paged.cpu_model import CpuPagedModel
@@ -121,6 +122,104 @@ async def test_log_probabilities_are_the_batchers(
         assert [t for t, _ in top] == [t for t, _ in their_top]
 
 
+@dataclass
+class Answer:
+    tokens: list[int]
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None
+    cached_tokens: int | None
+
+
+async def answer(stream: GenerationStream) -> Answer:
+    """A request's tokens, and the prompt log-probabilities and cached tokens of its first update."""
+    out: Answer | None = None
+    tokens: list[int] = []
+    while True:
+        update = await stream.updates.get()
+        assert update.error is None, update.error
+        if out is None:
+            out = Answer(tokens, update.prompt_logprobs, update.cached_tokens)
+        else:
+            assert update.prompt_logprobs is None  # the first update alone carries them
+        tokens += update.token_ids
+        if update.finish is not None:
+            return out
+
+
+async def answers(engine: PagedEngine | BatchingEngine, asked: list[GenerationRequest]) -> list[Answer]:
+    return list(await asyncio.gather(*(answer(s) for s in engine.submit(asked))))
+
+
+def assert_same_prompt_logprobs(
+    ours: tuple[TokenLogprobs, ...] | None, theirs: tuple[TokenLogprobs, ...] | None, prompt: list[int]
+) -> None:
+    assert ours is not None and theirs is not None
+    assert len(ours) == len(theirs) == len(prompt) - 1  # every prompt token after the first
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert abs(mine.logprob - reference.logprob) < 1e-4
+        assert [t for t, _ in mine.top] == [t for t, _ in reference.top]
+        for (_, value), (_, their_value) in zip(mine.top, reference.top, strict=True):
+            assert abs(value - their_value) < 1e-4
+
+
+def long_prompt(vocab: int, seed: int = 9) -> list[int]:
+    """A prompt over three prefill chunks (16, 16 and 13 tokens)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(10, vocab, size=45)]
+
+
+async def batcher_answers(tiny_model: Path, asked: list[GenerationRequest]) -> list[Answer]:
+    batcher = BatchingEngine(tiny_model, slots=4, prefill_chunk=CHUNK)
+    try:
+        return await answers(batcher, asked)
+    finally:
+        batcher.close()
+
+
+@pytest.mark.parametrize(
+    ("top", "graph"), [(0, False), (3, False), (3, True)], ids=["top 0", "top 3", "top 3, sampler graph"]
+)
+async def test_prompt_log_probabilities_across_chunks_are_the_batchers(
+    paged: Callable[..., PagedEngine], tiny_model: Path, top: int, graph: bool
+) -> None:
+    engine = paged(graph=graph)
+    prompt = long_prompt(engine.vocab_size)
+    others = requests(engine.vocab_size)
+    asked = [  # decoding rows share the asking row's runs: each run mixes its chunks with their tokens
+        others[0],
+        GenerationRequest(prompt, 6, min_new_tokens=6, prompt_logprobs=top, logprobs=2),
+        others[2],
+    ]
+    ours = await answers(engine, asked)
+    theirs = await batcher_answers(tiny_model, asked)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.tokens == reference.tokens
+    assert_same_prompt_logprobs(ours[1].prompt_logprobs, theirs[1].prompt_logprobs, prompt)
+    assert all(len(entry.top) == top for entry in ours[1].prompt_logprobs or ())
+    assert ours[0].prompt_logprobs is None and ours[2].prompt_logprobs is None
+
+
+async def test_a_prompt_already_cached_still_gets_every_prompt_log_probability(
+    paged: Callable[..., PagedEngine], tiny_model: Path
+) -> None:
+    engine = paged()  # the prefix cache on
+    prompt = long_prompt(engine.vocab_size, seed=10)
+    plain = GenerationRequest(prompt, 4, min_new_tokens=4)
+    asking = GenerationRequest(prompt, 4, min_new_tokens=4, prompt_logprobs=2)
+    [first] = await answers(engine, [plain])
+    [again] = await answers(engine, [asking])  # its prompt's first blocks are cached: it reuses none
+    [twice] = await answers(engine, [asking])
+    [last] = await answers(engine, [plain])  # the cache still serves requests that do not ask
+    [reference] = await batcher_answers(tiny_model, [asking])
+    assert (first.cached_tokens, again.cached_tokens, twice.cached_tokens) == (0, 0, 0)
+    assert last.cached_tokens == 2 * BLOCK  # whole blocks short of the prompt's last token
+    for answered in (again, twice):
+        assert answered.tokens == first.tokens == reference.tokens
+        assert_same_prompt_logprobs(answered.prompt_logprobs, reference.prompt_logprobs, prompt)
+    assert engine.counters.prefix_hits == 1
+    pool = engine._paged_rows.scheduler.blocks
+    pool.check()
+    assert pool.available == pool.blocks
+
+
 async def test_a_cancelled_request_ends_within_a_step_and_gives_its_blocks_back(
     paged: Callable[..., PagedEngine],
 ) -> None:
@@ -151,14 +250,9 @@ async def test_a_replayed_attempt_goes_on_exactly_where_it_stopped(paged: Callab
     assert resumed.replay_exact is True
 
 
-async def test_requests_it_cannot_serve_are_refused_by_name(paged: Callable[..., PagedEngine]) -> None:
+async def test_a_request_it_cannot_serve_is_refused_by_name(paged: Callable[..., PagedEngine]) -> None:
     engine = paged(blocks=4)  # 64 tokens of KV
-    [prompt_logprobs, too_big] = await run_all(
-        engine,
-        [GenerationRequest([5, 6, 7], 4, prompt_logprobs=2), GenerationRequest([5] * 40, 40)],
-    )
-    assert prompt_logprobs.error_code == "unsupported_parameter"
-    assert "prompt_logprobs" in (prompt_logprobs.error or "")
+    [too_big] = await run_all(engine, [GenerationRequest([5] * 40, 40)])
     assert too_big.finish is Finish.error
     assert "needs 80 tokens of KV cache" in (too_big.error or "") and "the paged KV pool" in (
         too_big.error or ""

@@ -1,7 +1,8 @@
 """A worker on the paged engine (`--scheduler paged`) in a fleet, on real processes: on the CPU it runs the
 tiny model's own graph through block tables, so what it writes is what a worker on the batcher writes:
 the same completion and log-probabilities through the OpenAI route, in an engine core as in the worker's
-own process, and a cancel. A paged worker's core killed mid-stream: tests/test_engine_core.py."""
+own process, the same echoed prompt log-probabilities, and a cancel. A paged worker's core killed
+mid-stream: tests/test_engine_core.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ BODY: dict[str, Any] = {
     "logprobs": 3,
     "temperature": 0,
     "presence_penalty": 0.4,
+}
+# A prompt over two of a worker's prefill chunks (128 tokens), echoed with its tokens' log-probabilities.
+ECHO: dict[str, Any] = {
+    "prompt": "Hello! " * 30,  # 180 tokens of the tiny model
+    "max_tokens": 2,
+    "echo": True,
+    "logprobs": 1,
+    "temperature": 0,
 }
 
 
@@ -42,11 +51,15 @@ async def test_a_paged_worker_writes_what_a_batcher_worker_writes_in_a_core_or_i
             answer["logprobs"]["token_logprobs"], answers[0]["logprobs"]["token_logprobs"], strict=True
         ):
             assert abs(ours - theirs) < 1e-4
-    refused = await client.post(
-        "/v1/completions",
-        json={"model": model_name + "-paged", "prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1},
-    )
-    assert refused.status_code == 400 and "prompt_logprobs" in refused.text
+    echoed = []
+    for suffix in ("-batcher", "-paged"):
+        response = await client.post("/v1/completions", json={**ECHO, "model": model_name + suffix})
+        assert response.status_code == 200, response.text
+        echoed.append(response.json()["choices"][0]["logprobs"])
+    assert echoed[1]["tokens"] == echoed[0]["tokens"]
+    assert echoed[0]["token_logprobs"][0] is None and echoed[1]["token_logprobs"][0] is None
+    for ours, theirs in zip(echoed[1]["token_logprobs"][1:], echoed[0]["token_logprobs"][1:], strict=True):
+        assert abs(ours - theirs) < 1e-4
 
 
 async def test_a_paged_workers_job_is_cancelled_mid_stream(

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from worker.engines.paged.model import PackedRow, PagedShape, pack
+from worker.engines.paged.model import LastRows, PackedRow, PagedShape, by_row, pack
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_a_mixed_run_packs_a_chunk_a_prefill_and_a_decode_one_after_another() ->
     assert feeds["past_sequence_lengths"].tolist() == [4, 0, 9]
     assert feeds["block_table"].tolist() == [[5, 9, 0], [2, 0, 0], [0, 1, 3]]
     assert feeds["attention_metadata"].tolist() == [3, 10, 0]  # longest chunk, longest row, no lower bound
-    assert feeds["last"].tolist() == [2, 4, 5]
+    assert feeds["taken"].tolist() == [2, 4, 5]  # each row's last token: the logits that come back
     for name in ("cumulative_sequence_lengths", "past_sequence_lengths", "block_table", "attention_metadata"):
         assert feeds[name].dtype == np.int32, name
 
@@ -69,9 +69,49 @@ def test_the_shape_of_a_paged_folder_and_the_refusal_of_another(tmp_path) -> Non
 def test_the_last_rows_of_a_runs_logits_come_back_as_float32() -> None:
     import onnxruntime as ort
 
-    from worker.engines.paged.model import LastRows
-
     logits = np.random.default_rng(0).standard_normal((7, 50)).astype(np.float16)
     taken = LastRows().take(ort.OrtValue.ortvalue_from_numpy(logits), np.array([2, 4, 6]))
     assert taken.dtype == np.float32 and taken.shape == (3, 50)
     np.testing.assert_array_equal(taken, logits[[2, 4, 6]].astype(np.float32))
+
+
+def test_a_row_that_asks_for_all_its_logits_gets_each_of_its_tokens_and_the_others_their_last() -> None:
+    rows = [
+        PackedRow([11, 12, 13], 4, [5, 9], all_logits=True),  # a prompt chunk with a past, every position
+        PackedRow([21, 22], 0, [2]),  # a whole short prompt: its last token only
+        PackedRow([31], 9, [0, 1, 3]),  # a decoding row
+        PackedRow([41, 42], 0, [4], all_logits=True),
+    ]
+    feeds = pack(rows, block_size=4)
+    assert feeds["taken"].tolist() == [0, 1, 2, 4, 5, 6, 7]
+    assert [row.returned for row in rows] == [3, 1, 1, 2]
+    logits = np.arange(7 * 3, dtype=np.float32).reshape(7, 3)
+    parts = by_row(rows, logits)
+    assert [part.tolist() for part in parts] == [
+        logits[0:3].tolist(),
+        logits[3:4].tolist(),
+        logits[4:5].tolist(),
+        logits[5:7].tolist(),
+    ]
+    with pytest.raises(ValueError, match="7 rows of logits for rows that take 6"):
+        by_row([*rows[:3], PackedRow([41], 0, [4], all_logits=True)], logits)
+
+
+def test_the_gather_takes_any_rows_in_any_order_from_fp16_logits_on_the_cpu_provider() -> None:
+    import onnxruntime as ort
+
+    logits = np.random.default_rng(1).standard_normal((8, 40)).astype(np.float16)
+    gather = LastRows(["CPUExecutionProvider"])
+    index = np.array([6, 0, 3, 3, 7, 1])  # unsorted, one twice
+    taken = gather.take(ort.OrtValue.ortvalue_from_numpy(logits), index)
+    np.testing.assert_array_equal(taken, logits[index].astype(np.float32))
+    rows = [
+        PackedRow([1, 2, 3], 0, [0], all_logits=True),
+        PackedRow([4], 5, [1, 2]),
+        PackedRow([5] * 4, 2, [3, 4], all_logits=True),
+    ]
+    feeds = pack(rows, block_size=4)  # what PagedModel.last_logits gathers: 3, 1 and 4 of the run's 8
+    parts = by_row(rows, gather.take(ort.OrtValue.ortvalue_from_numpy(logits), feeds["taken"]))
+    np.testing.assert_array_equal(parts[0], logits[0:3].astype(np.float32))
+    np.testing.assert_array_equal(parts[1], logits[3:4].astype(np.float32))
+    np.testing.assert_array_equal(parts[2], logits[4:8].astype(np.float32))

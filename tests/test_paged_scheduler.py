@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from worker.engines.paged.blocks import BlockManager
-from worker.engines.paged.model import PackedRow
+from worker.engines.paged.model import PackedRow, by_row
 from worker.engines.paged.reference import ReferencePagedModel
 from worker.engines.paged.scheduler import PagedRow, Planned, Scheduler
 
@@ -197,3 +197,36 @@ def test_a_row_that_can_never_fit_the_pool_is_refused_by_name() -> None:
         scheduler.submit(PagedRow([1] * 30, 10))
     with pytest.raises(ValueError, match="at least one prompt token"):
         scheduler.submit(PagedRow([], 10))
+
+
+def test_a_row_asking_for_all_its_logits_gets_every_prompt_positions_across_chunks_and_decodes_one() -> None:
+    blocks = BlockManager(16, BLOCK)
+    scheduler = Scheduler(blocks, capacity=2, prefill_chunk=16)
+    model = ReferencePagedModel(blocks.blocks, BLOCK)
+    asking, other = PagedRow(list(range(3, 43)), 3, all_logits=True), PagedRow(list(range(5, 12)), 3)
+    for row in (asking, other):
+        scheduler.submit(row)
+    prompt_logits, chunks, decodes = [], [], 0
+    while len(asking.generated) < asking.max_new_tokens:
+        planned = scheduler.plan()
+        packed = [p.packed for p in planned]
+        logits = model.last_logits(packed)
+        assert len(logits) == sum(row.returned for row in packed)
+        parts = by_row(packed, logits)
+        for plan, part in zip(planned, parts, strict=True):
+            if plan.row is asking and not asking.decoding:
+                assert plan.packed.all_logits and len(part) == len(plan.packed.tokens)
+                prompt_logits.extend(part)
+                chunks.append(len(part))
+            elif plan.row is asking:
+                assert not plan.packed.all_logits and len(part) == 1
+                decodes += 1
+            else:
+                assert not plan.packed.all_logits and len(part) == 1
+        took(scheduler, planned)
+    assert chunks == [16, 16, 8] and decodes == 2  # its prompt across three chunks, then two decodes
+    table = list(range(-(-asking.length // BLOCK)))
+    whole = ReferencePagedModel(len(table), BLOCK)
+    for position, row_logits in enumerate(prompt_logits):  # each position's logits, as its prefix alone
+        [expected] = whole.last_logits([PackedRow(asking.prompt[: position + 1], 0, table)])
+        np.testing.assert_allclose(row_logits, expected, rtol=1e-10, atol=1e-10)

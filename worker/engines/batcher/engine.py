@@ -247,11 +247,7 @@ class BatchingEngine(EngineThread):
                 self._rows.end(row)
                 updates.append((row.stream, EngineUpdate([], Finish.error, f"prefill failed: {e}")))
                 continue
-            if (top := row.request.prompt_logprobs) is not None:
-                prompt = row.request.prompt_ids
-                for position in range(start, min(stop, len(prompt) - 1)):  # each predicts the next token
-                    found = token_logprobs(logits[0, position - start], prompt[position + 1], top)
-                    row.prompt_logprobs.append(found)
+            self._add_prompt_logprobs(row, start, logits[0])
             spent += stop - start
             self.counters.prefill_tokens += stop - start
             self.counters.prefill_runs += 1
@@ -259,6 +255,16 @@ class BatchingEngine(EngineThread):
             if row.prompt_left == 0:
                 self._rows.join_decoding(row)
                 self._next(row, logits[0, -1], updates)
+
+    def _add_prompt_logprobs(self, row: Row, start: int, logits: np.ndarray) -> None:
+        """When the request asks for them, the log-probabilities of the prompt tokens that `logits` predict:
+        the logits [tokens, vocab] of the row's prompt positions from `start` on, each one's giving the
+        next token's (the first prompt token has none). The engine hands them on with the first token."""
+        if (top := row.request.prompt_logprobs) is None:
+            return
+        prompt = row.request.prompt_ids
+        for position in range(start, min(start + len(logits), len(prompt) - 1)):
+            row.prompt_logprobs.append(token_logprobs(logits[position - start], prompt[position + 1], top))
 
     def _decode(self, updates: Updates) -> None:
         decoding = self._rows.decoding

@@ -5,8 +5,10 @@ right-padded buffer, runs the graph on it, and writes the new positions back to 
 
 The graph takes one sequence length per run and, with a past, one row per prompt chunk: the decoding rows
 of a run share one run of the graph, each prompt chunk runs alone, as in the batcher. So a request's tokens
-here are the batcher's, which makes this the scheduler's reference on real models without a card. The
-gathers cost a copy of each row's past per run: it is a reference, not the CPU engine.
+here are the batcher's, which makes this the scheduler's reference on real models without a card. A chunk
+run alone has every position's logits: a row that asks for all its logits (`PackedRow.all_logits`) gets
+them, the batcher's prompt logits. The gathers cost a copy of each row's past per run: it is a
+reference, not the CPU engine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.engines.batcher.graph import open_session, positions
-from worker.engines.paged.model import PackedRow, pack
+from worker.engines.paged.model import PackedRow, by_row, pack
 
 
 class CpuPagedModel:
@@ -31,14 +33,19 @@ class CpuPagedModel:
         self.pool = [np.zeros(shape, np.float32) for _ in self.layout.past_names]
 
     def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
-        pack(rows, self.block_size)  # the same checks as on the card
-        out = np.empty((len(rows), self.vocab), np.float32)
+        """What model.py's run returns: each row's last token's logits, each of its tokens' for a row with
+        all_logits, float32 [taken, vocab]."""
+        taken = pack(rows, self.block_size)["taken"]  # the same checks as on the card
+        out = np.empty((len(taken), self.vocab), np.float32)
+        parts = by_row(rows, out)  # views of `out`, one a row
         decoding = [index for index, row in enumerate(rows) if len(row.tokens) == 1 and row.past > 0]
         if decoding:
-            out[decoding] = self._run([rows[index] for index in decoding])
+            logits = self._run([rows[index] for index in decoding])
+            for index, row_logits in zip(decoding, logits, strict=True):
+                parts[index][:] = row_logits  # one token: its last is all of its logits
         for index, row in enumerate(rows):
             if index not in decoding:
-                out[index] = self._run([row])[0]
+                parts[index][:] = self._run([row])[0][-row.returned :]
         return out
 
     def _slots(self, row: PackedRow, start: int, stop: int) -> np.ndarray:
@@ -48,7 +55,8 @@ class CpuPagedModel:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _run(self, rows: Sequence[PackedRow]) -> np.ndarray:
-        """One run of the graph on rows that bring as many tokens each; each one's last logits."""
+        """One run of the graph on rows that bring as many tokens each; every position's logits [rows,
+        tokens, vocab]."""
         new = len(rows[0].tokens)
         width = max(row.past for row in rows) + new
         layout = self.layout
@@ -79,4 +87,4 @@ class CpuPagedModel:
             written = self._slots(row, row.past, row.past + new)
             for buffer, pool in zip(buffers, self.pool, strict=True):
                 pool[written] = buffer[index, :, row.past : row.past + new].transpose(1, 0, 2)
-        return logits[:, -1]
+        return logits

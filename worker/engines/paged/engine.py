@@ -7,7 +7,14 @@ pick with penalties, logit_bias, min_tokens, a grammar; log-probabilities; repla
 tokens; the end of sequence, max_tokens and the context), so a request asks here what it asks of the CPU
 batcher. With `sampler` (ORTFLEET_SAMPLING=graph) the sampler graph (device_sampling/) picks every row it
 can serve in one run and RowSampler the rest (grammars, and the rows it flags); the logits come to the
-host either way for now. Prompt log-probabilities are refused: a run returns each row's last logits only.
+host either way for now.
+
+Prompt log-probabilities (`prompt_logprobs`) are the batcher's too: a row that asks for them gets the
+logits of every position of its prompt chunks from each run (PackedRow.all_logits; the others their last
+token's only), and the batcher's own code (BatchingEngine._add_prompt_logprobs) turns them into
+log-probabilities, chunk after chunk, handed on with the first token. Reused tokens have no logits, so
+such a row reuses no cached block: it gets a cache scope no other row shares, as every row does with the
+prefix cache off.
 
 A run that fails leaves no row's KV to trust: every request goes back to the queue as `lost` and the
 worker restarts the engine with a fresh pool (BatchingEngine._fail, PagedRows.clear).
@@ -15,6 +22,7 @@ worker restarts the engine with a fresh pool (BatchingEngine._fail, PagedRows.cl
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,8 +31,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime_genai as og
 
-from common.error_codes import ErrorCode
-from worker.engine import EngineUpdate, Finish, GenerationStream, TokenLogprobs
+from worker.engine import TokenLogprobs
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.engine import BatchingEngine, Picked
 from worker.engines.batcher.rows import Row
@@ -33,7 +40,7 @@ from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
 from worker.engines.paged.blocks import BlockManager
-from worker.engines.paged.model import PackedRow
+from worker.engines.paged.model import PackedRow, by_row
 from worker.engines.paged.scheduler import PagedRow, Planned, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -44,7 +51,10 @@ class PagedRunner(Protocol):
     block_size: int
     vocab: int
 
-    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray: ...
+    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+        """One run of `rows`: each row's last token's logits, each of its tokens' for a row with
+        all_logits, float32 [taken, vocab] (model.py)."""
+        ...
 
 
 class PagedRows:
@@ -135,6 +145,7 @@ class PagedEngine(BatchingEngine):
         self._runner = runner()
         self.vocab_size = self._runner.vocab
         self._prefix_cache = prefix_cache
+        self._unshared = itertools.count()  # cache scopes of rows that share no block with another
         self.prefix_block_tokens = self._runner.block_size if prefix_cache else 0
         blocks = BlockManager(self._runner.blocks, self._runner.block_size)
         self._paged_rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))
@@ -164,36 +175,34 @@ class PagedEngine(BatchingEngine):
 
     # The engine's thread.
 
-    def _start(self, stream: GenerationStream, updates: Updates) -> None:
-        if stream.request.prompt_logprobs is not None:
-            error = "prompt_logprobs: the paged engine returns the logits of each row's last token only"
-            code = ErrorCode.unsupported_parameter
-            updates.append((stream, EngineUpdate([], Finish.error, error, error_code=code)))
-            return
-        super()._start(stream, updates)
-
     def _queue(self, row: Row) -> None:
         request = row.request
         prompt = request.prompt_ids
-        scope = request.cache_scope if self._prefix_cache else f"\0{id(row)}"  # off: no two rows share
-        self._paged_rows.add(row, PagedRow(prompt, row.reserved - len(prompt), scope))
+        all_logits = request.prompt_logprobs is not None  # every prompt position's logits: none reused
+        shares = self._prefix_cache and not all_logits
+        scope = request.cache_scope if shares else f"\0{next(self._unshared)}"  # a scope of its own
+        self._paged_rows.add(row, PagedRow(prompt, row.reserved - len(prompt), scope, all_logits=all_logits))
 
     def _step(self, updates: Updates) -> None:
         rows = self._paged_rows
         planned = rows.scheduler.plan()
         if not planned:
             return
+        packed = [plan.packed for plan in planned]
         try:
-            logits = self._runner.last_logits([plan.packed for plan in planned])
+            logits = by_row(packed, self._runner.last_logits(packed))
         except Exception as e:  # no row's KV can be trusted after a run that broke
             logger.exception("a paged run failed")
             self._fail(f"a paged run failed: {e}")
             return
         rows.scheduler.advance(planned)
         self._count(planned)
-        sampling = [
-            (plan, row_logits) for plan, row_logits in zip(planned, logits, strict=True) if plan.samples
-        ]
+        sampling = []
+        for plan, row_logits in zip(planned, logits, strict=True):
+            if plan.packed.all_logits:  # a prompt chunk of a row that asks for its prompt log-probabilities
+                self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, row_logits)
+            if plan.samples:
+                sampling.append((plan, row_logits[-1]))  # its last token's logits give its next token
         picks = self._picks(sampling)
         for (plan, row_logits), picked in zip(sampling, picks, strict=True):
             row = rows.row_of(plan.row)

@@ -20,6 +20,11 @@ The model's contract (onnxruntime's `PagedAttention`, CUDA only):
 
 A run's rows may mix prefills and decodes in any order. Which blocks a row holds is the caller's (the
 block manager's, blocks.py); this module keeps only the pool.
+
+What a run returns (`last_logits`, the contract of every runner: this one, cpu_model.py and reference.py):
+each row's last token's logits, or, for a row that asks (`PackedRow.all_logits`: a prompt chunk whose
+prompt log-probabilities are wanted), the logits of each of its new tokens; float32 [taken, vocab], the
+rows in order (`by_row` cuts them per row). On the card only those rows come back (`LastRows`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ class PackedRow:
     tokens: Sequence[int]  # the row's new tokens in this run: a prompt chunk, or its last sampled token
     past: int  # the row's tokens already in the pool
     table: Sequence[int]  # its blocks in token order, enough for past + len(tokens) tokens
+    all_logits: bool = False  # the logits of each of its new tokens come back, not only its last one's
+
+    @property
+    def returned(self) -> int:
+        """Rows of logits the run returns for it."""
+        return len(self.tokens) if self.all_logits else 1
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,9 @@ class PagedShape:
 
 
 def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
-    """The graph's inputs but the pool for one run of `rows`; `last` (not an input) holds the index of
-    each row's last token among the run's tokens, whose logits pick its next token."""
+    """The graph's inputs but the pool for one run of `rows`; `taken` (not an input) holds the indexes,
+    among the run's tokens, of those whose logits come back: each row's last token (whose logits pick its
+    next token), or each of its tokens for a row that asks for all its logits."""
     if not rows:
         raise ValueError("a run needs at least one row")
     if len(rows) > MAX_ROWS:
@@ -113,8 +125,23 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
         "past_sequence_lengths": past,
         "block_table": table,
         "attention_metadata": np.array([lengths.max(), (past + lengths[1:]).max(), 0], np.int32),
-        "last": cumulative[1:] - 1,
+        "taken": np.concatenate(
+            [
+                np.arange(start, stop) if row.all_logits else np.array([stop - 1])
+                for row, start, stop in zip(rows, cumulative[:-1], cumulative[1:], strict=True)
+            ]
+        ).astype(np.int64),
     }
+
+
+def by_row(rows: Sequence[PackedRow], logits: np.ndarray) -> list[np.ndarray]:
+    """A run's returned logits [taken, vocab] cut per row: each row's [returned, vocab] (its last token's
+    alone, or each of its tokens' where it asked for all its logits)."""
+    expected = sum(row.returned for row in rows)
+    if len(logits) != expected:
+        raise ValueError(f"{len(logits)} rows of logits for rows that take {expected}")
+    ends = np.cumsum([row.returned for row in rows])
+    return [logits[end - row.returned : end] for row, end in zip(rows, ends, strict=True)]
 
 
 class PagedModel:
@@ -149,9 +176,9 @@ class PagedModel:
 
     def run(self, rows: Sequence[PackedRow]) -> tuple[Any, np.ndarray]:
         """One run of `rows`: the logits of every token, on the card (an OrtValue [tokens, vocab]), and the
-        index of each row's last token among them."""
+        indexes of those that come back (pack's `taken`)."""
         feeds = pack(rows, self.block_size)
-        last = feeds.pop("last")
+        taken = feeds.pop("taken")
         shape = self.shape
         binding = self.session.io_binding()
         binding.bind_output(shape.outputs["logits"], "cuda", self.device_id)  # the first of the outputs
@@ -163,13 +190,14 @@ class PagedModel:
             binding.bind_ortvalue_output(shape.outputs["present_key_names"] % layer, key)
             binding.bind_ortvalue_output(shape.outputs["present_value_names"] % layer, value)
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0], last
+        return binding.get_outputs()[0], taken
 
     def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
-        """One run of `rows`, and each row's last token's logits on the host, float32 [rows, vocab]: taken
-        from the run's logits and cast on the card (LastRows), so a prompt chunk brings one row back."""
-        logits, last = self.run(rows)
-        return self._last_rows.take(logits, last)
+        """One run of `rows`, and each row's last token's logits on the host (each of its tokens' for a row
+        with all_logits), float32 [taken, vocab]: taken from the run's logits and cast on the card
+        (LastRows), so a prompt chunk that does not ask brings one row back."""
+        logits, taken = self.run(rows)
+        return self._last_rows.take(logits, taken)
 
     @property
     def _last_rows(self) -> LastRows:
@@ -183,7 +211,8 @@ class PagedModel:
 
 class LastRows:
     """A small onnxruntime graph that takes the rows `index` of a run's logits [tokens, vocab] where they
-    are (on the card) and brings them to the host as float32 [rows, vocab]."""
+    are (on the card) and brings them to the host as float32 [rows, vocab]: any rows, in any order (each
+    row's last token, and every token of a row that asks for all its logits)."""
 
     def __init__(self, providers: Sequence[Any] = ("CPUExecutionProvider",)) -> None:
         import onnx

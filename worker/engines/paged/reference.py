@@ -37,17 +37,19 @@ class ReferencePagedModel:
         self.runs = 0
 
     def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
-        """Each row's last token's logits [rows, vocab], its new tokens' keys and values written to its
-        blocks; the runs' inputs checked as the model's (pack)."""
+        """Each row's last token's logits, each of its tokens' for a row with all_logits ([taken, vocab],
+        as model.py's run), its new tokens' keys and values written to its blocks; the runs' inputs checked
+        as the model's (pack)."""
         pack(rows, self.block_size)
         self.runs += 1
-        return np.stack([self._row(row) for row in rows])
+        return np.concatenate([self._row(row)[-row.returned :] for row in rows])
 
     def _slot(self, row: PackedRow, position: int) -> int:
         return int(row.table[position // self.block_size]) * self.block_size + position % self.block_size
 
     def _row(self, row: PackedRow) -> np.ndarray:
-        hidden = np.zeros(self._embed.shape[1])
+        """The logits of each of the row's new tokens [tokens, vocab]."""
+        out = []
         for offset, token in enumerate(row.tokens):
             position = row.past + offset
             hidden = self._embed[token] + np.sin(self._angles * position)
@@ -62,4 +64,5 @@ class ReferencePagedModel:
                 scores = keys @ (hidden @ query)
                 weights = np.exp(scores - scores.max())
                 hidden = hidden + (weights / weights.sum()) @ values @ output
-        return hidden @ self._head
+            out.append(hidden @ self._head)
+        return np.stack(out)

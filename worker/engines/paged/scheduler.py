@@ -9,6 +9,8 @@ both in one run):
    left first (a short chat behind long prompts gets its first token soon), each in chunks at fixed
    offsets of its prompt (0, chunk, 2 chunk, ...; a row that reused cached blocks starts at their end and
    goes on to the next multiple), so that a prompt's KV is computed in the same pieces in every run of it.
+   A row that asks for its prompt's logits (`all_logits`, for prompt log-probabilities) gets each
+   position's logits of its chunks (PackedRow.all_logits), and its last token's only once it decodes.
 3. **Admission**: waiting rows join first come first served while a row is free (`capacity`) and the pool
    can reserve the row's whole length (blocks.py): a running row never runs out of KV, so no row is ever
    preempted for memory. A row whose prompt starts with cached blocks of its scope reuses them and
@@ -35,6 +37,7 @@ class PagedRow:
     prompt: Sequence[int]
     max_new_tokens: int
     scope: str = ""  # whose cached prompt blocks it may reuse, and who may reuse its own
+    all_logits: bool = False  # its prompt chunks bring back every position's logits, not only the last's
     key: int = field(default_factory=count().__next__)  # its name in the block manager
     computed: int = 0  # tokens whose KV is in the pool (prompt, then generated)
     reused: int = 0  # prompt tokens whose KV came from the cache
@@ -97,7 +100,8 @@ class Scheduler:
             stop = min(len(row.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
             table = self.blocks.grow(row.key, stop - start)
             last = stop == len(row.prompt)
-            planned.append(Planned(row, PackedRow(row.prompt[start:stop], start, table), last))
+            chunk = PackedRow(row.prompt[start:stop], start, table, row.all_logits)
+            planned.append(Planned(row, chunk, last))
             budget -= stop - start
         return planned
 
