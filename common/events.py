@@ -48,13 +48,12 @@ def merge_token_entries(entries: list[dict[str, str]]) -> list[dict[str, str]]:
                 run = []
             merged.append(entry)
             continue
-        ids = entry["ids"]
         index = int(entry["index"])
         if run and index != end:
             merged.append(_one_entry(run))
             run = []
         run.append(entry)
-        end = index + (ids.count(",") + 1 if ids else 0)
+        end = index + entry_token_count(entry)
     if run:
         merged.append(_one_entry(run))
     return merged
@@ -137,6 +136,12 @@ def is_failure(fields: dict[str, str]) -> bool:
 def entry_token_ids(fields: dict[str, str]) -> list[int]:
     ids = fields.get("ids", "")
     return [int(i) for i in ids.split(",")] if ids else []
+
+
+def entry_token_count(fields: dict[str, str]) -> int:
+    """How many token ids the entry carries (entry_token_ids' length, without parsing them)."""
+    ids = fields.get("ids", "")
+    return ids.count(",") + 1 if ids else 0
 
 
 def event_payload(fields: dict[str, str]) -> dict[str, Any]:

@@ -119,3 +119,37 @@ async def test_entries_a_failover_lost_are_written_again_as_they_were_not_merged
     assert [entry_token_ids(fields) for fields in stream] == [[0], [1, 2], [3, 4], [5, 6]]
     assert "".join(fields["text"] for fields in stream) == "abcdefg"
     await writer.close()
+
+
+async def test_while_coalescing_tokens_join_the_pending_entry_but_never_one_a_write_has_taken(
+    redis: Redis,
+) -> None:
+    job_id = "job_joined_on_add"
+    await fresh_jobs(redis, job_id)
+    writer = StepWriter(JobQueue(redis, 3600, keys), 64, max_wait_s=1.0, writes_per_s=1.0)
+    writer.wait_s = 1.0  # coalescing from the start (the writer measures the rate only after 0.2 s)
+    publisher = writer.publisher(job_id, 1)
+    publisher.add_tokens("a", [0], 0)
+    await publisher.drain()
+    publisher.add_tokens("b", [1], 1)
+    publisher.add_tokens("c", [2], 2)
+    publisher.add_tokens("", [], 3)  # a stop string's held text: no token
+    assert [entry["ids"] for entry in publisher.pending] == ["1,2"]  # joined as they came
+
+    publisher.add_tokens("d", [3], 3)
+    await redis.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")  # holds the next write in flight
+    draining = asyncio.create_task(publisher.drain())
+    while not publisher.in_flight:  # noqa: ASYNC110  (the writer's task takes the entries within a yield or two)
+        await asyncio.sleep(0)
+    publisher.add_tokens("e", [4], 4)  # the write in flight took "bcd": this one waits apart
+    publisher.add_tokens("f", [5, 6], 5, record={"first_token_at": "1"})  # a record: an entry of its own
+    publisher.add_tokens("g", [7], 7)  # joins "f": no write has taken it
+    assert [entry["ids"] for entry in publisher.pending] == ["1,2,3", "4", "5,6,7"]
+    await redis.execute_command("CLIENT", "UNPAUSE")
+    await draining
+    await publisher.drain()
+
+    stream = [fields for _id, fields in await redis.xrange(keys.events(job_id))]
+    assert [entry_token_ids(fields) for fields in stream] == [[0], [1, 2, 3], [4, 5, 6, 7]]
+    assert "".join(fields["text"] for fields in stream) == "abcdefg"
+    await writer.close()

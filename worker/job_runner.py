@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from common.error_codes import ErrorCode
-from common.events import entry_token_ids, prompt_entry, token_entry
+from common.events import entry_token_ids, prompt_entry
 from common.jobs.claims import Claim
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
@@ -270,7 +270,7 @@ class JobRun:
             logprobs = None
             if self._logprob_entries is not None and update.logprobs is not None:
                 logprobs = self._logprob_entries(kept, update.logprobs)
-            publisher.add(token_entry(chunk, kept, index, logprobs), record)
+            publisher.add_tokens(chunk, kept, index, logprobs, record)
             decoding.text += chunk
         if hit_stop:
             decoding.stopped = True
@@ -283,7 +283,7 @@ class JobRun:
         if matcher is not None:
             tail = matcher.flush()
             if tail:
-                publisher.add(token_entry(tail, [], generated))
+                publisher.add_tokens(tail, [], generated)
                 decoding.text += tail
         return self._outcome(update, decoding.text, generated)
 

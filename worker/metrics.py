@@ -6,7 +6,6 @@ Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` ->
 
 from __future__ import annotations
 
-import bisect
 import importlib.metadata
 import itertools
 import platform
@@ -21,6 +20,7 @@ from threading import Thread
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -149,19 +149,23 @@ class GapHistogram:
         self.name = name
         self.documentation = documentation
         self.bounds = list(buckets)
+        self._bounds = np.asarray(buckets, np.float64)
         self.values = list(values)
         self._counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
         self._sum = 0.0
         self._lock = threading.Lock()  # the event loop observes, the /metrics thread reads
 
     def observe_gaps(self, times: list[float]) -> None:
-        bounds, counts = self.bounds, self._counts
-        total = 0.0
+        if len(times) < 2:
+            return
+        gaps = np.diff(np.asarray(times, np.float64))
+        # bisect_left's bucket of each gap: the first bound it is at or below
+        buckets = np.bincount(np.searchsorted(self._bounds, gaps, side="left"), minlength=len(self._counts))
+        total = float(gaps.sum())
         with self._lock:
-            for earlier, later in itertools.pairwise(times):
-                gap = later - earlier
-                counts[bisect.bisect_left(bounds, gap)] += 1  # the first bound it is at or below
-                total += gap
+            counts = self._counts
+            for bucket, count in enumerate(buckets.tolist()):
+                counts[bucket] += count
             self._sum += total
 
     def collect(self) -> Iterable[Metric]:

@@ -36,10 +36,11 @@ import asyncio
 import logging
 import math
 import time
+from typing import Any
 
 from redis.exceptions import RedisError
 
-from common.events import TOKEN, merge_token_entries
+from common.events import TOKEN, merge_token_entries, token_entry
 from common.jobs.queue import JobQueue
 from common.jobs.writes import StepResult, StepWrite
 
@@ -74,14 +75,54 @@ class StreamPublisher:
         self.lost = False
         self.token_written = False  # a token entry of the job reached Redis
         self.in_flight = False  # a write with entries of this job is out
+        self.in_flight_entries = 0  # how many of the first of `pending` that write took
         # Something pending must not wait for the stream interval; while it is False, `pending` holds
         # only token entries.
         self.urgent = False
+        # Where the tokens of the last of `pending` end, while it is a plain token entry (its text, ids
+        # and index only) that later tokens may join (None: it is not, or nothing is pending).
+        self.open_end: int | None = None
+
+    def add_tokens(
+        self,
+        text: str,
+        token_ids: list[int],
+        index: int,
+        logprobs: list[dict[str, Any]] | None = None,
+        record: dict[str, str] | None = None,
+    ) -> None:
+        """Queue a token entry (common.events.token_entry's fields), and fields to set on the job's record.
+        While the writer coalesces, plain tokens that follow the last pending entry's join it at once,
+        as the write would join them (merge_token_entries), rather than wait as an entry of their own."""
+        end = self.open_end
+        if (
+            end == index
+            and logprobs is None
+            and not record
+            # an entry a write has taken is never changed, nor one written again as it was
+            and len(self.pending) > max(self.in_flight_entries, self.verbatim)
+            and self._writer.joins_tokens
+            and not self.lost
+        ):
+            last = self.pending[-1]
+            last["text"] += text
+            if token_ids:
+                ids = ",".join(map(str, token_ids))
+                last["ids"] = f"{last['ids']},{ids}" if last["ids"] else ids
+            self.open_end = end + len(token_ids)
+            self._writer.entries_added += 1
+            self.idle.clear()
+            self._writer.wake(self)
+            return
+        self.add(token_entry(text, token_ids, index, logprobs), record)
+        if logprobs is None and not self.lost and len(self.pending) > self.verbatim:
+            self.open_end = index + len(token_ids)
 
     def add(self, entry: dict[str, str], record: dict[str, str] | None = None) -> None:
         """Queue a stream entry, and fields to set on the job's record in the same write."""
         if self.lost:
             return
+        self.open_end = None
         if not self.pending:
             self.pending_since = time.monotonic()
         self.pending.append(entry)
@@ -184,10 +225,17 @@ class StepWriter:
     def coalescing(self) -> bool:
         return self.wait_s > 0
 
+    @property
+    def joins_tokens(self) -> bool:
+        """Whether a job's consecutive plain token entries become one as they are added (coalescing, with a
+        stream interval of one: the interval counts entries)."""
+        return self.wait_s > 0 and self._interval == 1
+
     def forget(self, publisher: StreamPublisher) -> None:
         self._jobs.discard(publisher)
         self._waiting.pop(publisher, None)
         publisher.pending.clear()
+        publisher.open_end = None
         publisher.idle.set()
 
     async def close(self) -> None:
@@ -287,6 +335,7 @@ class StepWriter:
             record, publisher.record = publisher.record, {}
             entries = publisher.pending[: self._max_batch]
             taken.append(len(entries))
+            publisher.in_flight_entries = len(entries)
             if self.coalescing or self._interval > 1:  # tokens that waited to go together: one entry
                 kept = publisher.verbatim
                 entries = entries[:kept] + merge_token_entries(entries[kept:])
@@ -304,11 +353,13 @@ class StepWriter:
             _failed(e, "writing tokens of %d jobs failed (%s); retrying", len(writes))
             for publisher, write in zip(publishers, writes, strict=True):
                 publisher.record = {**write.record, **publisher.record}
+                publisher.open_end = None  # Redis may hold its entries: later tokens go apart
             await asyncio.sleep(0.25)
             return
         finally:
             for publisher in publishers:
                 publisher.in_flight = False
+                publisher.in_flight_entries = 0
             self._wakeup.set()  # entries that waited for this write go with the next
         self.writes += 1
         for publisher, write, result, count in zip(publishers, writes, results, taken, strict=True):
@@ -325,6 +376,8 @@ class StepWriter:
                 publisher.written += [entry for entry in write.entries if entry.get("type") == TOKEN]
                 publisher.streamed_to = max(publisher.streamed_to, write.span[1])
             del publisher.pending[:count]
+            if not publisher.pending:
+                publisher.open_end = None  # the entry it would have joined is written
             publisher.verbatim = max(0, publisher.verbatim - count)
             publisher.pending_since = time.monotonic()  # the rest came while the write was out
             publisher.urgent = publisher.urgent and bool(publisher.pending or publisher.record)
@@ -333,6 +386,7 @@ class StepWriter:
                 logger.warning("job %s: lease lost, attempt %s stops writing", job, attempt)
                 publisher.lost = True
                 publisher.pending.clear()
+                publisher.open_end = None
             if not publisher.pending and not publisher.record:
                 self._waiting.pop(publisher, None)
                 publisher.idle.set()

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from common import lua
 from common.error_codes import ErrorCode
-from common.events import TOKEN, entry_token_ids, error_entry
+from common.events import TOKEN, entry_token_count, error_entry
 from common.fleet_stats import RECENT_WINDOW_S
 from common.jobs.claims import Claim, claim_priority
 from common.jobs.record import RecordUpdate
@@ -64,11 +64,15 @@ class StreamGap(Exception):
 
 def token_span(entries: list[dict[str, str]]) -> tuple[int, int] | None:
     """The token index of the first token entry among `entries`, and the index past the last one."""
-    tokens = [entry for entry in entries if entry.get("type") == TOKEN and "index" in entry]
-    if not tokens:
+    first = last = None
+    for entry in entries:
+        if entry.get("type") == TOKEN and "index" in entry:
+            last = entry
+            if first is None:
+                first = entry
+    if first is None or last is None:
         return None
-    last = tokens[-1]
-    return int(tokens[0]["index"]), int(last["index"]) + len(entry_token_ids(last))
+    return int(first["index"]), int(last["index"]) + entry_token_count(last)
 
 
 def _entries(entries: list[dict[str, str]]) -> list[str]:
