@@ -15,7 +15,7 @@ from common.jobs.claims import Claim
 from common.jobs.queue import JobQueue
 from common.jobs.record import RecordUpdate
 from common.jobs.writes import StreamGap
-from common.wire import FinishReason, JobStatus, PromptTokensDetails, Timings, Usage
+from common.wire import FinishReason, JobStatus, PriorityClass, PromptTokensDetails, Timings, Usage
 from worker.publisher import LeaseLost, StreamPublisher
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,21 @@ def final_writes(
 
 
 async def write_final(
-    queue: JobQueue, claim: Claim, record: RecordUpdate, final: dict[str, str], publisher: StreamPublisher
+    queue: JobQueue,
+    claim: Claim,
+    record: RecordUpdate,
+    final: dict[str, str],
+    publisher: StreamPublisher,
+    priority: PriorityClass | None = None,
 ) -> None:
     """Retries through a Redis outage: a finished job is never lost (writes stay fenced). After a
-    failover that lost the newest token entries, writes them again before the final one."""
+    failover that lost the newest token entries, writes them again before the final one. `priority`:
+    the job's class, when its spec is at hand (else it is read from the claim's payload)."""
     delay = 0.1
     while True:
         streamed = None if publisher.unfillable else publisher.streamed_to
         try:
-            await queue.finish(claim, record, final, streamed=streamed)
+            await queue.finish(claim, record, final, streamed=streamed, priority=priority)
             return
         except StreamGap:
             logger.warning(

@@ -130,7 +130,7 @@ class JobRun:
     async def load_progress(self) -> None:
         """Reads a cancel that raced the claim, the job's preemptions so far and its owner's weight,
         and, on a retry, the tokens already streamed."""
-        record = await self._queue.record(self.job_id)
+        record = await self._queue.attempt_start(self.job_id)
         if record is not None and record.cancel_requested:
             self._cancelled = True
         if record is not None:
@@ -317,7 +317,7 @@ class JobRun:
             batch_peak=self.batch_peak,
             now=time.time(),
         )
-        await write_final(self._queue, self.claim, record, final, publisher)
+        await write_final(self._queue, self.claim, record, final, publisher, self.spec.priority)
         self.outcome = outcome
         spec = self.spec
         if spec.messages and 0 < self._engine.prefix_block_tokens <= self.prompt_tokens:

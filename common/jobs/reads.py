@@ -14,6 +14,19 @@ from common.wire import PRIORITY_ORDER, PriorityClass
 
 
 @dataclass(frozen=True)
+class AttemptStart:
+    """What a worker reads of a job's record as an attempt starts (a few fields, not the whole record)."""
+
+    cancel_requested: bool
+    preemptions: int
+    weight: float  # its owner's weight when it was submitted
+    first_token_at: float | None
+
+
+_ATTEMPT_START_FIELDS = ["id", "cancel_requested", "preemptions", "weight", "first_token_at"]
+
+
+@dataclass(frozen=True)
 class QueueAhead:
     """What waits before a queued job: in higher classes, and before it in its own class's queue."""
 
@@ -39,6 +52,20 @@ class JobReads:
 
     async def record(self, job_id: str) -> JobRecord | None:
         return await load_record(self._redis, job_id, self.keys)
+
+    async def attempt_start(self, job_id: str) -> AttemptStart | None:
+        """The record's fields an attempt starts from (None when the record is gone)."""
+        found, cancel, preemptions, weight, first = await self._redis.hmget(  # type: ignore[misc]
+            self.keys.job(job_id), _ATTEMPT_START_FIELDS
+        )
+        if found is None:
+            return None
+        return AttemptStart(
+            cancel_requested=cancel == "1",
+            preemptions=int(preemptions or 0),
+            weight=float(weight or 1.0),
+            first_token_at=float(first) if first else None,
+        )
 
     async def owned_record(self, job_id: str, owner: str) -> JobRecord | None:
         """The job's record if `owner` owns it. The owner's index and the record are read in one round

@@ -20,7 +20,7 @@ from common.jobs.claims import Claim, claim_priority
 from common.jobs.record import RecordUpdate
 from common.keys import Keyspace
 from common.redis_client import HeldConnection
-from common.wire import FinishReason, JobStatus
+from common.wire import FinishReason, JobStatus, PriorityClass
 
 
 @dataclass(slots=True)
@@ -147,8 +147,9 @@ class FinishScript:
         record: dict[str, str],
         final_entry: dict[str, str],
         streamed: int | None,
+        priority: PriorityClass | None = None,
     ) -> FinishOutcome:
-        priority = claim_priority(claim).value
+        fair_class = (priority or claim_priority(claim)).value  # the payload parsed only when not given
         done: int = await self._script(
             keys=[
                 self.keys.job(claim.job_id),
@@ -156,7 +157,7 @@ class FinishScript:
                 self.keys.leases(claim.model),
                 self.keys.arq_job(claim.job_id),
                 self.keys.active_jobs(claim.owner),
-                self.keys.fair_tags(claim.model, priority),
+                self.keys.fair_tags(claim.model, fair_class),
                 self.keys.served_tokens(claim.model),
                 self.keys.prompt_tokens_in_flight(claim.owner),
                 self.keys.owner_jobs(claim.owner),
@@ -169,7 +170,7 @@ class FinishScript:
                 claim.job_id,
                 str(ttl_s),
                 str(-1 if served_tokens is None else served_tokens),
-                priority,
+                fair_class,
                 "" if streamed is None else str(streamed),
                 str(int(time.time() * 1000)),
                 record.get("status", ""),
@@ -214,6 +215,7 @@ class JobWrites:
         final_entry: dict[str, str],
         *,
         streamed: int | None = None,
+        priority: PriorityClass | None = None,
     ) -> bool:
         """End the job with its final record fields and stream entry; False once the claim lost it.
         The tokens it served (its usage) settle its owner's fair share. With `streamed` (where the
@@ -225,6 +227,7 @@ class JobWrites:
             record=update.to_fields(),
             final_entry=final_entry,
             streamed=streamed,
+            priority=priority,
         )
         if outcome is FinishOutcome.gap:
             raise StreamGap(claim.job_id)
