@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 
-from ortfleet.modelbuild import cache, convert, random_weights, synthetic, tiny
+from ortfleet.modelbuild import build_server, cache, convert, random_weights, synthetic, tiny
 from ortfleet.modelbuild.synthetic import Shape, build_synthetic_model
 from tests.conftest import kept_models
 from worker.engine import GenerationRequest, GenerationStream
@@ -30,6 +30,9 @@ NEW_TOKENS = 12
 CONTEXT = 512
 PROMPTS = ("Once upon a time", "1 2 3 4 5 6 7 8 9 " * 4, "Hi")
 _BUILD_PACKAGES = ("onnxruntime-genai", "torch", "transformers", "tokenizers", "onnx-ir", "onnxscript")
+# The models are built in children of one server that has imported the builder (about 20 s a build
+# less); the module's first build to run starts it.
+pytestmark = pytest.mark.usefixtures("builder_server")
 
 
 def tiny_shape(
@@ -81,7 +84,7 @@ def models_folder() -> Path:
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for module in (synthetic, random_weights, convert, cache, tiny):
+    for module in (synthetic, random_weights, convert, build_server, cache, tiny):
         digest.update(Path(module.__file__ or "").read_bytes())
     for package in _BUILD_PACKAGES:
         try:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import json
@@ -29,8 +30,16 @@ from ortfleet.modelbuild import (
     locate_default_gguf,
 )
 from ortfleet.modelbuild import default as default_module
+from ortfleet.modelbuild.build_server import BuilderServer, BuilderServerFailed
 from ortfleet.modelbuild.cache import NotAModelFolder, install_model
-from ortfleet.modelbuild.convert import BuilderFailed, StageProgress, run_builder
+from ortfleet.modelbuild.convert import (
+    BuilderFailed,
+    StageProgress,
+    builder_server,
+    offline_environ,
+    run_builder,
+)
+from ortfleet.modelbuild.synthetic import RANDOM_WEIGHTS_MODULE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVENT_TOKEN = 1
@@ -333,6 +342,42 @@ def test_builder_failure_carries_the_end_of_its_output(tmp_path: Path) -> None:
     assert caught.value.returncode != 0
     assert caught.value.output_tail
     assert caught.value.output_tail in str(caught.value)
+
+
+def test_builds_through_a_builder_server_are_children_of_one_process_with_their_output_and_status(
+    tmp_path: Path,
+) -> None:
+    """Without preloads, so that it is fast: the random-weights runner's own help and argument error
+    stand in for a build (tests/test_model_synthetic.py builds models through one)."""
+    (tmp_path / "hf").mkdir()
+    paths = (tmp_path / "hf", tmp_path / "out", tmp_path / "cache")
+    server = BuilderServer(env=offline_environ(), preload=())
+    with contextlib.closing(server), builder_server(server):
+        lines: list[str] = []
+        run_builder(
+            *paths, precision="fp32", runner=(RANDOM_WEIGHTS_MODULE, "--help"), on_output=lines.append
+        )
+        assert lines[0] == f"usage: python -m {RANDOM_WEIGHTS_MODULE} [-h] [--seed SEED]"
+        first_server = server.pid
+
+        with pytest.raises(BuilderFailed) as caught:
+            run_builder(*paths, precision="fp32", runner=(RANDOM_WEIGHTS_MODULE, "--seed", "many"))
+
+        assert caught.value.returncode == 2  # argparse's, as the interpreter exits with it
+        assert caught.value.output_tail.endswith("error: argument --seed: invalid int value: 'many'")
+        assert caught.value.output_tail in str(caught.value)
+        assert (server.pid, server.builds) == (first_server, 2)
+        assert server.pid != os.getpid()
+    assert server.pid is None  # closed
+
+
+def test_a_builder_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    (tmp_path / "hf").mkdir()
+    server = BuilderServer(env=offline_environ(), preload=("ortfleet_no_such_module",))
+    with contextlib.closing(server), builder_server(server):
+        for _ in range(2):  # and again, without waiting for a new server
+            with pytest.raises(BuilderServerFailed, match="No module named 'ortfleet_no_such_module'"):
+                run_builder(tmp_path / "hf", tmp_path / "out", tmp_path / "cache", precision="fp32")
 
 
 @pytest.mark.unit

@@ -14,7 +14,8 @@ from common.model_folder import DEFAULT_CUDA_MODEL_NAME, default_model_dir, is_c
 from ortfleet.commands.model import register
 from ortfleet.modelbuild import default as default_module
 from ortfleet.modelbuild import synthetic as synthetic_module
-from ortfleet.modelbuild.convert import BUILDER_MODULE, builder_command
+from ortfleet.modelbuild.build_server import BuilderServer
+from ortfleet.modelbuild.convert import BUILDER_MODULE, BuilderFailed, builder_command, run_builder
 from ortfleet.modelbuild.default import ensure_default_model
 from ortfleet.modelbuild.random_weights import block_view, random_model
 from ortfleet.modelbuild.synthetic import (
@@ -34,7 +35,7 @@ SMALL_PHI3 = PHI3_MINI.resized(layers=1, hidden=512)
 
 
 @pytest.fixture(scope="module")
-def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def synthetic_model(tmp_path_factory: pytest.TempPathFactory, builder_server: BuilderServer) -> Path:
     return build_synthetic_model(tmp_path_factory.mktemp("synthetic") / "phi3", SMALL_PHI3, device="cpu")
 
 
@@ -160,6 +161,48 @@ def test_synthetic_model_generates_on_the_cpu(synthetic_model: Path) -> None:
     assert not flags & EVENT_FAILED
     assert 1 <= len(tokens) <= 5
     assert isinstance(tokenizer.decode(tokens), str)
+
+
+def tiny(architecture: str, model_type: str) -> Shape:
+    return Shape(
+        name=model_type,
+        architecture=architecture,
+        model_type=model_type,
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        context_length=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    )
+
+
+def test_builder_server_builds_models_in_a_row_and_reports_a_failure_with_its_output(
+    builder_server: BuilderServer, tmp_path: Path
+) -> None:
+    """Each build checks that its model generates, in this process: the server, which forks the
+    builds, runs none. The first build may be the one that starts the server."""
+    llama = build_synthetic_model(tmp_path / "llama", tiny("LlamaForCausalLM", "llama"), seed=1)
+    builds, server = builder_server.builds, builder_server.pid
+    qwen = build_synthetic_model(tmp_path / "qwen2", tiny("Qwen2ForCausalLM", "qwen2"), seed=2)
+    (tmp_path / "hf").mkdir()
+    lines: list[str] = []
+
+    with pytest.raises(BuilderFailed) as caught:
+        run_builder(
+            tmp_path / "hf", tmp_path / "out", tmp_path / "cache", precision="fp32", on_output=lines.append
+        )
+
+    assert (builder_server.builds, builder_server.pid) == (builds + 2, server)
+    assert caught.value.returncode == 1  # a traceback: the folder has no config.json
+    assert caught.value.output_tail.splitlines() == lines[-40:]
+    assert "config.json" in caught.value.output_tail
+    for model in (llama, qwen):
+        assert json.loads((model / "genai_config.json").read_text())["model"]["vocab_size"] == 512
+    assert llama != qwen
 
 
 def test_model_synthetic_command_prints_the_folder_last(

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ortfleet.modelbuild.build_server import BuilderServer, ForkedBuild
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'ortfleet[model]'"
@@ -162,14 +164,55 @@ def builder_command(
     """The model builder's command line; ``extra_options`` become ``--extra_options key=value ...``.
     ``runner`` is the module run with ``-m`` and its own arguments: the builder itself by default, or a
     module that wraps it (random weights in place of a checkpoint's)."""
-    command = [
-        sys.executable, "-m", *runner,
+    arguments = _module_arguments(
+        hf_dir, out_dir, cache_dir, precision, execution_provider, extra_options, runner
+    )
+    return [sys.executable, "-m", *arguments]
+
+
+def _module_arguments(
+    hf_dir: Path,
+    out_dir: Path,
+    cache_dir: Path,
+    precision: str,
+    execution_provider: str,
+    extra_options: Mapping[str, str] | None,
+    runner: Sequence[str],
+) -> list[str]:
+    """What follows ``python -m`` in :func:`builder_command`."""
+    arguments = [
+        *runner,
         "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", execution_provider,
         "-c", str(cache_dir),
     ]  # fmt: skip
     if extra_options:
-        command += ["--extra_options", *(f"{key}={value}" for key, value in extra_options.items())]
-    return command
+        arguments += ["--extra_options", *(f"{key}={value}" for key, value in extra_options.items())]
+    return arguments
+
+
+_server: BuilderServer | None = None
+_server_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def builder_server(server: BuilderServer | None = None) -> Iterator[BuilderServer]:
+    """While entered, :func:`run_builder` runs each build (in any thread of this process) in a child
+    forked from ``server``, one process that imported the builder's modules, torch and transformers once
+    (at its first build), in place of a fresh interpreter per build that imports them again; see
+    :mod:`ortfleet.modelbuild.build_server`. Without ``server``, a new one, ended on exit. Builds then
+    run one at a time."""
+    global _server
+    owned = server is None
+    serving = BuilderServer(env=offline_environ()) if server is None else server
+    with _server_guard:
+        previous, _server = _server, serving
+    try:
+        yield serving
+    finally:
+        with _server_guard:
+            _server = previous
+        if owned:
+            serving.close()
 
 
 def cuda_available() -> bool:
@@ -191,29 +234,14 @@ def run_builder(
     runner: Sequence[str] = (BUILDER_MODULE,),
 ) -> None:
     """Run the onnxruntime-genai model builder on a Hugging Face checkpoint folder, in a subprocess
-    (creating models in-process does not work in onnxruntime-genai 0.18). Its output is passed line by
-    line to ``on_output``; on failure :class:`BuilderFailed` carries the end of it. ``runner``: as in
-    :func:`builder_command`."""
-    command = builder_command(
-        hf_dir,
-        out_dir,
-        cache_dir,
-        precision=precision,
-        execution_provider=execution_provider,
-        extra_options=extra_options,
-        runner=runner,
+    (creating models in-process does not work in onnxruntime-genai 0.18), or a child of the process's
+    :func:`builder_server` while one is entered. Its output is passed line by line to ``on_output``; on
+    failure :class:`BuilderFailed` carries the end of it. ``runner``: as in :func:`builder_command`."""
+    arguments = _module_arguments(
+        hf_dir, out_dir, cache_dir, precision, execution_provider, extra_options, runner
     )
-    logger.debug("running %s", command)
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
-    with subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        env=offline_environ(),
-    ) as process:
+    with _start_builder(arguments) as process:
         assert process.stdout is not None
         try:
             for raw in process.stdout:
@@ -228,6 +256,35 @@ def run_builder(
         returncode = process.wait()
     if returncode != 0:
         raise BuilderFailed(returncode, "\n".join(tail))
+
+
+def prepare_builder() -> None:
+    """Start the imports of the entered :func:`builder_server` (if any, and not yet started), so that
+    they run while the caller prepares its build's input."""
+    with _server_guard:
+        server = _server
+    if server is not None:
+        server.launch()
+
+
+def _start_builder(arguments: list[str]) -> subprocess.Popen[str] | ForkedBuild:
+    """``python -m`` with ``arguments``: a child of the entered builder server, else a subprocess."""
+    with _server_guard:
+        server = _server
+    if server is not None:
+        logger.debug("running %s in a child of the builder server", arguments)
+        return server.start(arguments)
+    command = [sys.executable, "-m", *arguments]
+    logger.debug("running %s", command)
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=offline_environ(),
+    )
 
 
 def check_generates(model_dir: Path) -> None:

@@ -15,6 +15,7 @@ from ortfleet.modelbuild.convert import (
     StageProgress,
     check_generates,
     cuda_available,
+    prepare_builder,
     quiet_transformers,
     require_modules,
     run_builder,
@@ -167,6 +168,7 @@ def _build(
     logger.info("building a random-weight model, %s, for %s", shape.describe(), device)
     hf_dir = work / "hf"
     precision, provider, extra_options = builder_arguments(device)
+    prepare_builder()
     with progress.stage(f"writing a config and a tokenizer ({shape.describe()})"), quiet_transformers():
         _save_config(hf_dir, shape, half=device == "cuda")
     with progress.stage(f"building the {precision} {provider} ONNX model from random weights"):
