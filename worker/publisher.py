@@ -99,20 +99,20 @@ class StreamPublisher:
             end == index
             and logprobs is None
             and not record
-            # an entry a write has taken is never changed, nor one written again as it was
-            and len(self.pending) > max(self.in_flight_entries, self.verbatim)
             and self._writer.joins_tokens
+            # an entry a write has taken is never changed, nor one written again as it was
+            and len(self.pending) > self.in_flight_entries
+            and len(self.pending) > self.verbatim
             and not self.lost
         ):
             last = self.pending[-1]
             last["text"] += text
             if token_ids:
-                ids = ",".join(map(str, token_ids))
-                last["ids"] = f"{last['ids']},{ids}" if last["ids"] else ids
-            self.open_end = end + len(token_ids)
+                ids = str(token_ids[0]) if len(token_ids) == 1 else ",".join(map(str, token_ids))
+                last["ids"] = last["ids"] + "," + ids if last["ids"] else ids
+                self.open_end = end + len(token_ids)
+            # Nothing else changes: the publisher waits for the writer already, and is due no sooner.
             self._writer.entries_added += 1
-            self.idle.clear()
-            self._writer.wake(self)
             return
         self.add(token_entry(text, token_ids, index, logprobs), record)
         if logprobs is None and not self.lost and len(self.pending) > self.verbatim:

@@ -100,6 +100,11 @@ def unpack(step: Step) -> Iterator[tuple[int, EngineUpdate]]:
     finish = step.finish.tolist()
     running = step.running
     notes = step.notes
+    if not notes and step.logprobs is None and len(tokens) == len(row_ids):
+        # the common step: a token for each row, nothing rare
+        for row, token, code in zip(row_ids, tokens, finish, strict=True):
+            yield row, EngineUpdate([token], FINISHES[code], None, running)
+        return
     logprobs = _entries(step.logprobs)
     for i, row in enumerate(row_ids):
         start, end = offsets[i], offsets[i + 1]
