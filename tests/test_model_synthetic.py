@@ -28,6 +28,7 @@ from ortfleet.modelbuild.synthetic import (
     build_synthetic_model,
     byte_pair_tokenizer,
 )
+from tests.test_architectures import tiny_shape
 
 EVENT_TOKEN = 1
 EVENT_FAILED = 8
@@ -163,31 +164,14 @@ def test_synthetic_model_generates_on_the_cpu(synthetic_model: Path) -> None:
     assert isinstance(tokenizer.decode(tokens), str)
 
 
-def tiny(architecture: str, model_type: str) -> Shape:
-    return Shape(
-        name=model_type,
-        architecture=architecture,
-        model_type=model_type,
-        hidden_size=64,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        context_length=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-    )
-
-
 def test_builder_server_builds_models_in_a_row_and_reports_a_failure_with_its_output(
     builder_server: BuilderServer, tmp_path: Path
 ) -> None:
     """Each build checks that its model generates, in this process: the server, which forks the
     builds, runs none. The first build may be the one that starts the server."""
-    llama = build_synthetic_model(tmp_path / "llama", tiny("LlamaForCausalLM", "llama"), seed=1)
+    llama = build_synthetic_model(tmp_path / "llama", tiny_shape("LlamaForCausalLM", "llama"), seed=1)
     builds, server = builder_server.builds, builder_server.pid
-    qwen = build_synthetic_model(tmp_path / "qwen2", tiny("Qwen2ForCausalLM", "qwen2"), seed=2)
+    qwen = build_synthetic_model(tmp_path / "qwen2", tiny_shape("Qwen2ForCausalLM", "qwen2"), seed=2)
     (tmp_path / "hf").mkdir()
     lines: list[str] = []
 
