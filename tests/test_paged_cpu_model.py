@@ -64,7 +64,7 @@ def paged_tokens(
         scheduler.submit(row)
     while any(True for _ in scheduler.rows()):
         planned = scheduler.plan()
-        logits = model.last_logits([p.packed for p in planned])
+        logits = model.returned_logits([p.packed for p in planned])
         scheduler.advance(planned)
         for plan, row_logits in zip(planned, logits, strict=True):
             if plan.samples:
@@ -109,7 +109,7 @@ def test_a_chunk_that_asks_for_all_its_logits_gets_every_positions_in_runs_with_
     model = CpuPagedModel(tiny_model, 16, BLOCK)
     asking = [int(t) for t in np.random.default_rng(4).integers(10, model.vocab, size=40)]
     decoding, short = [11, 12, 13, 14, 15], [21, 22, 23]
-    [first] = model.last_logits([PackedRow(decoding, 0, [0])])  # its prompt in; it decodes from here on
+    [first] = model.returned_logits([PackedRow(decoding, 0, [0])])  # its prompt in; it decodes from here on
     token, got = int(np.argmax(first)), []
     asking_table, short_table = [1, 2, 3], [4]
     for step, start in enumerate(range(0, len(asking), CHUNK)):  # its prompt in chunks of 16, 16 and 8
@@ -119,7 +119,7 @@ def test_a_chunk_that_asks_for_all_its_logits_gets_every_positions_in_runs_with_
             PackedRow(chunk, start, asking_table, all_logits=True),
             PackedRow(short, 0, short_table),
         ]
-        logits = model.last_logits(rows)
+        logits = model.returned_logits(rows)
         assert logits.shape == (1 + len(chunk) + 1, model.vocab)
         [decoded, prompt_part, short_part] = by_row(rows, logits)
         assert prompt_part.shape == (len(chunk), model.vocab) and short_part.shape == (1, model.vocab)

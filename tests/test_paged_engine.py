@@ -265,10 +265,10 @@ async def test_a_failed_run_loses_every_row_and_a_restart_serves_again(
     runs = {"made": 0}
 
     class Breaking(CpuPagedModel):
-        def last_logits(self, rows):  # type: ignore[no-untyped-def]
+        def returned_logits(self, rows):  # type: ignore[no-untyped-def]
             if runs["made"] == 1 and self.broken:
                 raise RuntimeError("the card fell off the bus")
-            return super().last_logits(rows)
+            return super().returned_logits(rows)
 
     def make() -> CpuPagedModel:
         runs["made"] += 1

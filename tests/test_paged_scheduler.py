@@ -33,7 +33,7 @@ def run(
     while any(True for _ in scheduler.rows()):
         planned = scheduler.plan()
         assert planned, "rows wait but nothing runs"
-        logits = model.last_logits([p.packed for p in planned])
+        logits = model.returned_logits([p.packed for p in planned])
         scheduler.advance(planned)
         for plan, row_logits in zip(planned, logits, strict=True):
             if plan.samples:
@@ -59,10 +59,10 @@ def alone(row: PagedRow) -> list[int]:
     in order, then one run a token."""
     table = list(range(-(-row.length // BLOCK)))
     model = ReferencePagedModel(len(table), BLOCK)
-    tokens = [int(np.argmax(model.last_logits([PackedRow(row.prompt, 0, table)])[0]))]
+    tokens = [int(np.argmax(model.returned_logits([PackedRow(row.prompt, 0, table)])[0]))]
     while len(tokens) < row.max_new_tokens:
         past = len(row.prompt) + len(tokens) - 1
-        tokens.append(int(np.argmax(model.last_logits([PackedRow([tokens[-1]], past, table)])[0])))
+        tokens.append(int(np.argmax(model.returned_logits([PackedRow([tokens[-1]], past, table)])[0])))
     return tokens
 
 
@@ -113,14 +113,14 @@ def test_a_decoding_row_gets_a_token_every_step_while_a_long_prompt_prefills() -
     scheduler.submit(short)
     for _ in range(2):
         planned = scheduler.plan()
-        model.last_logits([p.packed for p in planned])
+        model.returned_logits([p.packed for p in planned])
         took(scheduler, planned)
     long = PagedRow(list(range(90)), 4)
     scheduler.submit(long)
     steps_while_prefilling = 0
     while not long.decoding:
         planned = scheduler.plan()
-        model.last_logits([p.packed for p in planned])
+        model.returned_logits([p.packed for p in planned])
         assert [p.row for p in planned if p.row is short] == [short]  # the short row in every step
         chunk = next(p for p in planned if p.row is long)
         assert len(chunk.packed.tokens) <= 16
@@ -210,7 +210,7 @@ def test_a_row_asking_for_all_its_logits_gets_every_prompt_positions_across_chun
     while len(asking.generated) < asking.max_new_tokens:
         planned = scheduler.plan()
         packed = [p.packed for p in planned]
-        logits = model.last_logits(packed)
+        logits = model.returned_logits(packed)
         assert len(logits) == sum(row.returned for row in packed)
         parts = by_row(packed, logits)
         for plan, part in zip(planned, parts, strict=True):
@@ -228,5 +228,5 @@ def test_a_row_asking_for_all_its_logits_gets_every_prompt_positions_across_chun
     table = list(range(-(-asking.length // BLOCK)))
     whole = ReferencePagedModel(len(table), BLOCK)
     for position, row_logits in enumerate(prompt_logits):  # each position's logits, as its prefix alone
-        [expected] = whole.last_logits([PackedRow(asking.prompt[: position + 1], 0, table)])
+        [expected] = whole.returned_logits([PackedRow(asking.prompt[: position + 1], 0, table)])
         np.testing.assert_allclose(row_logits, expected, rtol=1e-10, atol=1e-10)

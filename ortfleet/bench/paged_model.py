@@ -71,11 +71,11 @@ def alone(model: PagedModel, prompts: list[list[int]], tokens: int) -> list[list
     greedy = Greedy(model)
     for ids in prompts:
         table = greedy.blocks(len(ids) + tokens)
-        [token] = greedy.pick(model.last_logits([PackedRow(ids, 0, table)]))
+        [token] = greedy.pick(model.returned_logits([PackedRow(ids, 0, table)]))
         generated = [token]
         while len(generated) < tokens:
             past = len(ids) + len(generated) - 1
-            [token] = greedy.pick(model.last_logits([PackedRow([generated[-1]], past, table)]))
+            [token] = greedy.pick(model.returned_logits([PackedRow([generated[-1]], past, table)]))
             generated.append(token)
         out.append(generated)
     return out
@@ -90,7 +90,7 @@ def together(model: PagedModel, prompts: list[list[int]], tokens: int) -> list[l
     half = len(prompts[0]) // 2
 
     def step(rows: list[tuple[int, PackedRow]]) -> None:
-        picks = greedy.pick(model.last_logits([row for _, row in rows]))
+        picks = greedy.pick(model.returned_logits([row for _, row in rows]))
         for (index, row), token in zip(rows, picks, strict=True):
             if row.past + len(row.tokens) >= len(prompts[index]):  # a whole prompt is in: its pick counts
                 generated[index].append(token)

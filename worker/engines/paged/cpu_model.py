@@ -32,20 +32,23 @@ class CpuPagedModel:
         shape = (blocks * block_size, self.layout.kv_heads, self.layout.head_size)  # one slot a position
         self.pool = [np.zeros(shape, np.float32) for _ in self.layout.past_names]
 
-    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+    def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         """What model.py's run returns: each row's last token's logits, each of its tokens' for a row with
         all_logits, float32 [taken, vocab]."""
         taken = pack(rows, self.block_size)["taken"]  # the same checks as on the card
         out = np.empty((len(taken), self.vocab), np.float32)
         parts = by_row(rows, out)  # views of `out`, one a row
-        decoding = [index for index, row in enumerate(rows) if len(row.tokens) == 1 and row.past > 0]
+        decoding: list[int] = []  # one run for all of them
+        alone: list[int] = []  # prompt chunks: each runs by itself
+        for index, row in enumerate(rows):
+            (decoding if len(row.tokens) == 1 and row.past > 0 else alone).append(index)
         if decoding:
             logits = self._run([rows[index] for index in decoding])
             for index, row_logits in zip(decoding, logits, strict=True):
                 parts[index][:] = row_logits  # one token: its last is all of its logits
-        for index, row in enumerate(rows):
-            if index not in decoding:
-                parts[index][:] = self._run([row])[0][-row.returned :]
+        for index in alone:
+            row = rows[index]
+            parts[index][:] = self._run([row])[0][-row.returned :]
         return out
 
     def _slots(self, row: PackedRow, start: int, stop: int) -> np.ndarray:

@@ -51,7 +51,7 @@ class PagedRunner(Protocol):
     block_size: int
     vocab: int
 
-    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+    def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         """One run of `rows`: each row's last token's logits, each of its tokens' for a row with
         all_logits, float32 [taken, vocab] (model.py)."""
         ...
@@ -190,7 +190,7 @@ class PagedEngine(BatchingEngine):
             return
         packed = [plan.packed for plan in planned]
         try:
-            logits = by_row(packed, self._runner.last_logits(packed))
+            logits = by_row(packed, self._runner.returned_logits(packed))
         except Exception as e:  # no row's KV can be trusted after a run that broke
             logger.exception("a paged run failed")
             self._fail(f"a paged run failed: {e}")

@@ -21,10 +21,10 @@ The model's contract (onnxruntime's `PagedAttention`, CUDA only):
 A run's rows may mix prefills and decodes in any order. Which blocks a row holds is the caller's (the
 block manager's, blocks.py); this module keeps only the pool.
 
-What a run returns (`last_logits`, the contract of every runner: this one, cpu_model.py and reference.py):
+What a run returns (`returned_logits`, the contract of every runner: this one, cpu_model.py and reference.py):
 each row's last token's logits, or, for a row that asks (`PackedRow.all_logits`: a prompt chunk whose
 prompt log-probabilities are wanted), the logits of each of its new tokens; float32 [taken, vocab], the
-rows in order (`by_row` cuts them per row). On the card only those rows come back (`LastRows`).
+rows in order (`by_row` cuts them per row). On the card only those rows come back (`LogitRows`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class PagedModel:
         self.session = ort.InferenceSession(
             str(model_dir / shape.filename), options, providers=self._providers()
         )
-        self._gather: LastRows | None = None
+        self._gather: LogitRows | None = None
         kv_type = {"tensor(float16)": np.float16, "tensor(bfloat16)": None, "tensor(float)": np.float32}
         past_key = shape.inputs["past_key_names"] % 0
         element = kv_type[next(i.type for i in self.session.get_inputs() if i.name == past_key)]
@@ -192,24 +192,24 @@ class PagedModel:
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0], taken
 
-    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+    def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         """One run of `rows`, and each row's last token's logits on the host (each of its tokens' for a row
         with all_logits), float32 [taken, vocab]: taken from the run's logits and cast on the card
-        (LastRows), so a prompt chunk that does not ask brings one row back."""
+        (LogitRows), so a prompt chunk that does not ask brings one row back."""
         logits, taken = self.run(rows)
-        return self._last_rows.take(logits, taken)
+        return self._logit_rows.take(logits, taken)
 
     @property
-    def _last_rows(self) -> LastRows:
+    def _logit_rows(self) -> LogitRows:
         if self._gather is None:
-            self._gather = LastRows(self._providers())
+            self._gather = LogitRows(self._providers())
         return self._gather
 
     def _providers(self) -> list[Any]:
         return [("CUDAExecutionProvider", {"device_id": str(self.device_id)}), "CPUExecutionProvider"]
 
 
-class LastRows:
+class LogitRows:
     """A small onnxruntime graph that takes the rows `index` of a run's logits [tokens, vocab] where they
     are (on the card) and brings them to the host as float32 [rows, vocab]: any rows, in any order (each
     row's last token, and every token of a row that asks for all its logits)."""
@@ -221,16 +221,16 @@ class LastRows:
 
         nodes = [
             helper.make_node("Gather", ["logits", "index"], ["rows"], axis=0),
-            helper.make_node("Cast", ["rows"], ["last"], to=TensorProto.FLOAT),
+            helper.make_node("Cast", ["rows"], ["taken"], to=TensorProto.FLOAT),
         ]
         graph = helper.make_graph(
             nodes,
-            "last_rows",
+            "logit_rows",
             [
                 helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["tokens", "vocab"]),
                 helper.make_tensor_value_info("index", TensorProto.INT64, ["rows"]),
             ],
-            [helper.make_tensor_value_info("last", TensorProto.FLOAT, ["rows", "vocab"])],
+            [helper.make_tensor_value_info("taken", TensorProto.FLOAT, ["rows", "vocab"])],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
         model.ir_version = 8
@@ -242,7 +242,7 @@ class LastRows:
         binding = self._session.io_binding()
         binding.bind_ortvalue_input("logits", logits)
         binding.bind_cpu_input("index", np.asarray(index, np.int64))
-        binding.bind_output("last", "cpu")
+        binding.bind_output("taken", "cpu")
         self._session.run_with_iobinding(binding)
         rows: np.ndarray = binding.copy_outputs_to_cpu()[0]
         return rows

@@ -36,7 +36,7 @@ class ReferencePagedModel:
         self.pool = np.full((layers, 2, blocks * block_size, width), np.nan)
         self.runs = 0
 
-    def last_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
+    def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         """Each row's last token's logits, each of its tokens' for a row with all_logits ([taken, vocab],
         as model.py's run), its new tokens' keys and values written to its blocks; the runs' inputs checked
         as the model's (pack)."""
