@@ -22,15 +22,28 @@ MAX_FILE = 300_000
 MAX_BODY = 4096
 
 
-@pytest.fixture
-def sdk(redis_server: RedisServer, tiny_model: Path) -> Iterator[openai.OpenAI]:
-    """A gateway whose files may be far larger than its request bodies."""
+# The client tests' gateway (`client`, on `fleet`) is the module's, started once for all of them.
+pytestmark = pytest.mark.module_fleet
+
+
+@pytest.fixture(scope="module")
+def capped_gateway(redis_server: RedisServer, tiny_model: Path) -> Iterator[str]:
+    """A gateway whose files may be far larger than its request bodies, one for the module's tests; yields
+    its URL."""
     env = {"ORTFLEET_MAX_FILE_BYTES": str(MAX_FILE), "ORTFLEET_MAX_BODY_BYTES": str(MAX_BODY)}
     fleet = Fleet(redis_server.url, tiny_model, env=env)
-    fleet.start_gateway()
-    with openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0) as client:
+    try:
+        fleet.start_gateway()
+        yield fleet.gateway_url
+    finally:
+        fleet.stop_all()
+
+
+@pytest.fixture
+def sdk(capped_gateway: str) -> Iterator[openai.OpenAI]:
+    """The official openai SDK pointed at the module's capped gateway."""
+    with openai.OpenAI(base_url=capped_gateway + "/v1", api_key="unused", max_retries=0) as client:
         yield client
-    fleet.stop_all()
 
 
 def jsonl(lines: int, width: int = 100) -> bytes:
