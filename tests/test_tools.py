@@ -17,6 +17,10 @@ from tests.test_batches import BatchFleet, batch_fleet, jsonl, line, until_statu
 
 __all__ = ["batch_fleet"]  # the fixture, shared with tests/test_batches.py
 
+# One gateway and one served worker for the module's tests; the batch test starts a fleet of its own
+# (batch_fleet), whose gateway, told of the batch at once, drives it.
+pytestmark = pytest.mark.module_fleet
+
 # Small on purpose: the tiny model's context is 512 tokens of a few characters each.
 WEATHER = {
     "type": "object",
