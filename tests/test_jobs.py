@@ -14,6 +14,7 @@ from common.keys import STANDALONE
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
+from tests.waiting import until_seen
 
 pytestmark = pytest.mark.module_fleet  # one gateway for the module's tests; each starts its own workers
 
@@ -63,12 +64,19 @@ async def test_a_job_naming_no_model_runs_on_the_only_live_one_and_is_refused_wh
         done = await wait_done(client, (await submit(client, {"prompt": "Hi", "max_tokens": 4}))["id"])
         assert (done["status"], done["model"]) == ("succeeded", model_name)
         other = own_fleet.start_worker(model_name + "-other")
+
+        async def served(*names: str) -> bool:  # the gateway reads the registry at most every 0.5 s
+            listed = (await client.get("/v1/models")).json()["data"]
+            return sorted(m["id"] for m in listed) == sorted(names)
+
+        await until_seen(lambda: served(model_name, model_name + "-other"), "both models listed", 10)
         ambiguous = await client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 4})
         assert ambiguous.status_code == 422
         error = ambiguous.json()["error"]
         assert error["param"] == "model"
         assert error["message"] == f"model: required, this fleet serves {model_name}, {model_name}-other"
         assert other.terminate() == 0
+        await until_seen(lambda: served(model_name), "only the first model listed", 10)
         done = await wait_done(client, (await submit(client, {"prompt": "Hi", "max_tokens": 4}))["id"])
         assert (done["status"], done["model"]) == ("succeeded", model_name)
 

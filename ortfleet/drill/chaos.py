@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ import httpx
 from ortfleet.drill.kills import drill_model
 from ortfleet.drill.streams import Reader, StreamCheck, check, finish, percentiles, submit
 from ortfleet.fleet.launcher import FleetProcess, LocalFleet
-from ortfleet.fleet.processes import StartupError, free_port, start_redis, stop, wait_for_port
+from ortfleet.fleet.processes import ChildProcess, StartupError, free_port, start_redis, stop, wait_for_port
 
 MODEL_NAME = "chaos"
 PROMPTS = [
@@ -52,7 +51,7 @@ class Chaos:
         self.fleet = fleet
         self.model = model
         self.args = args
-        self.gateways: list[tuple[subprocess.Popen[bytes], str]] = []
+        self.gateways: list[tuple[ChildProcess, str]] = []
         self.workers: list[FleetProcess] = []
         self.done: list[Fault] = []
         self.redis_dir = fleet.log_dir / "redis-data"

@@ -18,14 +18,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, SimpleQueue
-from typing import Literal
+from typing import IO, Literal
 
 from pydantic_settings import SettingsError
 
 from common.redis_client import cluster_node, connect_blocking
 from common.stores import Store, home_store
 from common.worker_settings import WorkerSettings
+from ortfleet.fleet.process_server import ProcessServer
 from ortfleet.fleet.processes import (
+    ChildProcess,
     StartupError,
     child_env,
     free_port,
@@ -56,11 +58,12 @@ class FleetProcess:
 
     name: str
     role: Role
-    process: subprocess.Popen[bytes]
+    process: ChildProcess
     log: Path | None
     url: str = ""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     grace_s: float = 0.0  # a worker's shutdown grace, as it reads its settings
+    output: IO[bytes] | None = None  # where `log` is None: its output, read line by line
 
     @property
     def pid(self) -> int:
@@ -101,7 +104,9 @@ class LocalFleet:
 
     Each child runs in a process group of its own, so a terminal's Ctrl-C reaches only the parent, which
     stops them in that order. With `output`, each line a child prints is passed to it as (name, line);
-    otherwise it goes to a log file in `log_dir`.
+    otherwise it goes to a log file in `log_dir`. With `process_server` (and no `output`), gateways, workers
+    and engine cores are forked from that server (ortfleet/fleet/process_server.py), their imports paid
+    once, rather than started afresh.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class LocalFleet:
         env: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
         output: LineSink | None = None,
+        process_server: ProcessServer | None = None,
     ) -> None:
         self.redis_url = redis_url or ""
         self.model_dir = model_dir
@@ -119,6 +125,7 @@ class LocalFleet:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="ortfleet-fleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.output = output
+        self.process_server = process_server
         self.processes: list[FleetProcess] = []
         self.exits: SimpleQueue[FleetProcess] = SimpleQueue()
         self.stopping = False
@@ -388,16 +395,20 @@ class LocalFleet:
             log: Path | None = self.log_dir / f"{name}-{len(self.processes)}-{os.getpid()}.log"
             assert log is not None
             with log.open("wb") as handle:
-                process = subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-                    env=environment, process_group=0,
-                )  # fmt: skip
+                process: ChildProcess
+                if self.process_server is not None and command[:2] == [sys.executable, "-m"]:
+                    process = self.process_server.start(command[2:], env=environment, output=handle.fileno())
+                else:
+                    process = subprocess.Popen(
+                        command, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+                        env=environment, process_group=0,
+                    )  # fmt: skip
         else:
-            log = None
-            process = subprocess.Popen(
+            piped = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env=environment, process_group=0,
             )  # fmt: skip
+            return self._adopt(FleetProcess(name, role, piped, None, output=piped.stdout))
         return self._adopt(FleetProcess(name, role, process, log))
 
     def _adopt(self, child: FleetProcess) -> FleetProcess:
@@ -409,8 +420,8 @@ class LocalFleet:
         return child
 
     def _forward(self, child: FleetProcess) -> None:
-        assert child.process.stdout is not None and self.output is not None
-        for raw in child.process.stdout:
+        assert child.output is not None and self.output is not None
+        for raw in child.output:
             line = raw.decode(errors="replace").rstrip()
             child.tail.append(line)
             self.output(child.name, line)

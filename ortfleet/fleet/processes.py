@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -35,6 +36,21 @@ def redis_server_binary() -> str:
     if binary is None:
         raise StartupError(REDIS_MISSING)
     return binary
+
+
+class ChildProcess(Protocol):
+    """A child process of a fleet as its owner uses it: a :class:`subprocess.Popen`, or one forked by a
+    process server (ortfleet/fleet/process_server.py)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 
 def start_redis(
@@ -86,7 +102,7 @@ def start_redis(
     return process
 
 
-def wait_for_port(port: int, process: subprocess.Popen[bytes], what: str, timeout_s: float = 20.0) -> None:
+def wait_for_port(port: int, process: ChildProcess, what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -123,7 +139,7 @@ def gateway_command(port: int, *, host: str = "127.0.0.1") -> list[str]:
 
 def wait_ready(
     base_url: str,
-    process: subprocess.Popen[bytes] | None = None,
+    process: ChildProcess | None = None,
     *,
     workers: int = 1,
     model: str | None = None,
@@ -154,7 +170,7 @@ def wait_ready(
     raise StartupError(f"the fleet at {base_url} was not ready within {timeout_s:g} s: {last}")
 
 
-def stop(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+def stop(process: ChildProcess, timeout_s: float = 10.0) -> None:
     if process.poll() is None:
         process.terminate()
         try:

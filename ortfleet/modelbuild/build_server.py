@@ -22,13 +22,8 @@ the next request. It exits when the requester's end closes.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import importlib
-import io
-import json
 import os
-import runpy
 import signal
 import socket
 import subprocess
@@ -38,7 +33,9 @@ import threading
 import traceback
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import IO, Any, NoReturn
+from typing import IO, Any
+
+from ortfleet.forked_main import Channel, preload, run_child
 
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 # Imported for what they import: the builder's torch, transformers, onnx_ir, onnxruntime's quantizer and
@@ -50,43 +47,11 @@ DEFAULT_PRELOAD = (BUILDER_MODULE,)
 SERVER_ENVIRONMENT = {"ORT_DISABLE_TELEMETRY": "1", "OPENBLAS_NUM_THREADS": "1"}
 # `python -m` would import the package first, which imports this module: runpy warns of that.
 _SERVER_CODE = f"from {__name__} import main; main()"
-_MESSAGE_MAX_BYTES = 1 << 20
 _LOG_TAIL_CHARS = 4000
 
 
 class BuilderServerFailed(RuntimeError):
     """The server could not start, or ended while serving."""
-
-
-class _Channel:
-    """JSON lines on a stream socket, with file descriptors passed beside a message."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = b""
-
-    def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
-        data = json.dumps(message).encode() + b"\n"
-        sent = socket.send_fds(self.sock, [data], list(fds)) if fds else self.sock.send(data)
-        if sent < len(data):
-            self.sock.sendall(data[sent:])
-
-    def receive(self) -> tuple[dict[str, Any] | None, list[int]]:
-        """The next message and the descriptors that came with it; None at the end of the stream."""
-        fds: list[int] = []
-        while b"\n" not in self._buffer:
-            if len(self._buffer) > _MESSAGE_MAX_BYTES:
-                raise ValueError("a message longer than 1 MiB")
-            data, received, _flags, _address = socket.recv_fds(self.sock, 65536, 4)
-            fds += received
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                return None, []
-            self._buffer += data
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        message: dict[str, Any] = json.loads(line)
-        return message, fds
 
 
 # The server side: `python -c "from ortfleet.modelbuild.build_server import main; main()" --fd N
@@ -104,13 +69,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--preload", action="append", default=[], help="a module to import first for what it imports"
     )
     args = parser.parse_args(argv)
-    channel = _Channel(socket.socket(fileno=args.fd))
+    channel = Channel(socket.socket(fileno=args.fd))
     try:
-        for module in args.preload:
-            _import_for_children(module)
-        threads = _thread_count()
-        if threads > 1:
-            raise RuntimeError(f"{threads} threads run after the imports: forking this process is not safe")
+        preload(args.preload)
     except BaseException as e:
         traceback.print_exc()
         channel.send({"error": f"{type(e).__name__}: {e}"})
@@ -122,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _serve(channel)
 
 
-def _serve(channel: _Channel) -> None:
+def _serve(channel: Channel) -> None:
     while True:
         request, fds = channel.receive()
         if request is None:
@@ -136,87 +97,11 @@ def _serve(channel: _Channel) -> None:
         (output,) = fds
         pid = os.fork()
         if pid == 0:
-            _run_child(request, output, channel.sock)
+            run_child(request, output, close=[channel.sock.fileno()])
         os.close(output)
         channel.send({"pid": pid})
         _, status = os.waitpid(pid, 0)
         channel.send({"returncode": os.waitstatus_to_exitcode(status)})
-
-
-def _import_for_children(module: str) -> None:
-    """Import ``module`` for what it imports, then forget it: a child runs a module as ``__main__`` in a
-    fresh copy (as ``python -m`` does), and runpy warns of one already imported under its own name."""
-    importlib.import_module(module)
-    sys.modules.pop(module, None)
-    parent, _, child = module.rpartition(".")
-    if parent in sys.modules:
-        vars(sys.modules[parent]).pop(child, None)
-
-
-def _thread_count() -> int:
-    """The threads of this process, those of native libraries included where the system shows them."""
-    with contextlib.suppress(OSError):
-        return len(os.listdir("/proc/self/task"))
-    return threading.active_count()
-
-
-def _run_child(request: Mapping[str, Any], output: int, server_sock: socket.socket) -> NoReturn:
-    code = 1
-    try:
-        server_sock.close()
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        os.dup2(output, 1)
-        os.dup2(output, 2)
-        os.close(stdin)
-        os.close(output)
-        for stream in (sys.stdout, sys.stderr):
-            if isinstance(stream, io.TextIOWrapper):
-                stream.reconfigure(line_buffering=True)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        module, *args = request["argv"]
-        sys.argv = [module, *args]
-        if sys.path and sys.path[0] == "":
-            sys.path[0] = os.getcwd()  # as `python -m` has it (the server's `python -c` has "")
-        code = _run_as_main(module)
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _run_as_main(module: str) -> int:
-    """Run ``module`` as ``python -m`` would, and the exit status that interpreter would end with."""
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = _exit_status(e.code)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    # What the interpreter does on its way out: wait for the threads that are not daemons, then the
-    # atexit functions.
-    shutdown = getattr(threading, "_shutdown", None)
-    if callable(shutdown):
-        shutdown()
-    atexit._run_exitfuncs()
-    return code
-
-
-def _exit_status(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
 
 
 # The requester's side.
@@ -264,7 +149,7 @@ class BuilderServer:
         self._lock = threading.Lock()  # held from a build's start to its end
         self._launch_lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
-        self._channel: _Channel | None = None
+        self._channel: Channel | None = None
         self._log: IO[bytes] | None = None
         self._failure: BuilderServerFailed | None = None
         self.pid: int | None = None  # the server's, once it is ready
@@ -293,7 +178,7 @@ class BuilderServer:
                 raise
             finally:
                 theirs.close()
-            self._channel = _Channel(ours)
+            self._channel = Channel(ours)
 
     def start(self, argv: Sequence[str]) -> ForkedBuild:
         """Fork a child of the server that runs ``python -m`` with ``argv`` (the module and its
@@ -328,14 +213,14 @@ class BuilderServer:
         finally:
             self._lock.release()
 
-    def _ready(self) -> _Channel:
+    def _ready(self) -> Channel:
         self.launch()
         assert self._channel is not None
         if self.pid is None:
             self.pid = int(self._reply("ready"))
         return self._channel
 
-    def _send(self, channel: _Channel, request: Mapping[str, Any], output: int) -> None:
+    def _send(self, channel: Channel, request: Mapping[str, Any], output: int) -> None:
         if self._failure is not None:
             raise self._failure
         try:
