@@ -30,6 +30,9 @@ OTHER_VARIABLES = {
     "(default: a new temporary folder).",
     "ORTFLEET_TEST_PROCESSES": "How many processes `scripts/test` runs the tiers after `unit` in, each test "
     "file whole in one of them (default: 2).",
+    "ORTFLEET_TEST_PROCESS_SERVER": "`false`: the test suite starts each gateway, worker and engine core "
+    "afresh (`python -m ...`) rather than forking it from its process server, which imported their modules "
+    "once (default: `true`; see CONTRIBUTING.md).",
     "ORTFLEET_TEST_REDIS": "`cluster`: the test suite's Redis is a Redis Cluster of three primaries, "
     "started for the session, its fleets' data under the home hash tag (default: one redis-server); "
     "`scripts/test` runs the jobs', OpenAI, batches' and fair share's modules so. Tests that open their own "

@@ -255,8 +255,8 @@ TEST_FLEET_ENV = {"ORTFLEET_SHUTDOWN_GRACE_S": "0"}
 
 
 # The tests' gateways, workers and engine cores are forked from one process server per test process
-# (ortfleet/fleet/process_server.py), which paid their imports once: about a second of CPU saved on each of
-# some 650 processes a run. ORTFLEET_TEST_PROCESS_SERVER=false starts each afresh instead.
+# (ortfleet/fleet/process_server.py), which paid their imports once: 0.7-1 s of CPU saved on each of some
+# 650 processes a run. ORTFLEET_TEST_PROCESS_SERVER=false starts each afresh instead.
 _PROCESS_SERVER: ProcessServer | None = None
 
 
