@@ -22,6 +22,10 @@ from tests.redis_events import wait_final, wait_for_tokens
 from tests.test_security import bearer, create_key
 from worker.engines.fake_engine import FakeEngine
 
+# One gateway for the module's real-worker tests; each starts a worker of its own settings, on a model of
+# its own, and the keyed test a gateway of its own.
+pytestmark = pytest.mark.module_fleet
+
 # Workers on the fake engine
 
 

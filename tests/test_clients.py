@@ -27,6 +27,10 @@ from pydantic import BaseModel, Field
 from ortfleet.fleet.processes import free_port
 from tests.conftest import LOGS, Fleet
 
+# One gateway and one served worker for the module's tests; the browser's test starts a gateway and a
+# worker of its own (its gateway's keys, CORS origin and restart).
+pytestmark = pytest.mark.module_fleet
+
 
 class Pet(BaseModel):
     name: str = Field(max_length=8)

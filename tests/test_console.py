@@ -21,6 +21,10 @@ from gateway.app import build_app
 from gateway.console import ASSETS, asset_names
 from tests.conftest import LOGS, Fleet
 
+# One gateway and one served worker for the module's tests; the keyed ones start gateways of their own,
+# and the console's walk-through a fleet on a Redis of its own (own_fleet).
+pytestmark = pytest.mark.module_fleet
+
 PET = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 8}, "pet": {"enum": ["cat", "dog"]}},

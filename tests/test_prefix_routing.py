@@ -7,11 +7,16 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 from redis.asyncio import Redis
 
 from common.registry import live_workers
 from tests.conftest import Fleet, keys
 from tests.jobs_client import submit, wait_done
+
+# One gateway for the module's tests; each starts the workers of a model of its own, so that no hint of
+# another test's prompts is ever on its model.
+pytestmark = pytest.mark.module_fleet
 
 DOCUMENT = " ".join(["one two three four five six seven eight"] * 11)  # about 300 tokens on the tiny model
 

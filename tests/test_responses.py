@@ -27,6 +27,9 @@ from tests.conftest import Fleet, RedisServer, keys
 from tests.redis_events import add_entry
 from tests.stalled_client import TOKENS, StallingBody, stall_mid_stream
 
+# One gateway and one served worker for the module's tests; the keyed one starts a gateway of its own.
+pytestmark = pytest.mark.module_fleet
+
 
 async def until_done(sdk: openai.OpenAI, response_id: str) -> openai.types.responses.Response:
     deadline = time.monotonic() + 60
