@@ -11,6 +11,7 @@ forking it is safe.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import importlib
@@ -19,13 +20,16 @@ import json
 import os
 import runpy
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO, Any, NoReturn
 
 _MESSAGE_MAX_BYTES = 1 << 20
+_LOG_TAIL_CHARS = 4000
 
 
 class Channel:
@@ -153,3 +157,137 @@ def _exit_status(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+# A fork server's two ends: its process's main, and the requester's link to that process.
+
+
+def serve_forks(
+    argv: Sequence[str] | None, *, prog: str, description: str, serve: Callable[[Channel], None]
+) -> None:
+    """A fork server's main: ``--fd N`` (its end of the requester's socket pair) and ``--preload
+    MODULE`` (each imported for the children first); it says ``{"ready": PID}`` (or ``{"error": TEXT}``
+    and exits) and then `serve`s the channel until the requester's end closes."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--fd", type=int, required=True, help="the descriptor of its socket's end")
+    parser.add_argument(
+        "--preload", action="append", default=[], help="a module to import first for what it imports"
+    )
+    args = parser.parse_args(argv)
+    channel = Channel(socket.socket(fileno=args.fd))
+    try:
+        preload(args.preload)
+    except BaseException as e:
+        traceback.print_exc()
+        channel.send({"error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(1) from e
+    sys.stdout.flush()
+    sys.stderr.flush()
+    channel.send({"ready": os.getpid()})
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        serve(channel)
+
+
+class ServerLink:
+    """The requester's end of a fork server: its process, started by :meth:`launch` (its imports then
+    run while the requester goes on), and the replies read from it. Once the server has ended, every
+    call raises ``failure`` with the end of the server's output. Not thread-safe: its owner locks."""
+
+    def __init__(
+        self,
+        code: str,
+        *,
+        env: Mapping[str, str],
+        preload: Sequence[str],
+        name: str,
+        failure: type[RuntimeError],
+    ) -> None:
+        self._code = code
+        self._env = dict(env)
+        self._preload = tuple(preload)
+        self._name = name
+        self._failure_type = failure
+        self._process: subprocess.Popen[bytes] | None = None
+        self._channel: Channel | None = None
+        self._log: IO[bytes] | None = None
+        self._failure: RuntimeError | None = None
+        self.pid: int | None = None  # the server's, once it is ready
+
+    def launch(self) -> None:
+        if self._process is not None:
+            return
+        ours, theirs = socket.socketpair()
+        self._log = tempfile.TemporaryFile()
+        preload = [arg for module in self._preload for arg in ("--preload", module)]
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", self._code, "--fd", str(theirs.fileno()), *preload],
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._channel = Channel(ours)
+
+    def ready(self) -> Channel:
+        """The channel, once the server has said it is ready (launched first if need be)."""
+        self.launch()
+        assert self._channel is not None
+        if self.pid is None:
+            self.pid = int(self.reply("ready"))
+        return self._channel
+
+    def send(self, request: Mapping[str, Any], fds: Sequence[int]) -> None:
+        channel = self.ready()
+        if self._failure is not None:
+            raise self._failure
+        try:
+            channel.send(request, fds=fds)
+        except OSError as e:
+            raise self._failed(None) from e
+
+    def reply(self, key: str) -> Any:
+        """The value of `key` in the server's next message."""
+        assert self._channel is not None
+        if self._failure is not None:
+            raise self._failure
+        try:
+            message, _ = self._channel.receive()
+        except OSError as e:
+            raise self._failed(None) from e
+        if message is None or key not in message:
+            raise self._failed(message.get("error") if message else None)
+        return message[key]
+
+    def _failed(self, said: str | None) -> RuntimeError:
+        if self._process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=5)
+        output = ""
+        if self._log is not None:
+            self._log.seek(0)
+            output = self._log.read().decode(errors="replace")[-_LOG_TAIL_CHARS:]
+        self._failure = self._failure_type(
+            f"the {self._name} ended{f' ({said})' if said else ''}; the end of its output:\n{output}"
+        )
+        return self._failure
+
+    def close(self) -> None:
+        """End the server (it exits when its socket closes) and wait for it; a later call starts anew."""
+        if self._channel is not None:
+            self._channel.sock.close()
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._log is not None:
+            self._log.close()
+        self._channel = self._process = self._log = self._failure = self.pid = None

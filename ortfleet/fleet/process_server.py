@@ -21,7 +21,6 @@ end closes; children still running go on (their fleet stops them).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,15 +28,11 @@ import select
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
 
-from ortfleet.forked_main import Channel, preload, run_child
+from ortfleet.forked_main import Channel, ServerLink, run_child, serve_forks
 
 # Imported for what they import: the gateway's and the worker's modules (the engine core's startup among
 # them). Not the model runtime: numpy, whose import starts its BLAS threads, and onnxruntime-genai are
@@ -46,7 +41,6 @@ DEFAULT_PRELOAD = ("gateway.main", "worker.main")
 # A child's status when the server ended before it could say.
 UNKNOWN_STATUS = 255
 _SERVER_CODE = f"from {__name__} import main; main()"
-_LOG_TAIL_CHARS = 4000
 
 
 class ProcessServerFailed(RuntimeError):
@@ -57,28 +51,13 @@ class ProcessServerFailed(RuntimeError):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    serve_forks(
+        argv,
         prog="process_server",
         description="Fork a fleet's Python processes from this one after its imports (see the module's "
         "documentation for the protocol); started by ortfleet.fleet.process_server.ProcessServer.",
+        serve=_serve,
     )
-    parser.add_argument("--fd", type=int, required=True, help="the descriptor of its socket's end")
-    parser.add_argument(
-        "--preload", action="append", default=[], help="a module to import first for what it imports"
-    )
-    args = parser.parse_args(argv)
-    channel = Channel(socket.socket(fileno=args.fd))
-    try:
-        preload(args.preload)
-    except BaseException as e:
-        traceback.print_exc()
-        channel.send({"error": f"{type(e).__name__}: {e}"})
-        raise SystemExit(1) from e
-    sys.stdout.flush()
-    sys.stderr.flush()
-    channel.send({"ready": os.getpid()})
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        _serve(channel)
 
 
 def _serve(channel: Channel) -> None:
@@ -213,45 +192,28 @@ class ForkedProcess:
 class ProcessServer:
     """The requester's handle on a server, started at its first process (or by :meth:`launch`): its
     imports are paid once however many processes follow. The server runs with `env` (what its imports
-    see); each process gets the environment its request gives."""
+    see; this process's environment by default); each process gets the environment its request gives."""
 
     def __init__(self, *, env: Mapping[str, str] | None = None, preload: Sequence[str] = DEFAULT_PRELOAD):
-        self._env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-        self._preload = tuple(preload)
         self._lock = threading.Lock()  # one request and its answer at a time
-        self._process: subprocess.Popen[bytes] | None = None
-        self._channel: Channel | None = None
-        self._log: IO[bytes] | None = None
-        self._failure: ProcessServerFailed | None = None
-        self.pid: int | None = None  # the server's, once it is ready
+        self._link = ServerLink(
+            _SERVER_CODE,
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+            preload=preload,
+            name="process server",
+            failure=ProcessServerFailed,
+        )
         self.started = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The server's, once it is ready."""
+        return self._link.pid
 
     def launch(self) -> None:
         """Start the server's process, if not yet, without waiting for its imports."""
         with self._lock:
-            self._launch()
-
-    def _launch(self) -> None:
-        if self._process is not None:
-            return
-        ours, theirs = socket.socketpair()
-        self._log = tempfile.TemporaryFile()
-        preload = [arg for module in self._preload for arg in ("--preload", module)]
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", _SERVER_CODE, "--fd", str(theirs.fileno()), *preload],
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env=self._env,
-                pass_fds=(theirs.fileno(),),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self._channel = Channel(ours)
+            self._link.launch()
 
     def start(
         self, argv: Sequence[str], *, env: Mapping[str, str], output: int, cwd: str | None = None
@@ -262,13 +224,9 @@ class ProcessServer:
         ours, theirs = socket.socketpair()
         try:
             with self._lock:
-                channel = self._ready()
                 request = {"argv": list(argv), "cwd": cwd or os.getcwd(), "env": dict(env)}
-                try:
-                    channel.send(request, fds=[output, theirs.fileno()])
-                except OSError as e:
-                    raise self._failed(None) from e
-                pid = int(self._reply("pid"))
+                self._link.send(request, [output, theirs.fileno()])
+                pid = int(self._link.reply("pid"))
         except BaseException:
             ours.close()
             raise
@@ -280,49 +238,7 @@ class ProcessServer:
         self.started += 1
         return ForkedProcess(argv, pid, ours)
 
-    def _ready(self) -> Channel:
-        self._launch()
-        assert self._channel is not None
-        if self.pid is None:
-            self.pid = int(self._reply("ready"))
-        return self._channel
-
-    def _reply(self, key: str) -> Any:
-        assert self._channel is not None
-        if self._failure is not None:
-            raise self._failure
-        try:
-            message, _ = self._channel.receive()
-        except OSError as e:
-            raise self._failed(None) from e
-        if message is None or key not in message:
-            raise self._failed(message.get("error") if message else None)
-        return message[key]
-
-    def _failed(self, said: str | None) -> ProcessServerFailed:
-        if self._process is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=5)
-        output = ""
-        if self._log is not None:
-            self._log.seek(0)
-            output = self._log.read().decode(errors="replace")[-_LOG_TAIL_CHARS:]
-        self._failure = ProcessServerFailed(
-            f"the process server ended{f' ({said})' if said else ''}; the end of its output:\n{output}"
-        )
-        return self._failure
-
     def close(self) -> None:
         """End the server (it exits when its socket closes) and wait for it; its children go on."""
         with self._lock:
-            if self._channel is not None:
-                self._channel.sock.close()
-            if self._process is not None:
-                try:
-                    self._process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self._process.kill()
-                    self._process.wait()
-            if self._log is not None:
-                self._log.close()
-            self._channel = self._process = self._log = self._failure = self.pid = None
+            self._link.close()

@@ -21,21 +21,15 @@ the next request. It exits when the requester's end closes.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import traceback
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import IO, Any
+from typing import IO
 
-from ortfleet.forked_main import Channel, preload, run_child
+from ortfleet.forked_main import Channel, ServerLink, run_child, serve_forks
 
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 # Imported for what they import: the builder's torch, transformers, onnx_ir, onnxruntime's quantizer and
@@ -47,7 +41,6 @@ DEFAULT_PRELOAD = (BUILDER_MODULE,)
 SERVER_ENVIRONMENT = {"ORT_DISABLE_TELEMETRY": "1", "OPENBLAS_NUM_THREADS": "1"}
 # `python -m` would import the package first, which imports this module: runpy warns of that.
 _SERVER_CODE = f"from {__name__} import main; main()"
-_LOG_TAIL_CHARS = 4000
 
 
 class BuilderServerFailed(RuntimeError):
@@ -59,28 +52,13 @@ class BuilderServerFailed(RuntimeError):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    serve_forks(
+        argv,
         prog="build_server",
         description="Serve builds, each forked from this process after its imports (see the module's "
         "documentation for the protocol); started by ortfleet.modelbuild.convert.builder_server.",
+        serve=_serve,
     )
-    parser.add_argument("--fd", type=int, required=True, help="the descriptor of its socket's end")
-    parser.add_argument(
-        "--preload", action="append", default=[], help="a module to import first for what it imports"
-    )
-    args = parser.parse_args(argv)
-    channel = Channel(socket.socket(fileno=args.fd))
-    try:
-        preload(args.preload)
-    except BaseException as e:
-        traceback.print_exc()
-        channel.send({"error": f"{type(e).__name__}: {e}"})
-        raise SystemExit(1) from e
-    sys.stdout.flush()
-    sys.stderr.flush()
-    channel.send({"ready": os.getpid()})
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        _serve(channel)
 
 
 def _serve(channel: Channel) -> None:
@@ -145,51 +123,38 @@ class BuilderServer:
 
     def __init__(self, *, env: Mapping[str, str], preload: Sequence[str] = DEFAULT_PRELOAD) -> None:
         self._env = dict(env)
-        self._preload = tuple(preload)
         self._lock = threading.Lock()  # held from a build's start to its end
         self._launch_lock = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._channel: Channel | None = None
-        self._log: IO[bytes] | None = None
-        self._failure: BuilderServerFailed | None = None
-        self.pid: int | None = None  # the server's, once it is ready
+        self._link = ServerLink(
+            _SERVER_CODE,
+            env={**self._env, **SERVER_ENVIRONMENT},
+            preload=preload,
+            name="builder server",
+            failure=BuilderServerFailed,
+        )
         self.builds = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The server's, once it is ready."""
+        return self._link.pid
 
     def launch(self) -> None:
         """Start the server's process, if not yet, without waiting for its imports: they then run
         while the requester prepares its first build."""
         with self._launch_lock:
-            if self._process is not None:
-                return
-            ours, theirs = socket.socketpair()
-            self._log = tempfile.TemporaryFile()
-            preload = [arg for module in self._preload for arg in ("--preload", module)]
-            try:
-                self._process = subprocess.Popen(
-                    [sys.executable, "-c", _SERVER_CODE, "--fd", str(theirs.fileno()), *preload],
-                    stdin=subprocess.DEVNULL,
-                    stdout=self._log,
-                    stderr=subprocess.STDOUT,
-                    env={**self._env, **SERVER_ENVIRONMENT},
-                    pass_fds=(theirs.fileno(),),
-                )
-            except BaseException:
-                ours.close()
-                raise
-            finally:
-                theirs.close()
-            self._channel = Channel(ours)
+            self._link.launch()
 
     def start(self, argv: Sequence[str]) -> ForkedBuild:
         """Fork a child of the server that runs ``python -m`` with ``argv`` (the module and its
         arguments) in this process's working folder, with the server's environment."""
         self._lock.acquire()
         try:
-            channel = self._ready()
+            self.launch()
             read, write = os.pipe()
             try:
                 request = {"argv": list(argv), "cwd": os.getcwd(), "env": self._env}
-                self._send(channel, request, write)
+                self._link.send(request, [write])
             except BaseException:
                 os.close(read)
                 raise
@@ -197,7 +162,7 @@ class BuilderServer:
                 os.close(write)
             stdout = open(read, errors="replace")  # the build's to close
             try:
-                pid = int(self._reply("pid"))
+                pid = int(self._link.reply("pid"))
             except BaseException:
                 stdout.close()
                 raise
@@ -209,62 +174,12 @@ class BuilderServer:
 
     def _finish(self) -> int:
         try:
-            return int(self._reply("returncode"))
+            return int(self._link.reply("returncode"))
         finally:
             self._lock.release()
-
-    def _ready(self) -> Channel:
-        self.launch()
-        assert self._channel is not None
-        if self.pid is None:
-            self.pid = int(self._reply("ready"))
-        return self._channel
-
-    def _send(self, channel: Channel, request: Mapping[str, Any], output: int) -> None:
-        if self._failure is not None:
-            raise self._failure
-        try:
-            channel.send(request, fds=[output])
-        except OSError as e:
-            raise self._failed(None) from e
-
-    def _reply(self, key: str) -> Any:
-        assert self._channel is not None
-        if self._failure is not None:
-            raise self._failure
-        try:
-            message, _ = self._channel.receive()
-        except OSError as e:
-            raise self._failed(None) from e
-        if message is None or key not in message:
-            raise self._failed(message.get("error") if message else None)
-        return message[key]
-
-    def _failed(self, said: str | None) -> BuilderServerFailed:
-        if self._process is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=5)
-        output = ""
-        if self._log is not None:
-            self._log.seek(0)
-            output = self._log.read().decode(errors="replace")[-_LOG_TAIL_CHARS:]
-        self._failure = BuilderServerFailed(
-            f"the builder server ended{f' ({said})' if said else ''}; the end of its output:\n{output}"
-        )
-        return self._failure
 
     def close(self) -> None:
         """End the server (it exits when its socket closes) and wait for it; a later build starts a new
         one."""
         with self._lock, self._launch_lock:
-            if self._channel is not None:
-                self._channel.sock.close()
-            if self._process is not None:
-                try:
-                    self._process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self._process.kill()
-                    self._process.wait()
-            if self._log is not None:
-                self._log.close()
-            self._channel = self._process = self._log = self._failure = self.pid = None
+            self._link.close()
