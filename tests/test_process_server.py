@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -105,6 +106,17 @@ def test_many_children_run_at_once_each_with_its_status(server: ProcessServer, t
         stop(child, timeout_s=20)  # as a fleet stops a process
     assert [child.returncode for child, _ in sleeping] == [-signal.SIGTERM] * 6
     assert server.started == 12
+
+
+@pytest.mark.unit
+def test_threads_waiting_on_one_child_each_get_its_status(server: ProcessServer, tmp_path: Path) -> None:
+    child, log = start(server, tmp_path, "sleep")
+    wait_for_line(log, "sleeping")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        waits = [pool.submit(child.wait, 20) for _ in range(4)]
+        child.terminate()
+        assert [w.result() for w in waits] == [-signal.SIGTERM] * 4
+    assert child.poll() == child.wait() == -signal.SIGTERM
 
 
 @pytest.mark.unit

@@ -156,12 +156,18 @@ class ForkedProcess:
             return True
         if not self._orphaned:
             # The server closes the status socket once it has written (or ended): then it stays readable.
-            readable, _, _ = select.select([self._status], [], [], timeout)
+            # Whoever reads the status closes our end; a thread that was waiting on it then finds the
+            # status set.
+            try:
+                readable, _, _ = select.select([self._status], [], [], timeout)
+            except (OSError, ValueError):
+                readable = [self._status]
             if not readable:
                 return False
             with self._lock:
                 if self.returncode is None and not self._orphaned:
                     self._receive_status()
+                    self._status.close()
             if self.returncode is not None:
                 return True
         # The server ended first: the child is done once it is gone (whoever adopted it reaps it).
