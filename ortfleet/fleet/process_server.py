@@ -119,8 +119,6 @@ class ForkedProcess:
     """A child of the server, used as a :class:`subprocess.Popen` is (``pid``, ``returncode``,
     ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``) from any thread."""
 
-    stdout = None
-
     def __init__(self, args: Sequence[str], pid: int, status: socket.socket) -> None:
         self.args = list(args)
         self.pid = pid
@@ -196,7 +194,7 @@ class ForkedProcess:
 
 
 class ProcessServer:
-    """The requester's handle on a server, started at its first process (or by :meth:`launch`): its
+    """The requester's handle on a server, started at its first process: its
     imports are paid once however many processes follow. The server runs with `env` (what its imports
     see; this process's environment by default); each process gets the environment its request gives."""
 
@@ -215,11 +213,6 @@ class ProcessServer:
     def pid(self) -> int | None:
         """The server's, once it is ready."""
         return self._link.pid
-
-    def launch(self) -> None:
-        """Start the server's process, if not yet, without waiting for its imports."""
-        with self._lock:
-            self._link.launch()
 
     def start(
         self, argv: Sequence[str], *, env: Mapping[str, str], output: int, cwd: str | None = None
