@@ -194,9 +194,9 @@ class ForkedProcess:
 
 
 class ProcessServer:
-    """The requester's handle on a server, started at its first process: its
-    imports are paid once however many processes follow. The server runs with `env` (what its imports
-    see; this process's environment by default); each process gets the environment its request gives."""
+    """The requester's handle on a server, started at its first process: its imports are paid once
+    however many processes follow. The server runs with `env` (what its imports see; this process's
+    environment by default); each process gets the environment its request gives."""
 
     def __init__(self, *, env: Mapping[str, str] | None = None, preload: Sequence[str] = DEFAULT_PRELOAD):
         self._lock = threading.Lock()  # one request and its answer at a time
