@@ -130,18 +130,21 @@ def test_a_decoding_row_gets_a_token_every_step_while_a_long_prompt_prefills() -
     assert len(short.generated) == 2 + 6
 
 
-def test_the_row_with_the_fewest_prompt_tokens_left_prefills_first() -> None:
+def test_the_row_with_the_fewest_prompt_tokens_left_prefills_first_within_the_steps_budget() -> None:
     scheduler = Scheduler(BlockManager(64, BLOCK), capacity=4, prefill_chunk=16)
     long, short = PagedRow(list(range(100)), 2), PagedRow(list(range(10)), 2)
+    tiny = PagedRow(list(range(6)), 2)
     scheduler.submit(long)
     scheduler.submit(short)
+    scheduler.submit(tiny)
     planned = scheduler.plan()
-    assert [p.row for p in planned] == [
-        short,
-        long,
-    ]  # the short prompt whole, then the long one's first chunk
-    assert [len(p.packed.tokens) for p in planned] == [10, 16]
-    assert [p.samples for p in planned] == [True, False]
+    # the two short prompts whole (16 tokens: the step's budget); the long one's first chunk waits
+    assert [p.row for p in planned] == [tiny, short]
+    assert [p.samples for p in planned] == [True, True]
+    took(scheduler, planned)  # each gets its first token
+    planned = scheduler.plan()
+    assert [p.row for p in planned] == [short, tiny, long]  # decodes in order of admission, then chunks
+    assert [len(p.packed.tokens) for p in planned] == [1, 1, 16]
 
 
 def test_a_row_waits_for_blocks_first_come_first_served_and_no_later_row_jumps_it() -> None:

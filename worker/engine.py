@@ -61,6 +61,10 @@ class GenerationRequest:
     # Whose prompts' KV the request may reuse, and who may reuse its own: only requests of the same scope
     # (the job's cache_scope, gateway/cache_scope.py) share prompt prefixes.
     cache_scope: str = ""
+    # Whose work the request is (the job's API key) and that key's fair-share weight: the engine divides
+    # its time between keys by weight (worker/engines/work_shares.py), prefill included.
+    owner: str = ""
+    weight: float = 1.0
 
     @property
     def samples(self) -> bool:

@@ -38,7 +38,15 @@ def prompt_ids(spec: JobSpec, tokenizer: Tokenizer) -> list[int]:
 
 
 def engine_request(
-    spec: JobSpec, prompt_ids: list[int], done: list[int], engine: Engine, *, replay: bool, cancelled: bool
+    spec: JobSpec,
+    prompt_ids: list[int],
+    done: list[int],
+    engine: Engine,
+    *,
+    replay: bool,
+    cancelled: bool,
+    owner: str = "",
+    weight: float = 1.0,
 ) -> GenerationRequest | None:
     """What to ask the engine for, after the `done` tokens earlier attempts streamed (`replay`: replayed,
     else prefilled with the prompt); None when nothing is left to generate (or the job was cancelled)."""
@@ -80,6 +88,8 @@ def engine_request(
         logit_bias=tuple(sorted((sampling.logit_bias or {}).items())),
         prompt_logprobs=sampling.prompt_logprobs,
         cache_scope=spec.cache_scope,
+        owner=owner,
+        weight=weight,
     )
     needed = request.needs_logits
     if needed is not None and not engine.exposes_logits:

@@ -154,7 +154,14 @@ class JobRun:
         self.prompt_tokens = len(prompt_ids)
         done = self.progress.token_ids
         return job_request.engine_request(
-            self.spec, prompt_ids, done, self._engine, replay=self._replay, cancelled=self._cancelled
+            self.spec,
+            prompt_ids,
+            done,
+            self._engine,
+            replay=self._replay,
+            cancelled=self._cancelled,
+            owner=self.claim.owner,
+            weight=self.weight,
         )
 
     def attach(self, stream: GenerationStream) -> None:

@@ -5,9 +5,12 @@ queue (submit, cancel, restart, stop) and gets each iteration's tokens in one wa
 An iteration:
 1. admits waiting requests, first come first served, while a slot is free and the KV budget holds their
    prompt plus max_tokens;
-2. prefills: runs prompt chunks of at most `prefill_chunk` tokens, the rows with the fewest prompt
-   tokens left first, until the iteration's chunk budget is spent. Chunks sit at fixed offsets of a
-   prompt (0, chunk, 2 chunk, ...), whatever else runs, so a prompt's KV is the same in every run of it.
+2. prefills: runs prompt chunks of at most `prefill_chunk` tokens until the iteration's chunk budget is
+   spent, only for the keys that have used least of the engine's time (work_shares.py: one key's short
+   requests cannot fill every iteration with their prompts while another key's rows wait for their
+   tokens), and among those the rows with the fewest prompt tokens left first. Chunks sit at fixed
+   offsets of a prompt (0, chunk, 2 chunk, ...), whatever else runs, so a prompt's KV is the same in
+   every run of it.
    A row whose prompt is in gets its first token from the last chunk's logits and joins the decode rows;
 3. decodes: one run steps every decode row by one token.
 A prefill and decode rows cannot share a run (the graph takes one sequence length per run), so a long
@@ -18,6 +21,7 @@ Which slot each row holds, and where its KV moves, is rows.py's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -26,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import onnxruntime_genai as og
-from llguidance import LLTokenizer
 
 from common.error_codes import ErrorCode
 from worker.engine import (
@@ -37,15 +40,16 @@ from worker.engine import (
     TokenLogprobs,
     deliver_all,
 )
-from worker.engines.batcher.closing_walk import ByteTokens
 from worker.engines.batcher.counters import BatcherCounters
+from worker.engines.batcher.grammar_starts import GrammarError, GrammarStart, GrammarStarts
 from worker.engines.batcher.graph import DecoderGraph, open_session
 from worker.engines.batcher.prefix_cache import PrefixCache
 from worker.engines.batcher.rows import Row, Rows
-from worker.engines.batcher.sampler import BiasOutsideVocabulary, GrammarError, RowSampler, token_logprobs
+from worker.engines.batcher.sampler import BiasOutsideVocabulary, RowSampler, token_logprobs
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
+from worker.engines.work_shares import Chunk, WorkShares
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +101,10 @@ class BatchingEngine(EngineThread):
         self._graph = DecoderGraph(session, layout)
         self.vocab_size = layout.vocab_size
         self.prefix_block_tokens = prefill_chunk if prefix_cache else 0
-        self._grammar_tokenizer: LLTokenizer | None = None
-        self._byte_tokens: ByteTokens | None = None
         self.counters = BatcherCounters()
+        self._grammars = GrammarStarts(model_dir, self.eos_token_ids, self.counters)
+        self._starts: dict[int, GrammarStart] = {}  # by id of the stream whose request's grammar it starts
+        self.work_shares = WorkShares()
         prefixes = PrefixCache(prefill_chunk) if prefix_cache else None
         budget = kv_budget_tokens or capacity * self.context_length
         self._rows = Rows(layout, capacity, self.context_length, budget, prefixes, self.counters)
@@ -135,6 +140,25 @@ class BatchingEngine(EngineThread):
         rows = self._rows
         return len(rows.waiting), len(rows.prefilling), len(rows.decoding)
 
+    def _hand(self, streams: list[GenerationStream]) -> None:
+        """A structured request reaches the engine's thread once its grammar's start is known (computed off
+        that thread, once per grammar: grammar_starts.py); the others at once."""
+        plain = [stream for stream in streams if stream.request.guidance is None]
+        if plain:
+            self._commands.put(("submit", plain))
+        for stream in streams:
+            guidance = stream.request.guidance
+            if guidance is not None:
+                self._grammars.prepare(guidance, functools.partial(self._grammar_ready, stream))
+
+    def _grammar_ready(self, stream: GenerationStream, start: GrammarStart) -> None:
+        self._starts[id(stream)] = start
+        self._commands.put(("submit", [stream]))
+
+    def close(self) -> None:
+        super().close()
+        self._grammars.close()
+
     # The batcher's thread.
 
     def _main(self) -> None:
@@ -162,6 +186,10 @@ class BatchingEngine(EngineThread):
 
     def _start(self, stream: GenerationStream, updates: Updates) -> None:
         request = stream.request
+        if stream.cancel_requested:  # while its grammar's start was computed
+            self._starts.pop(id(stream), None)
+            updates.append((stream, EngineUpdate([], Finish.cancelled, batch_rows=self._rows.running())))
+            return
         before = len(request.prompt_ids) + len(request.replay_ids)
         reserved = min(self.context_length, before + request.max_new_tokens)
         code = ErrorCode.context_length_exceeded
@@ -173,15 +201,15 @@ class BatchingEngine(EngineThread):
                 f"budget is {self.kv_budget_tokens} ({self.kv_budget_source})"
             )
         else:
+            grammar = self._starts.pop(id(stream), None)
             try:
-                grammar = self._grammar(request)
-                sampler = RowSampler(request, self.eos_token_ids, self.vocab_size, grammar, self._byte_tokens)
+                sampler = RowSampler(request, self.eos_token_ids, self.vocab_size, grammar)
             except GrammarError as e:
                 error, code = str(e), ErrorCode.invalid_response_format
             except BiasOutsideVocabulary as e:
                 error, code = str(e), ErrorCode.unsupported_value
             else:
-                too_small = self._too_small(request, sampler)
+                too_small = None if grammar is None else self._too_small(request, grammar)
                 if too_small is None:
                     self._queue(Row(stream, sampler, reserved))
                     return
@@ -192,34 +220,33 @@ class BatchingEngine(EngineThread):
         """A request that passed its checks waits for a slot."""
         self._rows.waiting.append(row)
 
-    def _grammar(self, request: GenerationRequest) -> LLTokenizer | None:
-        if request.guidance is None:
-            return None
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = LLTokenizer(
-                str(self._model_dir / "tokenizer.json"), eos_token=sorted(self.eos_token_ids)
-            )
-            self._byte_tokens = ByteTokens(self._grammar_tokenizer)
-        return self._grammar_tokenizer
-
     def _budget(self, request: GenerationRequest) -> int:
         """The tokens a request may generate, replayed ones included (max_tokens, and the context)."""
         replayed = len(request.replay_ids)
         return min(request.max_new_tokens + replayed, self.context_length - len(request.prompt_ids))
 
-    def _too_small(self, request: GenerationRequest, sampler: RowSampler) -> str | None:
-        """Why a structured request cannot end its document within its max_tokens, if it cannot."""
-        if request.replay_ids:  # its first attempt fitted
+    def _too_small(self, request: GenerationRequest, grammar: GrammarStart) -> str | None:
+        """Why a structured request cannot end its document within its max_tokens, where it is proven that
+        no document of its format fits (grammar_starts.py): a request that may fit is never refused."""
+        if request.replay_ids or not request.close_early or grammar.ending is None:  # replayed: it fitted
             return None
-        needed = sampler.closing_length()
+        needed = len(grammar.ending.tokens)
         budget = self._budget(request)
-        if needed is None or needed <= budget:
+        if needed <= budget or budget >= grammar.at_least:
             return None
-        return (
+        room = (
             f"max_tokens: the answer has room for {budget} tokens (max_tokens, within the model's context "
-            f"after the prompt), and the shortest document of its response format found takes {needed} "
-            f"tokens on this model; ask for at least {needed} (or set close_early to false to get the cut "
-            "text)"
+            "after the prompt), and "
+        )
+        advice = "(or set close_early to false to get the cut text)"
+        if grammar.proven_shortest:
+            return (
+                f"{room}the shortest document of its response format found takes {needed} tokens on this "
+                f"model; ask for at least {needed} {advice}"
+            )
+        return (
+            f"{room}no document of its response format fits in fewer than {grammar.at_least} tokens on this "
+            f"model; the shortest found takes {needed} tokens: ask for {needed} {advice}"
         )
 
     def _cancel(self, stream: GenerationStream, updates: Updates) -> None:
@@ -230,14 +257,24 @@ class BatchingEngine(EngineThread):
                 return
 
     def _prefill(self, updates: Updates) -> None:
+        """Prompt chunks, up to `prefill_chunk` tokens this iteration, in the order and as far as the keys'
+        shares of the engine allow (work_shares.py)."""
+        shares, rows = self.work_shares, self._rows
+        shares.hold(row.request.owner for row in (*rows.prefilling, *rows.decoding))
+        decoding = {row.request.owner: row.request.weight for row in rows.decoding}
+        pending = [self._chunk(row) for row in rows.prefilling]
         spent = 0
-        for row in sorted(self._rows.prefilling, key=lambda r: r.prompt_left):
-            if spent >= self.prefill_chunk:
-                break
+        while pending:
+            chunk = shares.next_chunk(pending, decoding)
+            if chunk is None or (spent and spent + chunk.tokens > self.prefill_chunk):
+                break  # another key's turn, or no whole chunk left in the budget: the decode rows go first
+            pending.remove(chunk)
+            row = chunk.row
             start = row.length
-            stop = min(len(row.request.prompt_ids), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            stop = start + chunk.tokens
             ids = np.asarray([row.request.prompt_ids[start:stop]], np.int64)
             mask = np.ones((1, stop), np.int64)
+            began = time.perf_counter()
             try:
                 logits = self._graph.run(
                     ids, mask, (row.slot, row.slot + 1), self._rows.kv.values(row.slot, row.slot + 1)
@@ -255,6 +292,15 @@ class BatchingEngine(EngineThread):
             if row.prompt_left == 0:
                 self._rows.join_decoding(row)
                 self._next(row, logits[0, -1], updates)
+            took = time.perf_counter() - began
+            shares.ran_prefill(chunk.tokens, took)
+            shares.charge(row.request.owner, row.request.weight, took)
+
+    def _chunk(self, row: Row) -> Chunk[Row]:
+        """The row's next prompt chunk: up to the next multiple of `prefill_chunk`."""
+        start, prompt = row.length, row.request.prompt_ids
+        stop = min(len(prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        return Chunk(row, row.request.owner, row.request.weight, stop - start, len(prompt) - start)
 
     def _add_prompt_logprobs(self, row: Row, start: int, logits: np.ndarray) -> None:
         """When the request asks for them, the log-probabilities of the prompt tokens that `logits` predict:
@@ -276,6 +322,7 @@ class BatchingEngine(EngineThread):
         mask = np.zeros((count, width), np.int64)
         for index, row in enumerate(decoding):
             mask[index, : row.length + 1] = 1
+        began = time.perf_counter()
         try:
             logits = self._graph.run(ids, mask, (0, count), self._rows.kv.values(0, count))
         except Exception as e:
@@ -286,8 +333,14 @@ class BatchingEngine(EngineThread):
         stepped = list(decoding)
         for row in stepped:  # every row's new KV is in before a row that ends moves another
             row.length += 1
+        shares = self.work_shares
+        now = time.perf_counter()
+        each = (now - began) / count  # the run's time, split evenly; each row's own pick on top
         for index, row in enumerate(stepped):
             self._next(row, logits[index, -1], updates)
+            picked, now = now, time.perf_counter()
+            shares.charge(row.request.owner, row.request.weight, each + now - picked)
+        shares.ran_decode(count, now - began)
 
     def _next(self, row: Row, logits: np.ndarray, updates: Updates, picked: Picked | None = None) -> None:
         """The row's next token from its logits, or as the sampler graph `picked` it: replayed, delivered,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -34,6 +35,7 @@ import onnxruntime_genai as og
 from worker.engine import TokenLogprobs
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.engine import BatchingEngine, Picked
+from worker.engines.batcher.grammar_starts import GrammarStarts
 from worker.engines.batcher.rows import Row
 from worker.engines.device_sampling.runner import SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
@@ -138,9 +140,9 @@ class PagedEngine(BatchingEngine):
         self._model_dir = model_dir
         self.tokenizer = OrtTokenizer(og.Config(str(model_dir)), vocab_size(model_dir), model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        self._grammar_tokenizer = None
-        self._byte_tokens = None
         self.counters = BatcherCounters()
+        self._grammars = GrammarStarts(model_dir, self.eos_token_ids, self.counters)
+        self._starts = {}
         self._make_runner = runner
         self._runner = runner()
         self.vocab_size = self._runner.vocab
@@ -181,7 +183,8 @@ class PagedEngine(BatchingEngine):
         all_logits = request.prompt_logprobs is not None  # every prompt position's logits: none reused
         shares = self._prefix_cache and not all_logits
         scope = request.cache_scope if shares else f"\0{next(self._unshared)}"  # a scope of its own
-        self._paged_rows.add(row, PagedRow(prompt, row.reserved - len(prompt), scope, all_logits=all_logits))
+        paged = PagedRow(prompt, row.reserved - len(prompt), scope, request.owner, request.weight, all_logits)
+        self._paged_rows.add(row, paged)
 
     def _step(self, updates: Updates) -> None:
         rows = self._paged_rows
@@ -189,6 +192,7 @@ class PagedEngine(BatchingEngine):
         if not planned:
             return
         packed = [plan.packed for plan in planned]
+        began = time.perf_counter()
         try:
             logits = by_row(packed, self._runner.returned_logits(packed))
         except Exception as e:  # no row's KV can be trusted after a run that broke
@@ -197,6 +201,7 @@ class PagedEngine(BatchingEngine):
             return
         rows.scheduler.advance(planned)
         self._count(planned)
+        self._charge(planned, time.perf_counter() - began)
         sampling = []
         for plan, row_logits in zip(planned, logits, strict=True):
             if plan.packed.all_logits:  # a prompt chunk of a row that asks for its prompt log-probabilities
@@ -232,6 +237,16 @@ class PagedEngine(BatchingEngine):
                 found = TokenLogprobs(float(step.logprobs[index]), tuple((int(t), float(v)) for t, v in top))
             picks.append(Picked(int(step.tokens[index]), found))
         return picks
+
+    def _charge(self, planned: list[Planned], seconds: float) -> None:
+        """A run's time to its rows' keys, in proportion to the tokens each row brought (work_shares.py)."""
+        shares = self._paged_rows.scheduler.shares
+        tokens = sum(len(plan.packed.tokens) for plan in planned)
+        per_token = seconds / tokens
+        shares.ran_prefill(tokens, seconds)  # the run's rows share its time by tokens, chunks or decodes
+        shares.ran_decode(tokens, seconds)
+        for plan in planned:
+            shares.charge(plan.row.owner, plan.row.weight, per_token * len(plan.packed.tokens))
 
     def _count(self, planned: list[Planned]) -> None:
         counters = self.counters

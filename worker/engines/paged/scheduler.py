@@ -5,8 +5,10 @@ both in one run):
 
 1. **Decode first.** Every row whose prompt is in brings its last sampled token: a decoding row gets a
    token every step, whatever prefills are under way.
-2. **Then prefill**, up to `prefill_chunk` prompt tokens a step: the rows with the fewest prompt tokens
-   left first (a short chat behind long prompts gets its first token soon), each in chunks at fixed
+2. **Then prefill**, up to `prefill_chunk` prompt tokens a step, only for the keys that have used least
+   of the engine's time (work_shares.py; the engine charges each run's time to its rows' keys): among
+   them the rows with the fewest prompt tokens left first (a short chat behind long prompts gets its
+   first token soon), each in chunks at fixed
    offsets of its prompt (0, chunk, 2 chunk, ...; a row that reused cached blocks starts at their end and
    goes on to the next multiple), so that a prompt's KV is computed in the same pieces in every run of it.
    A row that asks for its prompt's logits (`all_logits`, for prompt log-probabilities) gets each
@@ -30,6 +32,7 @@ from itertools import count
 
 from worker.engines.paged.blocks import BlockManager, OutOfBlocks
 from worker.engines.paged.model import PackedRow
+from worker.engines.work_shares import Chunk, WorkShares
 
 
 @dataclass(eq=False)
@@ -37,6 +40,8 @@ class PagedRow:
     prompt: Sequence[int]
     max_new_tokens: int
     scope: str = ""  # whose cached prompt blocks it may reuse, and who may reuse its own
+    owner: str = ""  # whose work it is (work_shares.py), and that key's weight
+    weight: float = 1.0
     all_logits: bool = False  # its prompt chunks bring back every position's logits, not only the last's
     key: int = field(default_factory=count().__next__)  # its name in the block manager
     computed: int = 0  # tokens whose KV is in the pool (prompt, then generated)
@@ -73,6 +78,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[PagedRow] = deque()
         self.running: list[PagedRow] = []
+        self.shares = WorkShares()  # the engine charges each run's time to its rows' keys
 
     def submit(self, row: PagedRow) -> None:
         """Queues the row; a row that could never fit the pool is refused here, by name."""
@@ -92,18 +98,31 @@ class Scheduler:
         blocks grow to hold what it brings."""
         self._admit()
         planned = [self._decode(row) for row in self.running if row.decoding]
-        budget = self.prefill_chunk
-        for row in sorted((r for r in self.running if not r.decoding), key=lambda r: r.prompt_left):
-            if budget <= 0:
-                break
+        shares = self.shares
+        shares.hold(row.owner for row in self.running)
+        decoding = {row.owner: row.weight for row in self.running if row.decoding}
+        pending = [self._chunk(row) for row in self.running if not row.decoding]
+        spent = 0
+        while pending:
+            chunk = shares.next_chunk(pending, decoding)
+            if chunk is None or (spent and spent + chunk.tokens > self.prefill_chunk):
+                break  # another key's turn, or no whole chunk left in the step's budget
+            pending.remove(chunk)
+            row = chunk.row
             start = row.computed
-            stop = min(len(row.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            stop = start + chunk.tokens
             table = self.blocks.grow(row.key, stop - start)
             last = stop == len(row.prompt)
-            chunk = PackedRow(row.prompt[start:stop], start, table, row.all_logits)
-            planned.append(Planned(row, chunk, last))
-            budget -= stop - start
+            packed = PackedRow(row.prompt[start:stop], start, table, row.all_logits)
+            planned.append(Planned(row, packed, last))
+            spent += chunk.tokens
         return planned
+
+    def _chunk(self, row: PagedRow) -> Chunk[PagedRow]:
+        """The row's next prompt chunk: up to the next multiple of `prefill_chunk`."""
+        start = row.computed
+        stop = min(len(row.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        return Chunk(row, row.owner, row.weight, stop - start, len(row.prompt) - start)
 
     def advance(self, planned: Sequence[Planned]) -> None:
         """The step ran: each planned row's tokens are in the pool (its whole prompt blocks offered to the
