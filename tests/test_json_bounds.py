@@ -14,6 +14,7 @@ from llguidance import LLMatcher, LLTokenizer
 from common.guidance import ANY_JSON_OBJECT, ResponseFormat, bounded_numbers, json_guidance
 from worker.engine import GenerationRequest
 from worker.engines.batcher.json_keys import JsonKeys
+from worker.engines.batcher.grammar_starts import Vocabulary, grammar_start
 from worker.engines.batcher.sampler import RowSampler
 
 pytestmark = pytest.mark.unit
@@ -114,7 +115,8 @@ def test_json_keys_tell_a_repeated_key_in_the_same_object_only() -> None:
 def test_the_sampler_passes_over_a_token_that_repeats_a_key() -> None:
     guidance = json_guidance(ANY_JSON_OBJECT)
     request = GenerationRequest([1], 10, guidance=(guidance.kind, guidance.grammar))
-    row = RowSampler(request, frozenset({EOS}), BYTES.vocab_size, BYTES)
+    start = grammar_start(Vocabulary.of(BYTES, frozenset({EOS})), guidance.kind, guidance.grammar)
+    row = RowSampler(request, frozenset({EOS}), BYTES.vocab_size, start)
     for token in BYTES.tokenize_str('{"a":1,"a'):
         row.accept(token)
     scores = np.zeros(BYTES.vocab_size, np.float32)
@@ -128,7 +130,8 @@ def test_the_sampler_passes_over_a_token_that_repeats_a_key() -> None:
 def test_the_sampler_reads_the_bytes_of_the_token_it_chose_once() -> None:
     guidance = json_guidance(ANY_JSON_OBJECT)
     request = GenerationRequest([1], 10, guidance=(guidance.kind, guidance.grammar))
-    row = RowSampler(request, frozenset({EOS}), BYTES.vocab_size, BYTES)
+    start = grammar_start(Vocabulary.of(BYTES, frozenset({EOS})), guidance.kind, guidance.grammar)
+    row = RowSampler(request, frozenset({EOS}), BYTES.vocab_size, start)
     read: list[int] = []
     real = row._token_bytes
 

@@ -6,6 +6,7 @@ answer that ends on its own is unchanged. The tiny model's output is random: it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -15,10 +16,13 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
+from redis.asyncio import Redis
 
+from common.registry import live_workers
 from ortfleet.bench import structured_cases as bench
-from tests.conftest import Fleet
+from tests.conftest import Fleet, keys
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
+from tests.test_observability import value
 from tests.test_reliability import kill_while_streaming
 
 pytestmark = pytest.mark.module_fleet  # one gateway and one served worker for the module's tests
@@ -294,16 +298,16 @@ async def test_a_format_no_ending_is_found_for_comes_back_cut_saying_closing_was
 async def test_a_budget_too_small_for_any_document_is_a_bad_request_naming_the_fewest_tokens(
     sdk: openai.OpenAI, client: httpx.AsyncClient, served: str
 ) -> None:
-    fewest = await fewest_tokens(client, served, NESTED)
+    fewest = await fewest_tokens(client, served, OPEN)  # proven the fewest: a refusal right below it
     with pytest.raises(openai.BadRequestError) as raised:
         sdk.responses.create(
             model=served,
-            input="Order:",
-            text={"format": {"type": "json_schema", "name": "order", "schema": NESTED}},
+            input="Note:",
+            text={"format": {"type": "json_schema", "name": "note", "schema": OPEN}},
             max_output_tokens=fewest - 1,
         )
     assert raised.value.code == "max_tokens_too_small"
-    assert f"takes {fewest} tokens" in raised.value.message
+    assert f"shortest document of its response format found takes {fewest} tokens" in raised.value.message
     assert (raised.value.body or {}).get("param") == "max_output_tokens"  # type: ignore[union-attr]
     job = await submit(
         client, {"model": served, "prompt": "x", "max_tokens": 2, "response_format": schema_format(NESTED)}
@@ -321,6 +325,70 @@ async def test_a_budget_too_small_for_any_document_is_a_bad_request_naming_the_f
         },
     )
     assert (await wait_done(client, cut["id"]))["finish_reason"] == "length"  # opted out: cut, as before
+
+
+async def test_a_budget_a_document_may_fit_in_is_served_where_the_walk_found_only_longer_ones(
+    client: httpx.AsyncClient, served: str
+) -> None:
+    """`a.` is a document of the list regex in two tokens, where the walk writes `t,t,t,t,t.`: max_tokens 6
+    is served and closed, not refused. NESTED's shortest document is not proven: a budget below the one
+    found, but above what the search proved, runs rather than being refused; far below it is refused,
+    saying what was proven."""
+    pattern = r"[a-z]+(,[a-z]+)*\."
+    body = {"model": served, "messages": chat("Words."), "max_tokens": 6}
+    reply = await client.post("/v1/chat/completions", json={**body, "guided_regex": pattern})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and re.fullmatch(pattern, choice["message"]["content"]), choice
+    assert reply.json()["usage"]["completion_tokens"] <= 6
+    found = await fewest_tokens(client, served, NESTED)
+    ran = await client.post(
+        "/v1/chat/completions",
+        json={**body, "max_tokens": found - 1, "response_format": schema_format(NESTED)},
+    )
+    assert ran.status_code == 200, ran.text  # unproven: it runs (closed if the model leaves room, else cut)
+    refused = await client.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 3, "response_format": schema_format(NESTED)}
+    )
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "no document of its response format fits in fewer than" in message and f"takes {found}" in message
+
+
+async def test_a_costly_format_refused_again_and_again_is_started_once_by_its_worker(
+    client: httpx.AsyncClient, redis: Redis, served: str
+) -> None:
+    """Issue 68: a format whose first ending costs the walk's whole budget, sent with a max_tokens too small
+    for it by many requests at once: each is refused as before, and the worker computed the grammar's
+    start once (ortfleet_grammar_starts_computed_total), the other requests waiting for that one."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "pattern": "^[~|]{299}$"}},
+        "required": ["a"],
+    }
+    [worker] = [w for w in await live_workers(redis, keys) if w["model"] == served]
+
+    async def counted() -> tuple[float, float]:
+        metrics = (await client.get(worker["metrics_url"])).text
+        computed = value(metrics, "ortfleet_grammar_starts_computed_total", model=served)
+        reused = value(metrics, "ortfleet_grammar_starts_reused_total", model=served)
+        assert computed is not None and reused is not None, "the worker counts its grammar starts"
+        return computed, reused
+
+    before = await counted()
+    body = {
+        "model": served,
+        "messages": chat("go"),
+        "max_tokens": 1,
+        "response_format": schema_format(schema),
+    }
+    replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(8)))
+    errors = [reply.json()["error"] for reply in replies]
+    assert all(reply.status_code == 400 for reply in replies), [reply.text for reply in replies]
+    assert {error["code"] for error in errors} == {"max_tokens_too_small"}
+    assert len({error["message"] for error in errors}) == 1 and "takes 307 tokens" in errors[0]["message"]
+    computed, reused = await counted()
+    assert (computed - before[0], reused - before[1]) == (1, 7)
 
 
 async def test_with_close_early_false_the_cut_text_comes_back_as_before(

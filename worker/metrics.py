@@ -256,13 +256,26 @@ class EngineLoad:
             labels=LABELS,
         )
         hits.add_metric(self.values, counters.prefix_tokens_reused)
+        computed = CounterMetricFamily(
+            f"{NAMESPACE}_grammar_starts_computed",
+            "Structured-output grammars whose start (compiled matcher, first ending, fewest tokens) the "
+            "worker computed, off the engine's thread.",
+            labels=LABELS,
+        )
+        computed.add_metric(self.values, counters.grammar_starts)
+        reused = CounterMetricFamily(
+            f"{NAMESPACE}_grammar_starts_reused",
+            "Structured requests that started from a grammar start computed before.",
+            labels=LABELS,
+        )
+        reused.add_metric(self.values, counters.grammar_starts_reused)
         held = GaugeMetricFamily(
             f"{NAMESPACE}_prefix_cache_tokens",
             "Tokens of prompt KV kept in free slots for reuse.",
             labels=LABELS,
         )
         held.add_metric(self.values, engine.prefix_cache_tokens)
-        return [rows, reserved, budget, prefill, steps, queried, hits, held]
+        return [rows, reserved, budget, prefill, steps, queried, hits, computed, reused, held]
 
 
 def worker_labels(service: WorkerService) -> dict[str, str]:

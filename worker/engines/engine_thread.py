@@ -34,8 +34,12 @@ class EngineThread(ABC):
     def submit(self, requests: list[GenerationRequest]) -> list[GenerationStream]:
         loop = self._event_loop = asyncio.get_running_loop()
         streams = [GenerationStream(request=request, loop=loop) for request in requests]
-        self._commands.put(("submit", streams))
+        self._hand(streams)
         return streams
+
+    def _hand(self, streams: list[GenerationStream]) -> None:
+        """Hands submitted requests to the engine's thread (`_start` takes each), together."""
+        self._commands.put(("submit", streams))
 
     def cancel(self, stream: GenerationStream) -> None:
         stream.cancel_requested = True

@@ -14,7 +14,8 @@ after the pick (a string the model goes on writing, a pattern it fills); else a 
 (closing_walk.py). What one step of a row may spend on it is bounded (`STEP_BUDGET`), as is the first
 ending (`START_BUDGET`): a pick whose ending costs more is overruled as one that does not fit, and a
 grammar whose first ending costs more is not closed at all. One row's grammar thus never holds the step
-of the others for long.
+of the others for long. The first ending is looked for once per grammar, off the engine's thread, and
+handed to each row's closer (grammar_starts.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ class Ending(NamedTuple):
     text: bytes
 
 
+def first_ending(matcher: LLMatcher, byte_tokens: ByteTokens, json: bool) -> Ending | None:
+    """The walk's ending from the matcher's state (left as it was), found within `START_BUDGET`; None
+    when it finds none."""
+    keys = JsonKeys() if json else None
+    text = closing_bytes(matcher, Lexer(), byte_tokens, keys, WalkBudget(START_BUDGET))
+    return None if text is None else Ending(written_as_tokens(matcher, text, byte_tokens), text)
+
+
 class DocumentCloser:
     """Steers one row's picks so that its document ends within the tokens left (module docstring)."""
 
@@ -52,6 +61,7 @@ class DocumentCloser:
         byte_tokens: ByteTokens,
         end_tokens: frozenset[int],
         json: bool = False,
+        first: Ending | None = None,
     ) -> None:
         self._matcher = matcher
         self._bytes = byte_tokens
@@ -60,8 +70,8 @@ class DocumentCloser:
         self._end = min(end_tokens)
         self._lexer = Lexer()
         self._keys = JsonKeys() if json else None  # the keys each open object has (JSON only)
-        self._ending: Ending | None = None  # the current state's ending, once known
-        self._started = False  # the first ending was looked for
+        self._ending = first  # the current state's ending, once known
+        self._started = first is not None  # the first ending was looked for (or given: grammar_starts.py)
         self._after: tuple[int, Ending] | None = None  # the pick `steer` kept and its ending
         self.acted = False  # a pick was overruled: the document was closed early
 

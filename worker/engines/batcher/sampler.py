@@ -15,21 +15,17 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 
 import numpy as np
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
 from worker.engine import GenerationRequest, TokenLogprobs
 from worker.engines.batcher.closing import DocumentCloser
-from worker.engines.batcher.closing_walk import ByteTokens
+from worker.engines.batcher.grammar_starts import GrammarError, GrammarStart
 from worker.engines.batcher.json_keys import JsonKeys
-from worker.engines.engine_errors import failure_cause, grammar_broke, grammar_refused
+from worker.engines.engine_errors import failure_cause, grammar_broke
 
 _KEY_RETRIES = 64  # tokens passed over at one step for repeating a key, at most
 _NUCLEUS_CANDIDATES = 256  # top_p looks at this many likeliest tokens first, the whole vocabulary if need be
-
-
-class GrammarError(ValueError):
-    """The request's grammar cannot be compiled, or broke while generating."""
 
 
 class BiasOutsideVocabulary(ValueError):
@@ -42,8 +38,7 @@ class RowSampler:
         request: GenerationRequest,
         eos_token_ids: frozenset[int],
         vocab_size: int,
-        grammar_tokenizer: LLTokenizer | None,
-        byte_tokens: ByteTokens | None = None,
+        grammar: GrammarStart | None,
     ) -> None:
         self.request = request
         self._eos = np.fromiter(sorted(t for t in eos_token_ids if t < vocab_size), np.int64)
@@ -69,18 +64,21 @@ class RowSampler:
         self._chosen: tuple[int, bytes] | None = None  # the token `choose` gave, and its bytes
         self.closer: DocumentCloser | None = None  # ends the document within max_tokens (closing.py)
         if request.guidance is not None:
-            assert grammar_tokenizer is not None
-            self._matcher = _matcher(grammar_tokenizer, *request.guidance)
-            self._bitmask = allocate_token_bitmask(1, grammar_tokenizer.vocab_size)
+            assert grammar is not None
+            if grammar.matcher is None:
+                raise GrammarError(grammar.error or "response_format: the grammar cannot be used")
+            self._matcher = grammar.matcher.deep_copy()  # the start's, computed once (grammar_starts.py)
+            tokenizer = grammar.vocabulary.tokenizer
+            self._bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
             self._vocab_size = vocab_size
-            self._grammar_tokenizer = grammar_tokenizer
+            self._grammar_tokenizer = tokenizer
             if request.guidance[0] == "json_schema":
                 self._keys = JsonKeys()
-            if request.close_early and byte_tokens is not None and self._eos.size:
+            if request.close_early and self._eos.size and grammar.ending is not None:  # else not closed
                 ends = frozenset(map(int, self._eos))
-                closer = DocumentCloser(self._matcher, byte_tokens, ends, json=self._keys is not None)
-                if closer.ending() is not None:  # else the walk finds no ending: the row is not closed
-                    self.closer = closer
+                byte_tokens, json = grammar.vocabulary.byte_tokens, self._keys is not None
+                closer = DocumentCloser(self._matcher, byte_tokens, ends, json=json, first=grammar.ending)
+                self.closer = closer
 
     def choose(self, logits: np.ndarray, produced: int, left: int | None = None) -> int:
         """The next token from this step's logits [vocab] (modified in place); `left`: the tokens the row
@@ -194,10 +192,6 @@ class RowSampler:
         """The grammar's text is complete (it may end here)."""
         return self._matcher is not None and self._matcher.is_accepting()
 
-    def closing_length(self) -> int | None:
-        """The tokens that end the document from the start (None: no closer, or no ending found)."""
-        return None if self.closer is None else (None if (e := self.closer.ending()) is None else len(e))
-
     @property
     def grammar_done(self) -> bool:
         """The grammar allows nothing more (its text is complete)."""
@@ -259,19 +253,3 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits - np.max(logits))
     result: np.ndarray = shifted / shifted.sum()
     return result
-
-
-def _matcher(tokenizer: LLTokenizer, kind: str, grammar: str) -> LLMatcher:
-    try:
-        if kind == "json_schema":
-            compiled = LLMatcher.grammar_from_json_schema(grammar)
-        elif kind == "regex":
-            compiled = LLMatcher.grammar_from_regex(grammar)
-        else:
-            compiled = LLMatcher.grammar_from_lark(grammar)
-    except ValueError as e:
-        raise GrammarError(grammar_refused(kind, str(e))) from e
-    matcher = LLMatcher(tokenizer, compiled, log_level=0)
-    if matcher.is_error():
-        raise GrammarError(grammar_refused(kind, matcher.get_error()[:500]))
-    return matcher
