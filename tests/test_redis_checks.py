@@ -19,7 +19,14 @@ from redis import Redis as SyncRedis
 from common.stores import Store
 from ortfleet.fleet.processes import free_port, start_redis, stop
 from tests.conftest import Fleet, RedisServer, keys
-from tests.test_startup_mistakes import PASSWORD, STARTS, assert_one_line, clean_env, first_answer
+from tests.test_startup_mistakes import (
+    HANG_GUARD_S,
+    PASSWORD,
+    STARTS,
+    assert_one_line,
+    clean_env,
+    first_answer,
+)
 from tests.waiting import until
 
 
@@ -103,7 +110,9 @@ def test_a_redis_cluster_node_among_a_models_stores_stops_the_process_naming_the
     cluster = ("--cluster-enabled", "yes", "--cluster-config-file", str(nodes), "--cluster-port", bus)
     with redis_with(tmp_path, *cluster, "--requirepass", PASSWORD) as url:
         stores = json.dumps({"fake": [redis_server.url, url.replace("redis://", f"redis://:{PASSWORD}@")]})
-        exited = STARTS[process](tmp_path, ORTFLEET_REDIS_SHARDS=stores, ORTFLEET_STORE="0")
+        exited = STARTS[process](
+            tmp_path, ORTFLEET_REDIS_URL=redis_server.url, ORTFLEET_REDIS_SHARDS=stores, ORTFLEET_STORE="0"
+        )
 
     assert_one_line(
         exited,
@@ -218,7 +227,7 @@ async def test_an_evicting_policy_set_while_the_gateway_runs_makes_it_not_ready(
             reply = await client.get(f"{gateway.url}/readyz")
         assert reply.status_code == 503
         assert "allkeys-lfu" in reply.json()["reason"], reply.json()
-        await until(lambda: "allkeys-lfu" in gateway.log(), "the change logged", 5)
+        await until(lambda: "allkeys-lfu" in gateway.log(), "the change logged", HANG_GUARD_S)
 
 
 def test_a_redis_started_with_its_log_in_a_folder_not_made_yet_starts_and_logs_there(tmp_path: Path) -> None:
