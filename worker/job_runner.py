@@ -50,9 +50,13 @@ class _Decoding:
     decoder: StreamDecoder
     matcher: StopMatcher | None
     stop_ids: frozenset[int]
-    text: str
+    pieces: list[str]  # the text so far, joined only at the end (not copied whole at every token)
     generated: int = 0  # tokens generated so far, earlier attempts' included
     stopped: bool = False  # a stop token or string ended the text: the engine is being stopped
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class JobRun:
@@ -208,7 +212,7 @@ class JobRun:
             if own_stops and sampling.stop
             else None
         )
-        decoding = _Decoding(decoder, matcher, frozenset(sampling.stop_token_ids or ()), self.progress.text)
+        decoding = _Decoding(decoder, matcher, frozenset(sampling.stop_token_ids or ()), [self.progress.text])
         decoding.generated = done_before
         outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
 
@@ -237,7 +241,8 @@ class JobRun:
             self._engine.cancel(self._stream)
         if decoding.stopped:  # what the engine made after the stop, until it stopped, is dropped
             return self._stopped(decoding) if update.finish is not None else None
-        self.batch_peak = max(self.batch_peak, update.batch_rows)
+        if update.batch_rows > self.batch_peak:
+            self.batch_peak = update.batch_rows
         if update.cached_tokens is not None:
             self.cached_tokens = update.cached_tokens
         if update.prompt_logprobs is not None and not self.progress.token_ids and decoding.generated == 0:
@@ -245,6 +250,25 @@ class JobRun:
             assert self._logprob_entries is not None and self._stream is not None
             prompt = self._stream.request.prompt_ids
             publisher.add(prompt_entry(prompt, self._logprob_entries.prompt(prompt, update.prompt_logprobs)))
+        token_ids = update.token_ids
+        if (
+            len(token_ids) == 1
+            and decoding.matcher is None
+            and update.logprobs is None
+            and update.replay_exact is None
+            and self.progress.first_token_at is not None
+            and token_ids[0] not in decoding.stop_ids
+        ):
+            # The common update: one token, no stop string to match, nothing for the job's record. What
+            # the general path below does for it, without its lists and joins.
+            piece = decoding.decoder.decode(token_ids[0])
+            index = decoding.generated
+            decoding.generated = index + 1
+            self._token_times.append(time.time())
+            self.tokens_generated += 1
+            publisher.add_tokens(piece, token_ids, index)
+            decoding.pieces.append(piece)
+            return None if update.finish is None else self._outcome(update, decoding.text, index + 1)
         pieces = []
         hit_stop = False
         generated = index = decoding.generated  # index: of this step's first token
@@ -278,7 +302,7 @@ class JobRun:
             if self._logprob_entries is not None and update.logprobs is not None:
                 logprobs = self._logprob_entries(kept, update.logprobs)
             publisher.add_tokens(chunk, kept, index, logprobs, record)
-            decoding.text += chunk
+            decoding.pieces.append(chunk)
         if hit_stop:
             decoding.stopped = True
             if update.finish is not None:  # the stop came with the engine's last update
@@ -291,7 +315,7 @@ class JobRun:
             tail = matcher.flush()
             if tail:
                 publisher.add_tokens(tail, [], generated)
-                decoding.text += tail
+                decoding.pieces.append(tail)
         return self._outcome(update, decoding.text, generated)
 
     @staticmethod

@@ -95,17 +95,18 @@ class StreamPublisher:
         While the writer coalesces, plain tokens that follow the last pending entry's join it at once,
         as the write would join them (merge_token_entries), rather than wait as an entry of their own."""
         end = self.open_end
+        pending = self.pending
         if (
             end == index
             and logprobs is None
             and not record
             and self._writer.joins_tokens
             # an entry a write has taken is never changed, nor one written again as it was
-            and len(self.pending) > self.in_flight_entries
-            and len(self.pending) > self.verbatim
+            and len(pending) > self.in_flight_entries
+            and len(pending) > self.verbatim
             and not self.lost
         ):
-            last = self.pending[-1]
+            last = pending[-1]
             last["text"] += text
             if token_ids:
                 ids = str(token_ids[0]) if len(token_ids) == 1 else ",".join(map(str, token_ids))
@@ -186,7 +187,10 @@ class StepWriter:
         self._interval = interval  # a job's tokens wait until it has this many (its first never waits)
         self._max_wait_s = max_wait_s  # the longest a job's tokens wait to go together (0: never)
         self._writes_per_s = writes_per_s  # job writes a second it aims at
-        self.wait_s = 0.0  # how long a job's tokens wait now (coalescing while above 0)
+        self._wait_s = 0.0
+        # Whether a job's consecutive plain token entries become one as they are added (coalescing, with a
+        # stream interval of one: the interval counts entries); set with wait_s, read at every token.
+        self.joins_tokens = False
         self._jobs: set[StreamPublisher] = set()  # the publishers not yet closed
         self.entries_added = 0  # since `_rate_since` (their rate decides `coalescing`)
         self._rate_since = time.monotonic()
@@ -222,14 +226,18 @@ class StepWriter:
             self._wakeup.set()
 
     @property
-    def coalescing(self) -> bool:
-        return self.wait_s > 0
+    def wait_s(self) -> float:
+        """How long a job's tokens wait now (coalescing while above 0)."""
+        return self._wait_s
+
+    @wait_s.setter
+    def wait_s(self, seconds: float) -> None:
+        self._wait_s = seconds
+        self.joins_tokens = seconds > 0 and self._interval == 1
 
     @property
-    def joins_tokens(self) -> bool:
-        """Whether a job's consecutive plain token entries become one as they are added (coalescing, with a
-        stream interval of one: the interval counts entries)."""
-        return self.wait_s > 0 and self._interval == 1
+    def coalescing(self) -> bool:
+        return self.wait_s > 0
 
     def forget(self, publisher: StreamPublisher) -> None:
         self._jobs.discard(publisher)

@@ -27,8 +27,8 @@ from common.startup import CannotStart
 from worker.core.channel import Frames, FrontendEnd, channel_pair, read_available
 from worker.core.commands import Cancel, Command, Stop, Submit
 from worker.core.facts import CoreFacts
-from worker.core.step_wire import Step
-from worker.core.updates import ENGINE_STATS, unpack
+from worker.core.step_wire import FINISHES, Step
+from worker.core.updates import ENGINE_STATS, plain_step, unpack
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
 from worker.engines.batcher.counters import BatcherCounters
 
@@ -245,6 +245,18 @@ class EngineCoreClient:
             if stats is not None:
                 self._stats = stats
                 self.counters = BatcherCounters(**stats["counters"])
+            if plain_step(step):  # a token for each row, nothing rare: no generator, no slicing
+                running = step.running
+                for row, token, code in zip(
+                    step.row_ids.tolist(), step.tokens.tolist(), step.finish.tolist(), strict=True
+                ):
+                    stream = streams.get(row)
+                    if stream is None:
+                        continue
+                    if code:
+                        del streams[row]
+                    stream.updates.put_nowait(EngineUpdate([token], FINISHES[code], None, running))
+                continue
             for row, update in unpack(step):
                 stream = streams.get(row)
                 if stream is None:

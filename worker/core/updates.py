@@ -92,6 +92,18 @@ def _block(positions: list[int], entries: list[TokenLogprobs]) -> LogprobBlock |
     )
 
 
+def plain_step(step: Step) -> bool:
+    """Whether the step holds a token for each row and nothing rare (the engine's figures aside): each
+    row's update is then its one token and its finish."""
+    notes = step.notes
+    return (
+        (not notes or (len(notes) == 1 and ENGINE_STATS in notes))
+        and step.logprobs is None
+        and len(step.tokens) == len(step.row_ids)
+        and bool((np.diff(step.offsets) == 1).all())  # not a row with none beside one with two
+    )
+
+
 def unpack(step: Step) -> Iterator[tuple[int, EngineUpdate]]:
     """Each row's update in `step`, in order (plain Python values: lists, floats, no numpy scalars)."""
     row_ids = step.row_ids.tolist()
@@ -100,7 +112,7 @@ def unpack(step: Step) -> Iterator[tuple[int, EngineUpdate]]:
     finish = step.finish.tolist()
     running = step.running
     notes = step.notes
-    if not notes and step.logprobs is None and len(tokens) == len(row_ids):
+    if plain_step(step):
         # the common step: a token for each row, nothing rare
         for row, token, code in zip(row_ids, tokens, finish, strict=True):
             yield row, EngineUpdate([token], FINISHES[code], None, running)
