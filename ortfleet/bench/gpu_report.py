@@ -30,6 +30,8 @@ BENCHES = {
 OTHER = {  # shown as their JSON
     "sampler-graph-cuda": "the sampler graph on the CUDA provider, logits on the card",
     "paged-model": "the paged model run by ortfleet: tokens against og.Engine's, decode run times",
+    "worker-host": "fake engine, 256 rows every 4 ms: a worker's CPU per token and share of the offered rate",
+    "worker-host-512": "fake engine, 512 rows every 4 ms over two frontends of one engine core",
 }
 
 
