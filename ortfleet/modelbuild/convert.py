@@ -287,23 +287,26 @@ def _start_builder(arguments: list[str]) -> subprocess.Popen[str] | ForkedBuild:
     )
 
 
-def check_generates(model_dir: Path) -> None:
-    """Load ``model_dir`` with onnxruntime-genai, format a chat prompt and generate one token."""
+def check_generates(model_dir: Path, *, chat: bool = True) -> None:
+    """Load ``model_dir`` with onnxruntime-genai, format a chat prompt (with ``chat=False``, for a model
+    without a chat template, a plain one) and generate one token."""
     try:
-        flags = _generate_one_token(model_dir)
+        flags = _generate_one_token(model_dir, chat=chat)
     except Exception as e:
         raise ModelCheckFailed(model_dir, str(e)) from e
     if not flags & _EVENT_TOKEN or flags & _EVENT_FAILED:
         raise ModelCheckFailed(model_dir, f"generation ended with event flags {flags:#x}")
 
 
-def _generate_one_token(model_dir: Path) -> int:
+def _generate_one_token(model_dir: Path, *, chat: bool) -> int:
     import onnxruntime_genai as og
 
     model = og.Model(str(model_dir))
     tokenizer = og.Tokenizer(model)
-    messages = json.dumps([{"role": "user", "content": "Hello!"}])
-    prompt = tokenizer.apply_chat_template(messages=messages, add_generation_prompt=True)
+    prompt = "Hello!"
+    if chat:
+        messages = json.dumps([{"role": "user", "content": prompt}])
+        prompt = tokenizer.apply_chat_template(messages=messages, add_generation_prompt=True)
     engine = og.Engine(model)
     request = engine.create_request()
     options = og.TurnOptions(request)
