@@ -19,6 +19,7 @@ from ortfleet.modelbuild.default import (
 from ortfleet.modelbuild.own_model import (
     CONVERT_DEVICES,
     DEFAULT_PRECISIONS,
+    DEVICE_PRECISIONS,
     PRECISIONS,
     convert_own_model,
 )
@@ -98,6 +99,7 @@ def _add_convert(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], cache_root_default: CacheRootDefault
 ) -> None:
     defaults = ", ".join(f"{precision} on {device}" for device, precision in DEFAULT_PRECISIONS.items())
+    made = "; ".join(f"{device}: {', '.join(made)}" for device, made in DEVICE_PRECISIONS.items())
     parser = commands.add_parser(
         "convert",
         help="convert your own Hugging Face checkpoint folder or GGUF file, offline",
@@ -110,7 +112,9 @@ def _add_convert(
     parser.add_argument(
         "source", type=Path, metavar="SOURCE", help="a Hugging Face checkpoint folder or a .gguf file"
     )
-    parser.add_argument("--precision", choices=PRECISIONS, help=f"weights' precision (default: {defaults})")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, help=f"the weights' precision ({made}; default: {defaults})"
+    )
     parser.add_argument(
         "--device", choices=CONVERT_DEVICES, default="cpu", help="where the model will run (default: cpu)"
     )
