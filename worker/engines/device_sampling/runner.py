@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -54,6 +55,7 @@ class SamplerGraph:
         options = options or ort.SessionOptions()
         model = sampler_model(candidates).SerializeToString()
         self._session = ort.InferenceSession(model, options, providers=list(providers))
+        self._fixed: dict[RowSampler, _Fixed] = {}  # by row (pack)
 
     def end_profiling(self) -> str:
         """The file of the session's profile, when its options asked for one (enable_profiling)."""
@@ -84,63 +86,126 @@ class SamplerGraph:
         return SampledStep(tokens, logprobs, top_ids, top_logprobs, host)
 
     def pack(self, samplers: Sequence[RowSampler], produced: Sequence[int]) -> dict[str, np.ndarray]:
-        """The graph's inputs but the logits: each row's parameters, and its uniform if it samples."""
+        """The graph's inputs but the logits: each row's parameters, and its uniform if it samples. What a
+        row's request fixes is read once per row (`_Fixed`) and packed column by column; only the rows that
+        sample, or have penalized, counted or biased ids, are visited one by one."""
         count = len(samplers)
-        host = np.zeros(count, np.bool_)
-        for index, sampler in enumerate(samplers):
-            host[index] = self._unservable(sampler)
-        served = [s for s, h in zip(samplers, host, strict=True) if not h]
-        penalized = _padded([np.fromiter(s.penalized, np.int64) for s in served], host)
-        counted = _padded([np.fromiter(s.counts, np.int64) for s in served], host)
-        counts = _padded([np.fromiter(s.counts.values(), np.float32) for s in served], host, np.float32)
-        bias_ids = _padded([s.bias[0] for s in served], host)
-        bias = _padded([s.bias[1] for s in served], host, np.float32)
-        requests = [s.request for s in samplers]
-        greedy = np.array([not s.sampling for s in samplers], np.bool_)
+        fixed = self._fixed_of(samplers)
+        columns = list(zip(*fixed, strict=True)) if fixed else [()] * len(_Fixed._fields)
+        host = np.array(columns[0], np.bool_).reshape(count)
+        penalized: list[tuple[int, np.ndarray]] = []
+        counted: list[tuple[int, np.ndarray]] = []
+        counts: list[tuple[int, np.ndarray]] = []
+        bias_ids: list[tuple[int, np.ndarray]] = []
+        bias: list[tuple[int, np.ndarray]] = []
         uniform = np.zeros(count, np.float32)
-        for index, sampler in enumerate(samplers):
-            if sampler.sampling and not host[index]:
+        widths = self.widths
+        for index in [i for i, row in enumerate(fixed) if row.visited]:
+            sampler, row = samplers[index], fixed[index]
+            if row.host:
+                continue
+            if len(sampler.penalized) > widths.penalized or len(sampler.counts) > widths.counted:
+                host[index] = True
+                continue
+            if row.greedy is False:
                 uniform[index] = np.float32(sampler.uniform())
+            if sampler.penalized:
+                penalized.append((index, np.fromiter(sampler.penalized, np.int64)))
+            if sampler.counts:
+                counted.append((index, np.fromiter(sampler.counts, np.int64)))
+                counts.append((index, np.fromiter(sampler.counts.values(), np.float32)))
+            ids, values = sampler.bias
+            if ids.size:
+                bias_ids.append((index, ids))
+                bias.append((index, values))
+        _, _, greedy, temperature, top_k, top_p, repetition, presence, frequency, least = columns
+        # RowSampler.masks_eos for every row: fewer tokens than min_tokens, and an end of sequence to mask
+        mask_eos = (
+            np.array(produced, np.int64).reshape(count) < np.array(least, np.int64).reshape(count)
+        ) & bool(self._eos.any())
         return {
             "eos": self._eos,
-            "greedy": greedy,
-            "temperature": np.array(
-                [1.0 if g else r.temperature for r, g in zip(requests, greedy, strict=True)], np.float32
-            ),
-            "top_k": np.array([s.top_k for s in samplers], np.int64),
-            "top_p": np.array([r.top_p for r in requests], np.float64),
+            "greedy": np.array(greedy, np.bool_).reshape(count),
+            "temperature": np.array(temperature, np.float32).reshape(count),
+            "top_k": np.array(top_k, np.int64).reshape(count),
+            "top_p": np.array(top_p, np.float64).reshape(count),
             "uniform": uniform,
-            "repetition_penalty": np.array([r.repetition_penalty for r in requests], np.float32),
-            "penalized": penalized,
-            "presence_penalty": np.array([r.presence_penalty for r in requests], np.float32),
-            "frequency_penalty": np.array([r.frequency_penalty for r in requests], np.float32),
-            "counted": counted,
-            "counts": counts,
-            "bias_ids": bias_ids,
-            "bias": bias,
-            "mask_eos": np.array([s.masks_eos(p) for s, p in zip(samplers, produced, strict=True)], np.bool_),
+            "repetition_penalty": np.array(repetition, np.float32).reshape(count),
+            "penalized": _padded(count, penalized),
+            "presence_penalty": np.array(presence, np.float32).reshape(count),
+            "frequency_penalty": np.array(frequency, np.float32).reshape(count),
+            "counted": _padded(count, counted),
+            "counts": _padded(count, counts, np.float32),
+            "bias_ids": _padded(count, bias_ids),
+            "bias": _padded(count, bias, np.float32),
+            "mask_eos": mask_eos,
             "host_in": host,
         }
 
-    def _unservable(self, sampler: RowSampler) -> bool:
-        widths = self.widths
+    def _fixed_of(self, samplers: Sequence[RowSampler]) -> list[_Fixed]:
+        """Each row's `_Fixed`, made at its first step; forgotten once its row has left (the cache holds at
+        most twice the rows of a step)."""
+        known = self._fixed
+        if len(known) > 2 * len(samplers) + 64:
+            known = self._fixed = {sampler: known[sampler] for sampler in samplers if sampler in known}
+        fixed = []
+        for sampler in samplers:
+            row = known.get(sampler)
+            if row is None:
+                row = known[sampler] = self._fixed_row(sampler)
+            fixed.append(row)
+        return fixed
+
+    def _fixed_row(self, sampler: RowSampler) -> _Fixed:
+        request, widths = sampler.request, self.widths
         bias_ids = sampler.bias[0]
-        return (
-            sampler.request.guidance is not None
-            or len(sampler.penalized) > widths.penalized
-            or len(sampler.counts) > widths.counted
+        host = (
+            request.guidance is not None
             or bias_ids.size > widths.bias
             or np.unique(bias_ids).size != bias_ids.size  # numpy's `+=` keeps one of a repeated id's biases
         )
+        # its penalized and counted ids change as it generates, and a sampled pick draws a uniform
+        varies = request.repetition_penalty != 1.0 or bool(
+            request.presence_penalty or request.frequency_penalty
+        )
+        return _Fixed(
+            host,
+            host
+            or varies
+            or sampler.sampling
+            or bool(bias_ids.size)
+            or bool(sampler.penalized or sampler.counts),
+            not sampler.sampling,
+            1.0 if not sampler.sampling else request.temperature,
+            sampler.top_k,
+            request.top_p,
+            request.repetition_penalty,
+            request.presence_penalty,
+            request.frequency_penalty,
+            request.min_new_tokens,
+        )
 
 
-def _padded(rows: list[np.ndarray], host: np.ndarray, dtype: type = np.int64) -> np.ndarray:
-    """The served rows' arrays at their places, padded with -1 (ids) or 0 (values) to the widest."""
-    width = max((row.size for row in rows), default=0) or 1
-    padded: np.ndarray = np.full((host.size, width), -1 if dtype is np.int64 else 0, dtype)
-    served = iter(rows)
-    for index, flagged in enumerate(host):
-        if not flagged:
-            row = next(served)
-            padded[index, : row.size] = row
+class _Fixed(NamedTuple):
+    """What a row's request fixes for the whole of its generation, as the graph's columns take it."""
+
+    host: bool  # a grammar, or a logit_bias the graph cannot apply: RowSampler picks every token
+    visited: bool  # packed one by one at each step: it samples, or has (or may have) ids of its own
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_new_tokens: int
+
+
+def _padded(count: int, rows: list[tuple[int, np.ndarray]], dtype: type = np.int64) -> np.ndarray:
+    """[count, widest] of the rows' arrays at their indexes, padded with -1 (ids) or 0 (values); a row with
+    none (not listed) all padding."""
+    width = max((row.size for _, row in rows), default=0) or 1
+    padded: np.ndarray = np.full((count, width), -1 if dtype is np.int64 else 0, dtype)
+    for index, row in rows:
+        padded[index, : row.size] = row
     return padded

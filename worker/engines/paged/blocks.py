@@ -115,6 +115,9 @@ class BlockManager:
     def grow(self, row: int, tokens: int) -> list[int]:
         """Room for `tokens` more tokens of the row (from its reservation); its table."""
         entry = self._rows[row]
+        if entry.tokens + tokens <= len(entry.table) * self.block_size:  # its last block has room
+            entry.tokens += tokens
+            return entry.table
         wanted = math.ceil((entry.tokens + tokens) / self.block_size) - len(entry.table)
         if wanted > entry.reserved:
             raise OutOfBlocks(f"row {row} grows past its reservation ({entry.reserved} blocks left)")
@@ -131,6 +134,8 @@ class BlockManager:
         """The row's first `tokens` tokens have their KV in its blocks: its whole prompt blocks among
         them are offered to the cache (where another row of its scope cached one first, that one stays)."""
         entry = self._rows[row]
+        if entry.registered >= len(entry.digests):  # every whole prompt block offered already
+            return
         whole = min(tokens // self.block_size, len(entry.digests))
         for index in range(entry.registered, whole):
             digest = entry.digests[index]

@@ -42,7 +42,7 @@ from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
 from worker.engines.paged.blocks import BlockManager
-from worker.engines.paged.model import PackedRow, by_row
+from worker.engines.paged.model import PackedRow
 from worker.engines.paged.scheduler import PagedRow, Planned, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,10 @@ class PagedEngine(BatchingEngine):
         packed = [plan.packed for plan in planned]
         began = time.perf_counter()
         try:
-            logits = by_row(packed, self._runner.returned_logits(packed))
+            returned = self._runner.returned_logits(packed)  # [taken, vocab]: each row's, in order
+            ends = list(itertools.accumulate(row.returned for row in packed))
+            if ends[-1] != len(returned):
+                raise ValueError(f"{len(returned)} rows of logits for rows that take {ends[-1]}")
         except Exception as e:  # no row's KV can be trusted after a run that broke
             logger.exception("a paged run failed")
             self._fail(f"a paged run failed: {e}")
@@ -202,32 +205,37 @@ class PagedEngine(BatchingEngine):
         rows.scheduler.advance(planned)
         self._count(planned)
         self._charge(planned, time.perf_counter() - began)
-        sampling = []
-        for plan, row_logits in zip(planned, logits, strict=True):
+        sampling: list[tuple[Planned, int]] = []  # each sampling row, and its logits' index in `returned`
+        for plan, end in zip(planned, ends, strict=True):
             if plan.packed.all_logits:  # a prompt chunk of a row that asks for its prompt log-probabilities
-                self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, row_logits)
+                chunk = returned[end - plan.packed.returned : end]
+                self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
             if plan.samples:
-                sampling.append((plan, row_logits[-1]))  # its last token's logits give its next token
-        picks = self._picks(sampling)
-        for (plan, row_logits), picked in zip(sampling, picks, strict=True):
-            row = rows.row_of(plan.row)
+                sampling.append((plan, end - 1))  # its last token's logits give its next token
+        batch = [rows.row_of(plan.row) for plan, _ in sampling]
+        picks = self._picks(sampling, batch, returned)
+        for (plan, at), row, picked in zip(sampling, batch, picks, strict=True):
             row.length = plan.row.computed
             if row.first_update:
                 row.cached = plan.row.reused
-            self._next(row, row_logits, updates, picked)
+            self._next(row, returned[at], updates, picked)
             if row in rows:  # it goes on: its next token is fed at the next step
                 plan.row.generated.append(row.next_token)
 
-    def _picks(self, sampling: list[tuple[Planned, np.ndarray]]) -> list[Picked | None]:
-        """The sampler graph's pick of each row it serves (None: RowSampler picks it on the host)."""
+    def _picks(
+        self, sampling: list[tuple[Planned, int]], rows: list[Row], returned: np.ndarray
+    ) -> list[Picked | None]:
+        """The sampler graph's pick of each row it serves (None: RowSampler picks it on the host), from the
+        rows of the run's logits `returned` that sample: all of them, as they are, when every row samples
+        (a step of decodes), else just those rows."""
         if self._sampler is None or not sampling:
             return [None] * len(sampling)
-        rows = [self._paged_rows.row_of(plan.row) for plan, _ in sampling]
-        logits = np.stack([row_logits for _, row_logits in sampling])
+        logits = returned if len(sampling) == len(returned) else returned[[at for _, at in sampling]]
         step = self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
+        host, tokens = step.host.tolist(), step.tokens.tolist()
         picks: list[Picked | None] = []
         for index, row in enumerate(rows):
-            if step.host[index]:
+            if host[index]:
                 picks.append(None)
                 continue
             asked = row.request.logprobs
@@ -235,18 +243,22 @@ class PagedEngine(BatchingEngine):
             if asked is not None:
                 top = zip(step.top_ids[index][:asked], step.top_logprobs[index][:asked], strict=True)
                 found = TokenLogprobs(float(step.logprobs[index]), tuple((int(t), float(v)) for t, v in top))
-            picks.append(Picked(int(step.tokens[index]), found))
+            picks.append(Picked(tokens[index], found))
         return picks
 
     def _charge(self, planned: list[Planned], seconds: float) -> None:
         """A run's time to its rows' keys, in proportion to the tokens each row brought (work_shares.py)."""
         shares = self._paged_rows.scheduler.shares
-        tokens = sum(len(plan.packed.tokens) for plan in planned)
+        brought: dict[tuple[str, float], int] = {}  # tokens by key (and weight): one charge a key
+        for plan in planned:
+            key = (plan.row.owner, plan.row.weight)
+            brought[key] = brought.get(key, 0) + len(plan.packed.tokens)
+        tokens = sum(brought.values())
         per_token = seconds / tokens
         shares.ran_prefill(tokens, seconds)  # the run's rows share its time by tokens, chunks or decodes
         shares.ran_decode(tokens, seconds)
-        for plan in planned:
-            shares.charge(plan.row.owner, plan.row.weight, per_token * len(plan.packed.tokens))
+        for (owner, weight), count in brought.items():
+            shares.charge(owner, weight, per_token * count)
 
     def _count(self, planned: list[Planned]) -> None:
         counters = self.counters

@@ -29,11 +29,12 @@ rows in order (`by_row` cuts them per row). On the card only those rows come bac
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,8 +43,7 @@ from worker.engines.genai_config import eos_token_ids, read_genai
 MAX_ROWS = 256  # rows a run may hold: onnxruntime's PagedAttention scans the rows' lengths in one block
 
 
-@dataclass(frozen=True)
-class PackedRow:
+class PackedRow(NamedTuple):  # a tuple: one is made for each row of each run
     tokens: Sequence[int]  # the row's new tokens in this run: a prompt chunk, or its last sampled token
     past: int  # the row's tokens already in the pool
     table: Sequence[int]  # its blocks in token order, enough for past + len(tokens) tokens
@@ -100,37 +100,46 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
         raise ValueError("a run needs at least one row")
     if len(rows) > MAX_ROWS:
         raise ValueError(f"a run holds at most {MAX_ROWS} rows, not {len(rows)}")
-    lengths = np.zeros(len(rows) + 1, np.int32)
-    width = 0
-    for index, row in enumerate(rows):
-        if not row.tokens:
+    count = len(rows)
+    new = np.fromiter((len(row.tokens) for row in rows), np.int32, count)
+    past = np.fromiter((row.past for row in rows), np.int32, count)
+    tables = [row.table for row in rows]
+    used = -(-(past + new) // block_size)  # the blocks each row's tokens take
+    held = np.fromiter(map(len, tables), np.int64, count)
+    wrong = np.flatnonzero((new == 0) | (held < used))
+    if wrong.size:
+        index = int(wrong[0])
+        if not new[index]:
             raise ValueError(f"row {index} has no token to run")
-        end = row.past + len(row.tokens)
-        if len(row.table) * block_size < end:
-            raise ValueError(
-                f"row {index} needs {math.ceil(end / block_size)} blocks of {block_size} for {end} tokens, "
-                f"its table holds {len(row.table)}"
-            )
-        lengths[index + 1] = len(row.tokens)
-        width = max(width, math.ceil(end / block_size))
-    table = np.zeros((len(rows), width), np.int32)
-    for index, row in enumerate(rows):
-        used = math.ceil((row.past + len(row.tokens)) / block_size)
-        table[index, :used] = row.table[:used]
-    cumulative = np.cumsum(lengths, dtype=np.int32)
-    past = np.array([row.past for row in rows], np.int32)
-    return {
-        "input_ids": np.fromiter((t for row in rows for t in row.tokens), np.int64, int(cumulative[-1])),
-        "cumulative_sequence_lengths": cumulative,
-        "past_sequence_lengths": past,
-        "block_table": table,
-        "attention_metadata": np.array([lengths.max(), (past + lengths[1:]).max(), 0], np.int32),
-        "taken": np.concatenate(
+        end = int(past[index] + new[index])
+        raise ValueError(
+            f"row {index} needs {math.ceil(end / block_size)} blocks of {block_size} for {end} tokens, "
+            f"its table holds {len(tables[index])}"
+        )
+    width = int(used.max())
+    table = np.zeros((count, width), np.int32)
+    blocks = used.tolist()
+    table[np.arange(width) < used[:, None]] = [b for t, n in zip(tables, blocks, strict=True) for b in t[:n]]
+    cumulative = np.zeros(count + 1, np.int32)
+    np.cumsum(new, out=cumulative[1:])
+    if any(row.all_logits for row in rows):
+        taken = np.concatenate(
             [
                 np.arange(start, stop) if row.all_logits else np.array([stop - 1])
                 for row, start, stop in zip(rows, cumulative[:-1], cumulative[1:], strict=True)
             ]
-        ).astype(np.int64),
+        ).astype(np.int64)
+    else:  # each row's last token
+        taken = cumulative[1:].astype(np.int64) - 1
+    return {
+        "input_ids": np.fromiter(
+            itertools.chain.from_iterable(row.tokens for row in rows), np.int64, int(cumulative[-1])
+        ),
+        "cumulative_sequence_lengths": cumulative,
+        "past_sequence_lengths": past,
+        "block_table": table,
+        "attention_metadata": np.array([new.max(), (past + new).max(), 0], np.int32),
+        "taken": taken,
     }
 
 

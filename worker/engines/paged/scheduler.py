@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from typing import NamedTuple
 
 from worker.engines.paged.blocks import BlockManager, OutOfBlocks
 from worker.engines.paged.model import PackedRow
@@ -62,8 +63,7 @@ class PagedRow:
         return len(self.prompt) + self.max_new_tokens
 
 
-@dataclass(frozen=True)
-class Planned:
+class Planned(NamedTuple):  # a tuple: one is made for each row of each step
     row: PagedRow
     packed: PackedRow
     samples: bool  # its logits give the row's next token (a decode, or its prompt's last chunk)
@@ -97,10 +97,15 @@ class Scheduler:
         """The next step's rows: admissions first, then every decoding row, then prompt chunks. Each row's
         blocks grow to hold what it brings."""
         self._admit()
-        planned = [self._decode(row) for row in self.running if row.decoding]
+        decoding_rows = [row for row in self.running if row.computed >= len(row.prompt)]
+        grow = self.blocks.grow
+        planned = [  # each brings its last sampled token
+            Planned(row, PackedRow([row.generated[-1]], row.computed, grow(row.key, 1)), True)
+            for row in decoding_rows
+        ]
         shares = self.shares
         shares.hold(row.owner for row in self.running)
-        decoding = {row.owner: row.weight for row in self.running if row.decoding}
+        decoding = {row.owner: row.weight for row in decoding_rows}
         pending = [self._chunk(row) for row in self.running if not row.decoding]
         spent = 0
         while pending:
@@ -156,7 +161,3 @@ class Scheduler:
                 return  # first come, first served: no later row jumps ahead of one waiting for blocks
             self.waiting.popleft()
             self.running.append(row)
-
-    def _decode(self, row: PagedRow) -> Planned:
-        table = self.blocks.grow(row.key, 1)
-        return Planned(row, PackedRow([row.generated[-1]], row.computed, table), True)
