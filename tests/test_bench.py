@@ -512,3 +512,46 @@ def test_the_hog_bench_serves_another_keys_chats_while_one_key_holds_every_row(
     ttft_goal = short["ttft_s"]["max"] is not None and short["ttft_s"]["max"] <= 3.0
     assert [goal["pass"] for goal in data["goals"]] == [short["answered_with_text"] == 2, True, ttft_goal]
     assert "goals" in done.stdout and "short" in done.stdout
+
+
+def test_the_hostile_benchs_prefill_flood_runs_alone_then_beside_the_well_behaved_keys_chats(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "flood.json"
+    args = ["--attack", "prefill-flood", "--duration", "3", "--alone", "2", "--flood-threads", "2"]
+    done = bench("hostile", "--model", str(tiny_model), *args, "--good-tokens", "6", "--json", str(out))
+
+    data = figures(out)
+    assert data["bench"] == "hostile" and data["attack"] == "prefill-flood" and data["pattern"] is None
+    good = data["well_behaved"]
+    assert good["tokens"] == 6 and good["failures"] == {} and good["succeeded"] == good["requests"] > 0
+    assert_summary(good["latency_ms"], good["succeeded"])
+    assert_summary(good["ttft_ms"], good["succeeded"])
+    assert set(good["gap_ms"]) == {"p50", "p95", "p99", "max", "mean", "n"}
+    assert set(data["flood"]) == {"alone", "contended"} and data["refused_formats"] is None
+    for flood in data["flood"].values():
+        assert flood["requests"] > 0 and flood["completion_tokens"] <= flood["requests"]  # 1-token chats
+        assert flood["prompt_tokens_mean"] > 50  # the note's 50 words at least, each prompt its own
+        tokens = flood["prompt_tokens"] + flood["completion_tokens"]
+        assert flood["tokens_per_s"] == pytest.approx(tokens / flood["wall_s"], rel=1e-3)  # wall_s rounded
+    assert data["flood"]["alone"]["wall_s"] < data["flood"]["contended"]["wall_s"]
+    assert "flooding key, alone" in done.stdout and "flooding key, contended" in done.stdout
+
+
+def test_the_hostile_benchs_refused_formats_are_each_refused_as_max_tokens_too_small_at_the_rate_asked(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "refused.json"
+    args = ["--attack", "refused-formats", "--pattern", "^[a]{300}$", "--rate", "6", "--rows", "2"]
+    done = bench("hostile", "--model", str(tiny_model), *args, "--duration", "3", "--json", str(out))
+
+    data = figures(out)
+    assert data["attack"] == "refused-formats" and data["pattern"] == "^[a]{300}$" and data["flood"] is None
+    good = data["well_behaved"]
+    assert good["failures"] == {} and good["succeeded"] == good["requests"] > 0
+    refused = data["refused_formats"]
+    assert refused["target_rate_per_s"] == 6 and 2 <= refused["sent"] <= 6 * 3 + 2
+    assert refused["outcomes"] == {"400 max_tokens_too_small": refused["sent"]}
+    assert refused["refused_max_tokens_too_small"] == refused["sent"]
+    assert_summary(refused["latency_ms"], refused["sent"])
+    assert "refused max_tokens_too_small" in done.stdout

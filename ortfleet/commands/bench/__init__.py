@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ortfleet.commands.bench import batching, capacity, fleet, scheduling, serving
+from ortfleet.commands.bench import batching, capacity, fleet, hostile, scheduling, serving
 
 if TYPE_CHECKING:
     from ortfleet.commands import Subparsers
@@ -18,10 +18,10 @@ def register(subparsers: Subparsers) -> None:
         help="benchmarks: fleet against direct engine (default), gateway capacity, pickup, simulation",
         description=f"Without a mode: {fleet.FLEET_HELP}. "
         "Modes: fleet (the same), gateway, redis, tokens, pickup, eta, sim, fairness, batching, serving, "
-        "prefix, structured, hog.",
+        "prefix, structured, hog, hostile.",
     )
     fleet.fleet_options(parser)
     parser.set_defaults(func=fleet.run_fleet)
     modes = parser.add_subparsers(title="modes", metavar="MODE")
-    for family in (fleet, capacity, scheduling, batching, serving):
+    for family in (fleet, capacity, scheduling, batching, serving, hostile):
         family.add_modes(modes)
