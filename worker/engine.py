@@ -65,6 +65,9 @@ class GenerationRequest:
     # its time between keys by weight (worker/engines/work_shares.py), prefill included.
     owner: str = ""
     weight: float = 1.0
+    # The LoRA adapter the request runs with, by the name the worker loaded it under (None: the base model);
+    # only on engines that serve adapters (worker/engines/batcher/lora.py).
+    adapter: str | None = None
 
     @property
     def samples(self) -> bool:

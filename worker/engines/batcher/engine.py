@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from worker.engine import (
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.grammar_starts import GrammarError, GrammarStart, GrammarStarts
 from worker.engines.batcher.graph import DecoderGraph, open_session
+from worker.engines.batcher.lora import AdapterSet, load_adapters
 from worker.engines.batcher.prefix_cache import PrefixCache
 from worker.engines.batcher.rows import Row, Rows
 from worker.engines.batcher.sampler import BiasOutsideVocabulary, RowSampler, token_logprobs
@@ -84,7 +86,10 @@ class BatchingEngine(EngineThread):
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         step_delay_s: float = 0.0,
         prefix_cache: bool = True,
+        adapters: Mapping[str, Path] | None = None,
     ) -> None:
+        """`adapters`: LoRA adapters (name: PEFT folder) that requests may name (lora.py); each is checked
+        against the model, and the graph is rewritten for them only where there is one."""
         super().__init__("batcher")
         self.context_length = context_length(model_dir)
         capacity = slots or DEFAULT_SLOTS
@@ -94,11 +99,15 @@ class BatchingEngine(EngineThread):
         config = og.Config(str(model_dir))
         self.tokenizer = OrtTokenizer(config, vocab_size(model_dir), model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        graph: bytes | None = None
+        self.adapters: AdapterSet | None = None
+        if adapters:
+            graph, self.adapters = load_adapters(model_dir, adapters)
         try:
-            session, layout = open_session(model_dir)
+            session, layout = open_session(model_dir, graph=graph)
         except ort.capi.onnxruntime_pybind11_state.Fail as e:  # a graph or weights it cannot load
             raise ValueError(str(e)) from e
-        self._graph = DecoderGraph(session, layout)
+        self._graph = DecoderGraph(session, layout, self.adapters)
         self.vocab_size = layout.vocab_size
         self.prefix_block_tokens = prefill_chunk if prefix_cache else 0
         self.counters = BatcherCounters()
@@ -193,7 +202,9 @@ class BatchingEngine(EngineThread):
         before = len(request.prompt_ids) + len(request.replay_ids)
         reserved = min(self.context_length, before + request.max_new_tokens)
         code = ErrorCode.context_length_exceeded
-        if not request.prompt_ids or before >= self.context_length:
+        if request.adapter is not None and request.adapter not in self._adapter_names:
+            error, code = self._unknown_adapter(request.adapter), ErrorCode.model_not_found
+        elif not request.prompt_ids or before >= self.context_length:
             error = f"the prompt holds {before} tokens; the model's context is {self.context_length}"
         elif reserved > self.kv_budget_tokens:
             error = (
@@ -215,6 +226,14 @@ class BatchingEngine(EngineThread):
                     return
                 error, code = too_small, ErrorCode.max_tokens_too_small
         updates.append((stream, EngineUpdate([], Finish.error, error, error_code=code)))
+
+    @property
+    def _adapter_names(self) -> list[str]:
+        return [] if self.adapters is None else self.adapters.names
+
+    def _unknown_adapter(self, name: str) -> str:
+        served = ", ".join(self._adapter_names) or "none"
+        return f"the adapter {name!r} is not loaded on this worker (its adapters: {served})"
 
     def _queue(self, row: Row) -> None:
         """A request that passed its checks waits for a slot."""
@@ -276,9 +295,8 @@ class BatchingEngine(EngineThread):
             mask = np.ones((1, stop), np.int64)
             began = time.perf_counter()
             try:
-                logits = self._graph.run(
-                    ids, mask, (row.slot, row.slot + 1), self._rows.kv.values(row.slot, row.slot + 1)
-                )
+                kv = self._rows.kv.values(row.slot, row.slot + 1)
+                logits = self._graph.run(ids, mask, (row.slot, row.slot + 1), kv, [row.request.adapter])
             except Exception as e:  # this prompt broke the run: its request fails, the others go on
                 logger.exception("a prefill run failed")
                 self._rows.end(row)
@@ -324,7 +342,8 @@ class BatchingEngine(EngineThread):
             mask[index, : row.length + 1] = 1
         began = time.perf_counter()
         try:
-            logits = self._graph.run(ids, mask, (0, count), self._rows.kv.values(0, count))
+            adapters = () if self.adapters is None else [row.request.adapter for row in decoding]
+            logits = self._graph.run(ids, mask, (0, count), self._rows.kv.values(0, count), adapters)
         except Exception as e:
             self._fail(f"a decode run failed: {e}")
             return

@@ -15,11 +15,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
 
+from worker.engines.batcher.lora_graph import ROW_SCALE
 from worker.engines.genai_config import read_genai
+
+if TYPE_CHECKING:
+    from worker.engines.batcher.lora import AdapterSet
 
 
 class UnsupportedGraph(ValueError):
@@ -59,31 +64,46 @@ class Layout:
         )
 
 
-def open_session(model_dir: Path, threads: int = 0) -> tuple[ort.InferenceSession, Layout]:
-    """The folder's decoder on CPU. Its threads sleep between runs rather than spin: spinning threads
-    slowed a step 2-3x on 2 busy cores."""
+def open_session(
+    model_dir: Path, threads: int = 0, graph: bytes | None = None
+) -> tuple[ort.InferenceSession, Layout]:
+    """The folder's decoder on CPU, or `graph` (the decoder rewritten for adapters, lora_graph.py) with
+    the folder's weights. Its threads sleep between runs rather than spin: spinning threads slowed a step
+    2-3x on 2 busy cores."""
     config = read_genai(model_dir)
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(
-        str(model_dir / config["model"]["decoder"]["filename"]), options, providers=["CPUExecutionProvider"]
-    )
+    model: str | bytes = str(model_dir / config["model"]["decoder"]["filename"])
+    if graph is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(model_dir)
+        )
+        model = graph
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     return session, Layout.read(model_dir, session)
 
 
 class DecoderGraph:
     """Runs the decoder on KV slots: `run(input_ids, mask, slots, kv)` with kv the OrtValues of the
     consecutive slots [start, stop) (KvSlots.values), bound as both past and present; returns the logits
-    [rows, tokens, vocab]. A range's binding is made once and kept."""
+    [rows, tokens, vocab]. A range's binding is made once and kept. With `adapters` (a graph rewritten for
+    them), `run` takes each row's adapter (None: the base model); their weights are bound with the KV."""
 
-    def __init__(self, session: ort.InferenceSession, layout: Layout) -> None:
-        self.session, self.layout = session, layout
+    def __init__(
+        self, session: ort.InferenceSession, layout: Layout, adapters: AdapterSet | None = None
+    ) -> None:
+        self.session, self.layout, self.adapters = session, layout, adapters
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     def run(
-        self, input_ids: np.ndarray, mask: np.ndarray, slots: tuple[int, int], kv: Sequence[ort.OrtValue]
+        self,
+        input_ids: np.ndarray,
+        mask: np.ndarray,
+        slots: tuple[int, int],
+        kv: Sequence[ort.OrtValue],
+        adapters: Sequence[str | None] = (),
     ) -> np.ndarray:
         binding = self._bindings.get(slots)
         if binding is None:
@@ -93,7 +113,12 @@ class DecoderGraph:
             ):
                 binding.bind_ortvalue_input(past, value)
                 binding.bind_ortvalue_output(present, value)
+            for name, weights in ({} if self.adapters is None else self.adapters.values).items():
+                binding.bind_ortvalue_input(name, weights)
         binding.bind_cpu_input("input_ids", input_ids)
+        if self.adapters is not None:
+            row_scale = self.adapters.row_scale(adapters or [None] * len(input_ids))
+            binding.bind_cpu_input(ROW_SCALE, row_scale)
         binding.bind_cpu_input("attention_mask", mask)
         if self.layout.position_ids is not None:
             binding.bind_cpu_input(self.layout.position_ids, positions(mask, input_ids.shape[1]))

@@ -41,6 +41,12 @@ class Row:
         return self.stream.request
 
     @property
+    def cache_scope(self) -> str:
+        """The prefix cache's scope: the request's, and its adapter's (another adapter's KV differs)."""
+        adapter = self.request.adapter
+        return self.request.cache_scope if adapter is None else f"{self.request.cache_scope}\0lora:{adapter}"
+
+    @property
     def prompt_left(self) -> int:
         return len(self.request.prompt_ids) - self.length
 
@@ -111,10 +117,10 @@ class Rows:
         if row.request.prompt_logprobs is not None:  # every prompt position's logits are needed
             slot, reused = None, 0
         else:
-            slot, reused = self.prefixes.match(row.request.prompt_ids, row.request.cache_scope, free)
+            slot, reused = self.prefixes.match(row.request.prompt_ids, row.cache_scope, free)
         self._counters.prefix_tokens_queried += len(row.request.prompt_ids)
         if slot is None:
-            slot = self.prefixes.victim(free, row.request.cache_scope)
+            slot = self.prefixes.victim(free, row.cache_scope)
         else:
             row.length = row.cached = reused
             self._counters.prefix_hits += 1
@@ -142,7 +148,7 @@ class Rows:
             self.decoding[last.slot] = last
         self.decoding.pop()
         if self.prefixes is not None:
-            self.prefixes.keep(row.slot, row.request.prompt_ids, row.request.cache_scope)
+            self.prefixes.keep(row.slot, row.request.prompt_ids, row.cache_scope)
 
     def join_decoding(self, row: Row) -> None:
         """The row's prompt is in: its KV moves down to the slot where the decode rows end."""
