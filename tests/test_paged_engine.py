@@ -9,12 +9,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.test_batcher import Collected, collect
-from worker.engine import Finish, GenerationRequest, GenerationStream, TokenLogprobs
+from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream, TokenLogprobs
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.device_sampling.runner import SamplerGraph
 from worker.engines.paged.cpu_model import CpuPagedModel
@@ -285,3 +286,47 @@ async def test_a_failed_run_loses_every_row_and_a_restart_serves_again(
     [served] = await run_all(engine, [GenerationRequest([5, 6, 7], 4, min_new_tokens=4)])
     assert served.finish is Finish.length and len(served.tokens) == 4
     assert runs["made"] == 2
+
+
+async def every_update(stream: GenerationStream) -> list[EngineUpdate]:
+    updates = [await stream.updates.get()]
+    while updates[-1].finish is None:
+        updates.append(await stream.updates.get())
+    return updates
+
+
+async def test_plain_rows_done_without_the_per_token_path_get_the_updates_it_gives(
+    paged: Callable[..., PagedEngine],
+) -> None:
+    """The sampler graph's plain rows (no grammar, replay or first update, a token that ends nothing) skip
+    `_next`: every update of every request is the one `_next` gives, when rows end around them too."""
+    vocab = 320
+    rng = np.random.default_rng(21)
+    prompt = [int(t) for t in rng.integers(10, vocab, size=20)]
+    asked = [
+        *requests(vocab),
+        GenerationRequest(prompt, 30, temperature=1.5, seed=4),  # may end on end of sequence
+        GenerationRequest(prompt, 30, temperature=1.5, seed=7, logprobs=1),
+        GenerationRequest([int(t) for t in rng.integers(10, vocab, size=495)], 40),  # ends at the context
+        GenerationRequest(prompt, 9, guidance=("regex", "[a-z ]*")),
+        GenerationRequest(prompt, 8, min_new_tokens=8, replay_ids=(40, 41, 42)),
+    ]
+
+    through_next = {True: 0, False: 0}
+
+    async def run(fast: bool) -> list[list[EngineUpdate]]:
+        engine = paged(blocks=128, capacity=8, graph=True)
+        engine.fast_plain_rows = fast
+        general_path = engine._next
+
+        def counted(*args: Any) -> None:
+            through_next[fast] += 1
+            general_path(*args)
+
+        engine._next = counted  # type: ignore[method-assign,assignment]
+        return list(await asyncio.gather(*(every_update(s) for s in engine.submit(asked))))
+
+    fast, general = await run(True), await run(False)
+    assert fast == general
+    assert {update.finish for updates in fast for update in updates} == {None, Finish.eos, Finish.length}
+    assert through_next[True] < through_next[False] / 3  # most tokens took the plain rows' path

@@ -32,12 +32,12 @@ from typing import Protocol
 import numpy as np
 import onnxruntime_genai as og
 
-from worker.engine import TokenLogprobs
+from worker.engine import EngineUpdate, TokenLogprobs
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.engine import BatchingEngine, Picked
 from worker.engines.batcher.grammar_starts import GrammarStarts
 from worker.engines.batcher.rows import Row
-from worker.engines.device_sampling.runner import SamplerGraph
+from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
@@ -122,6 +122,7 @@ class PagedEngine(BatchingEngine):
     """See the module's docstring. `runner` makes the model's runner (and a fresh one after a failure)."""
 
     kv_budget_source = "the paged KV pool"
+    fast_plain_rows = True  # False: every row through `_next`, plain ones too (tests compare the two)
 
     def __init__(
         self,
@@ -213,38 +214,73 @@ class PagedEngine(BatchingEngine):
             if plan.samples:
                 sampling.append((plan, end - 1))  # its last token's logits give its next token
         batch = [rows.row_of(plan.row) for plan, _ in sampling]
-        picks = self._picks(sampling, batch, returned)
-        for (plan, at), row, picked in zip(sampling, batch, picks, strict=True):
-            row.length = plan.row.computed
+        self._hand_on(sampling, batch, self._picks(sampling, batch, returned), returned, updates)
+
+    def _hand_on(
+        self,
+        sampling: list[tuple[Planned, int]],
+        batch: list[Row],
+        graph: SampledStep | None,
+        returned: np.ndarray,
+        updates: Updates,
+    ) -> None:
+        """Each sampling row's next token: a plain row the sampler graph picked for is done here, every
+        other row goes through the batcher's per-token path (`_next`), in the rows' order.
+
+        A plain row is one whose update `_next` would make a bare token of: not its first update (no
+        cached tokens, replay or prompt log-probabilities to report), no replay under way, no grammar (no
+        mask, closer or key check to feed), and a token that ends nothing (not end of sequence, short of
+        max_tokens and of the context). Its bookkeeping is `_next`'s for such a token, and so is its
+        update, its log-probabilities (the graph's) included; `batch_rows` is the count `_next` reads."""
+        rows = self._paged_rows
+        fast = self.fast_plain_rows
+        host: list[bool] = graph.host.tolist() if graph is not None else []
+        tokens: list[int] = graph.tokens.tolist() if graph is not None else []
+        eos, context = self.eos_token_ids, self.context_length
+        running = rows.running()
+        for index, ((plan, at), row) in enumerate(zip(sampling, batch, strict=True)):
+            paged = plan.row
+            row.length = paged.computed
+            picked = None
+            if graph is not None and not host[index]:
+                request, token = row.request, tokens[index]
+                asked = request.logprobs
+                if (
+                    fast
+                    and not row.first_update
+                    and request.guidance is None
+                    and row.replayed >= len(request.replay_ids)
+                    and token not in eos
+                    and row.produced + 1 < request.max_new_tokens
+                    and row.length + 1 < context
+                ):
+                    row.sampler.accept(token)
+                    row.produced += 1
+                    row.next_token = token
+                    logprobs = None if asked is None else (_graph_logprobs(graph, index, asked),)
+                    updates.append(
+                        (row.stream, EngineUpdate([token], None, None, running, logprobs=logprobs))
+                    )
+                    paged.generated.append(token)
+                    continue
+                picked = Picked(token, None if asked is None else _graph_logprobs(graph, index, asked))
             if row.first_update:
-                row.cached = plan.row.reused
+                row.cached = paged.reused
             self._next(row, returned[at], updates, picked)
             if row in rows:  # it goes on: its next token is fed at the next step
-                plan.row.generated.append(row.next_token)
+                paged.generated.append(row.next_token)
+            running = rows.running()
 
     def _picks(
         self, sampling: list[tuple[Planned, int]], rows: list[Row], returned: np.ndarray
-    ) -> list[Picked | None]:
-        """The sampler graph's pick of each row it serves (None: RowSampler picks it on the host), from the
-        rows of the run's logits `returned` that sample: all of them, as they are, when every row samples
-        (a step of decodes), else just those rows."""
+    ) -> SampledStep | None:
+        """The sampler graph's step over the rows of the run's logits `returned` that sample (None without
+        the graph): all of them, as they are, when every row samples (a step of decodes), else just those
+        rows. Its `host` flags the rows RowSampler picks on the host."""
         if self._sampler is None or not sampling:
-            return [None] * len(sampling)
+            return None
         logits = returned if len(sampling) == len(returned) else returned[[at for _, at in sampling]]
-        step = self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
-        host, tokens = step.host.tolist(), step.tokens.tolist()
-        picks: list[Picked | None] = []
-        for index, row in enumerate(rows):
-            if host[index]:
-                picks.append(None)
-                continue
-            asked = row.request.logprobs
-            found = None
-            if asked is not None:
-                top = zip(step.top_ids[index][:asked], step.top_logprobs[index][:asked], strict=True)
-                found = TokenLogprobs(float(step.logprobs[index]), tuple((int(t), float(v)) for t, v in top))
-            picks.append(Picked(tokens[index], found))
-        return picks
+        return self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
 
     def _charge(self, planned: list[Planned], seconds: float) -> None:
         """A run's time to its rows' keys, in proportion to the tokens each row brought (work_shares.py)."""
@@ -278,3 +314,9 @@ class PagedEngine(BatchingEngine):
     def _renew(self) -> None:
         self._runner = self._make_runner()  # its pool is new; _fail gave the scheduler fresh books
         logger.info("the paged engine starts again with a fresh KV pool")
+
+
+def _graph_logprobs(step: SampledStep, index: int, asked: int) -> TokenLogprobs:
+    """Row `index`'s log-probabilities from the sampler graph: its token's and the `asked` likeliest."""
+    top = zip(step.top_ids[index][:asked], step.top_logprobs[index][:asked], strict=True)
+    return TokenLogprobs(float(step.logprobs[index]), tuple((int(t), float(v)) for t, v in top))
