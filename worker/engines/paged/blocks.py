@@ -130,6 +130,20 @@ class BlockManager:
         entry.tokens += tokens
         return entry.table
 
+    def grow_each_by_one(self, rows: Sequence[int]) -> list[list[int]]:
+        """Room for one more token of each row (a step of decodes); their tables. `grow`, with the rows
+        whose last block has room answered in the loop."""
+        tables = []
+        entries, size = self._rows, self.block_size
+        for row in rows:
+            entry = entries[row]
+            if entry.tokens < len(entry.table) * size:
+                entry.tokens += 1
+                tables.append(entry.table)
+            else:
+                tables.append(self.grow(row, 1))
+        return tables
+
     def computed(self, row: int, tokens: int) -> None:
         """The row's first `tokens` tokens have their KV in its blocks: its whole prompt blocks among
         them are offered to the cache (where another row of its scope cached one first, that one stays)."""

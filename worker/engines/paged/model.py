@@ -101,9 +101,9 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
     if len(rows) > MAX_ROWS:
         raise ValueError(f"a run holds at most {MAX_ROWS} rows, not {len(rows)}")
     count = len(rows)
-    new = np.fromiter((len(row.tokens) for row in rows), np.int32, count)
-    past = np.fromiter((row.past for row in rows), np.int32, count)
-    tables = [row.table for row in rows]
+    tokens, pasts, tables, all_logits = zip(*rows, strict=True)  # the rows' columns, in one pass
+    new = np.fromiter(map(len, tokens), np.int32, count)
+    past = np.array(pasts, np.int32)
     used = -(-(past + new) // block_size)  # the blocks each row's tokens take
     held = np.fromiter(map(len, tables), np.int64, count)
     wrong = np.flatnonzero((new == 0) | (held < used))
@@ -118,11 +118,15 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
         )
     width = int(used.max())
     table = np.zeros((count, width), np.int32)
-    blocks = used.tolist()
-    table[np.arange(width) < used[:, None]] = [b for t, n in zip(tables, blocks, strict=True) for b in t[:n]]
+    inside = np.arange(width) < used[:, None]
+    if (held == used).all():  # each table holds just the blocks its tokens take (a decode's, usually)
+        table[inside] = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(held.sum()))
+    else:
+        blocks = used.tolist()
+        table[inside] = [b for t, n in zip(tables, blocks, strict=True) for b in t[:n]]
     cumulative = np.zeros(count + 1, np.int32)
     np.cumsum(new, out=cumulative[1:])
-    if any(row.all_logits for row in rows):
+    if any(all_logits):
         taken = np.concatenate(
             [
                 np.arange(start, stop) if row.all_logits else np.array([stop - 1])
@@ -132,9 +136,7 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
     else:  # each row's last token
         taken = cumulative[1:].astype(np.int64) - 1
     return {
-        "input_ids": np.fromiter(
-            itertools.chain.from_iterable(row.tokens for row in rows), np.int64, int(cumulative[-1])
-        ),
+        "input_ids": np.fromiter(itertools.chain.from_iterable(tokens), np.int64, int(cumulative[-1])),
         "cumulative_sequence_lengths": cumulative,
         "past_sequence_lengths": past,
         "block_table": table,

@@ -97,16 +97,21 @@ class Scheduler:
         """The next step's rows: admissions first, then every decoding row, then prompt chunks. Each row's
         blocks grow to hold what it brings."""
         self._admit()
-        decoding_rows = [row for row in self.running if row.computed >= len(row.prompt)]
-        grow = self.blocks.grow
+        decoding_rows: list[PagedRow] = []
+        prefilling: list[PagedRow] = []
+        for row in self.running:
+            (decoding_rows if row.computed >= len(row.prompt) else prefilling).append(row)
+        tables = self.blocks.grow_each_by_one([row.key for row in decoding_rows])
         planned = [  # each brings its last sampled token
-            Planned(row, PackedRow([row.generated[-1]], row.computed, grow(row.key, 1)), True)
-            for row in decoding_rows
+            Planned(row, PackedRow([row.generated[-1]], row.computed, table), True)
+            for row, table in zip(decoding_rows, tables, strict=True)
         ]
         shares = self.shares
-        shares.hold(row.owner for row in self.running)
+        shares.hold({row.owner for row in self.running})
+        if not prefilling:
+            return planned
         decoding = {row.owner: row.weight for row in decoding_rows}
-        pending = [self._chunk(row) for row in self.running if not row.decoding]
+        pending = [self._chunk(row) for row in prefilling]
         spent = 0
         while pending:
             chunk = shares.next_chunk(pending, decoding)
@@ -132,10 +137,12 @@ class Scheduler:
     def advance(self, planned: Sequence[Planned]) -> None:
         """The step ran: each planned row's tokens are in the pool (its whole prompt blocks offered to the
         cache). The caller then gives each row that samples its next token (`PagedRow.generated`)."""
-        for plan in planned:
-            row = plan.row
-            row.computed += len(plan.packed.tokens)
-            self.blocks.computed(row.key, row.computed)
+        computed = self.blocks.computed
+        for row, packed, _ in planned:
+            prefilled = row.computed < len(row.prompt)  # a decode's prompt blocks were offered already
+            row.computed += len(packed.tokens)
+            if prefilled:
+                computed(row.key, row.computed)
 
     def end(self, row: PagedRow) -> None:
         """The row is done (its last token, end of sequence, a stop) or cancelled: out of the batch, its
