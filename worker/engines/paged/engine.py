@@ -193,10 +193,15 @@ class PagedEngine(BatchingEngine):
         if not planned:
             return
         packed = [plan.packed for plan in planned]
+        every_position = any(row.all_logits for row in packed)  # a chunk asks for each position's logits
         began = time.perf_counter()
         try:
             returned = self._runner.returned_logits(packed)  # [taken, vocab]: each row's, in order
-            ends = list(itertools.accumulate(row.returned for row in packed))
+            ends: Sequence[int] = (
+                list(itertools.accumulate(row.returned for row in packed))
+                if every_position
+                else range(1, len(packed) + 1)  # one row of logits each
+            )
             if ends[-1] != len(returned):
                 raise ValueError(f"{len(returned)} rows of logits for rows that take {ends[-1]}")
         except Exception as e:  # no row's KV can be trusted after a run that broke
@@ -206,13 +211,13 @@ class PagedEngine(BatchingEngine):
         rows.scheduler.advance(planned)
         self._count(planned)
         self._charge(planned, time.perf_counter() - began)
-        sampling: list[tuple[Planned, int]] = []  # each sampling row, and its logits' index in `returned`
-        for plan, end in zip(planned, ends, strict=True):
-            if plan.packed.all_logits:  # a prompt chunk of a row that asks for its prompt log-probabilities
-                chunk = returned[end - plan.packed.returned : end]
-                self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
-            if plan.samples:
-                sampling.append((plan, end - 1))  # its last token's logits give its next token
+        # each sampling row, and its logits' index in `returned` (its last token's give its next token)
+        sampling = [(plan, end - 1) for plan, end in zip(planned, ends, strict=True) if plan.samples]
+        if every_position:
+            for plan, end in zip(planned, ends, strict=True):
+                if plan.packed.all_logits:  # a prompt chunk of a row that asks for prompt log-probabilities
+                    chunk = returned[end - plan.packed.returned : end]
+                    self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
         batch = [rows.row_of(plan.row) for plan, _ in sampling]
         self._hand_on(sampling, batch, self._picks(sampling, batch, returned), returned, updates)
 
