@@ -55,6 +55,8 @@ def run(options: WorkerHostOptions) -> dict[str, Any]:
         "ORTFLEET_MAX_QUEUED_JOBS": "100000000",
         "ORTFLEET_MAX_QUEUED_TOKENS": "1000000000000",
         "ORTFLEET_ENGINE_CORE": options.engine_core,
+        # The workers stay live while they are stopped for the submissions.
+        "ORTFLEET_HEARTBEAT_TTL_S": "120",
     }
     spec = f"{options.step_ms:g}:{options.rows}"
     with throwaway_fleet(env) as fleet, tempfile.TemporaryDirectory(prefix="ortfleet-core-") as folder:
@@ -64,7 +66,10 @@ def run(options: WorkerHostOptions) -> dict[str, Any]:
             path = Path(folder) / "core.sock"
             core = fleet.start_core(path, options.frontends, "--fake-engine", spec, device="cpu")
             shared = {"ORTFLEET_ENGINE_CORE": f"unix:{path}"}
-            workers = [fleet.start_worker(MODEL, env=shared, wait=False) for _ in range(options.frontends)]
+            workers = [
+                fleet.start_worker(MODEL, "--fake-engine", spec, env=shared, wait=False)
+                for _ in range(options.frontends)
+            ]
         else:
             workers = [fleet.start_worker(MODEL, "--fake-engine", spec, wait=False)]
         fleet.wait_workers(MODEL, len(workers))
