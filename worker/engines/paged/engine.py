@@ -7,7 +7,9 @@ pick with penalties, logit_bias, min_tokens, a grammar; log-probabilities; repla
 tokens; the end of sequence, max_tokens and the context), so a request asks here what it asks of the CPU
 batcher. With `sampler` (ORTFLEET_SAMPLING=graph) the sampler graph (device_sampling/) picks every row it
 can serve in one run and RowSampler the rest (grammars, and the rows it flags); the logits come to the
-host either way for now.
+host either way for now. A plain row the graph picked for (no grammar, replay or first update, a token that
+ends nothing) skips the per-token path: its bookkeeping and update, those `_next` gives such a token, are
+done in the step's loop (`_hand_on`).
 
 Prompt log-probabilities (`prompt_logprobs`) are the batcher's too: a row that asks for them gets the
 logits of every position of its prompt chunks from each run (PackedRow.all_logits; the others their last
