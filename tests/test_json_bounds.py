@@ -13,8 +13,8 @@ from llguidance import LLMatcher, LLTokenizer
 
 from common.guidance import ANY_JSON_OBJECT, ResponseFormat, bounded_numbers, json_guidance
 from worker.engine import GenerationRequest
-from worker.engines.batcher.json_keys import JsonKeys
 from worker.engines.batcher.grammar_starts import Vocabulary, grammar_start
+from worker.engines.batcher.json_keys import JsonKeys
 from worker.engines.batcher.sampler import RowSampler
 
 pytestmark = pytest.mark.unit
