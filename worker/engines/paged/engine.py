@@ -85,6 +85,10 @@ class PagedRows:
     def row_of(self, paged: PagedRow) -> Row:
         return self._row[paged]
 
+    def rows_of(self, planned: Sequence[Planned]) -> list[Row]:
+        row = self._row
+        return [row[plan.row] for plan in planned]
+
     def __contains__(self, row: Row) -> bool:
         return row in self._paged
 
@@ -214,18 +218,20 @@ class PagedEngine(BatchingEngine):
         self._count(planned)
         self._charge(planned, time.perf_counter() - began)
         # each sampling row, and its logits' index in `returned` (its last token's give its next token)
-        sampling = [(plan, end - 1) for plan, end in zip(planned, ends, strict=True) if plan.samples]
+        sampling = [plan for plan in planned if plan.samples]
+        at = [end - 1 for plan, end in zip(planned, ends, strict=True) if plan.samples]
         if every_position:
             for plan, end in zip(planned, ends, strict=True):
                 if plan.packed.all_logits:  # a prompt chunk of a row that asks for prompt log-probabilities
                     chunk = returned[end - plan.packed.returned : end]
                     self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
-        batch = [rows.row_of(plan.row) for plan, _ in sampling]
-        self._hand_on(sampling, batch, self._picks(sampling, batch, returned), returned, updates)
+        batch = rows.rows_of(sampling)
+        self._hand_on(sampling, at, batch, self._picks(at, batch, returned), returned, updates)
 
     def _hand_on(
         self,
-        sampling: list[tuple[Planned, int]],
+        sampling: list[Planned],
+        at: list[int],
         batch: list[Row],
         graph: SampledStep | None,
         returned: np.ndarray,
@@ -245,7 +251,7 @@ class PagedEngine(BatchingEngine):
         tokens: list[int] = graph.tokens.tolist() if graph is not None else []
         eos, context = self.eos_token_ids, self.context_length
         running = rows.running()
-        for index, ((plan, at), row) in enumerate(zip(sampling, batch, strict=True)):
+        for index, (plan, row) in enumerate(zip(sampling, batch, strict=True)):
             paged = plan.row
             row.length = paged.computed
             picked = None
@@ -273,20 +279,18 @@ class PagedEngine(BatchingEngine):
                 picked = Picked(token, None if asked is None else _graph_logprobs(graph, index, asked))
             if row.first_update:
                 row.cached = paged.reused
-            self._next(row, returned[at], updates, picked)
+            self._next(row, returned[at[index]], updates, picked)
             if row in rows:  # it goes on: its next token is fed at the next step
                 paged.generated.append(row.next_token)
             running = rows.running()
 
-    def _picks(
-        self, sampling: list[tuple[Planned, int]], rows: list[Row], returned: np.ndarray
-    ) -> SampledStep | None:
-        """The sampler graph's step over the rows of the run's logits `returned` that sample (None without
-        the graph): all of them, as they are, when every row samples (a step of decodes), else just those
-        rows. Its `host` flags the rows RowSampler picks on the host."""
-        if self._sampler is None or not sampling:
+    def _picks(self, at: list[int], rows: list[Row], returned: np.ndarray) -> SampledStep | None:
+        """The sampler graph's step over the rows of the run's logits `returned` that sample, `at` (None
+        without the graph): all of them, as they are, when every row samples (a step of decodes), else just
+        those rows. Its `host` flags the rows RowSampler picks on the host."""
+        if self._sampler is None or not at:
             return None
-        logits = returned if len(sampling) == len(returned) else returned[[at for _, at in sampling]]
+        logits = returned if len(at) == len(returned) else returned[at]
         return self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
 
     def _charge(self, planned: list[Planned], seconds: float) -> None:
