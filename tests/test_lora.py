@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.test_batcher import Collected, collect
-from worker.engine import Finish, GenerationRequest
+from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.batcher.lora import AdapterMismatch, AdapterSet, read_adapter, read_safetensors
 from worker.engines.batcher.lora_graph import LoraGraph
@@ -94,6 +94,14 @@ def write_adapter(
     }
     (folder / "adapter_config.json").write_text(json.dumps(peft_config))
     return folder
+
+
+async def first_update(stream: GenerationStream) -> EngineUpdate:
+    """The stream's first update, once the stream has ended."""
+    updates = [await stream.updates.get()]
+    while updates[-1].finish is None:
+        updates.append(await stream.updates.get())
+    return updates[0]
 
 
 @pytest.fixture
@@ -189,9 +197,7 @@ async def test_the_prefix_cache_shares_a_prompts_kv_only_between_rows_of_one_ada
 
     async def cached(adapter: str | None) -> int:
         [stream] = engine.submit([GenerationRequest(prompt, 4, adapter=adapter)])
-        first = await stream.updates.get()
-        await collect(stream)
-        return first.cached_tokens or 0
+        return (await first_update(stream)).cached_tokens or 0
 
     assert await cached(None) == 0
     assert await cached("one") == 0  # the base model's KV of the same prompt is not this adapter's
@@ -377,3 +383,14 @@ async def test_an_adapters_tokens_equal_those_of_the_model_with_it_merged_into_i
     with_adapter = await greedy(lora, prompts, ["tuned"] * len(prompts), 32)
     assert with_adapter == await greedy(merged, prompts, [None] * len(prompts), 32)
     assert with_adapter != await greedy(lora, prompts, [None] * len(prompts), 32)
+
+    async def prompt_logprobs(engine: BatchingEngine, prompt: list[int], adapter: str | None) -> np.ndarray:
+        [stream] = engine.submit([GenerationRequest(prompt, 1, prompt_logprobs=5, adapter=adapter)])
+        first = await first_update(stream)
+        assert first.prompt_logprobs is not None
+        return np.asarray([[value for _, value in step.top] for step in first.prompt_logprobs])
+
+    for prompt in prompts:  # every position's likeliest log-probabilities, not only the greedy path's
+        expected = await prompt_logprobs(merged, prompt, None)
+        assert np.allclose(await prompt_logprobs(lora, prompt, "tuned"), expected, atol=1e-4)
+        assert not np.allclose(await prompt_logprobs(lora, prompt, None), expected, atol=1e-2)
