@@ -315,9 +315,12 @@ def test_each_module_is_scaled_by_its_alpha_over_rank_or_rslora_and_rows_take_th
     )
 
     wider = read_adapter("c", write_adapter(tmp_path / "c", tiny_model, rank=8), graph)
-    table = AdapterSet(graph, [plain, wider])
-    assert table.columns == 12
-    scale = table.row_scale([None, "c", "a"])
+    table = AdapterSet(graph.projections, [plain, wider])
+    assert table.layout([None, None]).columns == 0  # base-model rows alone compute no LoRA column
+    assert table.layout(["c", None, "c"]).columns == 8  # one adapter's rows: its columns only
+    every = table.layout([None, "c", "a"])
+    assert every.columns == 12
+    scale = every.row_scale([None, "c", "a"])
     assert scale.shape == (3, 1, 12)
     assert (
         scale[0].sum() == 0

@@ -24,7 +24,7 @@ from worker.engines.batcher.lora_graph import ROW_SCALE
 from worker.engines.genai_config import read_genai
 
 if TYPE_CHECKING:
-    from worker.engines.batcher.lora import AdapterSet
+    from worker.engines.batcher.lora import AdapterSet, Columns
 
 
 class UnsupportedGraph(ValueError):
@@ -89,13 +89,15 @@ class DecoderGraph:
     """Runs the decoder on KV slots: `run(input_ids, mask, slots, kv)` with kv the OrtValues of the
     consecutive slots [start, stop) (KvSlots.values), bound as both past and present; returns the logits
     [rows, tokens, vocab]. A range's binding is made once and kept. With `adapters` (a graph rewritten for
-    them), `run` takes each row's adapter (None: the base model); their weights are bound with the KV."""
+    them), `run` takes each row's adapter (None: the base model); the weights of the adapters' layout the
+    run takes (lora.py's AdapterSet) stay bound until a run of the range takes another."""
 
     def __init__(
         self, session: ort.InferenceSession, layout: Layout, adapters: AdapterSet | None = None
     ) -> None:
         self.session, self.layout, self.adapters = session, layout, adapters
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._columns: dict[tuple[int, int], Columns] = {}  # the adapters' layout each binding holds
 
     def run(
         self,
@@ -113,11 +115,15 @@ class DecoderGraph:
             ):
                 binding.bind_ortvalue_input(past, value)
                 binding.bind_ortvalue_output(present, value)
-            for name, weights in ({} if self.adapters is None else self.adapters.values).items():
-                binding.bind_ortvalue_input(name, weights)
         binding.bind_cpu_input("input_ids", input_ids)
         if self.adapters is not None:
-            row_scale = self.adapters.row_scale(adapters or [None] * len(input_ids))
+            rows = adapters or [None] * len(input_ids)
+            columns = self.adapters.layout(rows)
+            if self._columns.get(slots) is not columns:  # another layout than this binding's last run's
+                self._columns[slots] = columns
+                for name, weights in columns.values.items():
+                    binding.bind_ortvalue_input(name, weights)
+            row_scale = columns.row_scale(rows)
             binding.bind_cpu_input(ROW_SCALE, row_scale)
         binding.bind_cpu_input("attention_mask", mask)
         if self.layout.position_ids is not None:
@@ -130,6 +136,7 @@ class DecoderGraph:
     def forget(self) -> None:
         """Drops the bindings (the KV buffers they hold are being replaced)."""
         self._bindings.clear()
+        self._columns.clear()
 
 
 def positions(mask: np.ndarray, new_tokens: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from worker.engines.batcher.lora_graph import LoraGraph
+from worker.engines.batcher.lora_graph import LoraGraph, Projection
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -156,11 +156,11 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-class AdapterSet:
-    """The loaded adapters, each in the same columns of every projection (its offset, its rank wide),
-    and the graph's A and B inputs built from them."""
+class Columns:
+    """Some of the loaded adapters laid out in the graph's inputs: each in the same columns of every
+    projection (its offset, its rank wide), and the A and B inputs built from them."""
 
-    def __init__(self, graph: LoraGraph, adapters: Sequence[Adapter]) -> None:
+    def __init__(self, projections: Sequence[Projection], adapters: Sequence[Adapter]) -> None:
         self.offsets: dict[str, int] = {}
         self.ranks: dict[str, int] = {}
         columns = 0
@@ -169,7 +169,7 @@ class AdapterSet:
             columns += adapter.rank
         self.columns = columns
         self.values: dict[str, ort.OrtValue] = {}
-        for p in graph.projections:
+        for p in projections:
             parts = len(p.parts)
             a = np.zeros((p.in_features, parts * columns), np.float32)
             b = np.zeros((parts * columns, p.out_features), np.float32)
@@ -186,24 +186,50 @@ class AdapterSet:
             self.values[p.a_input] = ort.OrtValue.ortvalue_from_numpy(a)
             self.values[p.b_input] = ort.OrtValue.ortvalue_from_numpy(b)
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.offsets)
-
-    def row_scale(self, adapters: Sequence[str | None]) -> np.ndarray:
+    def row_scale(self, rows: Sequence[str | None]) -> np.ndarray:
         """The run's row_scale [rows, 1, columns]: 1 in each row's adapter's columns (None: the base
         model, all 0)."""
-        scale = np.zeros((len(adapters), 1, self.columns), np.float32)
-        for row, name in enumerate(adapters):
+        scale = np.zeros((len(rows), 1, self.columns), np.float32)
+        for row, name in enumerate(rows):
             if name is not None:
                 offset = self.offsets[name]
                 scale[row, 0, offset : offset + self.ranks[name]] = 1.0
         return scale
 
 
+class AdapterSet:
+    """The loaded adapters, in three layouts: none (a run of base-model rows computes no LoRA columns),
+    each one alone (a prefill, or a decode run whose adapter rows all use it: its rank's columns only),
+    and all of them (any other run). A run's LoRA work is its adapters' columns, not every adapter's,
+    for twice the adapters' memory."""
+
+    def __init__(self, projections: Sequence[Projection], adapters: Sequence[Adapter]) -> None:
+        self.none = Columns(projections, [])
+        self.alone = {adapter.name: Columns(projections, [adapter]) for adapter in adapters}
+        self.every = Columns(projections, adapters) if len(adapters) > 1 else None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.alone)
+
+    def layout(self, rows: Sequence[str | None]) -> Columns:
+        """The layout a run of these rows' adapters (None: the base model) takes."""
+        used = {name for name in rows if name is not None}
+        if not used:
+            return self.none
+        if len(used) == 1:
+            return self.alone[used.pop()]
+        assert self.every is not None
+        return self.every
+
+
 def load_adapters(model_dir: Path, adapters: Mapping[str, Path]) -> tuple[bytes, AdapterSet]:
-    """Reads and checks every adapter against the folder's graph; returns the rewritten graph and the
-    adapters' arrays."""
+    """Reads and checks every adapter against the folder's graph; returns the graph rewritten for the
+    projections they target (no other pays for them) and the adapters' arrays."""
     graph = LoraGraph(model_dir)
     read = [read_adapter(name, Path(path), graph) for name, path in adapters.items()]
-    return graph.rewritten(), AdapterSet(graph, read)
+    targeted = {key for adapter in read for key in adapter.modules}
+    projections = [
+        p for p in graph.projections if any((p.layer, part.module) in targeted for part in p.parts)
+    ]
+    return graph.rewritten(projections), AdapterSet(projections, read)

@@ -89,8 +89,8 @@ class LoraGraph:
             (p.layer, part.module): (p, part) for p in self.projections for part in p.parts
         }
 
-    def rewritten(self) -> bytes:
-        """The graph with every projection's LoRA delta added (see the module's docstring), serialized."""
+    def rewritten(self, projections: list[Projection]) -> bytes:
+        """The graph with these projections' LoRA deltas added (see the module's docstring), serialized."""
         from onnx import helper
 
         graph = self.model.graph
@@ -98,7 +98,7 @@ class LoraGraph:
         tiled: dict[int, str] = {1: ROW_SCALE}
         added = []
         inputs = [helper.make_tensor_value_info(ROW_SCALE, _FLOAT, ["batch_size", 1, "lora_rank"])]
-        for p in self.projections:
+        for p in projections:
             node = nodes[p.node]
             parts = len(p.parts)
             if parts not in tiled:
