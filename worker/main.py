@@ -37,7 +37,13 @@ from common.stores import Store
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, Tokenizer
 from worker.engines.device import Device, parse_device
-from worker.engines.engine_loading import REBUILD, chosen_device, local_engine, resolve_model
+from worker.engines.engine_loading import (
+    REBUILD,
+    chosen_device,
+    freeze_loaded_objects,
+    local_engine,
+    resolve_model,
+)
 from worker.service import EngineUnrecoverable, WarmUpFailed, WorkerService
 
 if TYPE_CHECKING:
@@ -381,6 +387,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         engine.capacity = info.capacity = width
     watch = StoreWatch(redis, store.keys, store.label, settings.allow_evicting_redis, settings.job_ttl_s)
     metrics.observe(service, watch)
+    freeze_loaded_objects()
     logger.info("metrics on %s", metrics.url)
     logger.info(
         "worker %s serves %r on %s: %d slots, %s batching, ready in %.1f s",

@@ -38,6 +38,7 @@ import numpy as np
 from ortfleet.bench.machine import describe
 from worker.engine import EngineUpdate, GenerationRequest
 from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
+from worker.engines.engine_loading import freeze_loaded_objects
 from worker.engines.paged.engine import PagedEngine
 from worker.engines.paged.model import MAX_ROWS, PackedRow, pack
 
@@ -150,6 +151,7 @@ async def measure(
     chunk = min(block_size, 256)
     device = FakeDevice(vocab, blocks, block_size, step_ms / 1000, rows + chunk)
     engine = PagedEngine(model_dir, lambda: device, rows, chunk, sampler=FakeSamplerGraph)
+    freeze_loaded_objects()  # as a worker and an engine core do once their engine is loaded
     _instrument(engine, device.phases)
     counted = {"tokens": 0}
 

@@ -50,7 +50,12 @@ async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
     from worker.core.server import EngineCore, serve_path, serve_socket
     from worker.engines.device import Device
     from worker.engines.engine_choice import engine_kind
-    from worker.engines.engine_loading import chosen_device, local_engine, resolve_model
+    from worker.engines.engine_loading import (
+        chosen_device,
+        freeze_loaded_objects,
+        local_engine,
+        resolve_model,
+    )
 
     if args.frontends < 1:
         raise CannotStart(f"--frontends must be at least 1, not {args.frontends}")
@@ -74,6 +79,7 @@ async def run_core(args: argparse.Namespace, settings: WorkerSettings) -> int:
         fingerprint=served_fingerprint(model_dir),
         stall_limit_s=settings.engine_core_stall_s,
     )
+    freeze_loaded_objects()
     if args.fd is not None:
         return await serve_socket(core, socket.socket(fileno=args.fd))
     return await serve_path(core, args.socket)

@@ -3,6 +3,7 @@ process. The worker (worker/main.py) and an engine core (worker/core/) load thro
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -108,3 +109,13 @@ def local_engine(
             f"ONNX Runtime GenAI cannot load the model in {model_dir}: {reason}; {REBUILD}"
         ) from e
     return engine, engine.tokenizer
+
+
+def freeze_loaded_objects() -> None:
+    """Puts every object alive once the engine is loaded (modules, the session, the tokenizer, the
+    settings) out of the garbage collector's walks. A busy engine makes a few objects a row each step, so
+    full collections come often, and each walked all of these again: at 512 rows on a fake 4 ms device,
+    full collections took the paged engine's host step from 1.7-1.8 to 2.8-2.9 ms. Objects made later are
+    collected as before."""
+    gc.collect()
+    gc.freeze()
