@@ -16,7 +16,6 @@ from typing import Any
 import gguf
 import httpx
 import numpy as np
-import onnxruntime_genai as og
 import pytest
 from safetensors.numpy import load_file
 
@@ -30,8 +29,8 @@ from ortfleet.modelbuild.own_model import convert_own_model, has_chat_template
 from ortfleet.modelbuild.own_source import builder_architectures
 from ortfleet.modelbuild.synthetic import byte_pair_tokenizer
 from tests.conftest import Fleet
+from tests.test_model_build import generate
 
-EVENT_TOKEN = 1
 EVENT_FAILED = 8
 VOCAB_SIZE = 384
 HEADS, KV_HEADS, LAYERS = 4, 2, 2
@@ -178,22 +177,8 @@ def run_cli(argv: list[str], cache_root: Path) -> int:
 
 
 def greedy_tokens(model_dir: Path, prompt: str, max_tokens: int = 8) -> list[int]:
-    model = og.Model(str(model_dir))
-    tokenizer = og.Tokenizer(model)
-    engine = og.Engine(model)
-    request = engine.create_request()
-    options = og.TurnOptions(request)
-    options.set_max_generated_tokens(max_tokens)
-    options.set_do_sample(False)
-    request.begin_turn(tokenizer.encode(prompt), options)
-    buffer = engine.create_event_buffer(64)
-    tokens: list[int] = []
-    while engine.has_pending_requests():
-        for event in engine.run(buffer):
-            assert not event.flags.value & EVENT_FAILED
-            if event.flags.value & EVENT_TOKEN:
-                tokens.append(event.token)
-    request.close()
+    tokens, flags, _ = generate(model_dir, prompt, max_tokens=max_tokens)
+    assert not flags & EVENT_FAILED
     return tokens
 
 

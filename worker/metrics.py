@@ -224,58 +224,70 @@ class EngineLoad:
         )
         for phase, count in (("waiting", waiting), ("prefill", prefilling), ("decode", decoding)):
             rows.add_metric([*self.values, phase], count)
-        reserved = GaugeMetricFamily(
-            f"{NAMESPACE}_kv_cache_reserved_tokens",
-            "KV cache tokens the running requests reserved (prompt plus max_tokens each).",
-            labels=LABELS,
-        )
-        reserved.add_metric(self.values, engine.kv_tokens_reserved)
-        budget = GaugeMetricFamily(
-            f"{NAMESPACE}_kv_cache_budget_tokens",
-            "KV cache tokens the running requests may reserve together (ORTFLEET_KV_BUDGET_TOKENS).",
-            labels=LABELS,
-        )
-        budget.add_metric(self.values, engine.kv_budget_tokens)
-        prefill = CounterMetricFamily(
-            f"{NAMESPACE}_prefill_tokens", "Prompt tokens the batcher prefilled.", labels=LABELS
-        )
-        prefill.add_metric(self.values, counters.prefill_tokens)
-        steps = CounterMetricFamily(
-            f"{NAMESPACE}_decode_steps", "Decode steps the batcher ran (a token for each row).", labels=LABELS
-        )
-        steps.add_metric(self.values, counters.decode_steps)
-        queried = CounterMetricFamily(
-            f"{NAMESPACE}_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
-            labels=LABELS,
-        )
-        queried.add_metric(self.values, counters.prefix_tokens_queried)
-        hits = CounterMetricFamily(
-            f"{NAMESPACE}_prefix_cache_hits",
-            "Prompt tokens whose KV came from the prefix cache, not prefilled (vLLM's prefix_cache_hits).",
-            labels=LABELS,
-        )
-        hits.add_metric(self.values, counters.prefix_tokens_reused)
-        computed = CounterMetricFamily(
-            f"{NAMESPACE}_grammar_starts_computed",
-            "Structured-output grammars whose start (compiled matcher, first ending, fewest tokens) the "
-            "worker computed, off the engine's thread.",
-            labels=LABELS,
-        )
-        computed.add_metric(self.values, counters.grammar_starts)
-        reused = CounterMetricFamily(
-            f"{NAMESPACE}_grammar_starts_reused",
-            "Structured requests that started from a grammar start computed before.",
-            labels=LABELS,
-        )
-        reused.add_metric(self.values, counters.grammar_starts_reused)
-        held = GaugeMetricFamily(
-            f"{NAMESPACE}_prefix_cache_tokens",
-            "Tokens of prompt KV kept in free slots for reuse.",
-            labels=LABELS,
-        )
-        held.add_metric(self.values, engine.prefix_cache_tokens)
-        return [rows, reserved, budget, prefill, steps, queried, hits, computed, reused, held]
+        figures: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, float]] = [
+            (
+                GaugeMetricFamily,
+                "kv_cache_reserved_tokens",
+                "KV cache tokens the running requests reserved (prompt plus max_tokens each).",
+                engine.kv_tokens_reserved,
+            ),
+            (
+                GaugeMetricFamily,
+                "kv_cache_budget_tokens",
+                "KV cache tokens the running requests may reserve together (ORTFLEET_KV_BUDGET_TOKENS).",
+                engine.kv_budget_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "prefill_tokens",
+                "Prompt tokens the batcher prefilled.",
+                counters.prefill_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "decode_steps",
+                "Decode steps the batcher ran (a token for each row).",
+                counters.decode_steps,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+                counters.prefix_tokens_queried,
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_hits",
+                "Prompt tokens whose KV came from the prefix cache, not prefilled "
+                "(vLLM's prefix_cache_hits).",
+                counters.prefix_tokens_reused,
+            ),
+            (
+                CounterMetricFamily,
+                "grammar_starts_computed",
+                "Structured-output grammars whose start (compiled matcher, first ending, fewest tokens) the "
+                "worker computed, off the engine's thread.",
+                counters.grammar_starts,
+            ),
+            (
+                CounterMetricFamily,
+                "grammar_starts_reused",
+                "Structured requests that started from a grammar start computed before.",
+                counters.grammar_starts_reused,
+            ),
+            (
+                GaugeMetricFamily,
+                "prefix_cache_tokens",
+                "Tokens of prompt KV kept in free slots for reuse.",
+                engine.prefix_cache_tokens,
+            ),
+        ]
+        families: list[Metric] = [rows]
+        for family, name, description, value in figures:
+            metric = family(f"{NAMESPACE}_{name}", description, labels=LABELS)
+            metric.add_metric(self.values, value)
+            families.append(metric)
+        return families
 
 
 def worker_labels(service: WorkerService) -> dict[str, str]:
