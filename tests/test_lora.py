@@ -14,10 +14,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_batcher import Collected, collect
+from tests.test_batcher import NEAR_TIE_LOGITS, Collected, collect
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
 from worker.engines.batcher.engine import BatchingEngine
-from worker.engines.batcher.lora import AdapterMismatch, AdapterSet, read_adapter, read_safetensors
+from worker.engines.batcher.lora import (
+    AdapterMismatch,
+    AdapterSet,
+    load_adapters,
+    read_adapter,
+    read_safetensors,
+)
 from worker.engines.batcher.lora_graph import LoraGraph
 from worker.engines.genai_config import read_genai
 
@@ -187,6 +193,50 @@ async def test_rows_of_three_adapters_and_the_base_model_in_one_batch_each_give_
     assert max(max(row.rows) for row in together) == len(rows)  # they did share the batch
 
 
+@pytest.mark.default_model
+async def test_on_the_default_model_rows_of_three_adapters_and_the_base_give_their_lone_tokens_or_near_ties(
+    default_model: Path, tmp_path: Path, engines: list[BatchingEngine]
+) -> None:
+    """A base-model row's tokens are its lone tokens exactly (its delta is 0). An adapter row's may part
+    from them, only where the lone run's two likeliest tokens are within NEAR_TIE_LOGITS: the int4 graph
+    runs adapters in int8 (DynamicQuantizeMatMul quantizes a run's activations as one tensor), a batch's
+    products sum in another order than a lone row's, and the int4 projections' int8 activations round
+    these differences up."""
+    names = ("first", "second", "third")
+    adapters = {
+        name: write_adapter(tmp_path / name, default_model, seed=seed, rank=8, strength=0.3)
+        for seed, name in enumerate(names, start=1)
+    }
+    engine = BatchingEngine(default_model, adapters=adapters, prefill_chunk=64)
+    engines.append(engine)
+    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    rows = [(prompt, adapter) for prompt in prompts[:2] for adapter in (*names, None)]
+
+    lone = []
+    for prompt, adapter in rows:
+        [stream] = engine.submit([GenerationRequest(prompt, 24, logprobs=2, adapter=adapter)])
+        steps = []
+        while True:
+            update = await stream.updates.get()
+            steps += list(zip(update.token_ids, update.logprobs or (), strict=False))
+            if update.finish is not None:
+                break
+        lone.append(steps)
+    together = await batch(engine, [p for p, _ in rows], [a for _, a in rows], 24)
+
+    for (_, adapter), steps, row in zip(rows, lone, together, strict=True):
+        tokens = [token for token, _ in steps]
+        if adapter is None:
+            assert row.tokens == tokens
+        parted = next((i for i, (a, b) in enumerate(zip(row.tokens, tokens, strict=False)) if a != b), None)
+        if parted is None:
+            assert row.tokens == tokens
+            continue
+        first, second = (value for _, value in steps[parted][1].top[:2])
+        assert first - second < NEAR_TIE_LOGITS, f"token {parted} parted {first - second:.3f} from a tie"
+    assert len({tuple(row.tokens) for row in together[:4]}) == 4  # each adapter did change the text
+
+
 async def test_the_prefix_cache_shares_a_prompts_kv_only_between_rows_of_one_adapter(
     tiny_model: Path, tmp_path: Path, engines: list[BatchingEngine]
 ) -> None:
@@ -316,7 +366,7 @@ def test_each_module_is_scaled_by_its_alpha_over_rank_or_rslora_and_rows_take_th
 
     wider = read_adapter("c", write_adapter(tmp_path / "c", tiny_model, rank=8), graph)
     table = AdapterSet(graph.projections, [plain, wider])
-    assert table.layout([None, None]).columns == 0  # base-model rows alone compute no LoRA column
+    assert table.layout([None, None]).columns == 1  # base-model rows alone: one zero column, no adapter's
     assert table.layout(["c", None, "c"]).columns == 8  # one adapter's rows: its columns only
     every = table.layout([None, "c", "a"])
     assert every.columns == 12
@@ -328,6 +378,21 @@ def test_each_module_is_scaled_by_its_alpha_over_rank_or_rslora_and_rows_take_th
         and scale[2, 0, :4].tolist() == [1.0] * 4
     )
     assert scale[1, 0, :4].sum() == 0 and scale[2, 0, 4:].sum() == 0
+
+
+@pytest.mark.unit
+def test_the_graph_gains_inputs_only_for_the_projections_an_adapter_targets(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    import onnx
+
+    folder = write_adapter(tmp_path / "qv", tiny_model, modules=["q_proj", "v_proj"])
+    graph, table = load_adapters(tiny_model, {"qv": folder})
+    inputs = {i.name for i in onnx.load_from_string(graph).graph.input if i.name.startswith("lora")}
+    layers = module_shapes(tiny_model)[0]
+    projections = {f"lora.layers.{layer}.qkv_proj.{ab}" for layer in range(layers) for ab in "ab"}
+    assert inputs == {"lora_row_scale", *projections}
+    assert set(table.alone["qv"].values) == projections  # fp32 graph: no int8 scales
 
 
 @pytest.mark.unit

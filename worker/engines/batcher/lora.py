@@ -167,7 +167,9 @@ class Columns:
         for adapter in adapters:
             self.offsets[adapter.name], self.ranks[adapter.name] = columns, adapter.rank
             columns += adapter.rank
-        self.columns = columns
+        # No adapter: one zero column (a delta of exactly 0), not none: int8's quantizer makes NaN of an
+        # empty tensor.
+        self.columns = columns = columns or 1
         self.values: dict[str, ort.OrtValue] = {}
         for p in projections:
             parts = len(p.parts)
@@ -183,6 +185,9 @@ class Columns:
                     first = index * columns + offset
                     a[:, first : first + len(lora_a)] = lora_a.T
                     b[first : first + len(lora_a), part.start : part.start + part.width] = lora_b.T
+            if p.quantized:
+                a, a_scale, b = _int8(a, b)
+                self.values[p.a_scale_input] = ort.OrtValue.ortvalue_from_numpy(a_scale)
             self.values[p.a_input] = ort.OrtValue.ortvalue_from_numpy(a)
             self.values[p.b_input] = ort.OrtValue.ortvalue_from_numpy(b)
 
@@ -195,6 +200,20 @@ class Columns:
                 offset = self.offsets[name]
                 scale[row, 0, offset : offset + self.ranks[name]] = 1.0
         return scale
+
+
+def _int8(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A [in, columns] and B [columns, out] in int8 for DynamicQuantizeMatMul: each B row scaled to
+    [-127, 127] on its own (an adapter's precision does not depend on the others'), its scale moved
+    into A's column, and A quantized per column (A's int8 values and their scales, B's int8 values)."""
+    rows = np.abs(b).max(axis=1) / 127
+    rows[rows == 0] = 1
+    a = a * rows
+    columns = np.abs(a).max(axis=0) / 127
+    columns[columns == 0] = 1
+    quantized_a = np.round(a / columns).astype(np.int8)
+    quantized_b = np.round(b / rows[:, None]).astype(np.int8)
+    return quantized_a, columns.astype(np.float32), quantized_b
 
 
 class AdapterSet:
