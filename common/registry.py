@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from redis.asyncio import Redis
 
@@ -37,6 +37,9 @@ class WorkerInfo:
     # Where its engine runs (ORTFLEET_ENGINE_CORE): in-process, own (an engine core of its own) or shared
     # (a core that serves other workers too).
     engine_core: str = "in-process"
+    # The LoRA adapters it serves (ORTFLEET_LORA_MODULES): name -> folder (on its host). Every worker of a
+    # model serves the same names; a request naming one is a job of the model with that adapter.
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 async def heartbeat(redis: Redis, keys: Keyspace, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:
@@ -44,7 +47,11 @@ async def heartbeat(redis: Redis, keys: Keyspace, info: WorkerInfo, ttl_s: float
     now = time.time()
     fields = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in asdict(info).items()}
     fields["heartbeat_at"] = str(now)
-    model_info = {"context_length": info.context_length, "continuous_batching": info.continuous_batching}
+    model_info = {
+        "context_length": info.context_length,
+        "continuous_batching": info.continuous_batching,
+        "adapters": sorted(info.adapters),
+    }
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(keys.worker(info.id), mapping=fields)
         pipe.pexpire(keys.worker(info.id), int(ttl_s * 1000))

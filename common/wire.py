@@ -222,6 +222,9 @@ class JobSpec(BaseModel):
     # (or the key's shared group) and its cache_salt (gateway/cache_scope.py). "": jobs queued before
     # scopes existed, which share only among themselves.
     cache_scope: str = ""
+    # The LoRA adapter its model's workers run it with (ORTFLEET_LORA_MODULES), when the request named one
+    # as its model; None: the model itself.
+    adapter: str | None = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -122,6 +122,15 @@ class WorkerSettings(FleetSettings):
         description="On the batcher: a finished request's prompt KV stays in its free slot, and a request "
         "whose prompt starts the same way (whole prefill chunks) prefills only the rest; its tokens are "
         "the same as without the cache.",
+    )
+    lora_modules: dict[str, Path] = Field(
+        default_factory=dict,
+        description="LoRA adapters the worker serves beside its model, as JSON: "
+        '{"name": "/path/to/adapter", ...} (--lora NAME=PATH, once per adapter), each a PEFT folder '
+        "(adapter_config.json, adapter_model.safetensors). A request whose model is an adapter's name runs "
+        "on a worker of this model with that adapter. Only ortfleet's batcher serves adapters; an adapter "
+        "that does not fit the model stops the worker at start, naming why. Every worker of a served name "
+        "must serve the same adapter names.",
     )
     verify_weights: bool = Field(
         True,
@@ -268,6 +277,32 @@ class WorkerSettings(FleetSettings):
         "127.0.0.1",
         description="Address the worker's /metrics listens on; 0.0.0.0 to be scraped from other hosts.",
     )
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_flags(cls, value: Any) -> Any:
+        """--lora's NAME=PATH strings, as the JSON map the variable gives."""
+        if not isinstance(value, list):
+            return value
+        modules: dict[str, str] = {}
+        for given in value:
+            name, equals, path = str(given).partition("=")
+            if not equals or not name.strip() or not path.strip():
+                raise ValueError(f"must be NAME=PATH, not {given!r}")
+            if name.strip() in modules:
+                raise ValueError(f"names adapter {name.strip()!r} twice")
+            modules[name.strip()] = path.strip()
+        return modules
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_names(cls, modules: dict[str, Path]) -> dict[str, Path]:
+        for name in modules:
+            if not name or name != name.strip():
+                raise ValueError(
+                    f"an adapter's name must be non-empty text without surrounding spaces: {name!r}"
+                )
+        return modules
 
     @field_validator("engine_core")
     @classmethod

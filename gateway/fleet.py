@@ -29,6 +29,7 @@ class ModelState:
     speed_tokens_per_s: float = 0.0  # what its ready workers measured while running jobs (WorkerInfo's)
     kv_budget_tokens: int = 0  # the most KV tokens a job may need on one of its live workers (their largest)
     queued: int = 0  # jobs waiting in its queues: read only per store, for a model with several stores
+    adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> folder on its workers
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class FleetSnapshot:
     # (id of a Redis client, model) -> the model's workers registered there: a model with several stores
     by_store: dict[tuple[int, str], ModelState] = field(default_factory=dict)
     read_at: float = field(default_factory=time.monotonic)  # when its read began (the monotonic clock)
+    # LoRA adapter name -> the known model whose workers serve it (a model's name wins over an adapter's)
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 class FleetView:
@@ -84,6 +87,7 @@ class FleetView:
         known: dict[str, int] = {}
         live: dict[str, ModelState] = {}
         by_store: dict[tuple[int, str], ModelState] = {}
+        adapters: dict[str, str] = {}
         unreachable: list[RedisError] = []
         for redis, keys in self._redises:
             try:
@@ -92,12 +96,16 @@ class FleetView:
             except RedisError as e:  # its models' other stores, and other models, are served meanwhile
                 unreachable.append(e)
                 continue
-            known |= {name: int(json.loads(raw).get("context_length", 0)) for name, raw in known_raw.items()}
+            for name, raw in known_raw.items():
+                model_info = json.loads(raw)
+                known[name] = int(model_info.get("context_length", 0))
+                adapters |= dict.fromkeys(model_info.get("adapters", ()), name)
             for worker in registered:
                 name = worker["model"]
                 live[name] = _with_worker(live.get(name), worker)
                 by_store[id(redis), name] = _with_worker(by_store.get((id(redis), name)), worker)
                 known.setdefault(name, live[name].context_length)
+                adapters |= dict.fromkeys(live[name].adapters, name)
             spread_here = [name for name in self._spread if (id(redis), name) in by_store]
             try:
                 depths = await _queue_depths(redis, keys, spread_here)
@@ -112,7 +120,8 @@ class FleetView:
             logger.warning(
                 "%d of %d Redis servers unreachable: %s", len(unreachable), len(self._redises), unreachable[0]
             )
-        return FleetSnapshot(known, live, by_store, read_at)
+        adapters = {adapter: model for adapter, model in adapters.items() if adapter not in known}
+        return FleetSnapshot(known, live, by_store, read_at, adapters)
 
 
 async def _queue_depths(redis: Redis, keys: Keyspace, models: list[str]) -> dict[str, int]:
@@ -141,6 +150,7 @@ def _with_worker(before: ModelState | None, worker: dict[str, str]) -> ModelStat
         before.ready + int(serving(worker)),
         before.speed_tokens_per_s + (_speed(worker) if serving(worker) else 0.0),
         max(before.kv_budget_tokens, _kv_budget(worker)),
+        adapters=before.adapters | json.loads(worker.get("adapters") or "{}"),
     )
 
 

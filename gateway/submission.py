@@ -47,9 +47,35 @@ from gateway.state import AppState
 from gateway.stream_cost import estimated_stream_bytes
 
 
-async def resolve_model(state: AppState, requested: str | None) -> tuple[str, int]:
-    """The served model name and its context length; 404/422/503 when it cannot be served now (503
-    store_full first, while its stores refuse writes for memory, which their workers' heartbeats meet too)."""
+@dataclass(frozen=True)
+class ServedModel:
+    """What a request's `model` names: a served model, or one of its LoRA adapters."""
+
+    model: str  # the served model, whose queue and workers take the request's jobs
+    context_length: int
+    adapter: str | None = None  # the adapter its workers run the jobs with (None: the model itself)
+
+    @property
+    def name(self) -> str:
+        """The name the request gave, which its answers carry."""
+        return self.adapter or self.model
+
+
+async def resolve_model(state: AppState, requested: str | None) -> ServedModel:
+    """The served model (or LoRA adapter) a request names; 404/422/503 when it cannot be served now (503
+    store_full first, while its stores refuse writes for memory, which their workers' heartbeats meet too).
+    An adapter's name resolves to its model: its jobs go to the model's queue, the adapter named in each."""
+    fleet = await state.fleet.snapshot()
+    if requested is not None and requested not in fleet.known:
+        if requested not in fleet.adapters:
+            fleet = await state.fleet.snapshot(fresh=True)
+        if requested in fleet.adapters:
+            served = await _resolve_model(state, fleet.adapters[requested])
+            return ServedModel(served.model, served.context_length, requested)
+    return await _resolve_model(state, requested)
+
+
+async def _resolve_model(state: AppState, requested: str | None) -> ServedModel:
     if (full := state.shards.full(requested)) is not None:
         raise store_full(full)
     fleet = await state.fleet.snapshot()
@@ -58,7 +84,7 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
             fleet = await state.fleet.snapshot(fresh=True)
         if len(fleet.live) == 1:
             name = next(iter(fleet.live))
-            return name, fleet.live[name].context_length
+            return ServedModel(name, fleet.live[name].context_length)
         names = sorted(fleet.live) or sorted(fleet.known)
         if not names:
             message = "no worker is serving any model yet"
@@ -77,7 +103,7 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
     if requested not in fleet.live:
         fleet = await state.fleet.snapshot(fresh=True)
     if requested not in fleet.live and state.settings.queue_without_workers:
-        return requested, fleet.known[requested]  # it waits for a worker (scaled to zero, starting)
+        return ServedModel(requested, fleet.known[requested])  # it waits for a worker (scaled to zero)
     if requested not in fleet.live:
         raise ApiError(
             503,
@@ -86,7 +112,7 @@ async def resolve_model(state: AppState, requested: str | None) -> tuple[str, in
             code=ErrorCode.no_live_worker,
             headers={"Retry-After": "5"},
         )
-    return requested, fleet.live[requested].context_length
+    return ServedModel(requested, fleet.live[requested].context_length)
 
 
 def check_length(request: JobRequest, context_length: int) -> None:
@@ -213,7 +239,8 @@ async def submit_job(
     effective = priority or request.priority
     check_priority(effective, principal)
     guidance = await guidance_of(request)
-    model, context_length = await resolve_model(state, request.model)
+    served = await resolve_model(state, request.model)
+    model, context_length = served.model, served.context_length
     check_length(request, context_length)
     now = time.time()
     idem = idempotency_digest(principal, idempotency_key) if idempotency_key else None
@@ -228,6 +255,7 @@ async def submit_job(
         priority=effective,
         guidance=guidance,
         cache_scope=cache_scope(state.settings, principal.name, request.cache_salt),
+        adapter=served.adapter,
     )
     every = state.shards.stores_of(model)
     snapshot = await state.fleet.snapshot()

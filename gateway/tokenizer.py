@@ -87,7 +87,8 @@ async def detokenize(request: Request) -> Response:
 
 async def _model(state: AppState, requested: str | None) -> tuple[str, int]:
     try:
-        return await resolve_model(state, requested)
+        served = await resolve_model(state, requested)
+        return served.model, served.context_length
     except ApiError as e:  # vLLM's routes answer bad values with 400, as the OpenAI ones do
         if e.status != 422:
             raise

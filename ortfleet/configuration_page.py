@@ -44,6 +44,7 @@ COMPUTED_DEFAULTS = {
     "model_cache": "`$XDG_CACHE_HOME/ortfleet/models`, else `~/.cache/ortfleet/models`",
     "redis_shards": "`{}` (none)",
     "prefix_cache_groups": "`[]` (none)",
+    "lora_modules": "`{}` (none)",
 }
 
 INTRODUCTION = """\

@@ -88,6 +88,7 @@ def engine_request(
         logit_bias=tuple(sorted((sampling.logit_bias or {}).items())),
         prompt_logprobs=sampling.prompt_logprobs,
         cache_scope=spec.cache_scope,
+        adapter=spec.adapter,
         owner=owner,
         weight=weight,
     )

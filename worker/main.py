@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -60,6 +61,7 @@ FLAGS = {
     "scheduler": "--scheduler",
     "metrics_port": "--metrics-port",
     "store": "--store",
+    "lora_modules": "--lora",
 }
 REDIS_CHECK_TIMEOUT_S = 5.0
 
@@ -89,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the one with the fewest workers of the model among those that answer)",
     )
     parser.add_argument(
+        "--lora",
+        dest="lora_modules",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter in PATH (a PEFT folder) to requests whose model is NAME; once per "
+        "adapter (ORTFLEET_LORA_MODULES, a JSON map)",
+    )
+    parser.add_argument(
         "--fake-engine",
         metavar="DELAY_MS:CAPACITY[:static]",
         help="development and benchmarks: no model, a fake engine that gives each of CAPACITY "
@@ -104,8 +114,12 @@ async def check_one_model_per_name(
 ) -> str:
     """The model's fingerprint; CannotStart when a live worker serves another model under `name` (two
     models under one name would answer alike requests differently, and a job resumed on the other would
-    feed it token ids of another vocabulary)."""
+    feed it token ids of another vocabulary), or other LoRA adapters (a request naming one would fail on
+    the workers without it), or when an adapter's name is a served model's."""
     fingerprint = served_fingerprint(model_dir)
+    adapters = sorted(settings.lora_modules)
+    if name in settings.lora_modules:
+        raise CannotStart(f"the LoRA adapter {name!r} (--lora) has the served model's name; give it another")
     workers: list[dict[str, str]] = []
     # every store of the model: gateways place its jobs on any
     for store in settings.stores_for(name, cluster):
@@ -118,12 +132,34 @@ async def check_one_model_per_name(
             await redis.aclose()
     for other in workers:
         theirs = other.get("fingerprint", "")
-        if other.get("model") == name and theirs and theirs != fingerprint:
-            where = f"{other.get('host', '?')}:{other.get('model_dir') or '?'}"
+        where = f"{other.get('host', '?')}:{other.get('model_dir') or '?'}"
+        if other.get("model") in settings.lora_modules:
+            raise CannotStart(
+                f"the LoRA adapter {other.get('model')!r} (--lora) has the name of a model worker "
+                f"{other.get('id')} serves from {where}; give the adapter another name"
+            )
+        if other.get("model") != name:
+            shared = sorted(set(json.loads(other.get("adapters") or "{}")) & set(adapters))
+            if shared:
+                raise CannotStart(
+                    f"the LoRA adapter {shared[0]!r} (--lora) is served by worker {other.get('id')} as an "
+                    f"adapter of model {other.get('model')!r}; an adapter's name names one model's adapter: "
+                    "give it another"
+                )
+            continue
+        if theirs and theirs != fingerprint:
             raise CannotStart(
                 f"model name {name!r} is served by worker {other.get('id')} from {where} (model "
                 f"fingerprint {theirs}), and {model_dir or 'this worker'} holds another model (fingerprint "
                 f"{fingerprint}); serve it under another --name, or stop the workers of {name!r} first"
+            )
+        their_adapters = sorted(json.loads(other.get("adapters") or "{}"))
+        if their_adapters != adapters:
+            raise CannotStart(
+                f"model name {name!r} is served by worker {other.get('id')} from {where} with LoRA adapters "
+                f"{their_adapters or 'none'}, and this worker would serve {adapters or 'none'}: every worker "
+                f"of a name serves the same adapters; give this one the same --lora flags, or stop the "
+                f"workers of {name!r} first"
             )
     return fingerprint
 
@@ -139,6 +175,11 @@ def load_engine(
     engine core (ORTFLEET_ENGINE_CORE)."""
     device = Device("cpu") if fake_engine is not None else chosen_device(settings)
     mode = settings.engine_core_mode(device.kind)
+    if mode.startswith("unix:") and settings.lora_modules:
+        raise CannotStart(
+            "a shared engine core (ORTFLEET_ENGINE_CORE=unix:PATH) does not serve LoRA adapters yet; leave "
+            "out --lora, or run the worker's engine in-process (ORTFLEET_ENGINE_CORE=off) or in its own core"
+        )
     if mode != "off":
         client = engine_core_client(settings, model_dir, fake_engine, mode)
         if mode.startswith("unix:"):  # the shared core chose its device, and must hold this model
@@ -161,6 +202,8 @@ def engine_core_client(
         args += ["--device", settings.device, "--scheduler", settings.scheduler]
         if settings.max_batch_size is not None:
             args += ["--max-batch-size", str(settings.max_batch_size)]
+        for adapter, path in settings.lora_modules.items():
+            args += ["--lora", f"{adapter}={path}"]
         launcher = SpawnedCore(args, settings.engine_core_wait_s)
         logger.info("starting the engine core for %s", model_dir or f"a fake engine ({fake_engine})")
     else:
@@ -365,6 +408,7 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         model_dir=str(model_dir or ""),
         fingerprint=fingerprint,
         engine_core=engine_core_label(settings.engine_core_mode(device.kind)),
+        adapters={adapter: str(path) for adapter, path in settings.lora_modules.items()},
     )
     service = WorkerService(settings, redis, engine, tokenizer, info, store.keys)
     try:

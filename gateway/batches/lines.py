@@ -104,15 +104,15 @@ async def line_job(state: AppState, raw: str, endpoint: str) -> JobRequest:
             reject_unsupported(chat)
             _no_tool_calls(chat)
             _one_choice(chat.choices_per_prompt)
-            model = await served_model(state, chat.model)
+            served = await served_model(state, chat.model)
             messages = job_messages(chat.messages)
-            return job_request(chat, model, 0, messages=messages, guided=response_format(chat))
+            return job_request(chat, served.name, 0, messages=messages, guided=response_format(chat))
         completion = CompletionRequest.model_validate(body)
         reject_unsupported(completion)
         prompts = prompt_texts(completion.prompt)
         _one_choice(completion.choices_per_prompt * len(prompts))
-        model = await served_model(state, completion.model)
-        return job_request(completion, model, 0, prompt=prompts[0], guided=response_format(completion))
+        served = await served_model(state, completion.model)
+        return job_request(completion, served.name, 0, prompt=prompts[0], guided=response_format(completion))
     except ValidationError as e:
         raise validation_error(e, 400) from e
 

@@ -180,12 +180,12 @@ async def create_chat_completion(request: Request) -> Response:
             guided = TEXT_AFTER_TOOLS
     else:
         messages = with_schema_shown(messages, asked, state.settings.structured_output_prompt)
-    model = await served_model(state, body.model)
+    served = await served_model(state, body.model)
     n = body.choices_per_prompt
-    jobs = [job_request(body, model, k, messages=messages, guided=guided) for k in range(n)]
-    choices = await submit_choices(request, model, jobs, [0] * n, "messages")
+    jobs = [job_request(body, served.name, k, messages=messages, guided=guided) for k in range(n)]
+    choices = await submit_choices(request, served.model, jobs, [0] * n, "messages")
     created = int(time.time())
-    form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", created, model, n, bool(body.logprobs), tools)
+    form = ChatFormat(f"chatcmpl-{choices.job_ids[0]}", created, served.name, n, bool(body.logprobs), tools)
     return await respond(request, choices, form, body)
 
 

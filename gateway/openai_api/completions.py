@@ -87,14 +87,18 @@ async def create_completion(request: Request) -> Response:
     prompts = prompt_texts(body.prompt)
     n = body.choices_per_prompt
     check_choice_count(len(prompts) * n)
-    model = await served_model(state, body.model)
+    served = await served_model(state, body.model)
     guided = response_format(body)
-    jobs = [job_request(body, model, k, prompt=prompt, guided=guided) for prompt in prompts for k in range(n)]
+    jobs = [
+        job_request(body, served.name, k, prompt=prompt, guided=guided)
+        for prompt in prompts
+        for k in range(n)
+    ]
     prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
-    choices = await submit_choices(request, model, jobs, prompt_of, "prompt")
+    choices = await submit_choices(request, served.model, jobs, prompt_of, "prompt")
     echoed = tuple(prompts[i] for i in prompt_of) if body.echo else None
     form = CompletionFormat(
-        f"cmpl-{choices.job_ids[0]}", int(time.time()), model, body.logprobs is not None, echoed
+        f"cmpl-{choices.job_ids[0]}", int(time.time()), served.name, body.logprobs is not None, echoed
     )
     return await respond(request, choices, form, body)
 

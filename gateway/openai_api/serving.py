@@ -17,7 +17,7 @@ from gateway.operations import Events, Operation, Reply
 from gateway.state import AppState, app_state
 from gateway.stopping import GatewayStopping, shutting_down, unless_stopping
 from gateway.streaming.departure import until_disconnect
-from gateway.submission import resolve_model
+from gateway.submission import ServedModel, resolve_model
 
 
 def completion_operation(
@@ -34,12 +34,12 @@ def completion_operation(
     return Operation(summary, request=request, responses={200: reply}, errors=(400, 404, 413, 429, 500, 503))
 
 
-async def served_model(state: AppState, requested: str | None) -> str:
+async def served_model(state: AppState, requested: str | None) -> ServedModel:
+    """The model (or LoRA adapter) a request names, in OpenAI's error terms when there is none."""
     try:
-        model, _context = await resolve_model(state, requested)
+        return await resolve_model(state, requested)
     except ApiError as e:
         raise as_openai_error(e) from e
-    return model
 
 
 async def submit_choices(

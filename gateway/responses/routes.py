@@ -50,7 +50,7 @@ from gateway.streaming.departure import until_disconnect
 from gateway.streaming.job_events import JobEventsResponse
 from gateway.streaming.reading import wait_final
 from gateway.streaming.sse import StreamEndpoint
-from gateway.submission import submit_job
+from gateway.submission import ServedModel, submit_job
 
 CANCEL_WAIT_S = 5.0
 
@@ -98,7 +98,9 @@ class ResponseEventStream(JobEventsResponse):
                 await store.forget_unstored(self._state, self._meta)
 
 
-async def _submit(state: AppState, body: ResponseRequest, model: str, principal: Principal) -> dict[str, str]:
+async def _submit(
+    state: AppState, body: ResponseRequest, served: ServedModel, principal: Principal
+) -> dict[str, str]:
     """Submits the response's job and stores the response's record (unless `store` is false), which it
     returns."""
     plan = tool_plan(body)
@@ -113,7 +115,9 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
     messages = with_tools(conversation(body.instructions, earlier, own), plan)
     messages = with_schema_shown(messages, guided, state.settings.structured_output_prompt)
     try:
-        submitted = await submit_job(state, response_job(body, model, messages, guided), None, principal)
+        submitted = await submit_job(
+            state, response_job(body, served.name, messages, guided), None, principal
+        )
     except ApiError as e:
         raise in_responses_terms(as_openai_error(e)) from e
     resp_id = response_id(submitted.job_id)
@@ -121,7 +125,7 @@ async def _submit(state: AppState, body: ResponseRequest, model: str, principal:
         "id": resp_id,
         "job_id": submitted.job_id,
         "owner": principal.name,
-        "model": model,
+        "model": served.model,
         "created_at": f"{submitted.created_at:.3f}",
         "background": "1" if body.background else "0",
         "store": "1" if body.stored else "0",
@@ -155,16 +159,17 @@ async def create_response(request: Request) -> Response:
     state = app_state(request)
     body = await parse_body(request, ResponseRequest, invalid_status=400)
     check_supported(body)
-    model = await served_model(state, body.model)
+    served = await served_model(state, body.model)
+    model = served.model
     principal = principal_of(request.scope)
     if body.background and not body.stream:
-        meta = await _submit(state, body, model, principal)
+        meta = await _submit(state, body, served, principal)
         queued = JobRecord(meta["job_id"], model, JobStatus.queued, float(meta["created_at"]))
         return JSONResponse(view_from_job(meta, queued))
     # a call that waits for its response holds one of its key's stream slots: 429 before it submits
     state.streams.take(principal.name)
     try:
-        meta = await _submit(state, body, model, principal)
+        meta = await _submit(state, body, served, principal)
     except BaseException:
         state.streams.give_back(principal.name)
         raise

@@ -23,6 +23,7 @@ FLAGS = {
     "device": "--device",
     "max_batch_size": "--max-batch-size",
     "scheduler": "--scheduler",
+    "lora_modules": "--lora",
 }
 
 logger = logging.getLogger("worker.core")
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, help="engine batch rows (ORTFLEET_MAX_BATCH_SIZE)")
     parser.add_argument(
         "--scheduler", choices=["auto", "batcher", "og-engine", "paged"], help="ORTFLEET_SCHEDULER"
+    )
+    parser.add_argument(
+        "--lora", dest="lora_modules", action="append", metavar="NAME=PATH", help="as the worker's"
     )
     parser.add_argument("--fake-engine", metavar="DELAY_MS:CAPACITY[:static]", help="as the worker's")
     return parser

@@ -98,12 +98,25 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
     )
 
 
+def refuse_adapters(settings: WorkerSettings, engine: str) -> None:
+    """CannotStart when the settings give LoRA adapters and `engine` is not the batcher, which alone
+    serves them."""
+    if settings.lora_modules:
+        names = ", ".join(sorted(settings.lora_modules))
+        raise CannotStart(
+            f"LoRA adapters ({names}; --lora, ORTFLEET_LORA_MODULES) are served only by ortfleet's batcher "
+            f"(--scheduler batcher, CPU), and this worker would run {engine}; leave them out, or run the "
+            "batcher"
+        )
+
+
 def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> OrtEngine | BatchingEngine:
     """The engine a worker with these settings runs the model with on the device (loads the model)."""
     from worker.engines.batcher.engine import BatchingEngine
     from worker.engines.ort_engine import OrtEngine
 
     if uses_paged_engine(settings.scheduler, model_dir, device):
+        refuse_adapters(settings, "ortfleet's paged engine")
         return open_paged_engine(model_dir, device, settings)
     if uses_batcher(settings.scheduler, model_dir, device):
         return BatchingEngine(
@@ -113,7 +126,9 @@ def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> Or
             settings.prefill_chunk_tokens,
             settings.step_delay_s,
             settings.prefix_cache,
+            adapters=settings.lora_modules,
         )
+    refuse_adapters(settings, "og.Engine")
     return OrtEngine(
         model_dir,
         device,

@@ -21,7 +21,7 @@ from common.startup import CannotStart
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, Tokenizer
 from worker.engines.device import Device, DeviceError, parse_device
-from worker.engines.engine_choice import engine_kind, open_engine
+from worker.engines.engine_choice import engine_kind, open_engine, refuse_adapters
 
 REBUILD = "rebuild the folder (`ortfleet model`), or pass another --model"
 
@@ -95,14 +95,25 @@ def local_engine(
             delay_s, capacity = parse_fake_engine(fake_engine)
         except ValueError as e:
             raise CannotStart(str(e)) from e
+        refuse_adapters(settings, "a fake engine")
         fake = FakeEngine(delay_s, capacity, continuous_batching=not fake_engine_is_static(fake_engine))
         return fake, fake.tokenizer
     assert model_dir is not None
     logger.info(
         "loading %s on %s (%s)", model_dir, device, engine_kind(settings.scheduler, model_dir, device)
     )
+    from worker.engines.batcher.lora import AdapterMismatch, AdapterUnreadable
+    from worker.engines.batcher.lora_graph import LoraGraphError
+
     try:
         engine = open_engine(model_dir, device, settings)
+    except (AdapterMismatch, AdapterUnreadable) as e:
+        raise CannotStart(f"{e}; correct or leave out that --lora (ORTFLEET_LORA_MODULES)") from e
+    except LoraGraphError as e:
+        raise CannotStart(
+            f"the model in {model_dir} cannot take LoRA adapters: {e}; leave out --lora "
+            "(ORTFLEET_LORA_MODULES)"
+        ) from e
     except (RuntimeError, ValueError, OSError) as e:  # what ORT-GenAI raises for a model it cannot load
         reason = " ".join(str(e).split())
         raise CannotStart(

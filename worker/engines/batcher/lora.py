@@ -39,6 +39,10 @@ class AdapterMismatch(ValueError):
     """The adapter cannot run on this base model; the message names why."""
 
 
+class AdapterUnreadable(ValueError):
+    """The adapter's folder or files cannot be read."""
+
+
 @dataclass(frozen=True)
 class Adapter:
     name: str
@@ -59,7 +63,7 @@ def read_adapter(name: str, folder: Path, graph: LoraGraph) -> Adapter:
         config = json.loads((folder / CONFIG).read_text())
         tensors = read_safetensors(folder / WEIGHTS)
     except (OSError, ValueError) as e:
-        raise ValueError(f"the adapter {name!r} cannot be read from {folder}: {e}") from e
+        raise AdapterUnreadable(f"the adapter {name!r} cannot be read from {folder}: {e}") from e
     _check_features(config, refuse)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, tensor in tensors.items():

@@ -1,0 +1,182 @@
+"""LoRA adapters served through the fleet: a worker started with `--lora NAME=PATH` registers its adapters,
+/v1/models lists each with its model as `parent`, and a request whose `model` is an adapter's name runs on
+that model's workers with the adapter (OpenAI routes and the job API alike). Workers whose adapters do not
+fit the model, differ from their name's other workers', or run on an engine without adapters exit at
+start, naming why."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import Fleet
+from tests.jobs_client import read_events, streamed_text, submit
+from tests.test_lora import alone, write_adapter
+from tests.test_startup_mistakes import assert_one_line, clean_env, run_to_exit
+from worker.engines.batcher.engine import BatchingEngine
+
+PROMPT = "Once upon a time"
+TOKENS = 16
+
+
+@pytest.fixture
+def adapters(tmp_path: Path, tiny_model: Path, model_name: str) -> dict[str, Path]:
+    """Two adapters under names unique to the test: one that changes the model's text, one whose B is 0."""
+    return {
+        f"{model_name}-sql": write_adapter(tmp_path / "sql", tiny_model, seed=1, strength=2.0),
+        f"{model_name}-zero": write_adapter(tmp_path / "zero", tiny_model, zero_b=True),
+    }
+
+
+@pytest.fixture
+async def lone_engine(tiny_model: Path, adapters: dict[str, Path]) -> AsyncIterator[BatchingEngine]:
+    """The batcher in this process with the same adapters, for each adapter's tokens alone."""
+    engine = BatchingEngine(tiny_model, adapters=adapters)
+    yield engine
+    engine.close()
+
+
+def lora_flags(adapters: dict[str, Path]) -> list[str]:
+    return [flag for name, path in adapters.items() for flag in ("--lora", f"{name}={path}")]
+
+
+async def job_tokens(client: httpx.AsyncClient, model: str) -> tuple[list[int], str]:
+    """The token ids and text of a greedy job of PROMPT on `model`, through the job API."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+    job = await submit(client, body)
+    events = await read_events(client, job["id"])
+    assert events[-1].event == "done", events[-1]
+    return [token for e in events if e.event == "token" for token in e.data["token_ids"]], streamed_text(
+        events
+    )
+
+
+def chat_text(sdk: openai.OpenAI, model: str) -> str:
+    reply = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=TOKENS, temperature=0
+    )
+    assert reply.model == model
+    return reply.choices[0].message.content or ""
+
+
+async def test_models_lists_each_adapter_with_its_model_as_parent_and_an_unknown_name_is_404(
+    fleet: Fleet, client: httpx.AsyncClient, sdk: openai.OpenAI, model_name: str, adapters: dict[str, Path]
+) -> None:
+    fleet.start_worker(model_name, *lora_flags(adapters))
+
+    listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+
+    assert listed[model_name]["parent"] is None
+    for name, path in adapters.items():
+        assert listed[name]["parent"] == model_name
+        assert listed[name]["root"] == str(path)
+        assert listed[name]["object"] == "model"
+        one = await client.get(f"/v1/models/{name}")
+        assert one.status_code == 200 and one.json()["parent"] == model_name
+    assert sorted(m.id for m in sdk.models.list() if m.id.startswith(model_name)) == sorted(
+        [model_name, *adapters]
+    )
+    with pytest.raises(openai.NotFoundError):
+        chat_text(sdk, f"{model_name}-unknown")
+    assert (
+        await client.post("/v1/jobs", json={"model": f"{model_name}-unknown", "prompt": "x"})
+    ).status_code == 404
+
+
+async def test_a_request_naming_an_adapter_gets_the_tokens_of_the_model_with_that_adapter(
+    fleet: Fleet,
+    client: httpx.AsyncClient,
+    sdk: openai.OpenAI,
+    model_name: str,
+    adapters: dict[str, Path],
+    lone_engine: BatchingEngine,
+) -> None:
+    sql, zero = adapters
+    prompt = lone_engine.tokenizer.encode(PROMPT)
+    expected = {name: await alone(lone_engine, prompt, name, TOKENS) for name in (sql, zero, None)}
+    assert expected[sql] != expected[None]  # the adapter does change the text
+    fleet.start_worker(model_name, *lora_flags(adapters))
+
+    texts = {}
+    for name in (sql, zero, model_name):
+        tokens, texts[name] = await job_tokens(client, name)
+        assert tokens == expected[None if name == model_name else name]
+
+    base = chat_text(sdk, model_name)
+    with_sql = chat_text(sdk, sql)
+    assert with_sql != base
+    assert chat_text(sdk, sql) == with_sql
+    assert chat_text(sdk, zero) == base
+    completion = sdk.completions.create(model=sql, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+    assert completion.model == sql
+    assert completion.choices[0].text == texts[sql]
+
+
+def test_a_worker_whose_adapter_does_not_fit_the_model_exits_naming_the_mismatch(
+    fleet: Fleet, tiny_model: Path, tmp_path: Path, model_name: str
+) -> None:
+    wrong = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 7), np.float32)}
+    misfit = write_adapter(tmp_path / "misfit", tiny_model, tensors=wrong)
+
+    exited = run_to_exit(
+        [
+            "worker",
+            "--model",
+            str(tiny_model),
+            "--name",
+            model_name,
+            "--device",
+            "cpu",
+            "--lora",
+            f"misfit={misfit}",
+        ],
+        clean_env(ORTFLEET_REDIS_URL=fleet.redis_url),
+        tmp_path,
+    )
+
+    assert_one_line(exited, "ortfleet-worker", "'misfit'", str(misfit), "q_proj", "[4, 7]", "--lora")
+
+
+def test_a_worker_with_other_adapters_than_a_live_worker_of_its_name_exits_naming_both(
+    fleet: Fleet, tiny_model: Path, tmp_path: Path, model_name: str, adapters: dict[str, Path]
+) -> None:
+    sql, zero = adapters
+    fleet.start_worker(model_name, "--lora", f"{sql}={adapters[sql]}")
+
+    exited = run_to_exit(
+        [
+            "worker",
+            "--model",
+            str(tiny_model),
+            "--name",
+            model_name,
+            "--device",
+            "cpu",
+            "--lora",
+            f"{zero}={adapters[zero]}",
+        ],
+        clean_env(ORTFLEET_REDIS_URL=fleet.redis_url),
+        tmp_path,
+    )
+
+    assert_one_line(exited, "ortfleet-worker", repr(model_name), sql, zero, "same adapters")
+
+
+def test_a_worker_whose_engine_serves_no_adapters_exits_naming_the_batcher(
+    fleet: Fleet, tmp_path: Path, model_name: str, adapters: dict[str, Path]
+) -> None:
+    exited = run_to_exit(
+        ["worker", "--fake-engine", "1:4", "--name", model_name],
+        clean_env(
+            ORTFLEET_REDIS_URL=fleet.redis_url, ORTFLEET_LORA_MODULES=json.dumps({"sql": str(tmp_path)})
+        ),
+        tmp_path,
+    )
+
+    assert_one_line(exited, "ortfleet-worker", "sql", "ORTFLEET_LORA_MODULES", "batcher", "a fake engine")
