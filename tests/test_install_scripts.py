@@ -71,7 +71,7 @@ ENGINE_CORE_SET = [
     f"tests/test_{name}.py"
     for name in (
         "jobs", "openai_parameters", "logprobs", "stop_strings", "structured_closing", "prefix_cache",
-        "engine_failures", "reliability", "recovery", "recovery_default_model",
+        "engine_failures", "reliability", "recovery", "recovery_default_model", "lora_fleet",
     )
 ]  # fmt: skip
 # What scripts/test runs again on a Redis Cluster (ORTFLEET_TEST_REDIS=cluster).
