@@ -8,6 +8,7 @@ it; the metrics key (`ORTFLEET_METRICS_API_KEY`) gets the load too. No answer na
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -49,6 +50,7 @@ def worker_entry(entry: dict[str, str], now: float) -> dict[str, Any]:
         "generated_tokens": int(entry.get("generated_tokens", "0")),
         "heartbeat_age_s": round(max(0.0, now - float(entry.get("heartbeat_at", now))), 3),
         "started_at": float(entry.get("started_at", "0")),
+        "adapters": sorted(json.loads(entry.get("adapters", "{}"))),
     }
 
 
@@ -76,6 +78,7 @@ async def _models_of(
                 "oldest_wait_s": round(queue[name].oldest_wait_s, 3),
                 "finished_last_minute": outcome[name].finished,
                 "failed_last_minute": outcome[name].failed,
+                "adapters": sorted({a for w in serving_it for a in w["adapters"]}),
             }
         )
     return models

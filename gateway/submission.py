@@ -221,7 +221,7 @@ def check_priority(requested: PriorityClass, principal: Principal) -> None:
 
 @dataclass(frozen=True)
 class SubmittedJob(Submitted):
-    model: str = ""
+    model: str = ""  # as the request named it: an adapter's name, when it named one
     created_at: float = 0.0
 
 
@@ -279,7 +279,7 @@ async def submit_job(
         state.metrics.jobs_submitted.labels(model).inc()
     else:
         await check_same_request(state, submitted.job_id, digest, idempotency_key or "")
-    return SubmittedJob(submitted.job_id, submitted.created, model, now)
+    return SubmittedJob(submitted.job_id, submitted.created, served.name, now)
 
 
 async def _place(

@@ -25,6 +25,7 @@ from ortfleet.fleet.launcher import worker_grace_s
 from ortfleet.fleet.processes import REDIS_MISSING, free_port
 from ortfleet.fleet.redis_cluster import RedisCluster
 from tests.conftest import LOGS
+from tests.test_lora import write_adapter
 
 SECRET = "hunter2-s3cret"
 
@@ -225,6 +226,24 @@ def test_up_on_a_redis_cluster_spreads_the_model_over_hash_tags_of_it(
         assert len({epoch_of(job_id) for job_id in ids}) == 2, ids
     finally:
         cluster.stop_all()
+
+
+def test_up_passes_each_lora_adapter_to_its_workers(tiny_model: Path, tmp_path: Path) -> None:
+    adapter = write_adapter(tmp_path / "sql", tiny_model, seed=1)
+    port = free_port()
+    with ortfleet_up(
+        tmp_path / "up.log", "--model", str(tiny_model), "--device", "cpu", "--lora", f"sql={adapter}",
+        "--port", str(port),
+    ) as up:  # fmt: skip
+        up.read_until("curl -N", timeout_s=120)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            listed = http.get("/v1/models/sql")
+            assert listed.status_code == 200, listed.text
+            assert listed.json()["parent"] == tiny_model.name and listed.json()["root"] == str(adapter)
+            body = {"model": "sql", "prompt": "Hello", "max_tokens": 4}
+            job = http.post("/v1/jobs", json=body).json()
+            done = http.get(f"/v1/jobs/{job['id']}", params={"wait": 30}).json()
+            assert done["status"] == "succeeded" and done["model"] == "sql", done
 
 
 def test_up_refuses_more_stores_than_workers(tiny_model: Path) -> None:

@@ -93,6 +93,7 @@ def test_every_metric_is_on_the_operations_page() -> None:
         continuous_batching=False,
         context_length=1,
         generated_tokens=0,
+        adapters={"a": "/a"},
     )
     batcher = SimpleNamespace(  # the batcher's figures too (worker/engines/batcher)
         capacity=1,

@@ -6,7 +6,9 @@ start, naming why."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,9 +17,12 @@ import numpy as np
 import openai
 import pytest
 
+from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet
-from tests.jobs_client import read_events, streamed_text, submit
+from tests.jobs_client import read_events, streamed_text, submit, wait_done
+from tests.test_cli import ortfleet
 from tests.test_lora import alone, write_adapter
+from tests.test_observability import value
 from tests.test_startup_mistakes import assert_one_line, clean_env, run_to_exit
 from worker.engines.batcher.engine import BatchingEngine
 
@@ -180,3 +185,47 @@ def test_a_worker_whose_engine_serves_no_adapters_exits_naming_the_batcher(
     )
 
     assert_one_line(exited, "ortfleet-worker", "sql", "ORTFLEET_LORA_MODULES", "batcher", "a fake engine")
+
+
+async def test_answers_metrics_status_and_the_console_name_the_adapter_a_request_named(
+    fleet: Fleet, client: httpx.AsyncClient, model_name: str, adapters: dict[str, Path]
+) -> None:
+    sql, zero = adapters
+    port = free_port()
+    fleet.start_worker(model_name, *lora_flags(adapters), "--metrics-port", str(port))
+
+    jobs = {}
+    for model in (sql, model_name):
+        job = await submit(client, {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        assert job["model"] == model
+        jobs[model] = await wait_done(client, job["id"])
+        assert jobs[model]["status"] == "succeeded" and jobs[model]["model"] == model
+    body = {"model": sql, "input": PROMPT, "max_output_tokens": TOKENS, "temperature": 0}
+    response = (await client.post("/v1/responses", json=body)).json()
+    assert response["model"] == sql, response
+
+    generated = {
+        sql: jobs[sql]["usage"]["completion_tokens"] + response["usage"]["output_tokens"],
+        "": jobs[model_name]["usage"]["completion_tokens"],
+        zero: 0,
+    }
+    ended = {sql: 2, "": 1, zero: 0}
+    deadline = time.monotonic() + 15  # a job's figures are counted just after its record says it ended
+    while True:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+        counted = {a: value(text, "ortfleet_adapter_requests_total", adapter=a) for a in ended}
+        tokens = {a: value(text, "ortfleet_adapter_generation_tokens_total", adapter=a) for a in generated}
+        if counted == ended and tokens == generated:
+            break
+        assert time.monotonic() < deadline, (counted, tokens)
+        await asyncio.sleep(0.1)
+    assert value(text, "ortfleet_jobs_finished_total", model=model_name) == 3  # the model's series: all
+
+    shown = ortfleet("status", "--redis-url", fleet.redis_url, "--json")
+    assert shown.returncode == 0, shown.stderr
+    [model] = [m for m in json.loads(shown.stdout)["models"] if m["name"] == model_name]
+    assert model["adapters"] == sorted(adapters)
+    table = ortfleet("status", "--redis-url", fleet.redis_url)
+    assert f"{model_name} adapters: {', '.join(sorted(adapters))}" in table.stdout.splitlines()
+    overview = (await client.get("/v1/fleet")).json()
+    assert next(m for m in overview["models"] if m["id"] == model_name)["adapters"] == sorted(adapters)

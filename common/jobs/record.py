@@ -105,7 +105,7 @@ class JobOutcome:
 @dataclass(frozen=True)
 class JobRecord(JobOutcome):
     id: str
-    model: str
+    model: str  # the served model, whose queue and stores hold the job
     status: JobStatus
     created_at: float
     attempts: int = 0  # claims so far; a worker's writes carry the attempt they belong to
@@ -137,6 +137,12 @@ class JobRecord(JobOutcome):
     # claim leaves the job to that worker.
     preferred_worker: str | None = None
     preferred_until_ms: int | None = None
+    adapter: str | None = None  # the LoRA adapter the request named as its model (None: the model itself)
+
+    @property
+    def requested_model(self) -> str:
+        """The name the request gave its model, which answers show: the adapter's, when it named one."""
+        return self.adapter or self.model
 
     def to_fields(self) -> dict[str, str]:
         return _to_fields(self)
@@ -183,6 +189,7 @@ class JobRecord(JobOutcome):
             resume_exact=raw["resume_exact"] == "1" if raw.get("resume_exact") else None,
             streamed=_int(raw.get("streamed")),
             tail=raw.get("tail"),
+            adapter=raw.get("adapter") or None,
         )
 
     def view(
@@ -192,7 +199,7 @@ class JobRecord(JobOutcome):
         return JobView(
             id=self.id,
             status=self.status,
-            model=self.model,
+            model=self.requested_model,
             created_at=self.created_at,
             attempts=self.attempts,
             worker=self.worker,

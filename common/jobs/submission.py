@@ -238,6 +238,7 @@ class JobSubmission:
             weight=weight,
             preferred_worker=preferred_worker,
             preferred_until_ms=preferred_until_ms,
+            adapter=spec.adapter,
         )
         reply = await self._submit(
             record=record,

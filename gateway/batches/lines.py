@@ -186,7 +186,7 @@ def finished_line(
         text, closed = record.output or "", record.closed_early
         result = ChoiceResult(text, finish_reason(reason), usage, closed_early=closed)
         created = int(record.created_at)
-        model = record.model
+        model = record.requested_model
         form: ChatFormat | CompletionFormat
         if endpoint == CHAT:
             form = ChatFormat(f"chatcmpl-{job_id}", created, model, 1)

@@ -232,7 +232,7 @@
     }));
     problems.hidden = !fleet.store.length;
     fillTable($("models-table"), fleet.models, [
-      (m) => [m.id],
+      (m) => [m.adapters && m.adapters.length ? m.id + " (adapters: " + m.adapters.join(", ") + ")" : m.id],
       (m) => [m.workers + " (" + m.ready_workers + ")", m.ready_workers < m.workers ? "num state-recovering" : "num"],
       (m) => [(m.in_flight === undefined ? "–" : m.in_flight) + "/" + m.capacity, "num"],
       (m) => [num(m.tokens_per_s, 1), "num"],

@@ -177,7 +177,7 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": meta.get("instructions") or None,
         "max_output_tokens": int(meta["max_output_tokens"]) if meta.get("max_output_tokens") else None,
-        "model": meta["model"],
+        "model": meta.get("adapter") or meta["model"],
         "output": output,
         "parallel_tool_calls": meta.get("parallel_tool_calls", "1") == "1",
         "previous_response_id": meta.get("previous_response_id") or None,

@@ -126,6 +126,7 @@ async def _submit(
         "job_id": submitted.job_id,
         "owner": principal.name,
         "model": served.model,
+        "adapter": served.adapter or "",
         "created_at": f"{submitted.created_at:.3f}",
         "background": "1" if body.background else "0",
         "store": "1" if body.stored else "0",

@@ -49,6 +49,7 @@ class WorkerRow:
     generated_tokens: int
     heartbeat_age_s: float
     metrics_url: str
+    adapters: list[str] = field(default_factory=list)  # the LoRA adapters it serves, by name
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ModelRow:
     failed_last_minute: int
     queued_by_class: dict[str, int]
     waiting_keys: dict[str, int]  # "<class>:<key>" -> its jobs near the heads of the model's queues
+    adapters: list[str] = field(default_factory=list)  # the LoRA adapters its live workers serve
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ async def read_status(redises: Sequence[tuple[Redis, Keyspace]]) -> FleetStatus:
                 failed_last_minute=outcomes[name].failed,
                 queued_by_class=queues[name].by_class,
                 waiting_keys=queues[name].waiting_keys,
+                adapters=sorted({a for w in serving for a in w.adapters}),
             )
         )
     stores = [
@@ -237,6 +240,7 @@ def _worker_row(entry: dict[str, str], now: float) -> WorkerRow:
         generated_tokens=int(entry.get("generated_tokens", "0")),
         heartbeat_age_s=round(max(0.0, now - float(entry.get("heartbeat_at", now))), 3),
         metrics_url=entry.get("metrics_url", ""),
+        adapters=sorted(json.loads(entry.get("adapters", "{}"))),
     )
 
 
@@ -287,6 +291,7 @@ def render(status: FleetStatus, redis_url: str, width: int | None = None) -> str
                 for m in status.models
             ],
         )
+        lines += _adapter_lines(status.models)
         lines += _waiting_lines(status.models)
     else:
         lines.append("no model is known to this fleet yet")
@@ -314,6 +319,11 @@ def render(status: FleetStatus, redis_url: str, width: int | None = None) -> str
     if width:
         lines = [line[:width] for line in lines]
     return "\n".join(lines)
+
+
+def _adapter_lines(models: Sequence[ModelRow]) -> list[str]:
+    """Per model whose workers serve LoRA adapters: their names."""
+    return [f"{m.name} adapters: {', '.join(m.adapters)}" for m in models if m.adapters]
 
 
 def _waiting_lines(models: Sequence[ModelRow]) -> list[str]:

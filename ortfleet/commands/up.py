@@ -89,6 +89,14 @@ def register(subparsers: Subparsers) -> None:
         "--max-batch-size", metavar="N", type=_positive_int, help="engine batch rows of each worker"
     )
     parser.add_argument(
+        "--lora",
+        metavar="NAME=PATH",
+        action="append",
+        default=[],
+        help="a PEFT LoRA adapter every worker serves beside the model, under NAME (repeatable; the CPU "
+        "batcher only)",
+    )
+    parser.add_argument(
         "--host", metavar="HOST", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)"
     )
     parser.add_argument(
@@ -318,6 +326,7 @@ def _start_fleet(
     """Starts the planned workers (each with a /metrics port of its own) and the gateway; the metrics
     ports."""
     extra = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
+    adapters = [flag for adapter in args.lora for flag in ("--lora", adapter)]
     attach: dict[str, dict[str, str]] = {}
     for name, (device, frontends) in planned_cores(plan).items():
         socket_path = Path(tempfile.mkdtemp(prefix="ortfleet-core-")) / f"{name}.sock"
@@ -331,6 +340,7 @@ def _start_fleet(
         child = fleet.start_worker(
             served.name,
             *extra,
+            *adapters,
             "--metrics-port",
             str(planned.metrics_port),
             model=served.model_dir,
