@@ -23,7 +23,7 @@ from tests.jobs_client import read_events, streamed_text, submit, wait_done
 from tests.test_cli import ortfleet
 from tests.test_lora import alone, write_adapter
 from tests.test_observability import value
-from tests.test_startup_mistakes import assert_one_line, clean_env, run_to_exit
+from tests.test_startup_mistakes import Exited, assert_one_line, clean_env, run_to_exit
 from worker.engines.batcher.engine import BatchingEngine
 
 PROMPT = "Once upon a time"
@@ -123,27 +123,19 @@ async def test_a_request_naming_an_adapter_gets_the_tokens_of_the_model_with_tha
     assert completion.choices[0].text == texts[sql]
 
 
+def worker_to_exit(fleet: Fleet, model: Path, name: str, lora: str, folder: Path) -> Exited:
+    """A CPU worker of `model` served as `name` with the adapter `lora` (NAME=PATH), run until it exits."""
+    argv = ["worker", "--model", str(model), "--name", name, "--device", "cpu", "--lora", lora]
+    return run_to_exit(argv, clean_env(ORTFLEET_REDIS_URL=fleet.redis_url), folder)
+
+
 def test_a_worker_whose_adapter_does_not_fit_the_model_exits_naming_the_mismatch(
     fleet: Fleet, tiny_model: Path, tmp_path: Path, model_name: str
 ) -> None:
     wrong = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 7), np.float32)}
     misfit = write_adapter(tmp_path / "misfit", tiny_model, tensors=wrong)
 
-    exited = run_to_exit(
-        [
-            "worker",
-            "--model",
-            str(tiny_model),
-            "--name",
-            model_name,
-            "--device",
-            "cpu",
-            "--lora",
-            f"misfit={misfit}",
-        ],
-        clean_env(ORTFLEET_REDIS_URL=fleet.redis_url),
-        tmp_path,
-    )
+    exited = worker_to_exit(fleet, tiny_model, model_name, f"misfit={misfit}", tmp_path)
 
     assert_one_line(exited, "ortfleet-worker", "'misfit'", str(misfit), "q_proj", "[4, 7]", "--lora")
 
@@ -154,21 +146,7 @@ def test_a_worker_with_other_adapters_than_a_live_worker_of_its_name_exits_namin
     sql, zero = adapters
     fleet.start_worker(model_name, "--lora", f"{sql}={adapters[sql]}")
 
-    exited = run_to_exit(
-        [
-            "worker",
-            "--model",
-            str(tiny_model),
-            "--name",
-            model_name,
-            "--device",
-            "cpu",
-            "--lora",
-            f"{zero}={adapters[zero]}",
-        ],
-        clean_env(ORTFLEET_REDIS_URL=fleet.redis_url),
-        tmp_path,
-    )
+    exited = worker_to_exit(fleet, tiny_model, model_name, f"{zero}={adapters[zero]}", tmp_path)
 
     assert_one_line(exited, "ortfleet-worker", repr(model_name), sql, zero, "same adapters")
 
