@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -61,12 +62,16 @@ class FakeDevice:
         self.rows: list[int] = []
         self.phases: dict[str, float] = defaultdict(float)
         self.split: list[dict[str, float]] = []  # the parts' times at each run's start
+        self.last_run = 0  # once this many runs have started, `enough` is set (0: never)
+        self.enough = threading.Event()
 
     def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         self.stamps.append(time.thread_time())
         self.walls.append(time.perf_counter())
         self.rows.append(len(rows))
         self.split.append(dict(self.phases))
+        if self.last_run and len(self.stamps) >= self.last_run:
+            self.enough.set()
         taken = 0
         for start in range(0, len(rows), MAX_ROWS):
             taken += len(pack(rows[start : start + MAX_ROWS], self.block_size)["taken"])
@@ -179,10 +184,14 @@ async def measure(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the rows did not all reach decoding: {engine.rows()}")
             await asyncio.sleep(0.05)
+        # The rows end after `left` decode runs: the window closes well before, however fast the steps.
+        device.last_run = len(device.stamps) + left - max(10, left // 5)
         await asyncio.sleep(warmup_s)
         first, tokens_before = len(device.stamps), counted["tokens"]
-        await asyncio.sleep(seconds)
-        last, tokens = len(device.stamps) - 1, counted["tokens"] - tokens_before
+        if first >= device.last_run:
+            raise RuntimeError(f"the warm-up took the {left} runs the rows have: warm up less")
+        await asyncio.to_thread(device.enough.wait, seconds)
+        last, tokens = min(len(device.stamps), device.last_run) - 1, counted["tokens"] - tokens_before
         steps = last - first
         cpu = device.stamps[last] - device.stamps[first]
         wall = device.walls[last] - device.walls[first]
