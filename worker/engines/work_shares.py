@@ -25,7 +25,7 @@ time per token. One owner: the engine's thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -117,6 +117,30 @@ class WorkShares:
         if all(done <= theirs for owner, theirs in finishes.items() if owner != chunk.owner):
             return chunk
         return None
+
+    def chunks(
+        self, pending: list[Chunk[RowT]], decoding: Mapping[str, float], budget: int
+    ) -> Iterator[Chunk[RowT]]:
+        """The prompt chunks of this step, in turn: each one `next_chunk` gives, while whole chunks add up to
+        at most `budget` tokens (the first always fits: a chunk is at most the budget). Each is chosen when
+        the caller asks for it, so a caller that runs and charges a chunk first has that charge counted."""
+        spent = 0
+        while pending:
+            chunk = self.next_chunk(pending, decoding)
+            if chunk is None or (spent and spent + chunk.tokens > budget):
+                return  # another key's turn, or no whole chunk left in the budget: the decode rows go first
+            pending.remove(chunk)
+            spent += chunk.tokens
+            yield chunk
+
+
+def prompt_chunk(
+    row: RowT, owner: str, weight: float, done: int, prompt_tokens: int, size: int
+) -> Chunk[RowT]:
+    """A row's next prompt chunk, `done` of its `prompt_tokens` in: up to the next multiple of `size`, so a
+    prompt is computed in the same pieces in every run of it."""
+    stop = min(prompt_tokens, (done // size + 1) * size)
+    return Chunk(row, owner, weight, stop - done, prompt_tokens - done)
 
 
 def _smoothed(estimate: float, newest: float) -> float:

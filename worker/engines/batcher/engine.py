@@ -5,10 +5,11 @@ queue (submit, cancel, restart, stop) and gets each iteration's tokens in one wa
 An iteration:
 1. admits waiting requests, first come first served, while a slot is free and the KV budget holds their
    prompt plus max_tokens;
-2. prefills: runs prompt chunks of at most `prefill_chunk` tokens until the iteration's chunk budget is
-   spent, only for the keys that have used least of the engine's time (work_shares.py: one key's short
-   requests cannot fill every iteration with their prompts while another key's rows wait for their
-   tokens), and among those the rows with the fewest prompt tokens left first. Chunks sit at fixed
+2. prefills: runs whole prompt chunks of at most `prefill_chunk` tokens, together within that budget, in
+   the order and as far as the keys' shares of the engine's time allow (work_shares.py: a key's chunk
+   waits while another key holding rows would finish its next piece sooner, so one key's short requests
+   cannot fill every iteration with their prompts), the rows with the fewest prompt tokens left first
+   among equals. Chunks sit at fixed
    offsets of a prompt (0, chunk, 2 chunk, ...), whatever else runs, so a prompt's KV is the same in
    every run of it.
    A row whose prompt is in gets its first token from the last chunk's logits and joins the decode rows;
@@ -51,7 +52,7 @@ from worker.engines.batcher.sampler import BiasOutsideVocabulary, RowSampler, to
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
-from worker.engines.work_shares import Chunk, WorkShares
+from worker.engines.work_shares import Chunk, WorkShares, prompt_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -282,12 +283,7 @@ class BatchingEngine(EngineThread):
         shares.hold(row.request.owner for row in (*rows.prefilling, *rows.decoding))
         decoding = {row.request.owner: row.request.weight for row in rows.decoding}
         pending = [self._chunk(row) for row in rows.prefilling]
-        spent = 0
-        while pending:
-            chunk = shares.next_chunk(pending, decoding)
-            if chunk is None or (spent and spent + chunk.tokens > self.prefill_chunk):
-                break  # another key's turn, or no whole chunk left in the budget: the decode rows go first
-            pending.remove(chunk)
+        for chunk in shares.chunks(pending, decoding, self.prefill_chunk):
             row = chunk.row
             start = row.length
             stop = start + chunk.tokens
@@ -303,7 +299,6 @@ class BatchingEngine(EngineThread):
                 updates.append((row.stream, EngineUpdate([], Finish.error, f"prefill failed: {e}")))
                 continue
             self._add_prompt_logprobs(row, start, logits[0])
-            spent += stop - start
             self.counters.prefill_tokens += stop - start
             self.counters.prefill_runs += 1
             row.length = stop
@@ -315,10 +310,9 @@ class BatchingEngine(EngineThread):
             shares.charge(row.request.owner, row.request.weight, took)
 
     def _chunk(self, row: Row) -> Chunk[Row]:
-        """The row's next prompt chunk: up to the next multiple of `prefill_chunk`."""
-        start, prompt = row.length, row.request.prompt_ids
-        stop = min(len(prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
-        return Chunk(row, row.request.owner, row.request.weight, stop - start, len(prompt) - start)
+        request = row.request
+        prompt = len(request.prompt_ids)
+        return prompt_chunk(row, request.owner, request.weight, row.length, prompt, self.prefill_chunk)
 
     def _add_prompt_logprobs(self, row: Row, start: int, logits: np.ndarray) -> None:
         """When the request asks for them, the log-probabilities of the prompt tokens that `logits` predict:

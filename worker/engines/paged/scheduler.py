@@ -5,10 +5,10 @@ both in one run):
 
 1. **Decode first.** Every row whose prompt is in brings its last sampled token: a decoding row gets a
    token every step, whatever prefills are under way.
-2. **Then prefill**, up to `prefill_chunk` prompt tokens a step, only for the keys that have used least
-   of the engine's time (work_shares.py; the engine charges each run's time to its rows' keys): among
-   them the rows with the fewest prompt tokens left first (a short chat behind long prompts gets its
-   first token soon), each in chunks at fixed
+2. **Then prefill**, whole chunks of up to `prefill_chunk` prompt tokens a step in all, in the order and
+   as far as the keys' shares of the engine's time allow (work_shares.py; the engine charges each run's
+   time to its rows' keys), the rows with the fewest prompt tokens left first among equals (a short chat
+   behind long prompts gets its first token soon), each in chunks at fixed
    offsets of its prompt (0, chunk, 2 chunk, ...; a row that reused cached blocks starts at their end and
    goes on to the next multiple), so that a prompt's KV is computed in the same pieces in every run of it.
    A row that asks for its prompt's logits (`all_logits`, for prompt log-probabilities) gets each
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from worker.engines.paged.blocks import BlockManager, OutOfBlocks
 from worker.engines.paged.model import PackedRow
-from worker.engines.work_shares import Chunk, WorkShares
+from worker.engines.work_shares import WorkShares, prompt_chunk
 
 
 @dataclass(eq=False)
@@ -111,13 +111,11 @@ class Scheduler:
         if not prefilling:
             return planned
         decoding = {row.owner: row.weight for row in decoding_rows}
-        pending = [self._chunk(row) for row in prefilling]
-        spent = 0
-        while pending:
-            chunk = shares.next_chunk(pending, decoding)
-            if chunk is None or (spent and spent + chunk.tokens > self.prefill_chunk):
-                break  # another key's turn, or no whole chunk left in the step's budget
-            pending.remove(chunk)
+        pending = [
+            prompt_chunk(row, row.owner, row.weight, row.computed, len(row.prompt), self.prefill_chunk)
+            for row in prefilling
+        ]
+        for chunk in shares.chunks(pending, decoding, self.prefill_chunk):
             row = chunk.row
             start = row.computed
             stop = start + chunk.tokens
@@ -125,14 +123,7 @@ class Scheduler:
             last = stop == len(row.prompt)
             packed = PackedRow(row.prompt[start:stop], start, table, row.all_logits)
             planned.append(Planned(row, packed, last))
-            spent += chunk.tokens
         return planned
-
-    def _chunk(self, row: PagedRow) -> Chunk[PagedRow]:
-        """The row's next prompt chunk: up to the next multiple of `prefill_chunk`."""
-        start = row.computed
-        stop = min(len(row.prompt), (start // self.prefill_chunk + 1) * self.prefill_chunk)
-        return Chunk(row, row.owner, row.weight, stop - start, len(row.prompt) - start)
 
     def advance(self, planned: Sequence[Planned]) -> None:
         """The step ran: each planned row's tokens are in the pool (its whole prompt blocks offered to the
