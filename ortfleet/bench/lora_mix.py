@@ -28,6 +28,7 @@ import numpy as np
 
 from ortfleet.bench.backends import PROMPTS
 from ortfleet.bench.machine import describe
+from ortfleet.bench.report import write_json
 from worker.engine import GenerationRequest
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.batcher.lora_graph import LoraGraph
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         f"mixed {speeds['mixed']} ({figures['mixed_over_base']}x base)"
     )
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":

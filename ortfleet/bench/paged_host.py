@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ortfleet.bench.machine import describe
+from ortfleet.bench.report import write_json
 from worker.engine import EngineUpdate, GenerationRequest
 from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
 from worker.engines.engine_loading import freeze_loaded_objects
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         shown = sys.argv[1:] if argv is None else argv
         figures = {"command_line": " ".join(["python -m ortfleet.bench.paged_host", *shown]), "runs": runs}
-        args.json.write_text(json.dumps({**figures, "machine": describe()}, indent=2))
+        write_json(args.json, {**figures, "machine": describe()})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from common.keys import STANDALONE as keys  # benchmarks run on one Redis
 from common.redis_client import connect
 from ortfleet.bench.http import Connection
 from ortfleet.bench.machine import child_pids, cpu_seconds, describe
+from ortfleet.bench.report import write_json
 from ortfleet.fleet.launcher import FleetProcess, throwaway_fleet
 
 MODEL = "bench-worker-host"
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run(options))
         print(text(runs[-1]), flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1) + "\n")
+        write_json(args.json, runs[0] if len(runs) == 1 else {"runs": runs})
     return 0 if all(not r["delivered"]["incomplete"] for r in runs) else 1
 
 

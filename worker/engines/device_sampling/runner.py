@@ -52,6 +52,7 @@ class SamplerGraph:
         self.widths = widths
         self._eos = np.zeros(vocab_size, np.bool_)
         self._eos[[t for t in eos_token_ids if t < vocab_size]] = True
+        self._has_eos = bool(self._eos.any())
         options = options or ort.SessionOptions()
         model = sampler_model(candidates).SerializeToString()
         self._session = ort.InferenceSession(model, options, providers=list(providers))
@@ -122,7 +123,7 @@ class SamplerGraph:
         # RowSampler.masks_eos for every row: fewer tokens than min_tokens, and an end of sequence to mask
         mask_eos = (
             np.array(produced, np.int64).reshape(count) < np.array(least, np.int64).reshape(count)
-        ) & bool(self._eos.any())
+        ) & self._has_eos
         return {
             "eos": self._eos,
             "greedy": np.array(greedy, np.bool_).reshape(count),

@@ -50,10 +50,6 @@ class PagedRow:
     generated: list[int] = field(default_factory=list)  # sampled; the last one is not in the pool yet
 
     @property
-    def prompt_left(self) -> int:
-        return max(len(self.prompt) - self.computed, 0)
-
-    @property
     def decoding(self) -> bool:
         return self.computed >= len(self.prompt)
 
