@@ -67,6 +67,12 @@ def serving(entry: dict[str, str]) -> bool:
     return entry.get("state", "ready") != "recovering"
 
 
+def worker_adapters(entry: dict[str, str]) -> dict[str, str]:
+    """A registry entry's LoRA adapters, name: folder (none from a worker that serves none)."""
+    adapters: dict[str, str] = json.loads(entry.get("adapters") or "{}")
+    return adapters
+
+
 async def deregister(redis: Redis, keys: Keyspace, worker_id: str) -> None:
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(keys.worker(worker_id))

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.keys import Keyspace
-from common.registry import live_workers, serving
+from common.registry import live_workers, serving, worker_adapters
 from common.wire import PRIORITY_ORDER
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _with_worker(before: ModelState | None, worker: dict[str, str]) -> ModelStat
         before.ready + int(serving(worker)),
         before.speed_tokens_per_s + (_speed(worker) if serving(worker) else 0.0),
         max(before.kv_budget_tokens, _kv_budget(worker)),
-        adapters=before.adapters | json.loads(worker.get("adapters") or "{}"),
+        adapters=before.adapters | worker_adapters(worker),
     )
 
 

@@ -8,7 +8,6 @@ it; the metrics key (`ORTFLEET_METRICS_API_KEY`) gets the load too. No answer na
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.fleet_stats import known_models, queue_stats, recent_outcomes, summed
-from common.registry import live_workers, serving
+from common.registry import live_workers, serving, worker_adapters
 from gateway.auth import principal_of
 from gateway.operations import OBJECT, Operation, Reply
 from gateway.state import AppState, app_state
@@ -50,7 +49,7 @@ def worker_entry(entry: dict[str, str], now: float) -> dict[str, Any]:
         "generated_tokens": int(entry.get("generated_tokens", "0")),
         "heartbeat_age_s": round(max(0.0, now - float(entry.get("heartbeat_at", now))), 3),
         "started_at": float(entry.get("started_at", "0")),
-        "adapters": sorted(json.loads(entry.get("adapters", "{}"))),
+        "adapters": sorted(worker_adapters(entry)),
     }
 
 

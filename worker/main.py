@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -22,7 +21,7 @@ from common.model_folder import (
 )
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect_store
 from common.redis_url import URL_FORMAT, mask_url
-from common.registry import WorkerInfo, live_workers
+from common.registry import WorkerInfo, live_workers, worker_adapters
 from common.startup import (
     CannotStart,
     check_store_config,
@@ -139,7 +138,7 @@ async def check_one_model_per_name(
                 f"{other.get('id')} serves from {where}; give the adapter another name"
             )
         if other.get("model") != name:
-            shared = sorted(set(json.loads(other.get("adapters") or "{}")) & set(adapters))
+            shared = sorted(set(worker_adapters(other)) & set(adapters))
             if shared:
                 raise CannotStart(
                     f"the LoRA adapter {shared[0]!r} (--lora) is served by worker {other.get('id')} as an "
@@ -153,7 +152,7 @@ async def check_one_model_per_name(
                 f"fingerprint {theirs}), and {model_dir or 'this worker'} holds another model (fingerprint "
                 f"{fingerprint}); serve it under another --name, or stop the workers of {name!r} first"
             )
-        their_adapters = sorted(json.loads(other.get("adapters") or "{}"))
+        their_adapters = sorted(worker_adapters(other))
         if their_adapters != adapters:
             raise CannotStart(
                 f"model name {name!r} is served by worker {other.get('id')} from {where} with LoRA adapters "

@@ -20,7 +20,7 @@ from common.fleet_stats import known_models, queue_stats, recent_outcomes, summe
 from common.keys import Keyspace
 from common.redis_client import cluster_node, connect_store
 from common.redis_url import mask_url
-from common.registry import live_workers
+from common.registry import live_workers, worker_adapters
 from common.settings import FleetSettings
 from common.store_watch import store_node
 from common.stores import Store
@@ -240,7 +240,7 @@ def _worker_row(entry: dict[str, str], now: float) -> WorkerRow:
         generated_tokens=int(entry.get("generated_tokens", "0")),
         heartbeat_age_s=round(max(0.0, now - float(entry.get("heartbeat_at", now))), 3),
         metrics_url=entry.get("metrics_url", ""),
-        adapters=sorted(json.loads(entry.get("adapters", "{}"))),
+        adapters=sorted(worker_adapters(entry)),
     )
 
 
