@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ortfleet.modelbuild.build_server import BuilderServer, ForkedBuild
 
@@ -320,3 +320,19 @@ def _generate_one_token(model_dir: Path, *, chat: bool) -> int:
             flags |= int(event.flags.value)
     request.close()
     return flags
+
+
+def save_plain_checkpoint(gguf_model: Any, tokenizer: Any, hf_dir: Path) -> None:
+    """Save the weights transformers read from a GGUF as a plain checkpoint of the same architecture (the
+    GGUF-loaded model carries a GGUF quantization config, which the builder would not take)."""
+    import torch
+
+    settings = gguf_model.config.to_dict()
+    settings.pop("quantization_config", None)
+    config = type(gguf_model.config).from_dict(settings)
+    with torch.device("meta"):
+        plain = type(gguf_model)(config)
+    plain.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+    plain.tie_weights()
+    plain.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)

@@ -18,6 +18,7 @@ from ortfleet.modelbuild.convert import (
     quiet_transformers,
     require_modules,
     run_builder,
+    save_plain_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -164,17 +165,6 @@ def _load_gguf(gguf: Path) -> tuple[Any, Any]:
 
 
 def _save_checkpoint(gguf_model: Any, tokenizer: Any, hf_dir: Path, *, gguf: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if not tokenizer.chat_template:
         raise MissingChatTemplate(gguf)
-    settings = gguf_model.config.to_dict()
-    settings.pop("quantization_config", None)
-    config = LlamaConfig.from_dict(settings)
-    with torch.device("meta"):
-        plain = LlamaForCausalLM(config)
-    plain.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
-    plain.tie_weights()
-    plain.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
+    save_plain_checkpoint(gguf_model, tokenizer, hf_dir)

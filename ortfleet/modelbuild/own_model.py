@@ -20,6 +20,7 @@ from ortfleet.modelbuild.convert import (
     quiet_transformers,
     require_modules,
     run_builder,
+    save_plain_checkpoint,
 )
 from ortfleet.modelbuild.own_source import (
     GGUF,
@@ -122,7 +123,7 @@ def _convert(
             model, tokenizer = _load_gguf(source.path)
         architecture = type(model).__name__
         with progress.stage(f"saving a {architecture} checkpoint"), quiet_transformers():
-            _save_checkpoint(model, tokenizer, hf_dir)
+            save_plain_checkpoint(model, tokenizer, hf_dir)
         del model
     else:
         hf_dir, architecture = source.path, source.architecture or "its architecture"
@@ -213,22 +214,6 @@ def _load_gguf(gguf: Path) -> tuple[Any, Any]:
     except Exception as e:
         raise UnconvertibleSource(gguf, f"transformers cannot read its tokenizer: {_first_line(e)}") from e
     return model, tokenizer
-
-
-def _save_checkpoint(gguf_model: Any, tokenizer: Any, hf_dir: Path) -> None:
-    """Save the weights transformers read from a GGUF as a plain checkpoint of the same architecture (the
-    GGUF-loaded model carries a GGUF quantization config, which the builder would not take)."""
-    import torch
-
-    settings = gguf_model.config.to_dict()
-    settings.pop("quantization_config", None)
-    config = type(gguf_model.config).from_dict(settings)
-    with torch.device("meta"):
-        plain = type(gguf_model)(config)
-    plain.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
-    plain.tie_weights()
-    plain.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
 
 
 def _first_line(error: Exception) -> str:
