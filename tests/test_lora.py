@@ -16,11 +16,11 @@ import pytest
 
 from tests.test_batcher import NEAR_TIE_LOGITS, Collected, collect
 from worker.engine import EngineUpdate, Finish, GenerationRequest, GenerationStream
+from worker.engines.batcher.adapter_library import AdapterLibrary
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.batcher.lora import (
     AdapterMismatch,
     AdapterSet,
-    load_adapters,
     read_adapter,
     read_safetensors,
 )
@@ -387,7 +387,9 @@ def test_the_graph_gains_inputs_only_for_the_projections_an_adapter_targets(
     import onnx
 
     folder = write_adapter(tmp_path / "qv", tiny_model, modules=["q_proj", "v_proj"])
-    graph, table = load_adapters(tiny_model, {"qv": folder})
+    library = AdapterLibrary(tiny_model, {"qv": folder})
+    graph, table = library.rewritten(), library.layouts()
+    assert graph is not None and table is not None
     inputs = {i.name for i in onnx.load_from_string(graph).graph.input if i.name.startswith("lora")}
     layers = module_shapes(tiny_model)[0]
     projections = {f"lora.layers.{layer}.qkv_proj.{ab}" for layer in range(layers) for ab in "ab"}

@@ -22,10 +22,13 @@ Which slot each row holds, and where its KV moves, is rows.py's.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import logging
+import queue
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +45,11 @@ from worker.engine import (
     TokenLogprobs,
     deliver_all,
 )
+from worker.engines.batcher.adapter_library import AdapterChange, AdapterLibrary
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.grammar_starts import GrammarError, GrammarStart, GrammarStarts
 from worker.engines.batcher.graph import DecoderGraph, open_session
-from worker.engines.batcher.lora import AdapterSet, load_adapters
+from worker.engines.batcher.lora import AdapterSet
 from worker.engines.batcher.prefix_cache import PrefixCache
 from worker.engines.batcher.rows import Row, Rows
 from worker.engines.batcher.sampler import BiasOutsideVocabulary, RowSampler, token_logprobs
@@ -58,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 8
 DEFAULT_PREFILL_CHUNK = 128
+
+
+class AdapterTaken(ValueError):
+    """A load names an adapter the engine serves already."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,8 @@ class BatchingEngine(EngineThread):
     exposes_logits = True
     replays_guidance = True
     closes_documents = True
+    adapters: AdapterSet | None = None  # the layouts of the adapters loaded (paged/: none)
+    _unloaded: frozenset[str] = frozenset()  # (the engine's thread's) refused from now on, named so
 
     def __init__(
         self,
@@ -100,12 +110,14 @@ class BatchingEngine(EngineThread):
         config = og.Config(str(model_dir))
         self.tokenizer = OrtTokenizer(config, vocab_size(model_dir), model_dir)
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        graph: bytes | None = None
-        self.adapters: AdapterSet | None = None
-        if adapters:
-            graph, self.adapters = load_adapters(model_dir, adapters)
+        self._library = AdapterLibrary(model_dir, adapters or {})
+        self.adapters: AdapterSet | None = self._library.layouts()
+        self._adapter_lock = asyncio.Lock()  # one load or unload at a time works out its change
+        self._between: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run after a step
+        self._draining: dict[str, concurrent.futures.Future[None]] = {}  # unloaded, rows still running
+        self._retirements: set[asyncio.Task[None]] = set()
         try:
-            session, layout = open_session(model_dir, graph=graph)
+            session, layout = open_session(model_dir, graph=self._library.rewritten())
         except ort.capi.onnxruntime_pybind11_state.Fail as e:  # a graph or weights it cannot load
             raise ValueError(str(e)) from e
         self._graph = DecoderGraph(session, layout, self.adapters)
@@ -169,6 +181,87 @@ class BatchingEngine(EngineThread):
         super().close()
         self._grammars.close()
 
+    # Adapters loaded and unloaded at run time (adapter_library.py works out each change).
+
+    async def load_adapter(self, name: str, folder: Path) -> None:
+        """Serves the PEFT adapter in `folder` to requests naming `name` from the next step on. It is read
+        and checked off the engine's thread (AdapterMismatch, AdapterUnreadable, as at start; AdapterTaken
+        when the name is served, or its unloaded rows still run); the new layouts, and a new session where
+        it targets projections the graph was not rewritten for, are swapped in between two steps. Running
+        rows keep their adapters' columns."""
+        async with self._adapter_lock:
+            if name in self._library.adapters:
+                still = " (unloaded, its requests still running)" if name in self._draining else ""
+                raise AdapterTaken(f"the adapter {name!r} is already loaded{still}")
+            change = await asyncio.to_thread(self._library.with_adapter, name, folder)
+            await self._between_steps(functools.partial(self._swap, change, name))
+            self._library.commit(change)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Refuses new requests naming the adapter from the next step on (KeyError when it is not served);
+        its running and waiting rows run to their end, then it leaves the layouts and its prompts the
+        prefix cache (in the background)."""
+        async with self._adapter_lock:
+            if name not in self._library.adapters or name in self._draining:
+                raise KeyError(name)
+            drained: concurrent.futures.Future[None] = concurrent.futures.Future()
+            await self._between_steps(functools.partial(self._refuse_adapter, name, drained))
+        task = asyncio.create_task(self._retire(name, drained), name=f"retire-{name}")
+        self._retirements.add(task)
+        task.add_done_callback(self._retirements.discard)
+
+    async def _retire(self, name: str, drained: concurrent.futures.Future[None]) -> None:
+        await asyncio.wrap_future(drained)
+        async with self._adapter_lock:
+            change = await asyncio.to_thread(self._library.without, name)
+            await self._between_steps(functools.partial(self._swap, change, None))
+            self._library.commit(change)
+
+    async def _between_steps(self, change: Callable[[], None]) -> None:
+        """Runs `change` on the engine's thread after its current step (waking it when idle)."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                change()
+            except BaseException as e:
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+        self._between.put(run)
+        self._commands.put(("submit", []))  # wakes an idle thread: no request, a step of nothing
+        await asyncio.wrap_future(done)
+
+    def _adapter_changes(self) -> None:
+        """The engine's thread, after a step: the changes waiting, then the unloaded adapters whose rows
+        have all ended."""
+        while True:
+            try:
+                self._between.get_nowait()()
+            except queue.Empty:
+                break
+        if self._draining:
+            used = {row.request.adapter for row in self._rows.every()}
+            for name in [name for name in self._draining if name not in used]:
+                prefixes = self._rows.prefixes
+                if prefixes is not None:
+                    prefixes.drop_scopes(f"\0lora:{name}")
+                self._draining.pop(name).set_result(None)
+
+    def _swap(self, change: AdapterChange, loaded: str | None) -> None:
+        if change.session is not None:
+            session, layout = change.session
+            self._graph = DecoderGraph(session, layout, change.layouts)
+        else:
+            self._graph.adapters = change.layouts  # each binding binds the new layouts at its next run
+        self.adapters = change.layouts
+        self._unloaded -= {loaded}
+
+    def _refuse_adapter(self, name: str, drained: concurrent.futures.Future[None]) -> None:
+        self._unloaded |= {name}
+        self._draining[name] = drained
+
     # The batcher's thread.
 
     def _main(self) -> None:
@@ -189,10 +282,12 @@ class BatchingEngine(EngineThread):
             raise
 
     def _step(self, updates: Updates) -> None:
-        """One iteration: admissions, prompt chunks, then one decode run (see the module's docstring)."""
+        """One iteration: admissions, prompt chunks, then one decode run (see the module's docstring);
+        then the adapters' changes."""
         self._rows.admit()
         self._prefill(updates)
         self._decode(updates)
+        self._adapter_changes()
 
     def _start(self, stream: GenerationStream, updates: Updates) -> None:
         request = stream.request
@@ -230,10 +325,14 @@ class BatchingEngine(EngineThread):
 
     @property
     def _adapter_names(self) -> list[str]:
-        return [] if self.adapters is None else self.adapters.names
+        """The adapters new requests may name (not those unloaded, whose rows still run)."""
+        loaded = [] if self.adapters is None else self.adapters.names
+        return [name for name in loaded if name not in self._unloaded]
 
     def _unknown_adapter(self, name: str) -> str:
         served = ", ".join(self._adapter_names) or "none"
+        if name in self._unloaded:
+            return f"the adapter {name!r} was unloaded from this worker (its adapters: {served})"
         return f"the adapter {name!r} is not loaded on this worker (its adapters: {served})"
 
     def _queue(self, row: Row) -> None:

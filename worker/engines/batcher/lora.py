@@ -54,16 +54,26 @@ class Adapter:
 
 def read_adapter(name: str, folder: Path, graph: LoraGraph) -> Adapter:
     """The PEFT adapter in `folder`, checked against `graph`'s projections (AdapterMismatch if it does not
-    fit, ValueError if its files cannot be read)."""
+    fit, AdapterUnreadable if its files cannot be read: the message names why, never their contents)."""
 
     def refuse(why: str) -> AdapterMismatch:
         return AdapterMismatch(f"the adapter {name!r} ({folder}) does not fit the base model: {why}")
 
+    unreadable = f"the adapter {name!r} cannot be read from {folder}"
     try:
         config = json.loads((folder / CONFIG).read_text())
         tensors = read_safetensors(folder / WEIGHTS)
-    except (OSError, ValueError) as e:
-        raise AdapterUnreadable(f"the adapter {name!r} cannot be read from {folder}: {e}") from e
+    except OSError as e:  # its reason and the file's name, never the file's contents
+        file = f" ({Path(e.filename).name})" if e.filename else ""
+        raise AdapterUnreadable(f"{unreadable}: {e.strerror or type(e).__name__}{file}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, struct.error) as e:
+        raise AdapterUnreadable(
+            f"{unreadable}: {CONFIG} is not a JSON object or {WEIGHTS} not a safetensors file"
+        ) from e
+    except ValueError as e:  # read_safetensors's own
+        raise AdapterUnreadable(f"{unreadable}: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterUnreadable(f"{unreadable}: {CONFIG} is not a JSON object")
     _check_features(config, refuse)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, tensor in tensors.items():
@@ -244,15 +254,3 @@ class AdapterSet:
             return self.alone[used.pop()]
         assert self.every is not None
         return self.every
-
-
-def load_adapters(model_dir: Path, adapters: Mapping[str, Path]) -> tuple[bytes, AdapterSet]:
-    """Reads and checks every adapter against the folder's graph; returns the graph rewritten for the
-    projections they target (no other pays for them) and the adapters' arrays."""
-    graph = LoraGraph(model_dir)
-    read = [read_adapter(name, Path(path), graph) for name, path in adapters.items()]
-    targeted = {key for adapter in read for key in adapter.modules}
-    projections = [
-        p for p in graph.projections if any((p.layer, part.module) in targeted for part in p.parts)
-    ]
-    return graph.rewritten(projections), AdapterSet(projections, read)

@@ -91,6 +91,11 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
 
+    def drop_scopes(self, suffix: str) -> None:
+        """Forgets the prompts of every scope ending in `suffix` (an unloaded adapter's: rows.py's)."""
+        for slot in [slot for slot, entry in self._entries.items() if entry.scope.endswith(suffix)]:
+            del self._entries[slot]
+
     def match(self, prompt_ids: Sequence[int], scope: str, free: Iterable[int]) -> tuple[int | None, int]:
         """The free slot holding the longest reusable prefix of the prompt in this scope, and its length
         (None, 0: no slot holds a whole chunk of it)."""
