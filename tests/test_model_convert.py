@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 
 from common.model_folder import read_marker
 from ortfleet.commands.model import register
+from ortfleet.modelbuild import convert as convert_module
 from ortfleet.modelbuild import own_model as own_model_module
 from ortfleet.modelbuild.build_server import BuilderServer
 from ortfleet.modelbuild.cache import list_models
@@ -300,7 +301,7 @@ def test_convert_for_cuda_is_fp16_with_paged_attention_and_skips_its_check_witho
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     source = fake_checkpoint(tmp_path / "Mine")
-    monkeypatch.setattr(own_model_module, "cuda_available", lambda: False)
+    monkeypatch.setattr(convert_module, "cuda_available", lambda: False)
     monkeypatch.setattr(own_model_module, "check_generates", refuse_check)
 
     with caplog.at_level(logging.WARNING):

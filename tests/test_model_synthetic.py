@@ -12,6 +12,7 @@ import pytest
 
 from common.model_folder import DEFAULT_CUDA_MODEL_NAME, default_model_dir, is_complete
 from ortfleet.commands.model import register
+from ortfleet.modelbuild import convert as convert_module
 from ortfleet.modelbuild import default as default_module
 from ortfleet.modelbuild import synthetic as synthetic_module
 from ortfleet.modelbuild.build_server import BuilderServer
@@ -227,7 +228,7 @@ def test_synthetic_cuda_build_is_fp16_paged_and_skips_its_check_without_cuda(
     builder = FakeBuilder()
     monkeypatch.setattr(synthetic_module, "run_builder", builder)
     monkeypatch.setattr(synthetic_module, "_save_config", lambda *args, **kwargs: None)
-    monkeypatch.setattr(synthetic_module, "cuda_available", lambda: False)
+    monkeypatch.setattr(convert_module, "cuda_available", lambda: False)
     monkeypatch.setattr(synthetic_module, "check_generates", refuse_check)
     with caplog.at_level(logging.WARNING):
         build_synthetic_model(tmp_path / "phi3-cuda", PHI3_MINI, device="cuda")
@@ -252,7 +253,7 @@ def test_default_cuda_model_is_fp16_paged_in_its_own_folder_and_skips_its_check_
     monkeypatch.setattr(default_module, "locate_default_gguf", lambda: tmp_path / "model.gguf")
     monkeypatch.setattr(default_module, "_load_gguf", lambda gguf: (object(), object()))
     monkeypatch.setattr(default_module, "_save_checkpoint", lambda *args, **kwargs: None)
-    monkeypatch.setattr(default_module, "cuda_available", lambda: False)
+    monkeypatch.setattr(convert_module, "cuda_available", lambda: False)
     monkeypatch.setattr(default_module, "check_generates", refuse_check)
     with caplog.at_level(logging.WARNING):
         path = ensure_default_model(tmp_path, device="cuda", progress=False)

@@ -9,7 +9,12 @@ from pathlib import Path
 
 from common.model_folder import DEFAULT_MODEL_NAME
 from ortfleet.modelbuild.cache import NotAModelFolder, list_models
-from ortfleet.modelbuild.convert import BuilderFailed, MissingModelExtras, ModelCheckFailed
+from ortfleet.modelbuild.convert import (
+    DEFAULT_PRECISIONS,
+    BuilderFailed,
+    MissingModelExtras,
+    ModelCheckFailed,
+)
 from ortfleet.modelbuild.default import (
     DEFAULT_MODEL_DEVICES,
     GgufNotFound,
@@ -18,7 +23,6 @@ from ortfleet.modelbuild.default import (
 )
 from ortfleet.modelbuild.own_model import (
     CONVERT_DEVICES,
-    DEFAULT_PRECISIONS,
     DEVICE_PRECISIONS,
     PRECISIONS,
     convert_own_model,

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Required, TextIO, TypedDict, Unpack
 
 from ortfleet.modelbuild.build_server import BuilderServer, ForkedBuild
 
@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'ortfleet[model]'"
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
+# The precision a model is built at for each device unless one is asked for.
+DEFAULT_PRECISIONS = {"cpu": "int4", "cuda": "fp16"}
+_DEVICE_OPTIONS: dict[str, dict[str, str]] = {"cpu": {}, "cuda": {"use_paged_attention": "true"}}
 _OUTPUT_TAIL_LINES = 40
 _OUTPUT_LINE_MAX_CHARS = 400
 _EVENT_TOKEN = 1
@@ -151,7 +154,36 @@ def offline_environ() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
+class BuilderOptions(TypedDict, total=False):
+    """The model builder's options besides its folders: what it makes and the module that runs it."""
+
+    precision: Required[str]
+    execution_provider: str
+    extra_options: Mapping[str, str] | None
+    runner: Sequence[str]
+
+
+def builder_options(device: str, precision: str | None = None) -> BuilderOptions:
+    """The builder's options for a model that runs on ``device`` ("cpu" or "cuda"), at ``precision`` or
+    the device's default (:data:`DEFAULT_PRECISIONS`); a CUDA model gets paged attention, which gives
+    og.Engine's dynamic (continuous) batching."""
+    return {
+        "precision": precision or DEFAULT_PRECISIONS[device],
+        "execution_provider": device,
+        "extra_options": dict(_DEVICE_OPTIONS[device]),
+    }
+
+
 def builder_command(
+    hf_dir: Path, out_dir: Path, cache_dir: Path, **options: Unpack[BuilderOptions]
+) -> list[str]:
+    """The model builder's command line; ``extra_options`` become ``--extra_options key=value ...``.
+    ``runner`` is the module run with ``-m`` and its own arguments: the builder itself by default, or a
+    module that wraps it (random weights in place of a checkpoint's)."""
+    return [sys.executable, "-m", *_module_arguments(hf_dir, out_dir, cache_dir, **options)]
+
+
+def _module_arguments(
     hf_dir: Path,
     out_dir: Path,
     cache_dir: Path,
@@ -160,24 +192,6 @@ def builder_command(
     execution_provider: str = "cpu",
     extra_options: Mapping[str, str] | None = None,
     runner: Sequence[str] = (BUILDER_MODULE,),
-) -> list[str]:
-    """The model builder's command line; ``extra_options`` become ``--extra_options key=value ...``.
-    ``runner`` is the module run with ``-m`` and its own arguments: the builder itself by default, or a
-    module that wraps it (random weights in place of a checkpoint's)."""
-    arguments = _module_arguments(
-        hf_dir, out_dir, cache_dir, precision, execution_provider, extra_options, runner
-    )
-    return [sys.executable, "-m", *arguments]
-
-
-def _module_arguments(
-    hf_dir: Path,
-    out_dir: Path,
-    cache_dir: Path,
-    precision: str,
-    execution_provider: str,
-    extra_options: Mapping[str, str] | None,
-    runner: Sequence[str],
 ) -> list[str]:
     """What follows ``python -m`` in :func:`builder_command`."""
     arguments = [
@@ -222,24 +236,28 @@ def cuda_available() -> bool:
     return bool(og.is_cuda_available())
 
 
+def can_check(device: str, model: object) -> bool:
+    """Whether onnxruntime-genai here can run a model built for ``device``, to check that it generates;
+    where it cannot (CUDA without a CUDA build), a warning says that ``model``'s check is skipped."""
+    if device == "cuda" and not cuda_available():
+        logger.warning("skipped the check that %s generates: this onnxruntime-genai cannot use CUDA", model)
+        return False
+    return True
+
+
 def run_builder(
     hf_dir: Path,
     out_dir: Path,
     cache_dir: Path,
     *,
-    precision: str,
-    execution_provider: str = "cpu",
-    extra_options: Mapping[str, str] | None = None,
     on_output: Callable[[str], None] | None = None,
-    runner: Sequence[str] = (BUILDER_MODULE,),
+    **options: Unpack[BuilderOptions],
 ) -> None:
     """Run the onnxruntime-genai model builder on a Hugging Face checkpoint folder, in a subprocess
     (creating models in-process does not work in onnxruntime-genai 0.18), or a child of the process's
     :func:`builder_server` while one is entered. Its output is passed line by line to ``on_output``; on
-    failure :class:`BuilderFailed` carries the end of it. ``runner``: as in :func:`builder_command`."""
-    arguments = _module_arguments(
-        hf_dir, out_dir, cache_dir, precision, execution_provider, extra_options, runner
-    )
+    failure :class:`BuilderFailed` carries the end of it. ``options``: as in :func:`builder_command`."""
+    arguments = _module_arguments(hf_dir, out_dir, cache_dir, **options)
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
     with _start_builder(arguments) as process:
         assert process.stdout is not None

@@ -3,8 +3,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,9 @@ from ortfleet.modelbuild.cache import install_model
 from ortfleet.modelbuild.convert import (
     INSTALL_HINT,
     StageProgress,
+    builder_options,
+    can_check,
     check_generates,
-    cuda_available,
     quiet_transformers,
     require_modules,
     run_builder,
@@ -35,25 +35,18 @@ _REQUIRED_MODULES = ("torch", "transformers", "gguf", "accelerate", "onnx_ir", "
 
 @dataclass(frozen=True)
 class DefaultVariant:
-    """How the default model is built for one device: its cache folder and the builder's arguments."""
+    """How the default model is built for one device: its cache folder, its recipe, and the precision
+    and device the builder makes it for (see :func:`builder_options`)."""
 
     name: str
     recipe: str
     precision: str
-    execution_provider: str
-    extra_options: Mapping[str, str] = field(default_factory=dict)
+    device: str
 
 
 DEFAULT_VARIANTS = {
     "cpu": DefaultVariant(DEFAULT_MODEL_NAME, DEFAULT_MODEL_RECIPE, "int4", "cpu"),
-    # Paged attention gives the CUDA model og.Engine's dynamic (continuous) batching.
-    "cuda": DefaultVariant(
-        DEFAULT_CUDA_MODEL_NAME,
-        DEFAULT_CUDA_MODEL_RECIPE,
-        "fp16",
-        "cuda",
-        {"use_paged_attention": "true"},
-    ),
+    "cuda": DefaultVariant(DEFAULT_CUDA_MODEL_NAME, DEFAULT_CUDA_MODEL_RECIPE, "fp16", "cuda"),
 }
 
 
@@ -137,23 +130,12 @@ def _convert(work: Path, staged: Path, variant: DefaultVariant, progress: StageP
     with progress.stage("saving a plain Llama checkpoint"), quiet_transformers():
         _save_checkpoint(model, tokenizer, hf_dir, gguf=gguf)
     del model
-    with progress.stage(f"building the {variant.precision} {variant.execution_provider} ONNX model"):
-        run_builder(
-            hf_dir,
-            staged,
-            work / "builder-cache",
-            precision=variant.precision,
-            execution_provider=variant.execution_provider,
-            extra_options=variant.extra_options,
-            on_output=progress.note,
-        )
+    with progress.stage(f"building the {variant.precision} {variant.device} ONNX model"):
+        options = builder_options(variant.device, variant.precision)
+        run_builder(hf_dir, staged, work / "builder-cache", on_output=progress.note, **options)
     with progress.stage("checking that onnxruntime-genai runs it"):
-        if variant.execution_provider == "cuda" and not cuda_available():
-            logger.warning(
-                "skipped the check that %s generates: this onnxruntime-genai cannot use CUDA", variant.name
-            )
-            return
-        check_generates(staged)
+        if can_check(variant.device, variant.name):
+            check_generates(staged)
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, Any]:

@@ -12,10 +12,12 @@ from typing import Any
 
 from ortfleet.modelbuild.cache import install_model
 from ortfleet.modelbuild.convert import (
+    DEFAULT_PRECISIONS,
     BuilderFailed,
     StageProgress,
+    builder_options,
+    can_check,
     check_generates,
-    cuda_available,
     prepare_builder,
     quiet_transformers,
     require_modules,
@@ -38,9 +40,7 @@ CONVERT_DEVICES = ("cpu", "cuda")
 # The precisions onnxruntime-genai's builder makes for each device; on CUDA, those it can give paged
 # attention (fp16 or bf16 activations), which og.Engine's continuous batching needs.
 DEVICE_PRECISIONS = {"cpu": ("int4", "int8", "fp32"), "cuda": ("fp16", "bf16", "int4", "int8")}
-DEFAULT_PRECISIONS = {"cpu": "int4", "cuda": "fp16"}
 PRECISIONS = ("int4", "int8", "fp16", "bf16", "fp32")
-_DEVICE_OPTIONS = {"cpu": {}, "cuda": {"use_paged_attention": "true"}}
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _BUILDER_ERROR = re.compile(r"^(?:\w+\.)*(NotImplementedError|ValueError): (.+)$")
 _REQUIRED_MODULES = ("torch", "transformers", "onnx_ir", "onnxscript")
@@ -135,11 +135,7 @@ def _convert(
             hf_dir, staged, work / "builder-cache", source, architecture, precision, device, progress
         )
     with progress.stage("checking that onnxruntime-genai runs it"):
-        if device == "cuda" and not cuda_available():
-            logger.warning(
-                "skipped the check that the model of %s generates: this onnxruntime-genai cannot use CUDA",
-                source.path,
-            )
+        if not can_check(device, f"the model of {source.path}"):
             return
         chat = has_chat_template(staged)
         if not chat:
@@ -175,15 +171,7 @@ def _run_builder(
     words) becomes one line naming the architecture, any other failure stays a BuilderFailed with the
     end of its output."""
     try:
-        run_builder(
-            hf_dir,
-            staged,
-            cache_dir,
-            precision=precision,
-            execution_provider=device,
-            extra_options=_DEVICE_OPTIONS[device],
-            on_output=progress.note,
-        )
+        run_builder(hf_dir, staged, cache_dir, on_output=progress.note, **builder_options(device, precision))
     except BuilderFailed as e:
         refusal = next(
             (m for line in reversed(e.output_tail.splitlines()) if (m := _BUILDER_ERROR.match(line))), None

@@ -13,8 +13,9 @@ from typing import Any
 from ortfleet.modelbuild.cache import install_model
 from ortfleet.modelbuild.convert import (
     StageProgress,
+    builder_options,
+    can_check,
     check_generates,
-    cuda_available,
     prepare_builder,
     quiet_transformers,
     require_modules,
@@ -155,40 +156,21 @@ def build_synthetic_model(
     return install_model(out_dir, build, source=source, recipe=f"{SYNTHETIC_RECIPE}/{device}", force=force)
 
 
-def builder_arguments(device: str) -> tuple[str, str, dict[str, str]]:
-    """Precision, execution provider and extra options of the model builder for ``device``."""
-    if device == "cuda":
-        return "fp16", "cuda", {"use_paged_attention": "true"}
-    return "int4", "cpu", {}
-
-
 def _build(
     work: Path, staged: Path, shape: Shape, *, device: str, seed: int, progress: StageProgress
 ) -> None:
     logger.info("building a random-weight model, %s, for %s", shape.describe(), device)
     hf_dir = work / "hf"
-    precision, provider, extra_options = builder_arguments(device)
+    options = builder_options(device)
+    options["runner"] = (RANDOM_WEIGHTS_MODULE, "--seed", str(seed))
     prepare_builder()
     with progress.stage(f"writing a config and a tokenizer ({shape.describe()})"), quiet_transformers():
         _save_config(hf_dir, shape, half=device == "cuda")
-    with progress.stage(f"building the {precision} {provider} ONNX model from random weights"):
-        run_builder(
-            hf_dir,
-            staged,
-            work / "builder-cache",
-            precision=precision,
-            execution_provider=provider,
-            extra_options=extra_options,
-            on_output=progress.note,
-            runner=(RANDOM_WEIGHTS_MODULE, "--seed", str(seed)),
-        )
+    with progress.stage(f"building the {options['precision']} {device} ONNX model from random weights"):
+        run_builder(hf_dir, staged, work / "builder-cache", on_output=progress.note, **options)
     with progress.stage("checking that onnxruntime-genai runs it"):
-        if device == "cuda" and not cuda_available():
-            logger.warning(
-                "skipped the check that %s generates: this onnxruntime-genai cannot use CUDA", staged
-            )
-            return
-        check_generates(staged)
+        if can_check(device, staged):
+            check_generates(staged)
 
 
 def _save_config(hf_dir: Path, shape: Shape, *, half: bool) -> None:
