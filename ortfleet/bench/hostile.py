@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from ortfleet.bench.argument_types import positive
 from ortfleet.bench.attacks import (
     MODEL,
     REQUEST_TIMEOUT_S,
@@ -217,13 +218,6 @@ def text(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
-
-
 def above_zero(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -238,14 +232,14 @@ def add_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
     add("--model", type=Path, metavar="DIR", help=model_help)
     add("--attack", choices=ATTACKS, default="all", help="the attack; all: every one at once (default all)")
     add("--pattern", help=f"the string pattern of formats and refused-formats (default {Attack.pattern})")
-    add("--rows", type=at_least_one, default=4, help="formats' chats, refused-formats' clients (default 4)")
-    add("--format-tokens", type=at_least_one, default=340, help="max_tokens of formats' chats (default 340)")
-    add("--flood-threads", type=at_least_one, default=4, help="prefill-flood's clients (default 4)")
+    add("--rows", type=positive, default=4, help="formats' chats, refused-formats' clients (default 4)")
+    add("--format-tokens", type=positive, default=340, help="max_tokens of formats' chats (default 340)")
+    add("--flood-threads", type=positive, default=4, help="prefill-flood's clients (default 4)")
     add(
         "--alone", type=float, default=10.0, help="seconds of prefill-flood alone first (default 10; 0: none)"
     )
     add("--rate", type=above_zero, default=8.0, help="refused-formats' requests a second, in all (default 8)")
-    add("--good-tokens", type=at_least_one, default=20, help="tokens of each well-behaved chat (default 20)")
+    add("--good-tokens", type=positive, default=20, help="tokens of each well-behaved chat (default 20)")
     add("--json", type=Path, metavar="FILE", help="write the figures to FILE")
 
 

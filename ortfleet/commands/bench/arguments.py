@@ -8,12 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
+from ortfleet.bench.argument_types import positive as positive  # re-exported: the modes take it from here
 
 
 def int_list(text: str) -> list[int]:
