@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,34 +111,64 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-async def slowloris(host: str, port: int, until: float, tally: Tally, partial: bytes) -> None:
+def attacker_client(url: str, token: str, connections: int | None = None) -> httpx.AsyncClient:
+    """The attacking key's client, with `connections` at most (None: httpx's limits)."""
+    limits: dict[str, Any] = (
+        {} if connections is None else {"limits": httpx.Limits(max_connections=connections)}
+    )
+    return httpx.AsyncClient(base_url=url, headers=bearer(token), timeout=REQUEST_TIMEOUT_S, **limits)
+
+
+def pattern_chat(pattern: str, *, key: str, content: str, max_tokens: int, name: str) -> dict[str, Any]:
+    """A chat whose json_schema is an object of one required string, `key`, matching `pattern`."""
+    schema = {
+        "type": "object",
+        "properties": {key: {"type": "string", "pattern": pattern}},
+        "required": [key],
+    }
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+    }
+
+
+Talk = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def connection_attack(host: str, port: int, until: float, tally: Tally, what: str, talk: Talk) -> None:
+    """Connections one after another, each held by `talk` and then closed, each counted as `what`."""
     while time.monotonic() < until:
         try:
             reader, writer = await asyncio.open_connection(host, port)
-            writer.write(partial)
-            while time.monotonic() < until:  # a byte now and then, until the gateway gives up
-                writer.write(b"a")
-                await writer.drain()
-                if await asyncio.wait_for(reader.read(1), 2.0) == b"":
-                    break
+            await talk(reader, writer)
         except (OSError, TimeoutError):
             pass
         else:
             writer.close()
-        tally.attacked("slowloris")
+        tally.attacked(what)
+
+
+async def slowloris(host: str, port: int, until: float, tally: Tally, partial: bytes) -> None:
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(partial)
+        while time.monotonic() < until:  # a byte now and then, until the gateway gives up
+            writer.write(b"a")
+            await writer.drain()
+            if await asyncio.wait_for(reader.read(1), 2.0) == b"":
+                break
+
+    await connection_attack(host, port, until, tally, "slowloris", talk)
 
 
 async def huge_heads(host: str, port: int, until: float, tally: Tally) -> None:
-    while time.monotonic() < until:
-        try:
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_048_576 + b"\r\n\r\n")
-            await writer.drain()
-            await reader.read()
-            writer.close()
-        except OSError:
-            pass
-        tally.attacked("huge_head")
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_048_576 + b"\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    await connection_attack(host, port, until, tally, "huge_head", talk)
 
 
 async def bad_bodies(url: str, token: str, until: float, tally: Tally) -> None:
@@ -173,17 +204,9 @@ async def stream_flood(url: str, token: str, until: float, tally: Tally, job_id:
 
 async def costly_formats(url: str, token: str, until: float, tally: Tally, plan: Attack) -> None:
     """`rows` chats at a time whose string pattern costs the closing walk most, each given room for it."""
-    schema = {
-        "type": "object",
-        "properties": {"s": {"type": "string", "pattern": plan.pattern}},
-        "required": ["s"],
-    }
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Fill the pattern."}],
-        "max_tokens": plan.format_tokens,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "costly", "schema": schema}},
-    }
+    body = pattern_chat(
+        plan.pattern, key="s", content="Fill the pattern.", max_tokens=plan.format_tokens, name="costly"
+    )
 
     async def one_row(client: httpx.AsyncClient) -> None:
         while time.monotonic() < until:
@@ -194,7 +217,7 @@ async def costly_formats(url: str, token: str, until: float, tally: Tally, plan:
                 continue
             tally.attacked("format" if reply.status_code == 200 else f"format_{reply.status_code}")
 
-    async with httpx.AsyncClient(base_url=url, headers=bearer(token), timeout=REQUEST_TIMEOUT_S) as client:
+    async with attacker_client(url, token) as client:
         await asyncio.gather(*(one_row(client) for _ in range(plan.rows)))
 
 
@@ -207,10 +230,7 @@ async def prefill_flood(
 
     async def thread(number: int) -> None:
         chooser = random.Random(f"{phase}.{number}")
-        limits = httpx.Limits(max_connections=1)
-        async with httpx.AsyncClient(
-            base_url=url, headers=bearer(token), timeout=REQUEST_TIMEOUT_S, limits=limits
-        ) as client:
+        async with attacker_client(url, token, connections=1) as client:
             sent = 0
             while time.monotonic() < until:
                 sent += 1
@@ -240,17 +260,7 @@ async def prefill_flood(
 async def refused_formats(url: str, token: str, until: float, plan: Attack, refusals: Refusals) -> None:
     """`rows` clients sending `rate` requests a second in all, each a 1-token chat whose json_schema
     needs more tokens than that: a 400 max_tokens_too_small once the worker has looked at the schema."""
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "string", "pattern": plan.pattern}},
-        "required": ["a"],
-    }
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 1,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-    }
+    body = pattern_chat(plan.pattern, key="a", content="go", max_tokens=1, name="x")
     interval = plan.rows / plan.rate  # each client's, its sends spread evenly between the clients'
     started = time.monotonic()
 
@@ -269,9 +279,6 @@ async def refused_formats(url: str, token: str, until: float, plan: Attack, refu
                 refusals.latencies.append(time.perf_counter() - sent)
             due = max(due + interval, time.monotonic())  # a client behind its schedule sends no backlog
 
-    limits = httpx.Limits(max_connections=plan.rows)
-    async with httpx.AsyncClient(
-        base_url=url, headers=bearer(token), timeout=REQUEST_TIMEOUT_S, limits=limits
-    ) as client:
+    async with attacker_client(url, token, connections=plan.rows) as client:
         await asyncio.gather(*(client_loop(n, client) for n in range(plan.rows)))
     refusals.wall_s = time.monotonic() - started
