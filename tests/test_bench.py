@@ -348,6 +348,7 @@ def test_the_serving_bench_measures_the_engine_alone_the_fleet_at_each_concurren
     assert data["options"]["gateways"] == 2 and data["options"]["client_processes"] == 2
     # Each level names the fleet's workers, their rows and the tokens each generated in it: all of them.
     for level in data["levels"]:
+        assert (level.pop("models"), level.pop("round")) == (["bench"], 0)  # one list: the model alone
         workers = level.pop("workers")
         assert len(workers) == 2 and all(w["device"] == "cpu" and w["rows"] >= 1 for w in workers)
         assert sum(w["tokens"] for w in workers) == level["output_tokens"]

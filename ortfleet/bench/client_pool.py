@@ -4,6 +4,7 @@ process parsing every streamed chunk would measure itself rather than the server
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
@@ -14,34 +15,33 @@ _START_TIMEOUT_S = 120.0
 
 
 def pooled_closed_loop(
-    url: str, model: str, planned: list[Planned], concurrency: int, processes: int
+    url: str, model: str | Sequence[str], planned: list[Planned], concurrency: int, processes: int
 ) -> tuple[list[Served], float]:
     """`concurrency` closed-loop clients in `processes` processes, each with its share of the clients and
     every processes-th request, starting together once all have started; the wall time runs from the
     first request's send to the last one's end (perf_counter is one monotonic clock in every process).
-    Each process's clients are numbered from its index times `concurrency`, so no two share a number."""
+    Each process's clients are numbered from its index times `concurrency`, so no two share a number. With a
+    list of models, the i-th client of all (in process order) names the i-th, modulo its length
+    (closed_loop)."""
     processes = max(1, min(processes, concurrency))
     if processes == 1:
         return aio.run(closed_loop(url, model, planned, concurrency))
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
     outcomes: Any = context.Queue()
-    children = [
-        context.Process(
-            target=_one_process,
-            args=(
-                url,
-                model,
-                planned[i::processes],
-                (concurrency + i) // processes,
-                i * concurrency,
-                barrier,
-                outcomes,
-            ),
-            daemon=True,
+    clients = [(concurrency + i) // processes for i in range(processes)]
+    models = [model] if isinstance(model, str) else list(model)
+    children = []
+    for i in range(processes):
+        first = sum(clients[:i])  # its clients' place among all clients
+        own = [models[(first + j) % len(models)] for j in range(clients[i])]
+        children.append(
+            context.Process(
+                target=_one_process,
+                args=(url, own, planned[i::processes], clients[i], i * concurrency, barrier, outcomes),
+                daemon=True,
+            )
         )
-        for i in range(processes)
-    ]
     for child in children:
         child.start()
     results: list[Served] = []
@@ -63,7 +63,7 @@ def pooled_closed_loop(
 
 def _one_process(
     url: str,
-    model: str,
+    model: list[str],
     planned: list[Planned],
     clients: int,
     first_stream: int,

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ class Served:
     cached_tokens: int | None = None  # the server's usage.prompt_tokens_details, if it gave one
     arrivals: list[float] = field(default_factory=list)  # when each text chunk came (one per token at most)
     stream: int = 0  # the closed-loop client that sent it
+    model: str = ""  # the `model` it named
 
     def figures(self) -> dict[str, Any]:
         duration = self.end - self.start
@@ -138,19 +140,22 @@ async def stream(
         "".join(pieces),
         cached,
         arrivals,
+        model=model,
     )
 
 
 async def closed_loop(
-    url: str, model: str, planned: list[Planned], concurrency: int, first_stream: int = 0
+    url: str, model: str | Sequence[str], planned: list[Planned], concurrency: int, first_stream: int = 0
 ) -> tuple[list[Served], float]:
     """`concurrency` clients, each sending the next request of the list when its last one ends; each
-    request names its client (Served.stream: first_stream, first_stream + 1, ...)."""
+    request names its client (Served.stream: first_stream, first_stream + 1, ...). `model` is every
+    client's, or a list: client i's is its i-th, modulo its length."""
+    models = [model] if isinstance(model, str) else list(model)
     next_index = 0
     results: list[Served] = []
     connections = [Connection(url) for _ in range(concurrency)]
 
-    async def client(connection: Connection, number: int) -> None:
+    async def client(connection: Connection, number: int, model: str) -> None:
         nonlocal next_index
         while next_index < len(planned):
             request = planned[next_index]
@@ -161,7 +166,9 @@ async def closed_loop(
 
     started = time.perf_counter()
     try:
-        await asyncio.gather(*(client(c, first_stream + i) for i, c in enumerate(connections)))
+        await asyncio.gather(
+            *(client(c, first_stream + i, models[i % len(models)]) for i, c in enumerate(connections))
+        )
         wall = time.perf_counter() - started
     finally:
         for connection in connections:

@@ -21,6 +21,11 @@ max tokens (end of sequence ignored):
   generating (from the last stream's first token to the first stream's last token, ortfleet.bench.steady):
   the wall time also holds the ramp-up and the drain, when a few long last requests run alone. Null, with
   the reason, where that window is empty or under a tenth of the wall time.
+- models: with --models, stream i of a run names the i-th model of the list (modulo its length) as its
+  `model`, for a model's LoRA adapters beside it (model_mix); each --models list runs once at each
+  concurrency, in turns, --rounds times, and each run also gives its figures by name. Each list after the
+  first is compared with the first at the same concurrency, round by round. The local fleet serves its
+  model as `bench` and the adapters of --lora NAME=PATH (and --random-lora's random-1, ...) beside it.
 - prefill interference: three requests with prompts of about --long-prompt-tokens tokens (a paragraph
   repeated, measured with the server's POST /tokenize where it has one, else ~4 characters a token)
   and 16 tokens each are sent at once; 0.5 s later a short chat request (16 tokens) is sent. The short
@@ -32,17 +37,21 @@ The goals are checked against the figures of this same run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from common import aio
+from ortfleet.bench import model_mix
 from ortfleet.bench.backends import PROMPTS
 from ortfleet.bench.client_pool import pooled_closed_loop
 from ortfleet.bench.completions import Planned, closed_loop, level_figures
@@ -81,6 +90,14 @@ class ServingOptions:
     engine_concurrency: list[int] | None = None  # the engine alone's levels (default: every level)
     shared_core: bool = False  # the local fleet's workers attach to one engine core
     engine_only: bool = False  # the engine alone and nothing else: no fleet, no interference run
+    models: list[tuple[str, ...]] = field(default_factory=list)  # the streams' names, mix by mix
+    rounds: int = 1  # each level's runs of every mix, in turns
+    lora: dict[str, Path] = field(default_factory=dict)  # the local fleet's adapters
+    random_lora: int = 0  # random adapters the bench writes for the local fleet
+
+    def mixes(self, name: str) -> list[tuple[str, ...]]:
+        """The --models lists, or the served model alone."""
+        return self.models or [(name,)]
 
     def requests_at(self, concurrency: int) -> int:
         """Requests of a level: --requests, and at least two for each client."""
@@ -98,11 +115,17 @@ def plan(requests: int, lengths: tuple[int, int]) -> list[Planned]:
 def run(options: ServingOptions) -> dict[str, Any]:
     """The engine alone (with a model), then the server at each concurrency and the interference."""
     load_at_start = os.getloadavg()
+    if options.url is None and not options.engine_only:  # before anything runs
+        names = [*options.lora, *model_mix.random_names(options.random_lora)]
+        model_mix.check_served(options.mixes(LOCAL_NAME), LOCAL_NAME, names)
     engine_levels = options.engine_concurrency or options.concurrency
     served_levels = [] if options.engine_only else options.concurrency
     planned = plan(max(options.requests_at(c) for c in [*engine_levels, *served_levels]), options.lengths)
     interference_run = options.interference and not options.engine_only
-    steps = (1 if options.model_dir is not None else 0) + len(served_levels) + interference_run
+    runs_per_level = options.rounds * max(1, len(options.models))
+    steps = (
+        (1 if options.model_dir is not None else 0) + len(served_levels) * runs_per_level + interference_run
+    )
     with tqdm(total=steps, desc="serving", unit="run", file=sys.stderr, leave=False) as bar:
         engine = engine_shape = None
         if options.model_dir is not None:  # before the fleet starts: nothing else runs meanwhile
@@ -115,19 +138,11 @@ def run(options: ServingOptions) -> dict[str, Any]:
         if options.engine_only:
             pass  # no server: no levels, no interference, no name
         elif options.url is not None:
-            name = options.name or aio.run(served_model(options.url))
+            name = options.name or (options.models[0][0] if options.models else None)
+            name = name or aio.run(served_model(options.url))
             measured = _measure_server(options, options.url, name, planned, bar)
         else:
-            assert options.model_dir is not None
-            with serving_fleet(
-                options.model_dir,
-                LOCAL_NAME,
-                options.workers,
-                env={} if options.shared_core else gpu_share_env(options.device, options.workers),
-                device=options.device,
-                gateways=options.gateways,
-                shared_core=options.shared_core,
-            ) as url:
+            with _local_fleet(options) as url:
                 name = LOCAL_NAME
                 measured = _measure_server(options, url, name, planned, bar)
     levels, interfered = measured
@@ -148,6 +163,10 @@ def run(options: ServingOptions) -> dict[str, Any]:
             "workers": options.workers,
             "shared_core": options.shared_core,
             "client_processes": options.client_processes,
+            "models": [list(mix) for mix in options.models] or None,
+            "rounds": options.rounds,
+            "lora": {name: str(path) for name, path in options.lora.items()},
+            "random_lora": options.random_lora,
         },
         server=None if options.engine_only else options.url or "local ortfleet fleet (started by the bench)",
         served_name=name,
@@ -158,9 +177,33 @@ def run(options: ServingOptions) -> dict[str, Any]:
         "engine_shape": engine_shape,
         "levels": levels,
         "interference": interfered,
+        "mixes": model_mix.comparisons(levels, options.mixes(name))
+        if name and len(options.models) > 1
+        else None,
     }
     figures["goals"] = goals(figures)
     return figures
+
+
+@contextlib.contextmanager
+def _local_fleet(options: ServingOptions) -> Iterator[str]:
+    """The bench's throwaway fleet on the model, its workers serving the adapters of --lora and
+    --random-lora; yields its URL."""
+    assert options.model_dir is not None
+    with tempfile.TemporaryDirectory(prefix="ortfleet-lora-") as folder:
+        written = model_mix.write_random_adapters(options.model_dir, options.random_lora, Path(folder))
+        flags = [f for name, path in (options.lora | written).items() for f in ("--lora", f"{name}={path}")]
+        with serving_fleet(
+            options.model_dir,
+            LOCAL_NAME,
+            options.workers,
+            env={} if options.shared_core else gpu_share_env(options.device, options.workers),
+            worker_args=tuple(flags),
+            device=options.device,
+            gateways=options.gateways,
+            shared_core=options.shared_core,
+        ) as url:
+            yield url
 
 
 def _measure_server(
@@ -171,18 +214,34 @@ def _measure_server(
     warmed, _ = aio.run(closed_loop(url, model, warm, 2))  # allocations and caches: not measured
     if counts is not None:
         counts = aio.run(counted(url, model, counts, sum(r.tokens for r in warmed)))
+    mixes = options.mixes(model)
+    if options.models:  # each name's first requests: not measured either
+        names = list(dict.fromkeys(name for mix in mixes for name in mix))
+        warm = [Planned(-1 - i, PROMPTS[i % len(PROMPTS)], 8) for i in range(len(names))]
+        aio.run(closed_loop(url, names, warm, len(names)))
     levels = []
     for concurrency in options.concurrency:
-        bar.set_description(f"c={concurrency}")
-        results, wall = pooled_closed_loop(
-            url, model, planned[: options.requests_at(concurrency)], concurrency, options.client_processes
-        )
-        level = {"concurrency": concurrency, **level_figures(results, wall)}
-        if counts is not None and (now := aio.run(counted(url, model, counts, level["output_tokens"]))):
-            level["workers"] = worker_split(counts, now)
-            counts = now
-        levels.append(level)
-        bar.update()
+        for round_ in range(options.rounds):
+            for mix in mixes:
+                bar.set_description(f"c={concurrency}" + (f" {','.join(mix)}" if options.models else ""))
+                results, wall = pooled_closed_loop(
+                    url,
+                    mix,
+                    planned[: options.requests_at(concurrency)],
+                    concurrency,
+                    options.client_processes,
+                )
+                level: dict[str, Any] = {"concurrency": concurrency, "models": list(mix), "round": round_}
+                level |= level_figures(results, wall)
+                if len(set(mix)) > 1:
+                    level["by_model"] = model_mix.by_model(results, mix, concurrency, wall)
+                if counts is not None and (
+                    now := aio.run(counted(url, model, counts, level["output_tokens"]))
+                ):
+                    level["workers"] = worker_split(counts, now)
+                    counts = now
+                levels.append(level)
+                bar.update()
     measured = None
     if options.interference:
         bar.set_description("interference")
@@ -223,7 +282,8 @@ def worker_split(before: dict[str, dict[str, Any]], after: dict[str, dict[str, A
 
 def goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
     """Each goal with the figure it checks and whether it passes (None: not measured in this run)."""
-    by_concurrency = {level["concurrency"]: level for level in figures["levels"]}
+    first = (figures["options"].get("models") or [[figures.get("served_name")]])[0]
+    by_concurrency = model_mix.first_mix_levels(figures["levels"], first)
     engine_by_concurrency = {level["concurrency"]: level for level in figures["engine_alone"] or []}
     engine, one, four = engine_by_concurrency.get(1), by_concurrency.get(1), by_concurrency.get(4)
 
@@ -273,6 +333,17 @@ def goals(figures: dict[str, Any]) -> list[dict[str, Any]]:
                 True,
             )
         )
+    for mixed in figures.get("mixes") or []:
+        streams, names, against = mixed["concurrency"], ",".join(mixed["models"]), ",".join(mixed["against"])
+        out.append(
+            goal(
+                f"{streams} streams of {names}: tokens/s >= {model_mix.GOAL_MIXED}x {against}'s (median of "
+                "the rounds)",
+                mixed["median"],
+                model_mix.GOAL_MIXED,
+                True,
+            )
+        )
     if figures["interference"] is not None:
         short_s = figures["interference"]["short_ttft_ms"] / 1000
         out.append(
@@ -302,7 +373,13 @@ def text(figures: dict[str, Any]) -> str:
     rows = []
     rows += [row("engine alone", level["concurrency"], level) for level in figures["engine_alone"] or []]
     server = "ortfleet" if (figures.get("server") or "local").startswith("local") else "server"
-    rows += [row(server, level["concurrency"], level) for level in figures["levels"]]
+
+    def run_label(level: dict[str, Any]) -> str:
+        if not figures["options"].get("models"):
+            return server
+        return f"{server} {','.join(level['models'])} r{level['round'] + 1}"
+
+    rows += [row(run_label(level), level["concurrency"], level) for level in figures["levels"]]
     low, high = figures["options"]["lengths"]
     parts = [
         f"{Path(figures['model']).name if figures['model'] else figures['served_name']}: "
@@ -311,7 +388,7 @@ def text(figures: dict[str, Any]) -> str:
         table(headers, rows),
     ]
     labelled = [("engine alone", level) for level in figures["engine_alone"] or []]
-    labelled += [(server, level) for level in figures["levels"]]
+    labelled += [(run_label(level), level) for level in figures["levels"]]
     for label, level in labelled:
         if level.get("steady_reason"):  # figures written before the steady window have no reason
             parts.append(
@@ -333,7 +410,8 @@ def text(figures: dict[str, Any]) -> str:
         if workers := level.get("workers"):
             total = sum(w["tokens"] for w in workers) or 1
             split = ", ".join(f"{w['device']} {w['rows']} rows {w['tokens'] / total:.0%}" for w in workers)
-            parts.append(f"{level['concurrency']} streams, tokens by worker: {split}")
+            parts.append(f"{run_label(level)}, {level['concurrency']} streams, tokens by worker: {split}")
+    parts += model_mix.lines(figures)
     if (i := figures["interference"]) is not None:
         tokens = round(sum(i["long_prompt_tokens"]) / len(i["long_prompt_tokens"]))
         runs = [["long", t, d] for t, d in zip(i["long_ttft_ms"], i["long_done_ms"], strict=True)]

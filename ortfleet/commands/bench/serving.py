@@ -31,7 +31,10 @@ def add_modes(modes: Subparsers) -> None:
         "the OpenAI-compatible server at --url (llama.cpp's llama-server, vLLM), streamed completions "
         "from closed-loop clients at each concurrency: tokens/s (over the wall time, and while every "
         "stream was generating), TTFT, ITL; then three long prompts at "
-        "once and a short chat request 0.5 s later: its TTFT. Then the goals against this run's figures.",
+        "once and a short chat request 0.5 s later: its TTFT. Then the goals against this run's figures. "
+        "With --models, the streams name a list of models in turn (a model and its LoRA adapters, --lora or "
+        "--random-lora on the local fleet): each list at each concurrency, the figures by name too, and "
+        "each list set against the first.",
     )
     serving.add_argument(
         "--model",
@@ -105,6 +108,39 @@ def add_modes(modes: Subparsers) -> None:
         action="store_true",
         help="measure the engine alone at --engine-concurrency (or --concurrency) and stop: no fleet, no "
         "interference run (a quick look at an engine setting such as ORTFLEET_CUDA_GRAPH)",
+    )
+    serving.add_argument(
+        "--models",
+        type=_mix,
+        action="append",
+        default=[],
+        metavar="NAME,NAME,...",
+        help="the model each stream names: stream i sends the i-th name (modulo the list's length), such as "
+        "a model and its LoRA adapters; repeat to compare lists: each concurrency runs each list in turn, "
+        "and the figures of the lists after the first are set against the first's (default: the served "
+        "model alone; the local fleet serves its model as 'bench', its adapters under their names)",
+    )
+    serving.add_argument(
+        "--rounds",
+        type=positive,
+        default=1,
+        help="runs of each concurrency, every --models list once a round, in turns (default 1)",
+    )
+    serving.add_argument(
+        "--lora",
+        type=_adapter,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter the local fleet's workers serve beside the model under NAME (repeatable; "
+        "the CPU batcher only)",
+    )
+    serving.add_argument(
+        "--random-lora",
+        type=positive,
+        metavar="N",
+        help="the local fleet's workers also serve N random LoRA adapters the bench writes for the model "
+        "(rank 16 on every projection), named random-1 ... random-N",
     )
     serving.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     serving.set_defaults(func=run_serving)
@@ -217,6 +253,11 @@ def run_serving(args: argparse.Namespace) -> int:
     url = server_url(args, "serving")
     if args.engine_only and url is not None:
         raise SystemExit("ortfleet bench serving: --engine-only measures a local engine: drop --url")
+    if url is not None and (args.lora or args.random_lora):
+        raise SystemExit(
+            "ortfleet bench serving: --lora and --random-lora are for the local fleet's workers; the server "
+            "at --url serves its own adapters: name them with --models"
+        )
     options = serving.ServingOptions(
         model_dir=None if args.url and args.model is None else model_dir(args.model),
         concurrency=args.concurrency,
@@ -234,9 +275,31 @@ def run_serving(args: argparse.Namespace) -> int:
         engine_concurrency=args.engine_concurrency,
         shared_core=args.shared_core,
         engine_only=args.engine_only,
+        models=args.models,
+        rounds=args.rounds,
+        lora=dict(args.lora),
+        random_lora=args.random_lora or 0,
     )
     figures = serving.run(options)
     return finish(figures, serving.text(figures), args.json)
+
+
+def _mix(text: str) -> tuple[str, ...]:
+    from ortfleet.bench.model_mix import parse_mix
+
+    try:
+        return parse_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _adapter(text: str) -> tuple[str, Path]:
+    from ortfleet.bench.model_mix import parse_adapter
+
+    try:
+        return parse_adapter(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def run_prefix(args: argparse.Namespace) -> int:
