@@ -2,7 +2,7 @@
 /v1/models lists each with its model as `parent`, and a request whose `model` is an adapter's name runs on
 that model's workers with the adapter (OpenAI routes and the job API alike). Workers whose adapters do not
 fit the model, differ from their name's other workers', or run on an engine without adapters exit at
-start, naming why."""
+start, naming why. A batch's lines name adapters as requests do."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet
 from tests.jobs_client import read_events, streamed_text, submit, wait_done
+from tests.test_batches import jsonl, line, until_status, upload
 from tests.test_cli import ortfleet
 from tests.test_lora import alone, write_adapter
 from tests.test_observability import value
@@ -207,3 +208,36 @@ async def test_answers_metrics_status_and_the_console_name_the_adapter_a_request
     assert f"{model_name} adapters: {', '.join(sorted(adapters))}" in table.stdout.splitlines()
     overview = (await client.get("/v1/fleet")).json()
     assert next(m for m in overview["models"] if m["id"] == model_name)["adapters"] == sorted(adapters)
+
+
+async def test_a_batch_whose_lines_name_adapters_answers_each_line_with_the_text_of_its_request_alone(
+    fleet: Fleet, sdk: openai.OpenAI, model_name: str, adapters: dict[str, Path]
+) -> None:
+    """Lines naming an adapter and lines naming the model, in one batch, which the worker runs side by side
+    (six jobs, eight rows): each answer names the line's model and holds the text of its request alone."""
+    sql, zero = adapters
+    fleet.start_worker(model_name, *lora_flags(adapters))
+    prompts = [PROMPT, "The capital of France is"]
+    lines = [
+        line(f"{model}-{i}", model, prompt, max_tokens=TOKENS, temperature=0)
+        for i, prompt in enumerate(prompts)
+        for model in (sql, model_name, zero)
+    ]
+    created = sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+    batch = await until_status(sdk, created.id, "completed")
+
+    answers = {answer["custom_id"]: answer["response"] for answer in jsonl(sdk, batch.output_file_id)}
+    assert sorted(answers) == sorted(entry["custom_id"] for entry in lines)
+    texts = {}
+    for entry in lines:
+        response = answers[entry["custom_id"]]
+        assert response["status_code"] == 200, response
+        assert response["body"]["model"] == entry["body"]["model"]
+        texts[entry["custom_id"]] = response["body"]["choices"][0]["message"]["content"]
+        alone = await asyncio.to_thread(sdk.chat.completions.create, **entry["body"])
+        assert texts[entry["custom_id"]] == alone.choices[0].message.content, entry["custom_id"]
+    for i in range(len(prompts)):  # the adapters did run: one changes the model's text, one (B = 0) not
+        assert texts[f"{sql}-{i}"] != texts[f"{model_name}-{i}"] == texts[f"{zero}-{i}"]
