@@ -23,6 +23,7 @@ from ortfleet.fleet.processes import free_port, stop
 from tests.conftest import LOGS, Fleet, RedisServer
 from tests.jobs_client import read_events, submit, wait_done
 from tests.test_cli import ortfleet_up
+from tests.test_lora import write_adapter
 from worker.engines.batcher.engine import DEFAULT_SLOTS
 
 ROOT = Path(__file__).parent.parent
@@ -102,11 +103,13 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 @contextlib.asynccontextmanager
-async def traffic(client: httpx.AsyncClient, model: str, lanes: int = 3) -> AsyncIterator[None]:
-    """Jobs streamed over SSE, a cancelled job and a 404, over and over until the block ends."""
+async def traffic(client: httpx.AsyncClient, *models: str, lanes: int = 3) -> AsyncIterator[None]:
+    """Jobs streamed over SSE, a cancelled job and a 404, over and over until the block ends; lane i names
+    the i-th model (modulo their number)."""
     stopping = asyncio.Event()
 
     async def lane(index: int) -> None:
+        model = models[index % len(models)]
         while not stopping.is_set():
             job = await submit(client, {"model": model, "prompt": f"Hello {index}", "max_tokens": 24})
             await read_events(client, job["id"])
@@ -136,12 +139,25 @@ def has_data(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(series["value"][1])) for series in result)
 
 
+def shows_adapters(result: list[dict[str, Any]], adapter: str) -> bool:
+    """A per-adapter panel's series: the adapter's own, counting, and the model's own, named (model)."""
+    rates = {series["metric"].get("adapter"): float(series["value"][1]) for series in result}
+    return rates.get(adapter, 0.0) > 0 and "(model)" in rates
+
+
 async def test_every_dashboard_panel_shows_data_from_a_running_fleet(
-    fleet: Fleet, client: httpx.AsyncClient, model_name: str, start_prometheus: StartPrometheus
+    fleet: Fleet,
+    client: httpx.AsyncClient,
+    model_name: str,
+    start_prometheus: StartPrometheus,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
+    adapter = f"{model_name}-lora"
+    lora = f"{adapter}={write_adapter(tmp_path / 'lora', tiny_model)}"
     worker_ports = [free_port(), free_port()]
     for port in worker_ports:
-        fleet.start_worker(model_name, "--metrics-port", str(port))
+        fleet.start_worker(model_name, "--metrics-port", str(port), "--lora", lora)
     prometheus = start_prometheus(
         {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -163,11 +179,12 @@ async def test_every_dashboard_panel_shows_data_from_a_running_fleet(
     async with httpx.AsyncClient(timeout=10) as http:
         await wait_for_targets(prometheus, http, 3)
         pending = dict(enumerate(queries))
-        async with traffic(client, model_name):
+        async with traffic(client, model_name, adapter):
             deadline = time.monotonic() + 90
             while pending and time.monotonic() < deadline:
-                for key, (_title, promql) in list(pending.items()):
-                    if has_data(await prometheus.query(http, promql)):
+                for key, (title, promql) in list(pending.items()):
+                    result = await prometheus.query(http, promql)
+                    if shows_adapters(result, adapter) if "LoRA adapter" in title else has_data(result):
                         del pending[key]
                 await asyncio.sleep(0.5)
 
