@@ -48,7 +48,14 @@ def first_ending(matcher: LLMatcher, byte_tokens: ByteTokens, json: bool) -> End
     """The walk's ending from the matcher's state (left as it was), found within `START_BUDGET`; None
     when it finds none."""
     keys = JsonKeys() if json else None
-    text = closing_bytes(matcher, Lexer(), byte_tokens, keys, WalkBudget(START_BUDGET))
+    return _walk(matcher, Lexer(), byte_tokens, keys, WalkBudget(START_BUDGET))
+
+
+def _walk(
+    matcher: LLMatcher, lexer: Lexer, byte_tokens: ByteTokens, keys: JsonKeys | None, budget: WalkBudget
+) -> Ending | None:
+    """The walk's ending from the matcher's state (left as it was), in tokens the matcher takes."""
+    text = closing_bytes(matcher, lexer, byte_tokens, keys, budget)
     return None if text is None else Ending(written_as_tokens(matcher, text, byte_tokens), text)
 
 
@@ -80,7 +87,7 @@ class DocumentCloser:
         if self._ending is None:
             budget = STEP_BUDGET if self._started else START_BUDGET
             self._started = True
-            self._ending = self._walk(self._matcher, self._lexer, self._keys, WalkBudget(budget))
+            self._ending = _walk(self._matcher, self._lexer, self._bytes, self._keys, WalkBudget(budget))
         return None if self._ending is None else self._ending.tokens
 
     def steer(self, token: int, left: int) -> int:
@@ -133,14 +140,8 @@ class DocumentCloser:
                     return reused
             spent = 2 * len(current.tokens)
         budget = WalkBudget(STEP_BUDGET - spent)
-        walked = self._walk(trial, lexer, keys, budget)
+        walked = _walk(trial, lexer, self._bytes, keys, budget)
         return walked if walked is not None and len(walked.tokens) <= room else None
-
-    def _walk(
-        self, matcher: LLMatcher, lexer: Lexer, keys: JsonKeys | None, budget: WalkBudget
-    ) -> Ending | None:
-        text = closing_bytes(matcher, lexer, self._bytes, keys, budget)
-        return None if text is None else Ending(written_as_tokens(matcher, text, self._bytes), text)
 
     def _completes(self, matcher: LLMatcher, keys: JsonKeys | None, ending: Ending) -> bool:
         """The grammar takes the ending from the matcher's state and is then complete, with no key twice."""
