@@ -34,7 +34,13 @@ class ErrorCode(str, Enum):
     unsupported_parameter = "unsupported_parameter"
     unsupported_value = "unsupported_value"
     store_unavailable = "store_unavailable"
-    worker_timeout = "worker_timeout"  # no worker answered a tokenizer call in time
+    worker_timeout = "worker_timeout"  # no worker answered a tokenizer (or adapter) call in time
+    # LoRA adapters loaded and unloaded at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)
+    runtime_lora_updating_disabled = "runtime_lora_updating_disabled"  # ORTFLEET_ALLOW_RUNTIME_LORA_UPDATING
+    admin_key_required = "admin_key_required"  # a client's key on an operator's route
+    adapter_exists = "adapter_exists"  # the name is served already (an adapter's or a model's)
+    adapter_not_found = "adapter_not_found"
+    adapter_refused = "adapter_refused"  # a worker could not load it (a mismatch, unreadable): none keeps it
     stream_tokens_disabled = "stream_tokens_disabled"
     store_timeout = "store_timeout"
     not_replicated = "not_replicated"  # fewer replicas than ORTFLEET_SUBMIT_REPLICAS confirmed a submission

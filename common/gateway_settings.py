@@ -95,6 +95,24 @@ class GatewaySettings(FleetSettings):
     metrics_api_key: SecretStr | None = Field(
         None, description="When set, the gateway's /metrics needs `Authorization: Bearer` this key."
     )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="The operators' key: loading and unloading LoRA adapters at run time "
+        "(`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`) needs `Authorization: Bearer` this key "
+        "once it is set or API keys are on; a client's key gets 403.",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="Serve `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (vLLM's, as its "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): an operator loads a LoRA adapter into every live worker of a "
+        "model, read from a folder on the workers' hosts, without a restart. Off, they answer 404.",
+    )
+    lora_update_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for every live worker of a model to load (or unload) a LoRA adapter at "
+        "run time; a load not done by all in time is undone on every worker and answered 504.",
+    )
     allow_anonymous: bool = Field(
         False,
         description="Let the gateway listen on a non-loopback address with no API keys (--allow-anonymous).",

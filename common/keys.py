@@ -237,5 +237,17 @@ class Keyspace:
     def tokenizer_reply(self, call_id: str) -> str:
         return f"{self.prefix}tokenizer-reply:{call_id}"
 
+    def runtime_adapters(self, model: str) -> str:
+        """hash: the model's LoRA adapters loaded at run time, name -> folder (common/adapter_calls.py)."""
+        return f"{self.prefix}runtime-adapters:{model}"
+
+    def adapter_calls(self, worker_id: str) -> str:
+        """list: adapter loads and unloads for one worker (JSON, pushed left, popped right)."""
+        return f"{self.prefix}adapter-calls:{worker_id}"
+
+    def adapter_reply(self, call_id: str) -> str:
+        """list: each worker's reply to an adapter call."""
+        return f"{self.prefix}adapter-reply:{call_id}"
+
 
 STANDALONE = Keyspace()  # one Redis: the names without a tag

@@ -40,6 +40,9 @@ class WorkerInfo:
     # The LoRA adapters it serves (ORTFLEET_LORA_MODULES): name -> folder (on its host). Every worker of a
     # model serves the same names; a request naming one is a job of the model with that adapter.
     adapters: dict[str, str] = field(default_factory=dict)
+    # Those of `adapters` loaded at run time (common/adapter_calls.py), not given at start: every worker of a
+    # model is given the same adapters at start, whatever was loaded since.
+    runtime_adapters: list[str] = field(default_factory=list)
 
 
 async def heartbeat(redis: Redis, keys: Keyspace, info: WorkerInfo, ttl_s: float, remember_s: int) -> None:
@@ -71,6 +74,12 @@ def worker_adapters(entry: dict[str, str]) -> dict[str, str]:
     """A registry entry's LoRA adapters, name: folder (none from a worker that serves none)."""
     adapters: dict[str, str] = json.loads(entry.get("adapters") or "{}")
     return adapters
+
+
+def start_adapters(entry: dict[str, str]) -> list[str]:
+    """The names of a registry entry's adapters given at start (ORTFLEET_LORA_MODULES), sorted."""
+    runtime = set(json.loads(entry.get("runtime_adapters") or "[]"))
+    return sorted(name for name in worker_adapters(entry) if name not in runtime)
 
 
 async def deregister(redis: Redis, keys: Keyspace, worker_id: str) -> None:

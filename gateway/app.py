@@ -16,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from common.aio import cancel_and_wait
 from common.apikeys import KeyRing, parse_env_keys
 from common.gateway_settings import GatewaySettings
-from gateway import health, jobs, metrics, metrics_route, openai_api, openapi, tokenizer
+from gateway import health, jobs, lora_adapters, metrics, metrics_route, openai_api, openapi, tokenizer
 from gateway.auth import ApiKeyAuth
 from gateway.batches import routes as batches
 from gateway.batches.driver import BatchDriver
@@ -114,6 +114,7 @@ def build_app(
             *batches.routes,
             *responses.routes,
             *tokenizer.routes,
+            *lora_adapters.routes,
             *health.routes,
             *openapi.routes,
             *metrics_route.routes,
@@ -132,6 +133,7 @@ def build_app(
                 default_max_prompt_tokens_in_flight=settings.key_max_prompt_tokens_in_flight,
                 default_tokenize_chars_per_s=settings.key_tokenize_chars_per_s,
                 stream_token_key=tokens.key_of if tokens is not None else None,
+                admin_key=settings.admin_api_key.get_secret_value() if settings.admin_api_key else None,
             ),
             Middleware(
                 BodySizeLimit,

@@ -25,6 +25,7 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/health", "/version"})
 METRICS_PATH = "/metrics"
 FLEET_PATH = "/v1/fleet"  # also open to the metrics key, which sees the fleet's load there
 CONSOLE_PREFIX = "/console/"  # the console's page and assets hold no data: the page asks for a key
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})  # the operators' routes
 
 
 def principal_of(scope: Scope) -> Principal:
@@ -35,8 +36,8 @@ def principal_of(scope: Scope) -> Principal:
 
 class ApiKeyAuth:
     """Every route but the health checks and /version needs `Authorization: Bearer KEY` once keys are
-    configured; /metrics needs its own key when one is set. The caller's key becomes the request's
-    principal."""
+    configured; /metrics needs its own key when one is set, and the operators' routes (ADMIN_PATHS) the
+    admin key once it is set or keys are. The caller's key becomes the request's principal."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class ApiKeyAuth:
         default_max_prompt_tokens_in_flight: int = 0,
         default_tokenize_chars_per_s: int = 0,
         stream_token_key: Callable[[Scope], str | None] | None = None,
+        admin_key: str | None = None,
     ) -> None:
         """`stream_token_key`: the key name a request's stream token vouches for, STREAM_TOKEN_INVALID for
         a bad token, None when it has none."""
@@ -55,6 +57,7 @@ class ApiKeyAuth:
         self.stream_token_key = stream_token_key
         self.keyring = keyring
         self.metrics_key = metrics_key
+        self.admin_key = admin_key
         self.defaults = Principal(  # the limits of a key that sets none of its own
             "",
             default_max_concurrent_jobs,
@@ -76,6 +79,9 @@ class ApiKeyAuth:
                 await _reject(send, 401, "a valid metrics key is required: Authorization: Bearer KEY")
                 return
             await self.app(scope, receive, send)
+            return
+        if scope["path"] in ADMIN_PATHS and (self.keyring.enabled or self.admin_key is not None):
+            await self._admin(scope, receive, send, presented)
             return
         if not self.keyring.enabled:
             await self.app(scope, receive, send)
@@ -118,6 +124,25 @@ class ApiKeyAuth:
             return
         scope.setdefault("state", {})["principal"] = principal
         await self.app(scope, receive, send)
+
+    async def _admin(self, scope: Scope, receive: Receive, send: Send, presented: str | None) -> None:
+        """An operator's route: the admin key passes (as the anonymous principal); a client's key gets 403."""
+        if self.admin_key is not None and _same(presented, self.admin_key):
+            await self.app(scope, receive, send)
+            return
+        if presented is None:
+            await _reject(send, 401, "the admin key is required: send Authorization: Bearer KEY")
+            return
+        key = self.keyring.authenticate(presented) if self.keyring.enabled else None
+        if key is None:
+            await _reject(send, 401, "the API key is not valid (unknown or revoked)")
+            return
+        why = "is not it" if self.admin_key is not None else "is a client's, and no admin key is set"
+        message = (
+            f"{scope['path']} is an operator's route: it needs the admin key (ORTFLEET_ADMIN_API_KEY), and "
+            f"key {key.name!r} {why}"
+        )
+        await _reject(send, 403, message, code=ErrorCode.admin_key_required)
 
     async def _over_rate(self, scope: Scope, principal: Principal) -> int:
         """Seconds until the key may call again (0: it may now), counted in Redis across all gateways."""

@@ -31,6 +31,7 @@ from common.wire import PRIORITY_ORDER, JobRequest, JobSpec, PriorityClass, Samp
 from gateway import guidance_check
 from gateway.cache_scope import cache_scope
 from gateway.errors import ApiError, store_full, validation_error
+from gateway.fleet import FleetSnapshot
 from gateway.idempotency import (
     KeyTries,
     check_same_request,
@@ -64,24 +65,35 @@ class ServedModel:
 async def resolve_model(state: AppState, requested: str | None) -> ServedModel:
     """The served model (or LoRA adapter) a request names; 404/422/503 when it cannot be served now (503
     store_full first, while its stores refuse writes for memory, which their workers' heartbeats meet too).
-    An adapter's name resolves to its model: its jobs go to the model's queue, the adapter named in each."""
+    An adapter's name resolves to its model: its jobs go to the model's queue, the adapter named in each.
+    A name the snapshot does not know is looked up once in a fresh read of the registry."""
     fleet = await state.fleet.snapshot()
-    if requested is not None and requested not in fleet.known:
-        if requested not in fleet.adapters:
-            fleet = await state.fleet.snapshot(fresh=True)
-        if requested in fleet.adapters:
-            served = await _resolve_model(state, fleet.adapters[requested])
-            return ServedModel(served.model, served.context_length, requested)
-    return await _resolve_model(state, requested)
+    fresh = False
+    if requested is not None and requested not in fleet.known and requested not in fleet.adapters:
+        fleet, fresh = await state.fleet.snapshot(fresh=True), True
+    if requested is not None and requested not in fleet.known and requested in fleet.adapters:
+        served = await _resolve_model(state, fleet.adapters[requested], fleet, fresh)
+        return ServedModel(served.model, served.context_length, requested)
+    return await _resolve_model(state, requested, fleet, fresh)
 
 
-async def _resolve_model(state: AppState, requested: str | None) -> ServedModel:
+async def _resolve_model(
+    state: AppState, requested: str | None, fleet: FleetSnapshot, fresh: bool
+) -> ServedModel:
+    """`fleet`: the snapshot read so far, `fresh` when it began after the request came (not read again)."""
     if (full := state.shards.full(requested)) is not None:
         raise store_full(full)
-    fleet = await state.fleet.snapshot()
+
+    async def read_again() -> FleetSnapshot:
+        nonlocal fresh
+        if fresh:
+            return fleet
+        fresh = True
+        return await state.fleet.snapshot(fresh=True)
+
     if requested is None:
         if len(fleet.live) != 1:  # the snapshot may predate a worker that just came or went
-            fleet = await state.fleet.snapshot(fresh=True)
+            fleet = await read_again()
         if len(fleet.live) == 1:
             name = next(iter(fleet.live))
             return ServedModel(name, fleet.live[name].context_length)
@@ -91,7 +103,7 @@ async def _resolve_model(state: AppState, requested: str | None) -> ServedModel:
             raise ApiError(503, message, param="model", code=ErrorCode.no_live_worker)
         raise ApiError(422, f"model: required, this fleet serves {', '.join(names)}", param="model")
     if requested not in fleet.known:
-        fleet = await state.fleet.snapshot(fresh=True)
+        fleet = await read_again()
     if requested not in fleet.known:
         served = ", ".join(sorted(fleet.known)) or "none"
         raise ApiError(
@@ -101,7 +113,7 @@ async def _resolve_model(state: AppState, requested: str | None) -> ServedModel:
             code=ErrorCode.model_not_found,
         )
     if requested not in fleet.live:
-        fleet = await state.fleet.snapshot(fresh=True)
+        fleet = await read_again()
     if requested not in fleet.live and state.settings.queue_without_workers:
         return ServedModel(requested, fleet.known[requested])  # it waits for a worker (scaled to zero)
     if requested not in fleet.live:

@@ -38,6 +38,7 @@ class Heartbeat:
         self.info = info
         self.runs = runs
         self._leaving = asyncio.Event()  # drained: the heartbeat ends, then the entry is removed
+        self.registered = asyncio.Event()  # the first beat is in: the worker is live in the registry
         self._finished_tokens = 0
         self._finished_prompt_tokens = 0
         self._throughput = Throughput(time.monotonic())
@@ -76,6 +77,7 @@ class Heartbeat:
         await heartbeat(
             self.redis, self.queue.keys, self.info, self.settings.heartbeat_ttl_s, self.settings.job_ttl_s
         )
+        self.registered.set()
 
     async def run(self) -> None:
         """Beats until `leave`."""

@@ -10,18 +10,20 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from common import aio
+from common.adapter_calls import runtime_adapters
 from common.model_folder import (
     served_fingerprint,
 )
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis, connect_store
 from common.redis_url import URL_FORMAT, mask_url
-from common.registry import WorkerInfo, live_workers, worker_adapters
+from common.registry import WorkerInfo, live_workers, start_adapters, worker_adapters
 from common.startup import (
     CannotStart,
     check_store_config,
@@ -37,6 +39,7 @@ from common.stores import Store
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, Tokenizer
 from worker.engines.device import Device, parse_device
+from worker.engines.engine_choice import adapters_refusal
 from worker.engines.engine_loading import (
     REBUILD,
     chosen_device,
@@ -109,14 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def check_one_model_per_name(
-    settings: WorkerSettings, name: str, model_dir: Path | None, cluster: bool = False
+    settings: WorkerSettings,
+    name: str,
+    model_dir: Path | None,
+    cluster: bool = False,
+    recorded: Collection[str] = (),
 ) -> str:
     """The model's fingerprint; CannotStart when a live worker serves another model under `name` (two
     models under one name would answer alike requests differently, and a job resumed on the other would
-    feed it token ids of another vocabulary), or other LoRA adapters (a request naming one would fail on
-    the workers without it), or when an adapter's name is a served model's."""
+    feed it token ids of another vocabulary), or was given other LoRA adapters at start (a request naming
+    one would fail on the workers without it; `recorded`: those of the settings' adapters loaded at run
+    time, which every worker loads), or when an adapter's name is a served model's."""
     fingerprint = served_fingerprint(model_dir)
-    adapters = sorted(settings.lora_modules)
+    adapters = sorted(adapter for adapter in settings.lora_modules if adapter not in recorded)
     if name in settings.lora_modules:
         raise CannotStart(f"the LoRA adapter {name!r} (--lora) has the served model's name; give it another")
     workers: list[dict[str, str]] = []
@@ -152,7 +160,7 @@ async def check_one_model_per_name(
                 f"fingerprint {theirs}), and {model_dir or 'this worker'} holds another model (fingerprint "
                 f"{fingerprint}); serve it under another --name, or stop the workers of {name!r} first"
             )
-        their_adapters = sorted(worker_adapters(other))
+        their_adapters = start_adapters(other)
         if their_adapters != adapters:
             raise CannotStart(
                 f"model name {name!r} is served by worker {other.get('id')} from {where} with LoRA adapters "
@@ -161,6 +169,48 @@ async def check_one_model_per_name(
                 f"workers of {name!r} first"
             )
     return fingerprint
+
+
+async def with_recorded_adapters(
+    settings: WorkerSettings, store: Store, name: str, refusal: str | None
+) -> tuple[WorkerSettings, dict[str, str]]:
+    """The settings with the model's adapters loaded at run time (its record) among its LoRA adapters, and
+    those; CannotStart when the worker's engine serves none (`refusal`) or --lora names one of them."""
+    redis = connect_store(store)
+    try:
+        recorded = await runtime_adapters(redis, store.keys, name)
+    finally:
+        await redis.aclose()
+    if not recorded:
+        return settings, recorded
+    names = ", ".join(sorted(recorded))
+    if refusal is not None:
+        raise CannotStart(
+            f"{refusal}, and model {name!r} has LoRA adapters loaded at run time ({names}): unload them "
+            "(POST /v1/unload_lora_adapter) or run the batcher"
+        )
+    given = sorted(set(recorded) & set(settings.lora_modules))
+    if given:
+        raise CannotStart(
+            f"the LoRA adapter {given[0]!r} (--lora) is loaded into model {name!r} at run time already; "
+            "leave it out of --lora (the worker loads it from the record), or unload it first"
+        )
+    adapters = {**settings.lora_modules, **{adapter: Path(path) for adapter, path in recorded.items()}}
+    return settings.model_copy(update={"lora_modules": adapters}), recorded
+
+
+def runtime_refusal(
+    settings: WorkerSettings, model_dir: Path | None, device: Device, fake: bool
+) -> str | None:
+    """Why this worker cannot load LoRA adapters at run time (None: it can): its engine serves none, or
+    runs in an engine core."""
+    refusal = adapters_refusal(settings, model_dir, device, fake)
+    if refusal is None and settings.engine_core_mode(device.kind) != "off":
+        return (
+            "LoRA adapters are loaded at run time only into an engine in the worker's own process "
+            "(ORTFLEET_ENGINE_CORE=off)"
+        )
+    return refusal
 
 
 def served_name(settings: WorkerSettings, model_dir: Path | None) -> str:
@@ -378,13 +428,17 @@ async def warmed_up(service: WorkerService, model_dir: Path | None) -> int:
 
 
 async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> None:
+    from worker.adapter_service import AdapterService
     from worker.tokenizer_service import serve_tokenizer
 
     started = time.monotonic()
     model_dir = resolve_model(settings) if fake_engine is None else None
     name = served_name(settings, model_dir)
     store = await chosen_store(settings, name)
-    fingerprint = await check_one_model_per_name(settings, name, model_dir, store.cluster)
+    start_device = Device("cpu") if fake_engine is not None else chosen_device(settings)
+    refusal = runtime_refusal(settings, model_dir, start_device, fake_engine is not None)
+    settings, recorded = await with_recorded_adapters(settings, store, name, refusal)
+    fingerprint = await check_one_model_per_name(settings, name, model_dir, store.cluster, recorded)
     metrics = open_metrics_port(settings)  # before the model loads: its port may be taken
     try:
         engine, tokenizer, device = load_engine(settings, model_dir, fake_engine)
@@ -408,12 +462,13 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
         fingerprint=fingerprint,
         engine_core=engine_core_label(settings.engine_core_mode(device.kind)),
         adapters={adapter: str(path) for adapter, path in settings.lora_modules.items()},
+        runtime_adapters=sorted(recorded),
     )
     service = WorkerService(settings, redis, engine, tokenizer, info, store.keys)
     try:
         width = await warmed_up(service, model_dir)
         await check_one_model_per_name(
-            settings, name, model_dir, store.cluster
+            settings, name, model_dir, store.cluster, recorded
         )  # one that started while this one loaded
     except BaseException:
         metrics.close()
@@ -447,12 +502,14 @@ async def serve(settings: WorkerSettings, fake_engine: str | None = None) -> Non
     tokenizer_calls = asyncio.create_task(
         serve_tokenizer(redis, store.keys, name, tokenizer), name="tokenizer-calls"
     )
+    adapter_calls = asyncio.create_task(AdapterService(service, refusal).run(), name="adapter-calls")
     watching = asyncio.create_task(watch.run(), name="store-watch")
     try:
         await service.run()
     finally:
         watching.cancel()
         tokenizer_calls.cancel()
+        adapter_calls.cancel()
         metrics.close()
         engine.close()
         await redis.aclose()

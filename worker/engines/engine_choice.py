@@ -6,14 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from common.startup import CannotStart
 from common.worker_settings import WorkerSettings
 from worker.engines.device import Device
 
+BATCHER = "ortfleet's batcher"  # the one engine that serves LoRA adapters
+
 if TYPE_CHECKING:
     from worker.engines.batcher.engine import BatchingEngine
+    from worker.engines.fake_engine import FakeEngine
     from worker.engines.ort_engine import OrtEngine
 
 
@@ -98,25 +101,53 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
     )
 
 
-def refuse_adapters(settings: WorkerSettings, engine: str) -> None:
-    """CannotStart when the settings give LoRA adapters and `engine` is not the batcher, which alone
-    serves them."""
-    if settings.lora_modules:
-        names = ", ".join(sorted(settings.lora_modules))
-        raise CannotStart(
-            f"LoRA adapters ({names}; --lora, ORTFLEET_LORA_MODULES) are served only by ortfleet's batcher "
-            f"(--scheduler batcher, CPU), and this worker would run {engine}; leave them out, or run the "
-            "batcher"
-        )
+def adapters_refusal(
+    settings: WorkerSettings, model_dir: Path | None, device: Device, fake: bool
+) -> str | None:
+    """Why a worker with these settings serves no LoRA adapter: only ortfleet's batcher serves them (None:
+    it runs the batcher). At start (open_engine) and for adapters loaded at run time alike."""
+    engine = (
+        "a fake engine" if fake or model_dir is None else engine_kind(settings.scheduler, model_dir, device)
+    )
+    if engine == BATCHER:
+        return None
+    return (
+        f"LoRA adapters are served only by ortfleet's batcher (--scheduler batcher, CPU), and this worker "
+        f"runs {engine}"
+    )
 
 
-def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> OrtEngine | BatchingEngine:
-    """The engine a worker with these settings runs the model with on the device (loads the model)."""
+@overload
+def open_engine(
+    model_dir: Path, device: Device, settings: WorkerSettings, fake_engine: None = None
+) -> OrtEngine | BatchingEngine: ...
+
+
+@overload
+def open_engine(
+    model_dir: Path | None, device: Device, settings: WorkerSettings, fake_engine: str | None
+) -> OrtEngine | BatchingEngine | FakeEngine: ...
+
+
+def open_engine(
+    model_dir: Path | None, device: Device, settings: WorkerSettings, fake_engine: str | None = None
+) -> OrtEngine | BatchingEngine | FakeEngine:
+    """The engine a worker with these settings runs the model with on the device (loads the model), or
+    the fake engine `fake_engine` describes (DELAY_MS:CAPACITY[:static]); CannotStart for adapters
+    (ORTFLEET_LORA_MODULES) on an engine that serves none."""
     from worker.engines.batcher.engine import BatchingEngine
     from worker.engines.ort_engine import OrtEngine
 
+    if settings.lora_modules and (
+        refusal := adapters_refusal(settings, model_dir, device, bool(fake_engine))
+    ):
+        names = ", ".join(sorted(settings.lora_modules))
+        raise CannotStart(
+            f"{refusal}; leave out its adapters ({names}; --lora, ORTFLEET_LORA_MODULES), or run the batcher"
+        )
+    if fake_engine is not None or model_dir is None:
+        return _fake_engine(fake_engine or "")
     if uses_paged_engine(settings.scheduler, model_dir, device):
-        refuse_adapters(settings, "ortfleet's paged engine")
         return open_paged_engine(model_dir, device, settings)
     if uses_batcher(settings.scheduler, model_dir, device):
         return BatchingEngine(
@@ -128,7 +159,6 @@ def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> Or
             settings.prefix_cache,
             adapters=settings.lora_modules,
         )
-    refuse_adapters(settings, "og.Engine")
     return OrtEngine(
         model_dir,
         device,
@@ -142,7 +172,17 @@ def open_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> Or
     )
 
 
+def _fake_engine(described: str) -> FakeEngine:
+    from worker.engines.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
+
+    try:
+        delay_s, capacity = parse_fake_engine(described)
+    except ValueError as e:
+        raise CannotStart(str(e)) from e
+    return FakeEngine(delay_s, capacity, continuous_batching=not fake_engine_is_static(described))
+
+
 def engine_kind(scheduler: str, model_dir: Path, device: Device) -> str:
     if uses_paged_engine(scheduler, model_dir, device):
         return "ortfleet's paged engine"
-    return "ortfleet's batcher" if uses_batcher(scheduler, model_dir, device) else "og.Engine"
+    return BATCHER if uses_batcher(scheduler, model_dir, device) else "og.Engine"

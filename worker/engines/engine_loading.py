@@ -21,7 +21,7 @@ from common.startup import CannotStart
 from common.worker_settings import WorkerSettings
 from worker.engine import Engine, Tokenizer
 from worker.engines.device import Device, DeviceError, parse_device
-from worker.engines.engine_choice import engine_kind, open_engine, refuse_adapters
+from worker.engines.engine_choice import engine_kind, open_engine
 
 REBUILD = "rebuild the folder (`ortfleet model`), or pass another --model"
 
@@ -88,25 +88,14 @@ def local_engine(
     settings: WorkerSettings, model_dir: Path | None, fake_engine: str | None, device: Device
 ) -> tuple[Engine, Tokenizer]:
     """The engine in this process (the worker's own, or an engine core's) and its tokenizer."""
-    if fake_engine is not None:
-        from worker.engines.fake_engine import FakeEngine, fake_engine_is_static, parse_fake_engine
-
-        try:
-            delay_s, capacity = parse_fake_engine(fake_engine)
-        except ValueError as e:
-            raise CannotStart(str(e)) from e
-        refuse_adapters(settings, "a fake engine")
-        fake = FakeEngine(delay_s, capacity, continuous_batching=not fake_engine_is_static(fake_engine))
-        return fake, fake.tokenizer
-    assert model_dir is not None
-    logger.info(
-        "loading %s on %s (%s)", model_dir, device, engine_kind(settings.scheduler, model_dir, device)
-    )
+    if fake_engine is None and model_dir is not None:
+        kind = engine_kind(settings.scheduler, model_dir, device)
+        logger.info("loading %s on %s (%s)", model_dir, device, kind)
     from worker.engines.batcher.lora import AdapterMismatch, AdapterUnreadable
     from worker.engines.batcher.lora_graph import LoraGraphError
 
     try:
-        engine = open_engine(model_dir, device, settings)
+        engine = open_engine(model_dir, device, settings, fake_engine)
     except (AdapterMismatch, AdapterUnreadable) as e:
         raise CannotStart(f"{e}; correct or leave out that --lora (ORTFLEET_LORA_MODULES)") from e
     except LoraGraphError as e:
