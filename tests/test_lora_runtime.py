@@ -120,3 +120,23 @@ async def test_an_unloaded_adapters_running_rows_end_as_they_would_and_new_ones_
         await engine.unload_adapter("sql")
     await engine.load_adapter("sql", folders["sql"])  # and loads again, as new
     assert await alone(engine, prompt, "sql", 48) == expected
+
+
+async def test_rows_running_while_an_adapter_is_loaded_with_a_new_session_keep_their_tokens(
+    tiny_model: Path, folders: dict[str, Path], engines: list[BatchingEngine]
+) -> None:
+    engine = BatchingEngine(tiny_model, adapters={"qv": folders["qv"]}, step_delay_s=0.005)
+    engines.append(engine)
+    prompt = engine.tokenizer.encode(PROMPT)
+    expected = {name: await alone(engine, prompt, name, 48) for name in ("qv", None)}
+    streams = engine.submit([GenerationRequest(prompt, 48, adapter=name) for name in expected])
+    firsts = [await stream.updates.get() for stream in streams]
+    assert all(first.token_ids for first in firsts)  # both rows run
+    session = engine._graph.session
+
+    await engine.load_adapter("sql", folders["sql"])  # every projection: a new session, mid-generation
+
+    assert engine._graph.session is not session
+    for name, stream, first in zip(expected, streams, firsts, strict=True):
+        rest = await collect(stream)
+        assert first.token_ids + rest.tokens == expected[name], name

@@ -183,3 +183,16 @@ async def test_with_runtime_loading_off_the_routes_answer_404_naming_the_setting
         error = answer.json()["error"]
         assert error["code"] == "runtime_lora_updating_disabled"
         assert "ORTFLEET_ALLOW_RUNTIME_LORA_UPDATING" in error["message"]
+
+
+async def test_a_load_into_a_fleet_with_a_worker_whose_engine_serves_no_adapters_is_refused_naming_it(
+    fleet: Fleet, admin: httpx.AsyncClient, model_name: str, sql: Path
+) -> None:
+    fleet.start_worker(model_name, "--fake-engine", "1:4")
+
+    refused = await load(admin, model_name, f"{model_name}-sql", sql)
+
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "only by ortfleet's batcher" in message and "a fake engine" in message
+    assert await workers_adapters(admin, model_name) == [[]]

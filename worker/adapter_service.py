@@ -77,7 +77,13 @@ class AdapterService:
                 await asyncio.sleep(POLL_S)
 
     async def answer(self, call: AdapterCall) -> AdapterReply:
-        error = await (self.load(call.name, call.path) if call.op == "load" else self.unload(call.name))
+        try:
+            error = await (self.load(call.name, call.path) if call.op == "load" else self.unload(call.name))
+        except RedisError:
+            raise
+        except Exception as e:  # the worker's own failure: the caller hears of it, the service goes on
+            logger.exception("the adapter call %s %r failed", call.op, call.name)
+            error = f"worker {self.info.id} failed to {call.op} the adapter {call.name!r}: {type(e).__name__}"
         return AdapterReply(worker=self.info.id, ok=error is None, error=error)
 
     async def load(self, name: str, path: str) -> str | None:
@@ -112,7 +118,10 @@ class AdapterService:
                 return f"the adapter {name!r} was given at start (--lora) on worker {self.info.id}"
             return None
         if self.engine is not None:
-            await self.engine.unload_adapter(name)
+            try:
+                await self.engine.unload_adapter(name)
+            except KeyError:  # the engine does not serve it (an unload already under way): nothing to do
+                pass
         del self.info.adapters[name]
         self.info.runtime_adapters.remove(name)
         await self.service.heartbeat.beat_now()
