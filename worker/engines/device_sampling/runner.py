@@ -9,6 +9,7 @@ before the run and draw nothing.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -57,6 +58,8 @@ class SamplerGraph:
         model = sampler_model(candidates).SerializeToString()
         self._session = ort.InferenceSession(model, options, providers=list(providers))
         self._fixed: dict[RowSampler, _Fixed] = {}  # by row (pack)
+        # the last step's rows, their _Fixed, columns and visited rows (_columns_of)
+        self._last: tuple[list[RowSampler], list[_Fixed], dict[str, np.ndarray], list[int]] | None = None
 
     def end_profiling(self) -> str:
         """The file of the session's profile, when its options asked for one (enable_profiling)."""
@@ -91,9 +94,8 @@ class SamplerGraph:
         row's request fixes is read once per row (`_Fixed`) and packed column by column; only the rows that
         sample, or have penalized, counted or biased ids, are visited one by one."""
         count = len(samplers)
-        fixed = self._fixed_of(samplers)
-        columns = list(zip(*fixed, strict=True)) if fixed else [()] * len(_Fixed._fields)
-        host = np.array(columns[0], np.bool_).reshape(count)
+        fixed, columns, visited = self._columns_of(samplers)
+        host = columns["host_in"].copy()
         penalized: list[tuple[int, np.ndarray]] = []
         counted: list[tuple[int, np.ndarray]] = []
         counts: list[tuple[int, np.ndarray]] = []
@@ -101,7 +103,7 @@ class SamplerGraph:
         bias: list[tuple[int, np.ndarray]] = []
         uniform = np.zeros(count, np.float32)
         widths = self.widths
-        for index in [i for i, row in enumerate(fixed) if row.visited]:
+        for index in visited:
             sampler, row = samplers[index], fixed[index]
             if row.host:
                 continue
@@ -119,22 +121,19 @@ class SamplerGraph:
             if ids.size:
                 bias_ids.append((index, ids))
                 bias.append((index, values))
-        _, _, greedy, temperature, top_k, top_p, repetition, presence, frequency, least = columns
         # RowSampler.masks_eos for every row: fewer tokens than min_tokens, and an end of sequence to mask
-        mask_eos = (
-            np.array(produced, np.int64).reshape(count) < np.array(least, np.int64).reshape(count)
-        ) & self._has_eos
+        mask_eos = (np.array(produced, np.int64).reshape(count) < columns["least"]) & self._has_eos
         return {
             "eos": self._eos,
-            "greedy": np.array(greedy, np.bool_).reshape(count),
-            "temperature": np.array(temperature, np.float32).reshape(count),
-            "top_k": np.array(top_k, np.int64).reshape(count),
-            "top_p": np.array(top_p, np.float64).reshape(count),
+            "greedy": columns["greedy"],
+            "temperature": columns["temperature"],
+            "top_k": columns["top_k"],
+            "top_p": columns["top_p"],
             "uniform": uniform,
-            "repetition_penalty": np.array(repetition, np.float32).reshape(count),
+            "repetition_penalty": columns["repetition_penalty"],
             "penalized": _padded(count, penalized),
-            "presence_penalty": np.array(presence, np.float32).reshape(count),
-            "frequency_penalty": np.array(frequency, np.float32).reshape(count),
+            "presence_penalty": columns["presence_penalty"],
+            "frequency_penalty": columns["frequency_penalty"],
             "counted": _padded(count, counted),
             "counts": _padded(count, counts, np.float32),
             "bias_ids": _padded(count, bias_ids),
@@ -142,6 +141,25 @@ class SamplerGraph:
             "mask_eos": mask_eos,
             "host_in": host,
         }
+
+    def _columns_of(
+        self, samplers: Sequence[RowSampler]
+    ) -> tuple[list[_Fixed], dict[str, np.ndarray], list[int]]:
+        """The rows' `_Fixed`, their columns as the graph takes them, and the rows visited one by one; kept
+        while the rows are the same ones in the same order (a step of decodes after another)."""
+        last = self._last
+        if last is not None and len(last[0]) == len(samplers) and all(map(operator.is_, last[0], samplers)):
+            return last[1], last[2], last[3]
+        count = len(samplers)
+        fixed = self._fixed_of(samplers)
+        rows = list(zip(*fixed, strict=True)) if fixed else [()] * len(_Fixed._fields)
+        columns: dict[str, np.ndarray] = {
+            name: np.array(values, dtype).reshape(count)
+            for name, values, dtype in zip(_COLUMNS, rows, _DTYPES, strict=True)
+        }
+        visited = [i for i, row in enumerate(fixed) if row.visited]
+        self._last = (list(samplers), fixed, columns, visited)
+        return fixed, columns, visited
 
     def _fixed_of(self, samplers: Sequence[RowSampler]) -> list[_Fixed]:
         """Each row's `_Fixed`, made at its first step; forgotten once its row has left (the cache holds at
@@ -200,6 +218,34 @@ class _Fixed(NamedTuple):
     presence_penalty: float
     frequency_penalty: float
     min_new_tokens: int
+
+
+# _Fixed's fields as the graph's columns: their input names (host's is host_in's start; visited and
+# min_new_tokens, "least", are the host's own) and types.
+_COLUMNS = (
+    "host_in",
+    "visited",
+    "greedy",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "least",
+)
+_DTYPES = (
+    np.bool_,
+    np.bool_,
+    np.bool_,
+    np.float32,
+    np.int64,
+    np.float64,
+    np.float32,
+    np.float32,
+    np.float32,
+    np.int64,
+)
 
 
 def _padded(count: int, rows: list[tuple[int, np.ndarray]], dtype: type = np.int64) -> np.ndarray:

@@ -45,7 +45,7 @@ from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
 from worker.engines.paged.blocks import BlockManager
 from worker.engines.paged.model import PackedRow
-from worker.engines.paged.scheduler import PagedRow, Planned, Scheduler
+from worker.engines.paged.scheduler import PagedRow, Plan, Planned, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class PagedRows:
         self.scheduler = scheduler
         self._row: dict[PagedRow, Row] = {}
         self._paged: dict[Row, PagedRow] = {}
+        self._decoding_of: list[PagedRow] | None = None  # the scheduler's list _decoding_rows follows
+        self._decoding_rows: list[Row] = []
 
     @property
     def capacity(self) -> int:
@@ -88,6 +90,14 @@ class PagedRows:
     def rows_of(self, planned: Sequence[Planned]) -> list[Row]:
         row = self._row
         return [row[plan.row] for plan in planned]
+
+    def decoding_rows(self) -> list[Row]:
+        """The scheduler's decoding rows' Rows, in order (kept while its list is the same)."""
+        decoding = self.scheduler.decoding
+        if decoding is not self._decoding_of:
+            row = self._row
+            self._decoding_rows, self._decoding_of = [row[paged] for paged in decoding], decoding
+        return self._decoding_rows
 
     def __contains__(self, row: Row) -> bool:
         return row in self._paged
@@ -116,9 +126,8 @@ class PagedRows:
     def clear(self) -> list[Row]:
         """Takes every row out, with a fresh pool of the same size (its KV can no longer be trusted)."""
         rows = self.every()
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
-        self.scheduler.blocks = BlockManager(self.scheduler.blocks.blocks, self.scheduler.blocks.block_size)
+        blocks = self.scheduler.blocks
+        self.scheduler.clear(BlockManager(blocks.blocks, blocks.block_size))
         self._row.clear()
         self._paged.clear()
         return rows
@@ -198,8 +207,10 @@ class PagedEngine(BatchingEngine):
         planned = rows.scheduler.plan()
         if not planned:
             return
+        decodes = planned.decodes  # the first rows: one token each, all sampling
+        chunks = planned[decodes:]
         packed = [plan.packed for plan in planned]
-        every_position = any(row.all_logits for row in packed)  # a chunk asks for each position's logits
+        every_position = any(plan.packed.all_logits for plan in chunks)  # a chunk asks for each position's
         began = time.perf_counter()
         try:
             returned = self._runner.returned_logits(packed)  # [taken, vocab]: each row's, in order
@@ -217,6 +228,9 @@ class PagedEngine(BatchingEngine):
         rows.scheduler.advance(planned)
         self._count(planned)
         self._charge(planned, time.perf_counter() - began)
+        if not chunks:  # a step of decodes: every row samples, from its own row of logits
+            self._hand_on(planned, range(decodes), rows.decoding_rows(), returned, updates)
+            return
         # each sampling row, and its logits' index in `returned` (its last token's give its next token)
         sampling = [plan for plan in planned if plan.samples]
         at = [end - 1 for plan, end in zip(planned, ends, strict=True) if plan.samples]
@@ -225,15 +239,13 @@ class PagedEngine(BatchingEngine):
                 if plan.packed.all_logits:  # a prompt chunk of a row that asks for prompt log-probabilities
                     chunk = returned[end - plan.packed.returned : end]
                     self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
-        batch = rows.rows_of(sampling)
-        self._hand_on(sampling, at, batch, self._picks(at, batch, returned), returned, updates)
+        self._hand_on(sampling, at, rows.rows_of(sampling), returned, updates)
 
     def _hand_on(
         self,
-        sampling: list[Planned],
-        at: list[int],
+        sampling: Sequence[Planned],
+        at: Sequence[int],
         batch: list[Row],
-        graph: SampledStep | None,
         returned: np.ndarray,
         updates: Updates,
     ) -> None:
@@ -246,6 +258,7 @@ class PagedEngine(BatchingEngine):
         max_tokens and of the context). Its bookkeeping is `_next`'s for such a token, and so is its
         update, its log-probabilities (the graph's) included; `batch_rows` is the count `_next` reads."""
         rows = self._paged_rows
+        graph = self._picks(at, batch, returned)
         fast = self.fast_plain_rows
         host: list[bool] = graph.host.tolist() if graph is not None else []
         tokens: list[int] = graph.tokens.tolist() if graph is not None else []
@@ -256,16 +269,16 @@ class PagedEngine(BatchingEngine):
             row.length = paged.computed
             picked = None
             if graph is not None and not host[index]:
-                request, token = row.request, tokens[index]
+                request, token = row.stream.request, tokens[index]
                 asked = request.logprobs
                 if (
                     fast
                     and not row.first_update
-                    and request.guidance is None
-                    and row.replayed >= len(request.replay_ids)
                     and token not in eos
                     and row.produced + 1 < request.max_new_tokens
                     and row.length + 1 < context
+                    and request.guidance is None
+                    and row.replayed >= len(request.replay_ids)
                 ):
                     row.sampler.accept(token)
                     row.produced += 1
@@ -284,7 +297,7 @@ class PagedEngine(BatchingEngine):
                 paged.generated.append(row.next_token)
             running = rows.running()
 
-    def _picks(self, at: list[int], rows: list[Row], returned: np.ndarray) -> SampledStep | None:
+    def _picks(self, at: Sequence[int], rows: list[Row], returned: np.ndarray) -> SampledStep | None:
         """The sampler graph's step over the rows of the run's logits `returned` that sample, `at` (None
         without the graph): all of them, as they are, when every row samples (a step of decodes), else just
         those rows. Its `host` flags the rows RowSampler picks on the host."""
@@ -293,11 +306,12 @@ class PagedEngine(BatchingEngine):
         logits = returned if len(at) == len(returned) else returned[at]
         return self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
 
-    def _charge(self, planned: list[Planned], seconds: float) -> None:
+    def _charge(self, planned: Plan, seconds: float) -> None:
         """A run's time to its rows' keys, in proportion to the tokens each row brought (work_shares.py)."""
-        shares = self._paged_rows.scheduler.shares
-        brought: dict[tuple[str, float], int] = {}  # tokens by key (and weight): one charge a key
-        for plan in planned:
+        scheduler = self._paged_rows.scheduler
+        shares = scheduler.shares
+        brought = dict(scheduler.decoding_owners)  # tokens by key (and weight): one charge a key
+        for plan in planned[planned.decodes :]:
             key = (plan.row.owner, plan.row.weight)
             brought[key] = brought.get(key, 0) + len(plan.packed.tokens)
         tokens = sum(brought.values())
@@ -307,19 +321,17 @@ class PagedEngine(BatchingEngine):
         for (owner, weight), count in brought.items():
             shares.charge(owner, weight, per_token * count)
 
-    def _count(self, planned: list[Planned]) -> None:
+    def _count(self, planned: Plan) -> None:
         counters = self.counters
-        for plan in planned:
+        counters.decode_tokens += planned.decodes
+        for plan in planned[planned.decodes :]:  # prompt chunks
             row, tokens = plan.row, len(plan.packed.tokens)
-            if plan.packed.past < len(row.prompt):
-                counters.prefill_tokens += tokens
-                counters.prefill_runs += 1
-                if plan.packed.past == row.reused:  # its first chunk: the prompt was just admitted
-                    counters.prefix_tokens_queried += len(row.prompt)
-                    counters.prefix_hits += row.reused > 0
-                    counters.prefix_tokens_reused += row.reused
-            else:
-                counters.decode_tokens += tokens
+            counters.prefill_tokens += tokens
+            counters.prefill_runs += 1
+            if plan.packed.past == row.reused:  # its first chunk: the prompt was just admitted
+                counters.prefix_tokens_queried += len(row.prompt)
+                counters.prefix_hits += row.reused > 0
+                counters.prefix_tokens_reused += row.reused
         counters.decode_steps += 1
 
     def _renew(self) -> None:

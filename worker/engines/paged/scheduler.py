@@ -25,10 +25,10 @@ to its `generated`, and `end`s a row that is done or cancelled.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, islice
 from typing import NamedTuple
 
 from worker.engines.paged.blocks import BlockManager, OutOfBlocks
@@ -65,6 +65,13 @@ class Planned(NamedTuple):  # a tuple: one is made for each row of each step
     samples: bool  # its logits give the row's next token (a decode, or its prompt's last chunk)
 
 
+class Plan(list[Planned]):
+    """A step's rows (`plan`): its `decodes` first, the scheduler's `decoding` rows in order, each bringing
+    one token and sampling; then the prompt chunks."""
+
+    decodes = 0
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, capacity: int, prefill_chunk: int) -> None:
         if capacity < 1 or prefill_chunk < 1:
@@ -75,6 +82,16 @@ class Scheduler:
         self.waiting: deque[PagedRow] = deque()
         self.running: list[PagedRow] = []
         self.shares = WorkShares()  # the engine charges each run's time to its rows' keys
+        # What plan() reads of the running rows, kept while no row joins, ends or finishes its prompt (in
+        # a step of decodes only, it changes at a row's start and end, not at each token): the decoding
+        # rows in running order, their ids in the pool and their count by key and weight, the prefilling
+        # rows, and the keys holding rows.
+        self._stale = True  # to be worked out again at the next plan
+        self.decoding: list[PagedRow] = []
+        self._decoding_ids: list[int] = []
+        self._prefilling: list[PagedRow] = []
+        self._owners: set[str] = set()
+        self.decoding_owners: dict[tuple[str, float], int] = {}  # decoding rows by key and weight
 
     def submit(self, row: PagedRow) -> None:
         """Queues the row; a row that could never fit the pool is refused here, by name."""
@@ -89,29 +106,30 @@ class Scheduler:
             )
         self.waiting.append(row)
 
-    def plan(self) -> list[Planned]:
+    def plan(self) -> Plan:
         """The next step's rows: admissions first, then every decoding row, then prompt chunks. Each row's
         blocks grow to hold what it brings."""
         self._admit()
-        decoding_rows: list[PagedRow] = []
-        prefilling: list[PagedRow] = []
-        for row in self.running:
-            (decoding_rows if row.computed >= len(row.prompt) else prefilling).append(row)
-        tables = self.blocks.grow_each_by_one([row.key for row in decoding_rows])
-        planned = [  # each brings its last sampled token
-            Planned(row, PackedRow([row.generated[-1]], row.computed, table), True)
-            for row, table in zip(decoding_rows, tables, strict=True)
-        ]
-        shares = self.shares
-        shares.hold({row.owner for row in self.running})
-        if not prefilling:
+        if self._stale:
+            self._split()
+        decoding_rows = self.decoding
+        tables = self.blocks.grow_each_by_one(self._decoding_ids)
+        planned = Plan(
+            [  # each brings its last sampled token
+                Planned(row, PackedRow([row.generated[-1]], row.computed, table), True)
+                for row, table in zip(decoding_rows, tables, strict=True)
+            ]
+        )
+        planned.decodes = len(planned)
+        self.shares.hold(self._owners)
+        if not self._prefilling:
             return planned
         decoding = {row.owner: row.weight for row in decoding_rows}
         pending = [
             prompt_chunk(row, row.owner, row.weight, row.computed, len(row.prompt), self.prefill_chunk)
-            for row in prefilling
+            for row in self._prefilling
         ]
-        for chunk in shares.chunks(pending, decoding, self.prefill_chunk):
+        for chunk in self.shares.chunks(pending, decoding, self.prefill_chunk):
             row = chunk.row
             start = row.computed
             stop = start + chunk.tokens
@@ -124,12 +142,17 @@ class Scheduler:
     def advance(self, planned: Sequence[Planned]) -> None:
         """The step ran: each planned row's tokens are in the pool (its whole prompt blocks offered to the
         cache). The caller then gives each row that samples its next token (`PagedRow.generated`)."""
+        decodes = planned.decodes if isinstance(planned, Plan) else 0
+        for plan in islice(planned, decodes):  # one token each; their prompt blocks were offered already
+            plan.row.computed += 1
         computed = self.blocks.computed
-        for row, packed, _ in planned:
+        for row, packed, _ in planned[decodes:]:
             prefilled = row.computed < len(row.prompt)  # a decode's prompt blocks were offered already
             row.computed += len(packed.tokens)
             if prefilled:
                 computed(row.key, row.computed)
+                if row.computed >= len(row.prompt):
+                    self._stale = True  # it decodes from the next step on
 
     def end(self, row: PagedRow) -> None:
         """The row is done (its last token, end of sequence, a stop) or cancelled: out of the batch, its
@@ -138,7 +161,15 @@ class Scheduler:
             self.waiting.remove(row)
             return
         self.running.remove(row)
+        self._stale = True
         self.blocks.release(row.key)
+
+    def clear(self, blocks: BlockManager) -> None:
+        """Takes every row out, with `blocks` as the pool (the engine's, after a run that failed)."""
+        self.waiting.clear()
+        self.running.clear()
+        self._stale = True
+        self.blocks = blocks
 
     def rows(self) -> Iterator[PagedRow]:
         yield from self.waiting
@@ -155,3 +186,13 @@ class Scheduler:
                 return  # first come, first served: no later row jumps ahead of one waiting for blocks
             self.waiting.popleft()
             self.running.append(row)
+            self._stale = True
+
+    def _split(self) -> None:
+        running = self.running
+        self.decoding = [row for row in running if row.computed >= len(row.prompt)]
+        self._decoding_ids = [row.key for row in self.decoding]
+        self._prefilling = [row for row in running if row.computed < len(row.prompt)]
+        self._owners = {row.owner for row in running}
+        self.decoding_owners = Counter((row.owner, row.weight) for row in self.decoding)
+        self._stale = False
