@@ -79,10 +79,12 @@ async def load_lora_adapter(request: Request) -> Response:
     call = AdapterCall(id=_call_id(), op="load", name=name, path=path, deadline=time.time() + timeout)
     replies, silent = await _broadcast(stores, model, call)
     refused = [reply for reply in replies if not reply.ok]
-    if refused or silent:
+    if refused or silent or not replies:  # (none: its workers left since the registry was read)
         await _forget(stores, model, name)
         undo = AdapterCall(id=_call_id(), op="unload", name=name, deadline=time.time() + timeout)
-        await _broadcast(stores, model, undo)
+        await _broadcast(stores, model, undo)  # a worker that came meanwhile may have it from the record
+        if not replies and not silent:
+            raise _no_worker(model)
         if refused:
             raise ApiError(
                 400,
@@ -172,15 +174,19 @@ async def _base_model(state: AppState, requested: str | None) -> str:
             f"model: {served.adapter!r} is a LoRA adapter of model {served.model!r}; name the base model",
             param="model",
         )
-    if served.model not in (await state.fleet.snapshot()).live:
-        raise ApiError(
-            503,
-            f"no live worker serves model {served.model!r} to load the adapter into",
-            param="model",
-            code=ErrorCode.no_live_worker,
-            headers={"Retry-After": "5"},
-        )
+    if served.model not in (await state.fleet.snapshot(fresh=True)).live:
+        raise _no_worker(served.model)
     return served.model
+
+
+def _no_worker(model: str) -> ApiError:
+    return ApiError(
+        503,
+        f"no live worker serves model {model!r} to load the adapter into",
+        param="model",
+        code=ErrorCode.no_live_worker,
+        headers={"Retry-After": "5"},
+    )
 
 
 def _exists(name: str, what: str | None) -> ApiError:

@@ -128,8 +128,7 @@ async def test_an_adapter_that_does_not_fit_is_refused_naming_the_mismatch_and_n
 ) -> None:
     wrong = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 7), np.float32)}
     misfit = write_adapter(tmp_path / "misfit", tiny_model, tensors=wrong)
-    fleet.start_worker(model_name)
-    fleet.start_worker(model_name)
+    workers = [fleet.start_worker(model_name), fleet.start_worker(model_name)]
 
     refused = await load(admin, model_name, f"{model_name}-misfit", misfit)
 
@@ -147,6 +146,10 @@ async def test_an_adapter_that_does_not_fit_is_refused_naming_the_mismatch_and_n
     assert unreadable.status_code == 400 and "secret words" not in unreadable.text
     unknown = await load(admin, f"{model_name}-nowhere", "x", misfit)
     assert unknown.status_code == 404
+    for worker in workers:
+        worker.terminate()
+    nobody = await load(admin, model_name, f"{model_name}-late", misfit)
+    assert nobody.status_code == 503 and nobody.json()["error"]["code"] == "no_live_worker"
 
 
 async def test_with_api_keys_on_only_the_admin_key_loads_and_a_clients_key_gets_403_naming_it(
