@@ -259,24 +259,26 @@ class PagedEngine(BatchingEngine):
         update, its log-probabilities (the graph's) included; `batch_rows` is the count `_next` reads."""
         rows = self._paged_rows
         graph = self._picks(at, batch, returned)
-        fast = self.fast_plain_rows
-        host: list[bool] = graph.host.tolist() if graph is not None else []
+        host: list[bool] = graph.host.tolist() if graph is not None else [True] * len(batch)
         tokens: list[int] = graph.tokens.tolist() if graph is not None else []
-        eos, context = self.eos_token_ids, self.context_length
+        fast, eos, context = self.fast_plain_rows, self.eos_token_ids, self.context_length
+        append = updates.append
         running = rows.running()
         for index, (plan, row) in enumerate(zip(sampling, batch, strict=True)):
             paged = plan.row
-            row.length = paged.computed
+            row.length = length = paged.computed
             picked = None
-            if graph is not None and not host[index]:
-                request, token = row.stream.request, tokens[index]
+            if not host[index]:
+                assert graph is not None
+                stream, token = row.stream, tokens[index]
+                request = stream.request
                 asked = request.logprobs
                 if (
                     fast
                     and not row.first_update
                     and token not in eos
                     and row.produced + 1 < request.max_new_tokens
-                    and row.length + 1 < context
+                    and length + 1 < context
                     and request.guidance is None
                     and row.replayed >= len(request.replay_ids)
                 ):
@@ -284,9 +286,7 @@ class PagedEngine(BatchingEngine):
                     row.produced += 1
                     row.next_token = token
                     logprobs = None if asked is None else (_graph_logprobs(graph, index, asked),)
-                    updates.append(
-                        (row.stream, EngineUpdate([token], None, None, running, logprobs=logprobs))
-                    )
+                    append((stream, EngineUpdate([token], None, None, running, None, None, logprobs)))
                     paged.generated.append(token)
                     continue
                 picked = Picked(token, None if asked is None else _graph_logprobs(graph, index, asked))
