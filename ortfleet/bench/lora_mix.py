@@ -8,6 +8,8 @@ them, and runs, in turns, `rounds` times each:
 - base: the streams on the engine without adapters (today's graph);
 - base, adapters loaded: the same streams on the engine with adapters, every row the base model's;
 - mixed: on that engine, stream i uses adapter i mod 4 (the fourth: the base model).
+It also times loading the adapters at run time, one after another, into an engine started without any
+(`BatchingEngine.load_adapter`; the first brings a new session, rewritten for its projections).
 Each stream generates exactly `tokens` tokens; a figure is all streams' tokens over the wall time, the
 median of the rounds, so that runs on a shared machine are compared in the same minutes.
 """
@@ -94,6 +96,20 @@ async def tokens_per_s(engine: BatchingEngine, adapters: list[str | None], token
     return counted / (time.perf_counter() - began)
 
 
+async def load_times(model_dir: Path, adapters: dict[str, Path]) -> list[float]:
+    """Seconds each adapter took to load at run time, in turn, into an idle engine started without any."""
+    engine = BatchingEngine(model_dir, slots=1)
+    times = []
+    try:
+        for name, folder in adapters.items():
+            began = time.perf_counter()
+            await engine.load_adapter(name, folder)
+            times.append(time.perf_counter() - began)
+    finally:
+        engine.close()
+    return times
+
+
 async def measure(
     model_dir: Path, streams: int, tokens: int, rank: int, rounds: int, targets: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -103,6 +119,7 @@ async def measure(
             name: write_random_adapter(Path(folder) / name, graph, rank, seed, targets)
             for seed, name in enumerate(ADAPTERS)
         }
+        loads = await load_times(model_dir, adapters)
         base = BatchingEngine(model_dir, slots=streams)
         lora = BatchingEngine(model_dir, slots=streams, adapters=adapters)
     mixed: list[str | None] = [(*ADAPTERS, None)[i % (len(ADAPTERS) + 1)] for i in range(streams)]
@@ -129,6 +146,7 @@ async def measure(
         "tokens_per_s": {name: round(value, 1) for name, value in medians.items()},
         "rounds": {name: [round(v, 1) for v in values] for name, values in runs.items()},
         "mixed_over_base": round(medians["mixed"] / medians["base"], 3),
+        "runtime_load_s": [round(took, 3) for took in loads],
         "machine": describe(),
     }
 
@@ -154,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.streams} streams x {args.tokens} tokens, {len(ADAPTERS)} adapters of rank {args.rank} on "
         f"{args.targets or 'every projection'}: "
         f"base {speeds['base']} tokens/s, base with adapters loaded {speeds['base_adapters_loaded']}, "
-        f"mixed {speeds['mixed']} ({figures['mixed_over_base']}x base)"
+        f"mixed {speeds['mixed']} ({figures['mixed_over_base']}x base); loaded at run time in turn: "
+        + ", ".join(f"{took:.2f} s" for took in figures["runtime_load_s"])
+        + " (the first with a new session)"
     )
     if args.json:
         write_json(args.json, figures)
