@@ -130,7 +130,8 @@ class WorkerSettings(FleetSettings):
         "(adapter_config.json, adapter_model.safetensors). A request whose model is an adapter's name runs "
         "on a worker of this model with that adapter. Only ortfleet's batcher serves adapters; an adapter "
         "that does not fit the model stops the worker at start, naming why. Every worker of a served name "
-        "must serve the same adapter names.",
+        "must be given the same adapter names; it also loads those loaded into its model at run time "
+        "(POST /v1/load_lora_adapter).",
     )
     verify_weights: bool = Field(
         True,
