@@ -187,7 +187,7 @@ async def with_recorded_adapters(
     if refusal is not None:
         raise CannotStart(
             f"{refusal}, and model {name!r} has LoRA adapters loaded at run time ({names}): unload them "
-            "(POST /v1/unload_lora_adapter) or run the batcher"
+            "(POST /v1/unload_lora_adapter) or run the batcher or the paged engine"
         )
     given = sorted(set(recorded) & set(settings.lora_modules))
     if given:

@@ -12,7 +12,9 @@ from common.startup import CannotStart
 from common.worker_settings import WorkerSettings
 from worker.engines.device import Device
 
-BATCHER = "ortfleet's batcher"  # the one engine that serves LoRA adapters
+BATCHER = "ortfleet's batcher"
+PAGED = "ortfleet's paged engine"
+SERVES_ADAPTERS = (BATCHER, PAGED)  # the engines that serve LoRA adapters
 
 if TYPE_CHECKING:
     from worker.engines.batcher.engine import BatchingEngine
@@ -60,13 +62,15 @@ def uses_paged_engine(scheduler: str, model_dir: Path, device: Device) -> bool:
 def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings) -> BatchingEngine:
     """The paged engine. On a GPU: a pool of KV blocks sized as og.Engine's cache would be (row_sizing),
     at most 256 rows a run (the paged operator's limit). On the CPU: blocks of a prefill chunk, as many as
-    ORTFLEET_KV_BUDGET_TOKENS holds (else every row at the full context), over the model's CPU graph."""
+    ORTFLEET_KV_BUDGET_TOKENS holds (else every row at the full context), over the model's CPU graph. Its
+    LoRA adapters (ORTFLEET_LORA_MODULES) go to its runner's graph, on the card for a GPU."""
+    from worker.engines.batcher.adapter_library import AdapterLibrary
     from worker.engines.batcher.engine import DEFAULT_SLOTS
     from worker.engines.device_sampling.runner import SamplerGraph
     from worker.engines.genai_config import context_length, read_genai
     from worker.engines.paged.cpu_model import CpuPagedModel
     from worker.engines.paged.engine import PagedEngine, PagedRunner
-    from worker.engines.paged.model import MAX_ROWS, PagedModel
+    from worker.engines.paged.model import MAX_ROWS, PagedModel, paged_graph
     from worker.engines.row_sizing import gpu_memory, kv_geometry, plan_kv, weights_bytes
 
     context = context_length(model_dir)
@@ -82,13 +86,18 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
         blocks = plan.tokens // block_size
         capacity = min(settings.max_batch_size or MAX_ROWS, MAX_ROWS)
         providers: tuple[str, ...] = ("CUDAExecutionProvider", "CPUExecutionProvider")
-        runner = partial(PagedModel, model_dir, blocks, block_size, device.index or 0)
+        card = device.index or 0
+        library = AdapterLibrary(
+            model_dir, settings.lora_modules, partial(paged_graph, model_dir, card), ("cuda", card)
+        )
+        runner = partial(PagedModel, model_dir, blocks, block_size, card, library)
     else:
         block_size = settings.prefill_chunk_tokens
         capacity = settings.max_batch_size or DEFAULT_SLOTS
         blocks = max((settings.kv_budget_tokens or capacity * context) // block_size, 1)
         providers = ("CPUExecutionProvider",)
-        runner = partial(CpuPagedModel, model_dir, blocks, block_size)
+        library = AdapterLibrary(model_dir, settings.lora_modules)
+        runner = partial(CpuPagedModel, model_dir, blocks, block_size, adapters=library)
     sampler = partial(SamplerGraph, providers=providers) if settings.sampling == "graph" else None
     return PagedEngine(
         model_dir,
@@ -98,22 +107,24 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
         settings.step_delay_s,
         settings.prefix_cache,
         sampler,
+        library,
     )
 
 
 def adapters_refusal(
     settings: WorkerSettings, model_dir: Path | None, device: Device, fake: bool
 ) -> str | None:
-    """Why a worker with these settings serves no LoRA adapter: only ortfleet's batcher serves them (None:
-    it runs the batcher). At start (open_engine) and for adapters loaded at run time alike."""
+    """Why a worker with these settings serves no LoRA adapter: only ortfleet's batcher and its paged
+    engine serve them (None: it runs one of them). At start (open_engine) and for adapters loaded at run
+    time alike."""
     engine = (
         "a fake engine" if fake or model_dir is None else engine_kind(settings.scheduler, model_dir, device)
     )
-    if engine == BATCHER:
+    if engine in SERVES_ADAPTERS:
         return None
     return (
-        f"LoRA adapters are served only by ortfleet's batcher (--scheduler batcher, CPU), and this worker "
-        f"runs {engine}"
+        f"LoRA adapters are served only by ortfleet's batcher (--scheduler batcher, CPU) and its paged "
+        f"engine (--scheduler paged), and this worker runs {engine}"
     )
 
 
@@ -143,7 +154,8 @@ def open_engine(
     ):
         names = ", ".join(sorted(settings.lora_modules))
         raise CannotStart(
-            f"{refusal}; leave out its adapters ({names}; --lora, ORTFLEET_LORA_MODULES), or run the batcher"
+            f"{refusal}; leave out its adapters ({names}; --lora, ORTFLEET_LORA_MODULES), or run the "
+            "batcher or the paged engine"
         )
     if fake_engine is not None or model_dir is None:
         return _fake_engine(fake_engine or "")
@@ -184,5 +196,5 @@ def _fake_engine(described: str) -> FakeEngine:
 
 def engine_kind(scheduler: str, model_dir: Path, device: Device) -> str:
     if uses_paged_engine(scheduler, model_dir, device):
-        return "ortfleet's paged engine"
+        return PAGED
     return BATCHER if uses_batcher(scheduler, model_dir, device) else "og.Engine"

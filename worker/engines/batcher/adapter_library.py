@@ -11,7 +11,7 @@ of a worker without adapters free of LoRA work.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +34,19 @@ class AdapterChange:
 
 class AdapterLibrary:
     """The engine's adapters (name: Adapter) and its graph's rewritten projections. `with_adapter` and
-    `without` only compute a change; `commit` records one once the engine has swapped it in."""
+    `without` only compute a change; `commit` records one once the engine has swapped it in. The paged
+    engine's card opens a new graph its own way (`open_graph`) and keeps the layouts on it (`device`)."""
 
-    def __init__(self, model_dir: Path, folders: Mapping[str, Path]) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        folders: Mapping[str, Path],
+        open_graph: Callable[[bytes], tuple[ort.InferenceSession, Layout]] | None = None,
+        device: tuple[str, int] = ("cpu", 0),
+    ) -> None:
         self.model_dir = model_dir
+        self.device = device
+        self._open_graph = open_graph or self._open_on_cpu
         self._graph = LoraGraph(model_dir) if folders else None
         self.adapters: dict[str, Adapter] = {
             name: read_adapter(name, Path(folder), self.graph) for name, folder in folders.items()
@@ -56,7 +65,8 @@ class AdapterLibrary:
         return LoraGraph(self.model_dir).rewritten(list(self.projections)) if self.projections else None
 
     def layouts(self) -> AdapterSet | None:
-        return AdapterSet(self.projections, list(self.adapters.values())) if self.adapters else None
+        adapters = list(self.adapters.values())
+        return AdapterSet(self.projections, adapters, self.device) if adapters else None
 
     def with_adapter(self, name: str, folder: Path) -> AdapterChange:
         """The change that adds the adapter in `folder` (AdapterMismatch, AdapterUnreadable, as at start);
@@ -67,14 +77,18 @@ class AdapterLibrary:
         session = None
         if projections != self.projections:
             graph = LoraGraph(self.model_dir).rewritten(list(projections))
-            session = open_session(self.model_dir, graph=graph)
-        return AdapterChange(adapters, projections, AdapterSet(projections, list(adapters.values())), session)
+            session = self._open_graph(graph)
+        layouts = AdapterSet(projections, list(adapters.values()), self.device)
+        return AdapterChange(adapters, projections, layouts, session)
 
     def without(self, name: str) -> AdapterChange:
         """The change that takes the adapter out (its rows have ended); the session stays."""
         adapters = {other: a for other, a in self.adapters.items() if other != name}
-        layouts = AdapterSet(self.projections, list(adapters.values()))
+        layouts = AdapterSet(self.projections, list(adapters.values()), self.device)
         return AdapterChange(adapters, self.projections, layouts, None)
+
+    def _open_on_cpu(self, graph: bytes) -> tuple[ort.InferenceSession, Layout]:
+        return open_session(self.model_dir, graph=graph)
 
     def commit(self, change: AdapterChange) -> None:
         self.adapters, self.projections = change.adapters, change.projections

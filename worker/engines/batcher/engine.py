@@ -86,7 +86,7 @@ class BatchingEngine(EngineThread):
     exposes_logits = True
     replays_guidance = True
     closes_documents = True
-    adapters: AdapterSet | None = None  # the layouts of the adapters loaded (paged/: none)
+    adapters: AdapterSet | None = None  # the layouts of the adapters loaded
     _unloaded: frozenset[str] = frozenset()  # (the engine's thread's) refused from now on, named so
 
     def __init__(
@@ -244,10 +244,14 @@ class BatchingEngine(EngineThread):
         if self._draining:
             used = {row.request.adapter for row in self._rows.every()}
             for name in [name for name in self._draining if name not in used]:
-                prefixes = self._rows.prefixes
-                if prefixes is not None:
-                    prefixes.drop_scopes(f"\0lora:{name}")
+                self._forget_prompts(name)
                 self._draining.pop(name).set_result(None)
+
+    def _forget_prompts(self, adapter: str) -> None:
+        """The prefix cache drops the prompts of an adapter that leaves (another of its name may come)."""
+        prefixes = self._rows.prefixes
+        if prefixes is not None:
+            prefixes.drop_scopes(f"\0lora:{adapter}")
 
     def _swap(self, change: AdapterChange, loaded: str | None) -> None:
         if change.session is not None:
@@ -274,6 +278,7 @@ class BatchingEngine(EngineThread):
                     continue
                 updates: Updates = []
                 self._step(updates)
+                self._adapter_changes()
                 deliver_all(updates)
                 if self._step_delay_s and self._rows.running():
                     time.sleep(self._step_delay_s)
@@ -282,12 +287,11 @@ class BatchingEngine(EngineThread):
             raise
 
     def _step(self, updates: Updates) -> None:
-        """One iteration: admissions, prompt chunks, then one decode run (see the module's docstring);
-        then the adapters' changes."""
+        """One iteration: admissions, prompt chunks, then one decode run (see the module's docstring).
+        The adapters' changes follow each step (`_main`)."""
         self._rows.admit()
         self._prefill(updates)
         self._decode(updates)
-        self._adapter_changes()
 
     def _start(self, stream: GenerationStream, updates: Updates) -> None:
         request = stream.request

@@ -172,9 +172,16 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 class Columns:
     """Some of the loaded adapters laid out in the graph's inputs: each in the same columns of every
-    projection (its offset, its rank wide), and the A and B inputs built from them."""
+    projection (its offset, its rank wide), and the A and B inputs built from them, on `device` (the
+    paged engine's card: an OrtValue's device name and id), fp16 for an fp16 graph's projections."""
 
-    def __init__(self, projections: Sequence[Projection], adapters: Sequence[Adapter]) -> None:
+    def __init__(
+        self,
+        projections: Sequence[Projection],
+        adapters: Sequence[Adapter],
+        device: tuple[str, int] = ("cpu", 0),
+    ) -> None:
+        self.dtype = np.float16 if any(p.half for p in projections) else np.float32  # the scale's
         self.offsets: dict[str, int] = {}
         self.ranks: dict[str, int] = {}
         columns = 0
@@ -201,19 +208,26 @@ class Columns:
                     b[first : first + len(lora_a), part.start : part.start + part.width] = lora_b.T
             if p.quantized:
                 a, a_scale, b = _int8(a, b)
-                self.values[p.a_scale_input] = ort.OrtValue.ortvalue_from_numpy(a_scale)
-            self.values[p.a_input] = ort.OrtValue.ortvalue_from_numpy(a)
-            self.values[p.b_input] = ort.OrtValue.ortvalue_from_numpy(b)
+                self.values[p.a_scale_input] = ort.OrtValue.ortvalue_from_numpy(a_scale, *device)
+            elif p.half:
+                a, b = a.astype(np.float16), b.astype(np.float16)
+            self.values[p.a_input] = ort.OrtValue.ortvalue_from_numpy(a, *device)
+            self.values[p.b_input] = ort.OrtValue.ortvalue_from_numpy(b, *device)
 
     def row_scale(self, rows: Sequence[str | None]) -> np.ndarray:
         """The run's row_scale [rows, 1, columns]: 1 in each row's adapter's columns (None: the base
         model, all 0)."""
-        scale = np.zeros((len(rows), 1, self.columns), np.float32)
+        scale = np.zeros((len(rows), 1, self.columns), self.dtype)
         for row, name in enumerate(rows):
             if name is not None:
                 offset = self.offsets[name]
                 scale[row, 0, offset : offset + self.ranks[name]] = 1.0
         return scale
+
+    def token_scale(self, rows: Sequence[str | None], tokens: Sequence[int]) -> np.ndarray:
+        """The scale of a run of packed rows (the paged CUDA graph's) [tokens, columns]: each row's
+        `tokens` new tokens get its row_scale."""
+        return np.repeat(self.row_scale(rows)[:, 0], tokens, axis=0)
 
 
 def _int8(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -236,10 +250,15 @@ class AdapterSet:
     and all of them (any other run). A run's LoRA work is its adapters' columns, not every adapter's,
     for twice the adapters' memory."""
 
-    def __init__(self, projections: Sequence[Projection], adapters: Sequence[Adapter]) -> None:
-        self.none = Columns(projections, [])
-        self.alone = {adapter.name: Columns(projections, [adapter]) for adapter in adapters}
-        self.every = Columns(projections, adapters) if len(adapters) > 1 else None
+    def __init__(
+        self,
+        projections: Sequence[Projection],
+        adapters: Sequence[Adapter],
+        device: tuple[str, int] = ("cpu", 0),
+    ) -> None:
+        self.none = Columns(projections, [], device)
+        self.alone = {adapter.name: Columns(projections, [adapter], device) for adapter in adapters}
+        self.every = Columns(projections, adapters, device) if len(adapters) > 1 else None
 
     @property
     def names(self) -> list[str]:

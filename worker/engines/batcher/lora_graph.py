@@ -19,6 +19,11 @@ every projection of SmolLM2-135M), and int8 products ran 3x faster than fp32 Mat
 quantizes a run's activations as one tensor, so an adapter row's rounding depends on the run's other rows
 (a base-model row's delta stays exactly 0). An fp32 graph keeps fp32 products, equal to merged weights.
 
+The paged engine's graphs take the same rewrite. On the CUDA paged graph (paged/model.py) a run's tokens
+are packed, one row after another ([tokens, hidden], no batch axis), so `row_scale` is [tokens, R]: each
+token gets its row's scale (lora.py's Columns.token_scale). An fp16 graph (the CUDA builds) takes A, B and
+the scale in fp16, its products plain fp16 MatMul on the card, MatMulNBits projections included.
+
 Only the projections some loaded adapter targets are rewritten. The graph's other nodes are untouched: a
 projection's node writes to a renamed output, and the Add that sums it with the delta writes the name its
 consumers read.
@@ -39,7 +44,7 @@ ROW_SCALE = "lora_row_scale"
 _NODE = re.compile(r"/model/layers\.(\d+)/(?:attn|mlp)/(\w+)/MatMul(?:_Q\d+)?")
 _PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _SINGLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_FLOAT, _INT8 = 1, 3  # onnx.TensorProto's
+_FLOAT, _INT8, _FLOAT16 = 1, 3, 10  # onnx.TensorProto's
 
 
 class LoraGraphError(ValueError):
@@ -64,6 +69,7 @@ class Projection:
     out_features: int
     parts: tuple[Part, ...]
     quantized: bool  # a MatMulNBits node: its adapters' weights run in int8 (see the module's docstring)
+    half: bool = False  # the graph's activations are fp16: its adapters' weights are too
 
     @property
     def a_input(self) -> str:
@@ -92,11 +98,17 @@ class LoraGraph:
         q = decoder["num_attention_heads"] * decoder["head_size"]
         kv = decoder["num_key_value_heads"] * decoder["head_size"]
         logits = next(o for o in self.model.graph.output if o.name == "logits")
-        if logits.type.tensor_type.elem_type != _FLOAT:
+        element = logits.type.tensor_type.elem_type
+        if element not in (_FLOAT, _FLOAT16):
             raise LoraGraphError(
-                "adapters need a graph whose activations are float32 (an fp32 or int4 CPU build)"
+                "adapters need a graph whose activations are float32 (an fp32 or int4 CPU build) or "
+                "float16 (a CUDA build)"
             )
-        self.projections = _projections(self.model.graph, q, kv)
+        self.half = element == _FLOAT16
+        input_ids = next(i for i in self.model.graph.input if i.name == "input_ids")
+        # the paged CUDA graph's tokens are packed [tokens]: a scale per token, not per batch row
+        self.packed_tokens = len(input_ids.type.tensor_type.shape.dim) == 1
+        self.projections = _projections(self.model.graph, q, kv, self.half)
         if not self.projections:
             raise LoraGraphError("the graph has no projection node an adapter could target")
         self.targets: dict[tuple[int, str], tuple[Projection, Part]] = {
@@ -111,7 +123,11 @@ class LoraGraph:
         nodes = {node.name: node for node in graph.node}
         tiled: dict[int, str] = {1: ROW_SCALE}
         added = []
-        inputs = [helper.make_tensor_value_info(ROW_SCALE, _FLOAT, ["batch_size", 1, "lora_rank"])]
+        element = _FLOAT16 if self.half else _FLOAT
+        scale_shape: list[str | int] = (
+            ["num_tokens", "lora_rank"] if self.packed_tokens else ["batch_size", 1, "lora_rank"]
+        )
+        inputs = [helper.make_tensor_value_info(ROW_SCALE, element, scale_shape)]
         for p in projections:
             node = nodes[p.node]
             parts = len(p.parts)
@@ -119,7 +135,7 @@ class LoraGraph:
                 tiled[parts] = f"{ROW_SCALE}/x{parts}"
                 added.append(helper.make_node("Concat", [ROW_SCALE] * parts, [tiled[parts]], axis=-1))
             columns = f"lora_rank_x{parts}"
-            kind = _INT8 if p.quantized else _FLOAT
+            kind = _INT8 if p.quantized else element
             inputs.append(helper.make_tensor_value_info(p.a_input, kind, [p.in_features, columns]))
             inputs.append(helper.make_tensor_value_info(p.b_input, kind, [columns, p.out_features]))
             out = node.output[0]
@@ -159,7 +175,7 @@ def _node(helper: Any, op: str, inputs: list[str]) -> Any:
     return helper.make_node(op, inputs, [], domain=domain)
 
 
-def _projections(graph: Any, q: int, kv: int) -> list[Projection]:
+def _projections(graph: Any, q: int, kv: int, half: bool) -> list[Projection]:
     from onnx import helper
 
     dims = {init.name: list(init.dims) for init in graph.initializer}
@@ -190,6 +206,6 @@ def _projections(graph: Any, q: int, kv: int) -> list[Projection]:
         modules = _PACKED.get(name, (name,))
         starts = [sum(widths[:i]) for i in range(len(widths))]
         parts = tuple(Part(m, s, w) for m, s, w in zip(modules, starts, widths, strict=True))
-        quantized = node.op_type == "MatMulNBits"
-        found.append(Projection(layer, name, node.name, in_features, out_features, parts, quantized))
+        quantized = node.op_type == "MatMulNBits" and not half  # fp16: plain MatMul (the card's)
+        found.append(Projection(layer, name, node.name, in_features, out_features, parts, quantized, half))
     return found

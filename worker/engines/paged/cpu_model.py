@@ -9,23 +9,42 @@ here are the batcher's, which makes this the scheduler's reference on real model
 run alone has every position's logits: a row that asks for all its logits (`PackedRow.all_logits`) gets
 them, the batcher's prompt logits. The gathers cost a copy of each row's past per run: it is a
 reference, not the CPU engine.
+
+LoRA adapters (`PackedRow.adapter`) are the batcher's too: the graph rewritten for them (lora_graph.py) and
+each run's rows scaled into their adapters' columns (lora.py's Columns.row_scale), so the decoding rows of
+different adapters and of the base model share their run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
 
-from worker.engines.batcher.graph import open_session, positions
+from worker.engines.batcher.graph import Layout, open_session, positions
+from worker.engines.batcher.lora_graph import ROW_SCALE
 from worker.engines.paged.model import PackedRow, by_row, pack
+
+if TYPE_CHECKING:
+    from worker.engines.batcher.adapter_library import AdapterLibrary
+    from worker.engines.batcher.lora import AdapterSet
 
 
 class CpuPagedModel:
-    def __init__(self, model_dir: Path, blocks: int, block_size: int, threads: int = 0) -> None:
-        self.session, self.layout = open_session(model_dir, threads)
+    def __init__(
+        self,
+        model_dir: Path,
+        blocks: int,
+        block_size: int,
+        threads: int = 0,
+        adapters: AdapterLibrary | None = None,
+    ) -> None:
+        graph = None if adapters is None else adapters.rewritten()
+        self.session, self.layout = open_session(model_dir, threads, graph)
+        self.adapters: AdapterSet | None = None if adapters is None else adapters.layouts()
         self.blocks = blocks
         self.block_size = block_size
         self.vocab = self.layout.vocab_size
@@ -50,6 +69,15 @@ class CpuPagedModel:
             row = rows[index]
             parts[index][:] = self._run([row])[0][-row.returned :]
         return out
+
+    def use_adapters(
+        self, session: tuple[ort.InferenceSession, Layout] | None, adapters: AdapterSet | None
+    ) -> None:
+        """From the next run on: these adapters' layouts, and `session` where the graph gained projections
+        (an adapter loaded at run time). The pool stays."""
+        if session is not None:
+            self.session, self.layout = session
+        self.adapters = adapters
 
     def _slots(self, row: PackedRow, start: int, stop: int) -> np.ndarray:
         """The pool's slots of the row's positions [start, stop)."""
@@ -81,6 +109,12 @@ class CpuPagedModel:
             binding.bind_ortvalue_output(present_name, value)  # written in place at each row's length
         binding.bind_cpu_input("input_ids", np.asarray([list(row.tokens) for row in rows], np.int64))
         binding.bind_cpu_input("attention_mask", mask)
+        if self.adapters is not None:
+            adapters = [row.adapter for row in rows]
+            columns = self.adapters.layout(adapters)
+            for name, weights in columns.values.items():
+                binding.bind_ortvalue_input(name, weights)
+            binding.bind_cpu_input(ROW_SCALE, columns.row_scale(adapters))
         if layout.position_ids is not None:
             binding.bind_cpu_input(layout.position_ids, positions(mask, new))
         binding.bind_output("logits")

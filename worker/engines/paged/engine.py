@@ -20,32 +20,50 @@ prefix cache off.
 
 A run that fails leaves no row's KV to trust: every request goes back to the queue as `lost` and the
 worker restarts the engine with a fresh pool (BatchingEngine._fail, PagedRows.clear).
+
+LoRA adapters are the batcher's (`adapters`, an AdapterLibrary the runner is made with too): each row runs
+with its request's adapter, rows of different adapters and of the base model in one run (the runner applies
+them, model.py, cpu_model.py), and its prompt blocks are cached in its adapter's scope (Row.cache_scope).
+Loads and unloads at run time are the batcher's (load_adapter, unload_adapter), swapped into the runner
+between steps. An unloaded adapter's cached blocks are not dropped (the block manager evicts them in
+time): an adapter loaded again under its name gets scopes of its own instead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import logging
+import queue
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime_genai as og
 
 from worker.engine import EngineUpdate, TokenLogprobs
+from worker.engines.batcher.adapter_library import AdapterChange, AdapterLibrary
 from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.engine import BatchingEngine, Picked
 from worker.engines.batcher.grammar_starts import GrammarStarts
+from worker.engines.batcher.graph import Layout
+from worker.engines.batcher.lora import AdapterSet
 from worker.engines.batcher.rows import Row
 from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
+from worker.engines.paged.adapter_plan import AdapterScheduler
 from worker.engines.paged.blocks import BlockManager
 from worker.engines.paged.model import PackedRow
 from worker.engines.paged.scheduler import PagedRow, Plan, Planned, Scheduler
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +76,15 @@ class PagedRunner(Protocol):
     def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         """One run of `rows`: each row's last token's logits, each of its tokens' for a row with
         all_logits, float32 [taken, vocab] (model.py)."""
+        ...
+
+
+@runtime_checkable
+class AdapterRunner(Protocol):
+    def use_adapters(
+        self, session: tuple[ort.InferenceSession, Layout] | None, adapters: AdapterSet | None
+    ) -> None:
+        """These adapters' layouts from the next run on, and `session` where the graph gained projections."""
         ...
 
 
@@ -134,7 +161,8 @@ class PagedRows:
 
 
 class PagedEngine(BatchingEngine):
-    """See the module's docstring. `runner` makes the model's runner (and a fresh one after a failure)."""
+    """See the module's docstring. `runner` makes the model's runner (and a fresh one after a failure),
+    with `adapters`' graph and layouts where there is a library."""
 
     kv_budget_source = "the paged KV pool"
     fast_plain_rows = True  # False: every row through `_next`, plain ones too (tests compare the two)
@@ -148,6 +176,7 @@ class PagedEngine(BatchingEngine):
         step_delay_s: float = 0.0,
         prefix_cache: bool = True,
         sampler: Callable[[frozenset[int], int], SamplerGraph] | None = None,
+        adapters: AdapterLibrary | None = None,
     ) -> None:
         EngineThread.__init__(self, "paged")
         self.context_length = context_length(model_dir)
@@ -159,6 +188,13 @@ class PagedEngine(BatchingEngine):
         self.counters = BatcherCounters()
         self._grammars = GrammarStarts(model_dir, self.eos_token_ids, self.counters)
         self._starts = {}
+        self._library = adapters or AdapterLibrary(model_dir, {})
+        self.adapters = self._library.layouts()
+        self._adapter_lock = asyncio.Lock()  # one load or unload at a time works out its change
+        self._between: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run after a step
+        self._draining: dict[str, concurrent.futures.Future[None]] = {}  # unloaded, rows still running
+        self._retirements: set[asyncio.Task[None]] = set()
+        self._reloaded: Counter[str] = Counter()  # loads at run time by name: a cache scope each
         self._make_runner = runner
         self._runner = runner()
         self.vocab_size = self._runner.vocab
@@ -166,7 +202,7 @@ class PagedEngine(BatchingEngine):
         self._unshared = itertools.count()  # cache scopes of rows that share no block with another
         self.prefix_block_tokens = self._runner.block_size if prefix_cache else 0
         blocks = BlockManager(self._runner.blocks, self._runner.block_size)
-        self._paged_rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))
+        self._paged_rows = PagedRows(AdapterScheduler(blocks, capacity, prefill_chunk))
         self._rows = self._paged_rows  # type: ignore[assignment]  # what BatchingEngine's own methods use
         # ORTFLEET_SAMPLING=graph: the sampler graph picks the rows it can serve, the others go to RowSampler
         self._sampler = sampler(self.eos_token_ids, self.vocab_size) if sampler is not None else None
@@ -198,9 +234,30 @@ class PagedEngine(BatchingEngine):
         prompt = request.prompt_ids
         all_logits = request.prompt_logprobs is not None  # every prompt position's logits: none reused
         shares = self._prefix_cache and not all_logits
-        scope = request.cache_scope if shares else f"\0{next(self._unshared)}"  # a scope of its own
-        paged = PagedRow(prompt, row.reserved - len(prompt), scope, request.owner, request.weight, all_logits)
+        adapter = request.adapter
+        if not shares:
+            scope = f"\0{next(self._unshared)}"  # a scope of its own
+        elif adapter is not None and self._reloaded[adapter]:
+            scope = f"{row.cache_scope}\0{self._reloaded[adapter]}"  # not the blocks of the one unloaded
+        else:
+            scope = row.cache_scope  # the request's, and its adapter's
+        paged = PagedRow(
+            prompt, row.reserved - len(prompt), scope, request.owner, request.weight, all_logits, adapter
+        )
         self._paged_rows.add(row, paged)
+
+    # Adapters at run time: the batcher's load_adapter and unload_adapter, swapped into the runner.
+
+    def _swap(self, change: AdapterChange, loaded: str | None) -> None:
+        runner = self._runner
+        if not isinstance(runner, AdapterRunner):
+            raise ValueError(f"this paged engine's runner ({type(runner).__name__}) serves no adapters")
+        runner.use_adapters(change.session, change.layouts)
+        self.adapters = change.layouts
+        self._unloaded -= {loaded}
+
+    def _forget_prompts(self, adapter: str) -> None:
+        self._reloaded[adapter] += 1  # its blocks stay cached, out of reach of a later load of its name
 
     def _step(self, updates: Updates) -> None:
         rows = self._paged_rows

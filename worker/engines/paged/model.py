@@ -25,6 +25,11 @@ What a run returns (`returned_logits`, the contract of every runner: this one, c
 each row's last token's logits, or, for a row that asks (`PackedRow.all_logits`: a prompt chunk whose
 prompt log-probabilities are wanted), the logits of each of its new tokens; float32 [taken, vocab], the
 rows in order (`by_row` cuts them per row). On the card only those rows come back (`LogitRows`).
+
+LoRA adapters (`PackedRow.adapter`, each row its own, in one run): the graph is the batcher's rewrite of
+each targeted projection, `y += ((x @ A) * scale) @ B` (batcher/lora_graph.py), in fp16, with the scale
+per packed token: each token gets its row's adapter's columns (lora.py's Columns.token_scale). The
+adapters' A and B stay on the card (AdapterSet's layouts, made there), bound at each run.
 """
 
 from __future__ import annotations
@@ -34,11 +39,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from worker.engines.genai_config import eos_token_ids, read_genai
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+    from worker.engines.batcher.adapter_library import AdapterLibrary
+    from worker.engines.batcher.graph import Layout
+    from worker.engines.batcher.lora import AdapterSet
 
 MAX_ROWS = 256  # rows a run may hold: onnxruntime's PagedAttention scans the rows' lengths in one block
 
@@ -48,6 +60,7 @@ class PackedRow(NamedTuple):  # a tuple: one is made for each row of each run
     past: int  # the row's tokens already in the pool
     table: Sequence[int]  # its blocks in token order, enough for past + len(tokens) tokens
     all_logits: bool = False  # the logits of each of its new tokens come back, not only its last one's
+    adapter: str | None = None  # the LoRA adapter the row runs with (None: the base model)
 
     @property
     def returned(self) -> int:
@@ -101,7 +114,7 @@ def pack(rows: Sequence[PackedRow], block_size: int) -> dict[str, np.ndarray]:
     if len(rows) > MAX_ROWS:
         raise ValueError(f"a run holds at most {MAX_ROWS} rows, not {len(rows)}")
     count = len(rows)
-    tokens, pasts, tables, all_logits = zip(*rows, strict=True)  # the rows' columns, in one pass
+    tokens, pasts, tables, all_logits, _ = zip(*rows, strict=True)  # the rows' columns, in one pass
     new = np.fromiter(map(len, tokens), np.int32, count)
     past = np.array(pasts, np.int32)
     used = -(-(past + new) // block_size)  # the blocks each row's tokens take
@@ -155,10 +168,44 @@ def by_row(rows: Sequence[PackedRow], logits: np.ndarray) -> list[np.ndarray]:
     return [logits[end - row.returned : end] for row, end in zip(rows, ends, strict=True)]
 
 
-class PagedModel:
-    """The model's session on one card and its pool of `blocks` KV blocks of `block_size` tokens."""
+def paged_session(model_dir: Path, device_id: int, graph: bytes | None = None) -> ort.InferenceSession:
+    """The folder's paged graph on the card, or `graph` (rewritten for adapters) with the folder's weights."""
+    import onnxruntime as ort
 
-    def __init__(self, model_dir: Path, blocks: int, block_size: int, device_id: int = 0) -> None:
+    options = ort.SessionOptions()
+    model: str | bytes = str(model_dir / PagedShape.of(model_dir).filename)
+    if graph is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(model_dir)
+        )
+        model = graph
+    return ort.InferenceSession(model, options, providers=_providers(device_id))
+
+
+def paged_graph(model_dir: Path, device_id: int, graph: bytes) -> tuple[ort.InferenceSession, Layout]:
+    """A session of `graph` on the card for an adapter loaded at run time (AdapterLibrary's open_graph)."""
+    from worker.engines.batcher.graph import Layout
+
+    session = paged_session(model_dir, device_id, graph)
+    return session, Layout.read(model_dir, session)
+
+
+def _providers(device_id: int) -> list[Any]:
+    return [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
+
+
+class PagedModel:
+    """The model's session on one card and its pool of `blocks` KV blocks of `block_size` tokens; with
+    `adapters`, its graph rewritten for them (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        blocks: int,
+        block_size: int,
+        device_id: int = 0,
+        adapters: AdapterLibrary | None = None,
+    ) -> None:
         import onnxruntime as ort
 
         self.shape = shape = PagedShape.of(model_dir)
@@ -166,10 +213,9 @@ class PagedModel:
         self.blocks = blocks
         self.block_size = block_size
         self.device_id = device_id
-        options = ort.SessionOptions()
-        self.session = ort.InferenceSession(
-            str(model_dir / shape.filename), options, providers=self._providers()
-        )
+        graph = None if adapters is None else adapters.rewritten()
+        self.session = paged_session(model_dir, device_id, graph)
+        self.adapters: AdapterSet | None = None if adapters is None else adapters.layouts()
         self._gather: LogitRows | None = None
         kv_type = {"tensor(float16)": np.float16, "tensor(bfloat16)": None, "tensor(float)": np.float32}
         past_key = shape.inputs["past_key_names"] % 0
@@ -195,6 +241,15 @@ class PagedModel:
         binding.bind_output(shape.outputs["logits"], "cuda", self.device_id)  # the first of the outputs
         for name, array in feeds.items():
             binding.bind_cpu_input(shape.inputs[name], array)
+        if self.adapters is not None:
+            from worker.engines.batcher.lora_graph import ROW_SCALE
+
+            adapters = [row.adapter for row in rows]
+            columns = self.adapters.layout(adapters)
+            for name, weights in columns.values.items():  # on the card already
+                binding.bind_ortvalue_input(name, weights)
+            scale = columns.token_scale(adapters, [len(row.tokens) for row in rows])  # each token its row's
+            binding.bind_cpu_input(ROW_SCALE, scale)
         for layer, (key, value) in enumerate(self.pool):
             binding.bind_ortvalue_input(shape.inputs["past_key_names"] % layer, key)
             binding.bind_ortvalue_input(shape.inputs["past_value_names"] % layer, value)
@@ -210,14 +265,20 @@ class PagedModel:
         logits, taken = self.run(rows)
         return self._logit_rows.take(logits, taken)
 
+    def use_adapters(
+        self, session: tuple[ort.InferenceSession, Layout] | None, adapters: AdapterSet | None
+    ) -> None:
+        """From the next run on: these adapters' layouts, and `session` where the graph gained projections
+        (an adapter loaded at run time: paged_graph). The pool stays."""
+        if session is not None:
+            self.session = session[0]
+        self.adapters = adapters
+
     @property
     def _logit_rows(self) -> LogitRows:
         if self._gather is None:
-            self._gather = LogitRows(self._providers())
+            self._gather = LogitRows(_providers(self.device_id))
         return self._gather
-
-    def _providers(self) -> list[Any]:
-        return [("CUDAExecutionProvider", {"device_id": str(self.device_id)}), "CPUExecutionProvider"]
 
 
 class LogitRows:

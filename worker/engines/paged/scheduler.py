@@ -44,6 +44,7 @@ class PagedRow:
     owner: str = ""  # whose work it is (work_shares.py), and that key's weight
     weight: float = 1.0
     all_logits: bool = False  # its prompt chunks bring back every position's logits, not only the last's
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
     key: int = field(default_factory=count().__next__)  # its name in the block manager
     computed: int = 0  # tokens whose KV is in the pool (prompt, then generated)
     reused: int = 0  # prompt tokens whose KV came from the cache
