@@ -124,6 +124,26 @@ async def test_a_request_naming_an_adapter_gets_the_tokens_of_the_model_with_tha
     assert completion.choices[0].text == texts[sql]
 
 
+async def test_a_paged_worker_serves_its_adapters_with_the_batchers_tokens_alone_and_together(
+    fleet: Fleet,
+    client: httpx.AsyncClient,
+    model_name: str,
+    adapters: dict[str, Path],
+    lone_engine: BatchingEngine,
+) -> None:
+    sql, zero = adapters
+    prompt = lone_engine.tokenizer.encode(PROMPT)
+    expected = {name: await alone(lone_engine, prompt, name, TOKENS) for name in (sql, zero, None)}
+    fleet.start_worker(model_name, *lora_flags(adapters), env={"ORTFLEET_SCHEDULER": "paged"})
+
+    for name in (sql, zero, model_name):
+        tokens, _ = await job_tokens(client, name)
+        assert tokens == expected[None if name == model_name else name]
+    named = (sql, model_name, zero, sql, model_name)
+    together = await asyncio.gather(*(job_tokens(client, name) for name in named))  # rows of one batch
+    assert [tokens for tokens, _ in together] == [expected[None if n == model_name else n] for n in named]
+
+
 def worker_to_exit(fleet: Fleet, model: Path, name: str, lora: str, folder: Path) -> Exited:
     """A CPU worker of `model` served as `name` with the adapter `lora` (NAME=PATH), run until it exits."""
     argv = ["worker", "--model", str(model), "--name", name, "--device", "cpu", "--lora", lora]
