@@ -1,7 +1,7 @@
 """The paged engine (ORTFLEET_SCHEDULER=paged) on a card: the default model's greedy tokens against
-og.Engine's, the log-probabilities og.Engine cannot give, and prompt log-probabilities against the CPU
-batcher's on the same weights. Skipped where onnxruntime-genai cannot use CUDA; `scripts/gpu-report` runs
-it on a GPU host."""
+og.Engine's, the log-probabilities og.Engine cannot give, prompt log-probabilities and LoRA adapters'
+greedy text against the CPU batcher's on the same weights. Skipped where onnxruntime-genai cannot use
+CUDA; `scripts/gpu-report` runs it on a GPU host."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import pytest
 
 from common.worker_settings import WorkerSettings
 from tests.gpu_marks import ON_A_GPU
+from tests.test_batcher import Collected
+from tests.test_lora import batch, write_adapter
+from tests.test_paged_lora import lone_steps, parts_only_at_near_ties
 from worker.engine import GenerationRequest, TokenLogprobs
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.device import Device
@@ -143,3 +146,37 @@ def test_the_paged_engine_on_the_card_gives_the_cpu_batchers_prompt_log_probabil
     # nats away
     assert gaps.mean() < 5e-2 and gaps.max() < 0.2, gaps.round(3).tolist()
     assert all(len(entry.top) == 3 for entry in ours)
+
+
+def test_a_paged_gpu_workers_adapter_rows_give_the_cpu_batchers_greedy_text_within_near_ties(
+    cuda_model: Path, float_cpu_model: Path, tmp_path: Path
+) -> None:
+    """Rows of three adapters and of the base model in one batch on the card (the CUDA paged graph
+    rewritten in fp16, a scale per packed token) against each row alone on the CPU batcher with the same
+    adapters on the same weights in fp32: a row's tokens may part from the batcher's only where the
+    batcher's two likeliest tokens are within NEAR_TIE_LOGITS."""
+    names = ("first", "second", "third")
+    adapters = {
+        name: write_adapter(tmp_path / name, float_cpu_model, seed=seed, rank=8, strength=0.3)
+        for seed, name in enumerate(names, start=1)
+    }
+    rows = [(prompt, adapter) for prompt in PROMPTS[:2] for adapter in (*names, None)]
+
+    async def run() -> tuple[list[list[tuple[int, float]]], list[Collected]]:
+        batcher = BatchingEngine(float_cpu_model, adapters=adapters, prefill_chunk=64)
+        settings = WorkerSettings(scheduler="paged", gpu_kv_fraction=0.2, lora_modules=adapters)
+        paged = open_engine(cuda_model, Device("cuda", 0), settings)
+        try:
+            ids = [batcher.tokenizer.encode(prompt) for prompt, _ in rows]
+            lone = [await lone_steps(batcher, p, a, 24) for p, (_, a) in zip(ids, rows, strict=True)]
+            together = await batch(paged, ids, [adapter for _, adapter in rows], 24)
+            return lone, together
+        finally:
+            batcher.close()
+            paged.close()
+
+    lone, together = asyncio.run(run())
+    for steps, row in zip(lone, together, strict=True):
+        parts_only_at_near_ties(row, steps)
+    assert len({tuple(row.tokens) for row in together[:4]}) == 4  # each adapter did change the text
+    assert max(max(row.rows) for row in together) == len(rows)  # they did share the runs
