@@ -128,8 +128,9 @@ class WorkerSettings(FleetSettings):
         description="LoRA adapters the worker serves beside its model, as JSON: "
         '{"name": "/path/to/adapter", ...} (--lora NAME=PATH, once per adapter), each a PEFT folder '
         "(adapter_config.json, adapter_model.safetensors). A request whose model is an adapter's name runs "
-        "on a worker of this model with that adapter. Only ortfleet's batcher serves adapters; an adapter "
-        "that does not fit the model stops the worker at start, naming why. Every worker of a served name "
+        "on a worker of this model with that adapter. Only ortfleet's batcher and its paged engine serve "
+        "adapters; an adapter that does not fit the model stops the worker at start, naming why. Every "
+        "worker of a served name "
         "must be given the same adapter names; it also loads those loaded into its model at run time "
         "(POST /v1/load_lora_adapter).",
     )
