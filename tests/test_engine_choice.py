@@ -54,9 +54,9 @@ def test_the_paged_engines_pool_is_sized_from_the_cards_memory(
 
     made: dict[str, Any] = {}
     monkeypatch.setattr(row_sizing, "gpu_memory", lambda label: (80 * 2**30, 40 * 2**30))
-    monkeypatch.setattr(paged_model, "PagedModel", lambda *args: made.setdefault("model", args))
+    monkeypatch.setattr(paged_model, "PagedModel", lambda *args, **_: made.setdefault("model", args))
 
-    def fake_engine(model_dir: Path, runner: Any, capacity: int, chunk: int, *rest: Any) -> object:
+    def fake_engine(model_dir: Path, runner: Any, capacity: int, chunk: int, *rest: Any, **_: Any) -> object:
         made.update(runner=runner(), capacity=capacity, chunk=chunk, sampler=rest[-1])
         return object()
 

@@ -90,7 +90,7 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
         library = AdapterLibrary(
             model_dir, settings.lora_modules, partial(paged_graph, model_dir, card), ("cuda", card)
         )
-        runner = partial(PagedModel, model_dir, blocks, block_size, card, library)
+        runner = partial(PagedModel, model_dir, blocks, block_size, card, adapters=library)
     else:
         block_size = settings.prefill_chunk_tokens
         capacity = settings.max_batch_size or DEFAULT_SLOTS
@@ -107,7 +107,7 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
         settings.step_delay_s,
         settings.prefix_cache,
         sampler,
-        library,
+        adapters=library,
     )
 
 
