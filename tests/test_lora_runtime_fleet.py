@@ -199,3 +199,23 @@ async def test_a_load_into_a_fleet_with_a_worker_whose_engine_serves_no_adapters
     message = refused.json()["error"]["message"]
     assert "only by ortfleet's batcher" in message and "a fake engine" in message
     assert await workers_adapters(admin, model_name) == [[]]
+
+
+async def test_a_paged_worker_loads_and_unloads_an_adapter_over_http_as_a_batcher_worker_does(
+    fleet: Fleet, admin: httpx.AsyncClient, model_name: str, sql: Path
+) -> None:
+    name, reference = f"{model_name}-sql", f"{model_name}-ref"
+    fleet.start_worker(reference, "--lora", f"{reference}-sql={sql}")  # the batcher's tokens
+    fleet.start_worker(model_name, env={"ORTFLEET_SCHEDULER": "paged"})
+    expected = await job_tokens(admin, f"{reference}-sql")
+    base = await job_tokens(admin, model_name)
+
+    loaded = await load(admin, model_name, name, sql)
+
+    assert loaded.status_code == 200, loaded.text
+    assert await job_tokens(admin, name) == expected != base
+    assert await workers_adapters(admin, model_name) == [[name]]
+    assert (await unload(admin, model_name, name)).status_code == 200
+    body = {"model": name, "prompt": "Once upon a time", "max_tokens": 4}
+    assert (await admin.post("/v1/completions", json=body)).status_code == 404
+    assert await job_tokens(admin, model_name) == base
