@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_batcher import NEAR_TIE_LOGITS, Collected, collect
@@ -20,6 +21,7 @@ from worker.engines.batcher.adapter_library import AdapterLibrary
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.paged.cpu_model import CpuPagedModel
 from worker.engines.paged.engine import PagedEngine
+from worker.engines.paged.model import PackedRow
 
 NAMES = ("first", "second", "third")
 
@@ -70,6 +72,36 @@ async def test_rows_of_three_adapters_and_the_base_in_one_paged_run_give_their_l
     assert [row.tokens for row in together] == lone == batchers
     assert len({tuple(tokens) for tokens in lone[:4]}) == 4  # each adapter did change the text
     assert max(max(row.rows) for row in together) == len(rows)  # they did share the runs
+
+
+def test_one_cpu_paged_run_gives_rows_of_three_adapters_and_the_base_the_logits_each_gets_alone(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The runner alone: four decoding rows, each of another adapter or the base model, and a prompt chunk
+    in one run (the decodes share one run of the graph, the chunk runs apart), against each row run by
+    itself on a fresh pool."""
+    library = AdapterLibrary(tiny_model, three_adapters(tmp_path, tiny_model))
+    adapters: list[str | None] = [*NAMES, None]
+    prompts = [[5 + row, 9, 14 + row, 3, 7][: 3 + row % 3] for row in range(len(adapters))]
+    tables = [[row] for row in range(len(adapters) + 1)]  # a block each, of 16 tokens
+    chunk = PackedRow([11, 12, 13], 0, tables[-1], adapter="second")
+
+    def prefilled() -> CpuPagedModel:
+        model = CpuPagedModel(tiny_model, len(tables), 16, adapters=library)
+        for prompt, table, adapter in zip(prompts, tables[:-1], adapters, strict=True):
+            model.returned_logits([PackedRow(prompt, 0, table, adapter=adapter)])
+        return model
+
+    decodes = [
+        PackedRow([20 + row], len(prompt), table, adapter=adapter)
+        for row, (prompt, table, adapter) in enumerate(zip(prompts, tables[:-1], adapters, strict=True))
+    ]
+    together = prefilled().returned_logits([*decodes, chunk])
+    alone = prefilled()
+    each = [alone.returned_logits([row])[0] for row in (*decodes, chunk)]
+
+    assert np.allclose(together, np.stack(each), atol=1e-5)
+    assert not np.allclose(each[0], each[3], atol=1e-2)  # the adapter does change a row's logits
 
 
 @pytest.mark.parametrize(
