@@ -57,7 +57,6 @@ from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.genai_config import context_length, vocab_size
 from worker.engines.ort_tokenizer import OrtTokenizer
-from worker.engines.paged.adapter_plan import AdapterScheduler
 from worker.engines.paged.blocks import BlockManager
 from worker.engines.paged.model import PackedRow
 from worker.engines.paged.scheduler import PagedRow, Plan, Planned, Scheduler
@@ -202,7 +201,7 @@ class PagedEngine(BatchingEngine):
         self._unshared = itertools.count()  # cache scopes of rows that share no block with another
         self.prefix_block_tokens = self._runner.block_size if prefix_cache else 0
         blocks = BlockManager(self._runner.blocks, self._runner.block_size)
-        self._paged_rows = PagedRows(AdapterScheduler(blocks, capacity, prefill_chunk))
+        self._paged_rows = PagedRows(Scheduler(blocks, capacity, prefill_chunk))
         self._rows = self._paged_rows  # type: ignore[assignment]  # what BatchingEngine's own methods use
         # ORTFLEET_SAMPLING=graph: the sampler graph picks the rows it can serve, the others go to RowSampler
         self._sampler = sampler(self.eos_token_ids, self.vocab_size) if sampler is not None else None

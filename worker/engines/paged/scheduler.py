@@ -117,7 +117,7 @@ class Scheduler:
         tables = self.blocks.grow_each_by_one(self._decoding_ids)
         planned = Plan(
             [  # each brings its last sampled token
-                Planned(row, PackedRow([row.generated[-1]], row.computed, table), True)
+                Planned(row, PackedRow([row.generated[-1]], row.computed, table, False, row.adapter), True)
                 for row, table in zip(decoding_rows, tables, strict=True)
             ]
         )
@@ -136,7 +136,7 @@ class Scheduler:
             stop = start + chunk.tokens
             table = self.blocks.grow(row.key, stop - start)
             last = stop == len(row.prompt)
-            packed = PackedRow(row.prompt[start:stop], start, table, row.all_logits)
+            packed = PackedRow(row.prompt[start:stop], start, table, row.all_logits, row.adapter)
             planned.append(Planned(row, packed, last))
         return planned
 
