@@ -14,6 +14,12 @@ bookkeeping and the updates handed to the event loop) on:
   reading the logits. Rows under a grammar (`--grammar-rows`, a regular expression that never ends) are
   flagged for the host and picked by RowSampler over the logits, as on a card.
 
+With `--driven [--steps 500]` the engine has no thread and no event loop: the bench calls its step on its
+own thread, back to back (the device's run takes no time), and the figure is that thread's CPU a step, the
+engine's own host work with nothing beside it. Without it, the event loop takes each step's updates while
+the engine's thread goes on, as in a worker; on a machine whose cores are few or shared (hyper-threads),
+the two slow each other, and the engine thread's CPU a step shows it.
+
 Every row is a request that never ends in the measured time (end of sequence masked, max_tokens past it).
 The figures: steps a second, tokens a second delivered to the event loop, and the engine thread's CPU a
 step (`time.thread_time` on that thread: the fake device's sleep costs none), split into the engine's
@@ -35,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ortfleet.bench.argument_types import positive
 from ortfleet.bench.machine import describe
 from ortfleet.bench.report import write_json
 from worker.engine import EngineUpdate, GenerationRequest
@@ -146,11 +153,7 @@ async def measure(
     warmup_s: float = 1.0,
 ) -> dict[str, Any]:
     """One run of `rows` decoding rows (`grammar_rows` of them under a grammar); its figures."""
-    from worker.engines.genai_config import context_length, vocab_size
-
-    context, vocab = context_length(model_dir), vocab_size(model_dir)
-    if vocab is None:
-        raise ValueError(f"{model_dir}'s genai_config.json gives no vocab_size")
+    context, vocab = _shape(model_dir)
     prompt_tokens = min(prompt_tokens, context // 4)
     blocks = rows * -(-context // block_size)
     chunk = min(block_size, 256)
@@ -165,19 +168,9 @@ async def measure(
         if update.finish is not None:
             raise RuntimeError(f"a row ended ({update.finish}, {update.error}): the bench's rows never end")
 
-    rng = np.random.default_rng(0)
     left = context - prompt_tokens - 1
-    requests = [
-        GenerationRequest(
-            [int(t) for t in rng.integers(10, vocab, prompt_tokens)],
-            max_new_tokens=left,
-            min_new_tokens=left,
-            guidance=GRAMMAR if index < grammar_rows else None,
-        )
-        for index in range(rows)
-    ]
     try:
-        for stream in engine.submit(requests):
+        for stream in engine.submit(_requests(rows, grammar_rows, prompt_tokens, left, vocab)):
             stream.updates.consume(take)
         deadline = time.monotonic() + 60
         while engine.rows() != (0, 0, rows):  # every prompt in: decoding rows only
@@ -224,9 +217,95 @@ async def measure(
     }
 
 
+class _DrivenEngine(PagedEngine):
+    """The paged engine without a thread of its own: the bench calls its step (`measure_driven`)."""
+
+    def _main(self) -> None:
+        return
+
+
+async def measure_driven(
+    model_dir: Path,
+    rows: int,
+    steps: int,
+    grammar_rows: int = 0,
+    prompt_tokens: int = 512,
+    block_size: int = 256,
+) -> dict[str, Any]:
+    """`rows` decoding rows stepped `steps` times back to back on this thread (the device's run takes no
+    time, and no event loop takes the updates): the engine's own host work a step, with nothing beside it."""
+    context, vocab = _shape(model_dir)
+    prompt_tokens = min(prompt_tokens, context // 4)
+    left = context - prompt_tokens - 1
+    if steps >= left:
+        raise ValueError(f"{steps} steps: the rows end after {left} tokens; ask for fewer")
+    device = FakeDevice(vocab, rows * -(-context // block_size), block_size, 0.0, rows + min(block_size, 256))
+    engine = _DrivenEngine(model_dir, lambda: device, rows, min(block_size, 256), sampler=FakeSamplerGraph)
+    try:
+        engine.submit(_requests(rows, grammar_rows, prompt_tokens, left, vocab))
+        deadline = time.monotonic() + 60
+        while engine.rows() != (0, 0, rows):  # every prompt in (a grammar's start comes from the loop)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the rows did not all reach decoding: {engine.rows()}")
+            engine._drain_commands(block=False)
+            engine._step([])
+            await asyncio.sleep(0 if any(engine.rows()) else 0.01)
+        freeze_loaded_objects()
+        began = time.thread_time()
+        for _ in range(steps):
+            engine._step([])
+        cpu = time.thread_time() - began
+    finally:
+        engine.close()
+    return {
+        "mode": "driven",
+        "rows": rows,
+        "grammar_rows": grammar_rows,
+        "prompt_tokens": prompt_tokens,
+        "block_size": block_size,
+        "vocab": vocab,
+        "steps": steps,
+        "host_cpu_ms_per_step": round(cpu / steps * 1000, 3),
+        "host_cpu_us_per_row": round(cpu / steps / rows * 1e6, 2),
+    }
+
+
+def _shape(model_dir: Path) -> tuple[int, int]:
+    from worker.engines.genai_config import context_length, vocab_size
+
+    vocab = vocab_size(model_dir)
+    if vocab is None:
+        raise ValueError(f"{model_dir}'s genai_config.json gives no vocab_size")
+    return context_length(model_dir), vocab
+
+
+def _requests(
+    rows: int, grammar_rows: int, prompt_tokens: int, left: int, vocab: int
+) -> list[GenerationRequest]:
+    """Rows that never end in the measured time (end of sequence masked, max_tokens past it); the first
+    `grammar_rows` under a grammar."""
+    rng = np.random.default_rng(0)
+    return [
+        GenerationRequest(
+            [int(t) for t in rng.integers(10, vocab, prompt_tokens)],
+            max_new_tokens=left,
+            min_new_tokens=left,
+            guidance=GRAMMAR if index < grammar_rows else None,
+        )
+        for index in range(rows)
+    ]
+
+
 def text(runs: list[dict[str, Any]]) -> str:
     lines = ["the paged engine on a fake paged device: its thread's CPU a step (the device's sleep excluded)"]
     for run in runs:
+        if run.get("mode") == "driven":
+            lines.append(
+                f"  rows {run['rows']:4} ({run['grammar_rows']} under a grammar), driven, "
+                f"{run['steps']} steps: host {run['host_cpu_ms_per_step']} ms a step "
+                f"({run['host_cpu_us_per_row']} µs a row)"
+            )
+            continue
         lines.append(
             f"  rows {run['rows']:4} ({run['grammar_rows']} under a grammar), device {run['step_ms']} ms: "
             f"host {run['host_cpu_ms_per_step']} ms a step ({run['host_cpu_us_per_row']} µs a row), "
@@ -248,6 +327,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model", type=Path, help="model folder (tokenizer, vocabulary; default: the default model)"
     )
+    parser.add_argument(
+        "--driven",
+        action="store_true",
+        help="step the engine on the bench's own thread, back to back, no event loop beside it (the engine's "
+        "host work alone)",
+    )
+    parser.add_argument(
+        "--steps", type=positive, default=500, help="steps measured with --driven (default 500)"
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures to FILE")
     args = parser.parse_args(argv)
     model_dir = args.model
@@ -258,7 +346,11 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = default_model_dir(FleetSettings().model_cache)
     runs = [
         asyncio.run(
-            measure(
+            measure_driven(
+                model_dir, int(rows), args.steps, int(grammar), args.prompt_tokens, args.block_size
+            )
+            if args.driven
+            else measure(
                 model_dir,
                 int(rows),
                 args.step_ms,
