@@ -29,6 +29,7 @@ BENCHES = {
 }
 OTHER = {  # shown as their JSON
     "paged-host": "the paged engine's host CPU a step on a fake paged device of 4 ms runs (no card used)",
+    "paged-host-driven": "the paged engine's own host CPU a step, stepped back to back (no card used)",
     "sampler-graph-cuda": "the sampler graph on the CUDA provider, logits on the card",
     "paged-model": "the paged model run by ortfleet: tokens against og.Engine's, decode run times",
     "worker-host": "fake engine, 256 rows every 4 ms: a worker's CPU per token and share of the offered rate",
