@@ -14,15 +14,13 @@ import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from common.adapter_calls import REPLY_TTL_S, AdapterCall, AdapterReply, runtime_adapters
+from worker.calls import POLL_S, Reply, answer_calls
 from worker.service import WorkerService
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 1
 
 
 @runtime_checkable
@@ -49,32 +47,21 @@ class AdapterService:
         outage only pauses it."""
         service = self.service
         await service.heartbeat.registered.wait()
-        calls = service.keys.adapter_calls(self.info.id)
-        matched = False
-        while True:
+        while True:  # a Redis outage only pauses it
             try:
-                if not matched:
-                    await self.match_record()
-                    matched = True
-                popped = await service.redis.brpop([calls], timeout=POLL_S)  # type: ignore[misc]
-                if popped is None:
-                    continue
-                try:
-                    call = AdapterCall.model_validate_json(popped[1])
-                except ValidationError as e:
-                    logger.warning("a malformed adapter call was dropped: %s", e)
-                    continue
-                if call.op == "load" and call.deadline < time.time():
-                    continue  # its caller gave up, and rolls it back
-                reply = await self.answer(call)
-                key = service.keys.adapter_reply(call.id)
-                async with service.redis.pipeline(transaction=True) as pipe:
-                    pipe.rpush(key, reply.model_dump_json(exclude_none=True))
-                    pipe.expire(key, REPLY_TTL_S)
-                    await pipe.execute()
+                await self.match_record()
+                break
             except RedisError as e:
                 logger.warning("adapter calls paused: %s", e)
                 await asyncio.sleep(POLL_S)
+
+        async def reply(call: AdapterCall) -> Reply:
+            if call.op == "load" and call.deadline < time.time():
+                return None  # its caller gave up, and rolls it back
+            return service.keys.adapter_reply(call.id), await self.answer(call)
+
+        calls = service.keys.adapter_calls(self.info.id)
+        await answer_calls(service.redis, calls, AdapterCall, "adapter", reply, REPLY_TTL_S)
 
     async def answer(self, call: AdapterCall) -> AdapterReply:
         try:

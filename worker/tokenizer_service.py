@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
 
-from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from common.keys import Keyspace
 from common.tokenizer_calls import REPLY_TTL_S, TokenizerCall, TokenizerReply
+from worker.calls import Reply, answer_calls
 from worker.engine import Tokenizer
-
-logger = logging.getLogger(__name__)
-
-POLL_S = 1
 
 
 def answer(call: TokenizerCall, tokenizer: Tokenizer) -> TokenizerReply:
@@ -53,25 +46,11 @@ def _outside_vocabulary(tokens: list[int], vocab_size: int | None) -> TokenizerR
 
 
 async def serve_tokenizer(redis: Redis, keys: Keyspace, model: str, tokenizer: Tokenizer) -> None:
-    """Pops calls from the model's list until cancelled; a Redis outage only pauses it."""
-    calls = keys.tokenizer_calls(model)
-    while True:
-        try:
-            popped = await redis.brpop([calls], timeout=POLL_S)  # type: ignore[misc]
-            if popped is None:
-                continue
-            try:
-                call = TokenizerCall.model_validate_json(popped[1])
-            except ValidationError as e:
-                logger.warning("a malformed tokenizer call was dropped: %s", e)
-                continue
-            if call.deadline < time.time():
-                continue
-            reply = keys.tokenizer_reply(call.id)
-            async with redis.pipeline(transaction=True) as pipe:
-                pipe.rpush(reply, answer(call, tokenizer).model_dump_json(exclude_none=True))
-                pipe.expire(reply, REPLY_TTL_S)
-                await pipe.execute()
-        except RedisError as e:
-            logger.warning("tokenizer calls paused: %s", e)
-            await asyncio.sleep(POLL_S)
+    """Answers calls from the model's list until cancelled; a Redis outage only pauses it."""
+
+    async def reply(call: TokenizerCall) -> Reply:
+        if call.deadline < time.time():
+            return None  # its caller gave up
+        return keys.tokenizer_reply(call.id), answer(call, tokenizer)
+
+    await answer_calls(redis, keys.tokenizer_calls(model), TokenizerCall, "tokenizer", reply, REPLY_TTL_S)
