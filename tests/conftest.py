@@ -31,6 +31,7 @@ from tests.openai_schema import OpenAISchema, install
 if TYPE_CHECKING:
     from ortfleet.modelbuild.build_server import BuilderServer
     from tests.sentinel_group import SentinelGroup
+    from worker.engines.batcher.engine import BatchingEngine
 
 # start_worker: fake-engine worker services; model: a model name of the test's own for jobs put on the queue
 pytest_plugins = ["tests.fake_workers", "tests.queued_jobs"]
@@ -106,6 +107,15 @@ class ClusterServer:
     @property
     def port(self) -> int:
         return self.cluster.ports[0]
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[BatchingEngine]]:
+    """The engines a test opens in its process (it appends each), closed once it ends."""
+    made: list[BatchingEngine] = []
+    yield made
+    for engine in made:
+        engine.close()
 
 
 @pytest.fixture(scope="session")

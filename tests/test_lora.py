@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -108,14 +108,6 @@ async def first_update(stream: GenerationStream) -> EngineUpdate:
     while updates[-1].finish is None:
         updates.append(await stream.updates.get())
     return updates[0]
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[list[BatchingEngine]]:
-    made: list[BatchingEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 async def batch(

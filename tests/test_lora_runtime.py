@@ -6,7 +6,6 @@ are refused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +28,6 @@ def folders(tmp_path: Path, tiny_model: Path) -> dict[str, Path]:
         "qv": write_adapter(tmp_path / "qv", tiny_model, seed=2, strength=2.0, modules=["q_proj", "v_proj"]),
         "chat": write_adapter(tmp_path / "chat", tiny_model, seed=3, strength=2.0),
     }
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[list[BatchingEngine]]:
-    made: list[BatchingEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 async def test_an_adapter_loaded_at_run_time_gives_the_tokens_it_gives_when_loaded_at_start(

@@ -4,7 +4,6 @@ before prefills only the rest, whole chunks at a time, and gives the tokens it g
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -22,14 +21,6 @@ from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.batcher.prefix_cache import PrefixCache, prompt_blocks
 
 CHUNK = 32
-
-
-@pytest.fixture
-async def engines(tiny_model: Path) -> AsyncIterator[list[BatchingEngine]]:
-    made: list[BatchingEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def make(made: list[BatchingEngine], model_dir: Path, **options: object) -> BatchingEngine:
