@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.requests import Request
@@ -28,7 +29,7 @@ from gateway.operations import STRING, Operation, Reply
 from gateway.request_body import parse_body
 from gateway.shards import Shard
 from gateway.state import AppState, app_state
-from gateway.submission import resolve_model
+from gateway.submission import no_live_worker, resolve_model
 
 BLOCK_S = 1.0  # each wait for a reply: well under the connections' socket timeout
 
@@ -53,6 +54,9 @@ class LoadLoraAdapterRequest(UnloadLoraAdapterRequest):
     )
 
 
+UnloadRequestT = TypeVar("UnloadRequestT", bound=UnloadLoraAdapterRequest)
+
+
 def _operators(summary: str, request: type[BaseModel]) -> Operation:
     return Operation(
         f"vLLM's: {summary} (operators: the admin key; ORTFLEET_ALLOW_RUNTIME_LORA_UPDATING)",
@@ -64,10 +68,7 @@ def _operators(summary: str, request: type[BaseModel]) -> Operation:
 
 @_operators("loads a LoRA adapter into every live worker of a model", LoadLoraAdapterRequest)
 async def load_lora_adapter(request: Request) -> Response:
-    state = app_state(request)
-    _check_enabled(state)
-    body = await parse_body(request, LoadLoraAdapterRequest, invalid_status=400)
-    model = await _base_model(state, body.model)
+    state, body, model = await _operator_call(request, LoadLoraAdapterRequest)
     name, path = body.lora_name, body.lora_path
     fleet = await state.fleet.snapshot(fresh=True)
     if name in fleet.known or name in fleet.adapters:
@@ -84,7 +85,7 @@ async def load_lora_adapter(request: Request) -> Response:
         undo = AdapterCall(id=_call_id(), op="unload", name=name, deadline=time.time() + timeout)
         await _broadcast(stores, model, undo)  # a worker that came meanwhile may have it from the record
         if not replies and not silent:
-            raise _no_worker(model)
+            raise no_live_worker(model, " to load the adapter into")
         if refused:
             raise ApiError(
                 400,
@@ -108,10 +109,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 @_operators("unloads a LoRA adapter loaded at run time from its model's workers", UnloadLoraAdapterRequest)
 async def unload_lora_adapter(request: Request) -> Response:
-    state = app_state(request)
-    _check_enabled(state)
-    body = await parse_body(request, UnloadLoraAdapterRequest, invalid_status=400)
-    model = await _base_model(state, body.model)
+    state, body, model = await _operator_call(request, UnloadLoraAdapterRequest)
     name = body.lora_name
     stores = state.shards.stores_of(model)
     if not await _forget(stores, model, name):
@@ -159,6 +157,16 @@ def _check_enabled(state: AppState) -> None:
         )
 
 
+async def _operator_call(
+    request: Request, body_type: type[UnloadRequestT]
+) -> tuple[AppState, UnloadRequestT, str]:
+    """The gateway's state, the call's body and the base model it names, once runtime updates are on."""
+    state = app_state(request)
+    _check_enabled(state)
+    body = await parse_body(request, body_type, invalid_status=400)
+    return state, body, await _base_model(state, body.model)
+
+
 async def _base_model(state: AppState, requested: str | None) -> str:
     """The served model a load or unload names (the only one, when it names none): 400 when it must name
     one or names an adapter, 404 unknown, 503 without a live worker."""
@@ -175,18 +183,8 @@ async def _base_model(state: AppState, requested: str | None) -> str:
             param="model",
         )
     if served.model not in (await state.fleet.snapshot(fresh=True)).live:
-        raise _no_worker(served.model)
+        raise no_live_worker(served.model, " to load or unload its adapters")
     return served.model
-
-
-def _no_worker(model: str) -> ApiError:
-    return ApiError(
-        503,
-        f"no live worker serves model {model!r} to load the adapter into",
-        param="model",
-        code=ErrorCode.no_live_worker,
-        headers={"Retry-After": "5"},
-    )
 
 
 def _exists(name: str, what: str | None) -> ApiError:

@@ -117,13 +117,7 @@ async def _resolve_model(
     if requested not in fleet.live and state.settings.queue_without_workers:
         return ServedModel(requested, fleet.known[requested])  # it waits for a worker (scaled to zero)
     if requested not in fleet.live:
-        raise ApiError(
-            503,
-            f"no live worker serves model {requested!r}",
-            param="model",
-            code=ErrorCode.no_live_worker,
-            headers={"Retry-After": "5"},
-        )
+        raise no_live_worker(requested)
     return ServedModel(requested, fleet.live[requested].context_length)
 
 
@@ -453,3 +447,14 @@ async def _routes(
         (worker, int((now + wait_s) * 1000)) if isinstance(worker, str) else (None, None)
         for worker in workers
     ]
+
+
+def no_live_worker(model: str, purpose: str = "") -> ApiError:
+    """503 with a retry: no live worker serves `model` (`purpose`: for what, as " to load ...")."""
+    return ApiError(
+        503,
+        f"no live worker serves model {model!r}{purpose}",
+        param="model",
+        code=ErrorCode.no_live_worker,
+        headers={"Retry-After": "5"},
+    )
