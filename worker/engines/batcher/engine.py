@@ -102,20 +102,8 @@ class BatchingEngine(EngineThread):
         """`adapters`: LoRA adapters (name: PEFT folder) that requests may name (lora.py); each is checked
         against the model, and the graph is rewritten for them only where there is one."""
         super().__init__("batcher")
-        self.context_length = context_length(model_dir)
         capacity = slots or DEFAULT_SLOTS
-        self.prefill_chunk = prefill_chunk
-        self._step_delay_s = step_delay_s
-        self._model_dir = model_dir
-        config = og.Config(str(model_dir))
-        self.tokenizer = OrtTokenizer(config, vocab_size(model_dir), model_dir)
-        self.eos_token_ids = self.tokenizer.eos_token_ids
-        self._library = AdapterLibrary(model_dir, adapters or {})
-        self.adapters: AdapterSet | None = self._library.layouts()
-        self._adapter_lock = asyncio.Lock()  # one load or unload at a time works out its change
-        self._between: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run after a step
-        self._draining: dict[str, concurrent.futures.Future[None]] = {}  # unloaded, rows still running
-        self._retirements: set[asyncio.Task[None]] = set()
+        self._take_model(model_dir, prefill_chunk, step_delay_s, AdapterLibrary(model_dir, adapters or {}))
         try:
             session, layout = open_session(model_dir, graph=self._library.rewritten())
         except ort.capi.onnxruntime_pybind11_state.Fail as e:  # a graph or weights it cannot load
@@ -123,14 +111,32 @@ class BatchingEngine(EngineThread):
         self._graph = DecoderGraph(session, layout, self.adapters)
         self.vocab_size = layout.vocab_size
         self.prefix_block_tokens = prefill_chunk if prefix_cache else 0
-        self.counters = BatcherCounters()
-        self._grammars = GrammarStarts(model_dir, self.eos_token_ids, self.counters)
-        self._starts: dict[int, GrammarStart] = {}  # by id of the stream whose request's grammar it starts
         self.work_shares = WorkShares()
         prefixes = PrefixCache(prefill_chunk) if prefix_cache else None
         budget = kv_budget_tokens or capacity * self.context_length
         self._rows = Rows(layout, capacity, self.context_length, budget, prefixes, self.counters)
         self._thread.start()
+
+    def _take_model(
+        self, model_dir: Path, prefill_chunk: int, step_delay_s: float, library: AdapterLibrary
+    ) -> None:
+        """What this engine and the paged engine keep of the model and its requests alike: the tokenizer
+        and end of sequence, the adapters, the grammars' starts, the counters."""
+        self.context_length = context_length(model_dir)
+        self.prefill_chunk = prefill_chunk
+        self._step_delay_s = step_delay_s
+        self._model_dir = model_dir
+        self.tokenizer = OrtTokenizer(og.Config(str(model_dir)), vocab_size(model_dir), model_dir)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._library = library
+        self.adapters: AdapterSet | None = library.layouts()
+        self._adapter_lock = asyncio.Lock()  # one load or unload at a time works out its change
+        self._between: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run after a step
+        self._draining: dict[str, concurrent.futures.Future[None]] = {}  # unloaded, rows still running
+        self._retirements: set[asyncio.Task[None]] = set()
+        self.counters = BatcherCounters()
+        self._grammars = GrammarStarts(model_dir, self.eos_token_ids, self.counters)
+        self._starts: dict[int, GrammarStart] = {}  # by id of the stream whose request's grammar it starts
 
     # The event loop's side.
 

@@ -31,11 +31,8 @@ time): an adapter loaded again under its name gets scopes of its own instead.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import itertools
 import logging
-import queue
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,20 +40,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
-import onnxruntime_genai as og
 
 from worker.engine import EngineUpdate, TokenLogprobs
 from worker.engines.batcher.adapter_library import AdapterChange, AdapterLibrary
-from worker.engines.batcher.counters import BatcherCounters
 from worker.engines.batcher.engine import BatchingEngine, Picked
-from worker.engines.batcher.grammar_starts import GrammarStarts
 from worker.engines.batcher.graph import Layout
 from worker.engines.batcher.lora import AdapterSet
 from worker.engines.batcher.rows import Row
 from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
-from worker.engines.genai_config import context_length, vocab_size
-from worker.engines.ort_tokenizer import OrtTokenizer
 from worker.engines.paged.blocks import BlockManager
 from worker.engines.paged.model import PackedRow
 from worker.engines.paged.scheduler import PagedRow, Plan, Planned, Scheduler
@@ -178,21 +170,7 @@ class PagedEngine(BatchingEngine):
         adapters: AdapterLibrary | None = None,
     ) -> None:
         EngineThread.__init__(self, "paged")
-        self.context_length = context_length(model_dir)
-        self.prefill_chunk = prefill_chunk
-        self._step_delay_s = step_delay_s
-        self._model_dir = model_dir
-        self.tokenizer = OrtTokenizer(og.Config(str(model_dir)), vocab_size(model_dir), model_dir)
-        self.eos_token_ids = self.tokenizer.eos_token_ids
-        self.counters = BatcherCounters()
-        self._grammars = GrammarStarts(model_dir, self.eos_token_ids, self.counters)
-        self._starts = {}
-        self._library = adapters or AdapterLibrary(model_dir, {})
-        self.adapters = self._library.layouts()
-        self._adapter_lock = asyncio.Lock()  # one load or unload at a time works out its change
-        self._between: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run after a step
-        self._draining: dict[str, concurrent.futures.Future[None]] = {}  # unloaded, rows still running
-        self._retirements: set[asyncio.Task[None]] = set()
+        self._take_model(model_dir, prefill_chunk, step_delay_s, adapters or AdapterLibrary(model_dir, {}))
         self._reloaded: Counter[str] = Counter()  # loads at run time by name: a cache scope each
         self._make_runner = runner
         self._runner = runner()
