@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from uvicorn.config import STARTUP_FAILURE
 
 from common.aio import wait_set
+from common.collector import calm_garbage_collector
 from common.gateway_settings import GatewaySettings
 from common.redis_client import RedisRefused, RedisUnreachable, check_redis
 from common.redis_url import URL_FORMAT, mask_url
@@ -67,6 +68,7 @@ def raise_open_file_limit() -> int:
 
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between collections of the youngest generation (Python: 700)
+# (a stream's objects: a wait, a timer, a buffer each, thousands of streams open at once)
 
 
 def time_garbage_collections(observe: Callable[[int, float], None]) -> None:
@@ -81,21 +83,6 @@ def time_garbage_collections(observe: Callable[[int, float], None]) -> None:
             observe(info["generation"], time.perf_counter() - started)
 
     gc.callbacks.append(on_collection)
-
-
-def calm_garbage_collector() -> None:
-    """Fewer, cheaper garbage collections for a process that holds thousands of open streams.
-
-    Every object alive at startup (modules, the app) moves to the permanent generation, so no
-    collection walks it again; and the youngest generation is collected after 50,000 allocations
-    rather than 700, so the objects of the streams open at any moment (a wait, a timer, a buffer each)
-    are walked, and promoted towards the oldest generation, far less often. A full collection walks
-    every object of every open stream: its pauses were most of the relay's latency past 50 ms.
-    """
-    gc.collect()
-    gc.freeze()
-    _, middle, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
 class CalmServer(uvicorn.Server):
@@ -260,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(settings, gateway_metrics)
     pauses = [gateway_metrics.gc_pauses.labels(str(generation)) for generation in range(3)]
     time_garbage_collections(lambda generation, seconds: pauses[generation].observe(seconds))
-    calm_garbage_collector()
+    # its pauses were most of the relay's latency past 50 ms: a full collection walks every open stream
+    calm_garbage_collector(GC_YOUNG_THRESHOLD)
     serve(
         app,
         listener,

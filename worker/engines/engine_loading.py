@@ -3,12 +3,12 @@ process. The worker (worker/main.py) and an engine core (worker/core/) load thro
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
 from pathlib import Path
 
+from common.collector import calm_garbage_collector
 from common.model_folder import (
     GENAI_CONFIG,
     default_model_dir,
@@ -124,6 +124,4 @@ def freeze_loaded_objects() -> None:
     again: at 512 rows on a fake 4 ms device, full collections took the paged engine's host step from
     1.7-1.8 to 2.8-2.9 ms. Objects made later are collected as before, reference cycles among them a
     little later (YOUNG_COLLECTION_ALLOCATIONS)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, *gc.get_threshold()[1:])
+    calm_garbage_collector(YOUNG_COLLECTION_ALLOCATIONS)
