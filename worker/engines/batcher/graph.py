@@ -121,8 +121,7 @@ class DecoderGraph:
             columns = self.adapters.layout(rows)
             if self._columns.get(slots) is not columns:  # another layout than this binding's last run's
                 self._columns[slots] = columns
-                for name, weights in columns.values.items():
-                    binding.bind_ortvalue_input(name, weights)
+                columns.bind(binding)
             row_scale = columns.row_scale(rows)
             binding.bind_cpu_input(ROW_SCALE, row_scale)
         binding.bind_cpu_input("attention_mask", mask)

@@ -214,6 +214,12 @@ class Columns:
             self.values[p.a_input] = ort.OrtValue.ortvalue_from_numpy(a, *device)
             self.values[p.b_input] = ort.OrtValue.ortvalue_from_numpy(b, *device)
 
+    def bind(self, binding: ort.IOBinding) -> None:
+        """Binds its A and B inputs (each where its OrtValue sits) to a run's binding; the run's scale
+        (row_scale, token_scale) is the caller's to bind."""
+        for name, weights in self.values.items():
+            binding.bind_ortvalue_input(name, weights)
+
     def row_scale(self, rows: Sequence[str | None]) -> np.ndarray:
         """The run's row_scale [rows, 1, columns]: 1 in each row's adapter's columns (None: the base
         model, all 0)."""

@@ -112,8 +112,7 @@ class CpuPagedModel:
         if self.adapters is not None:
             adapters = [row.adapter for row in rows]
             columns = self.adapters.layout(adapters)
-            for name, weights in columns.values.items():
-                binding.bind_ortvalue_input(name, weights)
+            columns.bind(binding)
             binding.bind_cpu_input(ROW_SCALE, columns.row_scale(adapters))
         if layout.position_ids is not None:
             binding.bind_cpu_input(layout.position_ids, positions(mask, new))

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from worker.engines.batcher.lora_graph import ROW_SCALE
 from worker.engines.genai_config import eos_token_ids, read_genai
 
 if TYPE_CHECKING:
@@ -242,12 +243,9 @@ class PagedModel:
         for name, array in feeds.items():
             binding.bind_cpu_input(shape.inputs[name], array)
         if self.adapters is not None:
-            from worker.engines.batcher.lora_graph import ROW_SCALE
-
             adapters = [row.adapter for row in rows]
             columns = self.adapters.layout(adapters)
-            for name, weights in columns.values.items():  # on the card already
-                binding.bind_ortvalue_input(name, weights)
+            columns.bind(binding)  # on the card already
             scale = columns.token_scale(adapters, [len(row.tokens) for row in rows])  # each token its row's
             binding.bind_cpu_input(ROW_SCALE, scale)
         for layer, (key, value) in enumerate(self.pool):
