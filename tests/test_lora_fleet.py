@@ -41,11 +41,17 @@ def adapters(tmp_path: Path, tiny_model: Path, model_name: str) -> dict[str, Pat
 
 
 @pytest.fixture
-async def lone_engine(tiny_model: Path, adapters: dict[str, Path]) -> AsyncIterator[BatchingEngine]:
-    """The batcher in this process with the same adapters, for each adapter's tokens alone."""
+async def expected(
+    tiny_model: Path, adapters: dict[str, Path], model_name: str
+) -> AsyncIterator[dict[str, list[int]]]:
+    """Each adapter's greedy tokens of PROMPT alone, and the model's (under its name), from the batcher in
+    this process with the same adapters."""
     engine = BatchingEngine(tiny_model, adapters=adapters)
-    yield engine
-    engine.close()
+    try:
+        prompt = engine.tokenizer.encode(PROMPT)
+        yield {name or model_name: await alone(engine, prompt, name, TOKENS) for name in (*adapters, None)}
+    finally:
+        engine.close()
 
 
 def lora_flags(adapters: dict[str, Path]) -> list[str]:
@@ -101,18 +107,16 @@ async def test_a_request_naming_an_adapter_gets_the_tokens_of_the_model_with_tha
     sdk: openai.OpenAI,
     model_name: str,
     adapters: dict[str, Path],
-    lone_engine: BatchingEngine,
+    expected: dict[str, list[int]],
 ) -> None:
     sql, zero = adapters
-    prompt = lone_engine.tokenizer.encode(PROMPT)
-    expected = {name: await alone(lone_engine, prompt, name, TOKENS) for name in (sql, zero, None)}
-    assert expected[sql] != expected[None]  # the adapter does change the text
+    assert expected[sql] != expected[model_name]  # the adapter does change the text
     fleet.start_worker(model_name, *lora_flags(adapters))
 
     texts = {}
     for name in (sql, zero, model_name):
         tokens, texts[name] = await job_tokens(client, name)
-        assert tokens == expected[None if name == model_name else name]
+        assert tokens == expected[name]
 
     base = chat_text(sdk, model_name)
     with_sql = chat_text(sdk, sql)
@@ -129,19 +133,17 @@ async def test_a_paged_worker_serves_its_adapters_with_the_batchers_tokens_alone
     client: httpx.AsyncClient,
     model_name: str,
     adapters: dict[str, Path],
-    lone_engine: BatchingEngine,
+    expected: dict[str, list[int]],
 ) -> None:
     sql, zero = adapters
-    prompt = lone_engine.tokenizer.encode(PROMPT)
-    expected = {name: await alone(lone_engine, prompt, name, TOKENS) for name in (sql, zero, None)}
     fleet.start_worker(model_name, *lora_flags(adapters), env={"ORTFLEET_SCHEDULER": "paged"})
 
     for name in (sql, zero, model_name):
         tokens, _ = await job_tokens(client, name)
-        assert tokens == expected[None if name == model_name else name]
+        assert tokens == expected[name]
     named = (sql, model_name, zero, sql, model_name)
     together = await asyncio.gather(*(job_tokens(client, name) for name in named))  # rows of one batch
-    assert [tokens for tokens, _ in together] == [expected[None if n == model_name else n] for n in named]
+    assert [tokens for tokens, _ in together] == [expected[n] for n in named]
 
 
 def worker_to_exit(fleet: Fleet, model: Path, name: str, lora: str, folder: Path) -> Exited:
