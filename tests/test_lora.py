@@ -390,6 +390,18 @@ def test_the_graph_gains_inputs_only_for_the_projections_an_adapter_targets(
 
 
 @pytest.mark.unit
+def test_one_read_of_the_graph_serves_every_rewrite_unchanged(tiny_model: Path) -> None:
+    graph = LoraGraph(tiny_model)
+    first, every = graph.projections[:1], list(graph.projections)
+    read = graph.model.SerializeToString()
+    narrow, wide = graph.rewritten(first), graph.rewritten(every)
+    assert graph.model.SerializeToString() == read  # the rewrites were made on copies
+    assert narrow == LoraGraph(tiny_model).rewritten(first)  # as a fresh read would rewrite it
+    assert wide == LoraGraph(tiny_model).rewritten(every) != narrow
+    assert graph.rewritten(first) == narrow  # an earlier rewrite left nothing in the next
+
+
+@pytest.mark.unit
 def test_a_bfloat16_adapter_reads_as_its_float32_values(tmp_path: Path) -> None:
     values = np.asarray([[1.5, -2.0], [0.15625, 3.0e38]], np.float32)
     bits = (values.view(np.uint32) >> 16).astype(np.uint16)

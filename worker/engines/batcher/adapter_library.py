@@ -55,14 +55,15 @@ class AdapterLibrary:
 
     @property
     def graph(self) -> LoraGraph:
-        """The base model's graph and its projections, read once (for checking adapters against)."""
+        """The base model's graph and its projections, read once: adapters are checked against it and every
+        rewrite is made from it."""
         if self._graph is None:
             self._graph = LoraGraph(self.model_dir)
         return self._graph
 
     def rewritten(self) -> bytes | None:
         """The decoder rewritten for the library's projections (None: no adapter, the folder's graph)."""
-        return LoraGraph(self.model_dir).rewritten(list(self.projections)) if self.projections else None
+        return self.graph.rewritten(list(self.projections)) if self.projections else None
 
     def layouts(self) -> AdapterSet | None:
         adapters = list(self.adapters.values())
@@ -76,7 +77,7 @@ class AdapterLibrary:
         projections = self._targeted([adapter], also=self.projections)
         session = None
         if projections != self.projections:
-            graph = LoraGraph(self.model_dir).rewritten(list(projections))
+            graph = self.graph.rewritten(list(projections))
             session = self._open_graph(graph)
         layouts = AdapterSet(projections, list(adapters.values()), self.device)
         return AdapterChange(adapters, projections, layouts, session)

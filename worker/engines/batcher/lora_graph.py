@@ -116,10 +116,14 @@ class LoraGraph:
         }
 
     def rewritten(self, projections: list[Projection]) -> bytes:
-        """The graph with these projections' LoRA deltas added (see the module's docstring), serialized."""
+        """The graph with these projections' LoRA deltas added (see the module's docstring), serialized.
+        The rewrite is made on a copy: the graph read once serves every rewrite (at start and at each load
+        that needs a new session)."""
         from onnx import helper, numpy_helper
 
-        graph = self.model.graph
+        model = type(self.model)()
+        model.CopyFrom(self.model)  # the graph's structure only: its weights stay on disk
+        graph = model.graph
         nodes = {node.name: node for node in graph.node}
         tiled: dict[int, str] = {1: ROW_SCALE}
         added = []
@@ -164,9 +168,9 @@ class LoraGraph:
             ]
         graph.node.extend(added)
         graph.input.extend(inputs)
-        if not any(opset.domain == "com.microsoft" for opset in self.model.opset_import):
-            self.model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-        data: bytes = self.model.SerializeToString()
+        if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        data: bytes = model.SerializeToString()
         return data
 
 
