@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from httpx_sse import aconnect_sse
 
+from ortfleet.fleet.processes import free_port
 from tests.conftest import Fleet
 from tests.jobs_client import submit, wait_done
 from tests.test_lora import write_adapter
 from tests.test_lora_fleet import job_tokens
+from tests.test_observability import value
 
 ENABLED = {"ORTFLEET_ALLOW_RUNTIME_LORA_UPDATING": "true"}
 ALICE, ADMIN = "sk-alice-0123456789abcdef", "sk-admin-0123456789abcdef"
@@ -68,7 +70,8 @@ async def test_an_adapter_loaded_over_http_serves_at_once_on_every_worker_and_on
 ) -> None:
     name, reference = f"{model_name}-sql", f"{model_name}-ref"
     fleet.start_worker(reference, "--lora", f"{reference}-sql={sql}")
-    first = [fleet.start_worker(model_name), fleet.start_worker(model_name)]
+    port = free_port()
+    first = [fleet.start_worker(model_name, "--metrics-port", str(port)), fleet.start_worker(model_name)]
     expected = await job_tokens(admin, f"{reference}-sql")
     base = await job_tokens(admin, model_name)
 
@@ -76,6 +79,9 @@ async def test_an_adapter_loaded_over_http_serves_at_once_on_every_worker_and_on
 
     assert loaded.status_code == 200, loaded.text
     assert loaded.text.startswith(f"Success: LoRA adapter '{name}' added") and "2 worker(s)" in loaded.text
+    metrics = (await admin.get(f"http://127.0.0.1:{port}/metrics")).text  # its series, before its first job
+    assert value(metrics, "ortfleet_adapter_requests_total", adapter=name) == 0, metrics
+    assert value(metrics, "ortfleet_adapter_generation_tokens_total", adapter=name) == 0
     assert await job_tokens(admin, name) == expected != base
     listed = {m["id"]: m for m in (await admin.get("/v1/models")).json()["data"]}
     assert listed[name]["parent"] == model_name and listed[name]["root"] == str(sql)

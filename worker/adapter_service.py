@@ -94,6 +94,8 @@ class AdapterService:
             return f"the adapter {name!r} could not be loaded: {type(e).__name__}"
         self.info.adapters[name] = path
         self.info.runtime_adapters.append(name)
+        if self.service.on_adapter_loaded is not None:
+            self.service.on_adapter_loaded(name)
         await self.service.heartbeat.beat_now()
         logger.info("LoRA adapter %r loaded from %s", name, path)
         return None

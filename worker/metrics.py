@@ -164,8 +164,12 @@ class AdapterCounts:
             registry=registry,
         )
         for adapter in ["", *adapters]:  # every series from the start, at 0
-            self.requests.labels(*values, adapter)
-            self.tokens.labels(*values, adapter)
+            self.add(adapter)
+
+    def add(self, adapter: str) -> None:
+        """The adapter's series, at 0 until its first job ends (from its load, for one loaded at run time)."""
+        self.requests.labels(*self.values, adapter)
+        self.tokens.labels(*self.values, adapter)
 
     def attempt_done(self, run: JobRun) -> None:
         adapter = run.spec.adapter or ""
@@ -366,6 +370,7 @@ class MetricsServer:
             self.registry.register(StoreMetrics(lambda: [watch], NAMESPACE))
         service.on_job_done = metrics.job_done
         service.on_job_failed = metrics.job_failed
+        service.on_adapter_loaded = metrics.adapters.add
         service.info.metrics_url = self.url
 
     def close(self) -> None:

@@ -83,6 +83,7 @@ class WorkerService:
         self.on_job_done: Callable[[JobRun], None] | None = None
         # A job that failed without an outcome of its run (malformed, too many attempts, a worker error).
         self.on_job_failed: Callable[[], None] | None = None
+        self.on_adapter_loaded: Callable[[str], None] | None = None  # a LoRA adapter loaded at run time
         self.preemptions = 0
         self.engine_restarts = 0  # failed engines replaced by a working one
         self._recovery: asyncio.Task[None] | None = None  # while the engine is rebuilt after a failure
