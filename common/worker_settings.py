@@ -47,13 +47,17 @@ class WorkerSettings(FleetSettings):
     )
     cuda_graph: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="On a GPU (og.Engine): whether ORT-GenAI captures CUDA graphs, written as the CUDA "
-        "provider option enable_cuda_graph of the config the worker loads. auto (the default): on for "
-        "models with paged attention (og.Engine's dynamic batching replays a graph for each pure-decode "
-        "step shape and runs prefill and mixed steps eagerly; on an H200 the default model's one-row "
-        "decode step took 1.3 ms against 4.0 eager), off for the others; on: on for every CUDA model; "
-        "off: never (a model that fails to load or capture with graphs, or the graphs' memory beside "
-        "the KV cache too much for the card). Never set on the CPU.",
+        description="On a GPU: whether decode steps replay captured CUDA graphs. For og.Engine, written "
+        "as the CUDA provider option enable_cuda_graph of the config the worker loads: auto (the "
+        "default) on for models with paged attention (og.Engine's dynamic batching replays a graph for "
+        "each pure-decode step shape and runs prefill and mixed steps eagerly; on an H200 the default "
+        "model's one-row decode step took 1.3 ms against 4.0 eager), off for the others; on: on for "
+        "every CUDA model. For ortfleet's paged engine (--scheduler paged): auto and on capture a graph "
+        "per bucket of pure-decode runs (rows padded to a power of two up to 256, block tables to a "
+        "power-of-two width), prefill and mixed runs eager; a worker serving LoRA adapters, or whose "
+        "session refuses graphs (a warning says why), runs eagerly. off: never (a model that fails to load or capture with "
+        "graphs, or the graphs' memory beside the KV cache too much for the card). Never set on the "
+        "CPU.",
     )
     engine_core: str = Field(
         "auto",

@@ -63,11 +63,12 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
     """The paged engine. On a GPU: a pool of KV blocks sized as og.Engine's cache would be (row_sizing),
     at most 256 rows a run (the paged operator's limit). On the CPU: blocks of a prefill chunk, as many as
     ORTFLEET_KV_BUDGET_TOKENS holds (else every row at the full context), over the model's CPU graph. Its
-    LoRA adapters (ORTFLEET_LORA_MODULES) go to its runner's graph, on the card for a GPU."""
+    LoRA adapters (ORTFLEET_LORA_MODULES) go to its runner's graph, on the card for a GPU. On a GPU its
+    pure-decode runs replay CUDA graphs unless ORTFLEET_CUDA_GRAPH=off (paged/model.py)."""
     from worker.engines.batcher.adapter_library import AdapterLibrary
     from worker.engines.batcher.engine import DEFAULT_SLOTS
     from worker.engines.device_sampling.runner import SamplerGraph
-    from worker.engines.genai_config import context_length, read_genai
+    from worker.engines.genai_config import context_length, cuda_provider_options, read_genai
     from worker.engines.paged.cpu_model import CpuPagedModel
     from worker.engines.paged.engine import PagedEngine, PagedRunner
     from worker.engines.paged.model import MAX_ROWS, PagedModel, paged_graph
@@ -90,7 +91,9 @@ def open_paged_engine(model_dir: Path, device: Device, settings: WorkerSettings)
         library = AdapterLibrary(
             model_dir, settings.lora_modules, partial(paged_graph, model_dir, card), ("cuda", card)
         )
-        runner = partial(PagedModel, model_dir, blocks, block_size, card, adapters=library)
+        # ORTFLEET_CUDA_GRAPH as og.Engine reads it for a paged model: auto and on capture, off does not
+        graphs = cuda_provider_options(device, settings.cuda_graph, paged=True)["enable_cuda_graph"] == "1"
+        runner = partial(PagedModel, model_dir, blocks, block_size, card, adapters=library, cuda_graph=graphs)
     else:
         block_size = settings.prefill_chunk_tokens
         capacity = settings.max_batch_size or DEFAULT_SLOTS

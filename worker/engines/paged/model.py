@@ -30,11 +30,19 @@ LoRA adapters (`PackedRow.adapter`, each row its own, in one run): the graph is 
 each targeted projection, `y += ((x @ A) * scale) @ B` (batcher/lora_graph.py), in fp16, with the scale
 per packed token: each token gets its row's adapter's columns (lora.py's Columns.token_scale). The
 adapters' A and B stay on the card (AdapterSet's layouts, made there), bound at each run.
+
+CUDA graphs (`cuda_graph`, ORTFLEET_CUDA_GRAPH): the session's CUDA provider captures graphs, and a
+pure-decode run (every row one token over a past, no adapter in the run) replays its bucket's graph
+(decode_graphs.py: rows padded to a power of two, tables to a power-of-two width, padding rows writing
+only a scratch block the pool holds past `blocks`); every other run is eager (`gpu_graph_id` -1). A
+session whose graph is rewritten for adapters runs eagerly, as does one whose CUDA provider refuses
+graphs, or whose first capture fails (a warning says why, once).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +53,8 @@ import numpy as np
 
 from worker.engines.batcher.lora_graph import ROW_SCALE
 from worker.engines.genai_config import eos_token_ids, read_genai
+from worker.engines.paged.decode_graphs import MAX_ROWS as MAX_ROWS
+from worker.engines.paged.decode_graphs import DecodeGraphs, bind_pool, bucket_of, pad, run_options
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -53,7 +63,10 @@ if TYPE_CHECKING:
     from worker.engines.batcher.graph import Layout
     from worker.engines.batcher.lora import AdapterSet
 
-MAX_ROWS = 256  # rows a run may hold: onnxruntime's PagedAttention scans the rows' lengths in one block
+logger = logging.getLogger(__name__)
+
+# MAX_ROWS (decode_graphs.py's, 256, imported from here too): rows a run may hold: onnxruntime's
+# PagedAttention scans the rows' lengths in one block
 
 
 class PackedRow(NamedTuple):  # a tuple: one is made for each row of each run
@@ -169,8 +182,31 @@ def by_row(rows: Sequence[PackedRow], logits: np.ndarray) -> list[np.ndarray]:
     return [logits[end - row.returned : end] for row, end in zip(rows, ends, strict=True)]
 
 
-def paged_session(model_dir: Path, device_id: int, graph: bytes | None = None) -> ort.InferenceSession:
-    """The folder's paged graph on the card, or `graph` (rewritten for adapters) with the folder's weights."""
+def is_pure_decode(rows: Sequence[PackedRow]) -> bool:
+    """Whether a run may replay a CUDA graph: every row brings one token over a past, and no row has an
+    adapter (whose A and B a graph could not follow)."""
+    return 0 < len(rows) <= MAX_ROWS and all(
+        len(row.tokens) == 1 and row.past > 0 and row.adapter is None for row in rows
+    )
+
+
+def pack_bucket(rows: Sequence[PackedRow], block_size: int, most: int, scratch: int) -> dict[str, np.ndarray]:
+    """pack's arrays for a pure-decode run in its CUDA graph's bucket's shapes (decode_graphs.py's pad):
+    rows padded to a power of two with rows that write only block `scratch`, tables to the bucket's
+    width (`most`: the blocks of a row at the whole context), the bucket's attention bounds."""
+    if not is_pure_decode(rows):
+        raise ValueError(
+            "only a run of decoding rows, one token each over a past and no adapter, has a bucket"
+        )
+    feeds = pack(rows, block_size)
+    return pad(feeds, bucket_of(feeds, most), block_size, scratch)
+
+
+def paged_session(
+    model_dir: Path, device_id: int, graph: bytes | None = None, cuda_graph: bool = False
+) -> ort.InferenceSession:
+    """The folder's paged graph on the card, or `graph` (rewritten for adapters) with the folder's weights;
+    with `cuda_graph`, its CUDA provider captures graphs (the runs that name one, `gpu_graph_id`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -180,7 +216,7 @@ def paged_session(model_dir: Path, device_id: int, graph: bytes | None = None) -
             "session.model_external_initializers_file_folder_path", str(model_dir)
         )
         model = graph
-    return ort.InferenceSession(model, options, providers=_providers(device_id))
+    return ort.InferenceSession(model, options, providers=_providers(device_id, cuda_graph))
 
 
 def paged_graph(model_dir: Path, device_id: int, graph: bytes) -> tuple[ort.InferenceSession, Layout]:
@@ -191,13 +227,15 @@ def paged_graph(model_dir: Path, device_id: int, graph: bytes) -> tuple[ort.Infe
     return session, Layout.read(model_dir, session)
 
 
-def _providers(device_id: int) -> list[Any]:
-    return [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
+def _providers(device_id: int, cuda_graph: bool = False) -> list[Any]:
+    cuda = {"device_id": str(device_id)} | ({"enable_cuda_graph": "1"} if cuda_graph else {})
+    return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
 
 
 class PagedModel:
     """The model's session on one card and its pool of `blocks` KV blocks of `block_size` tokens; with
-    `adapters`, its graph rewritten for them (see the module's docstring)."""
+    `adapters`, its graph rewritten for them; with `cuda_graph`, its pure-decode runs replayed as CUDA
+    graphs, and one block more in the pool for their padding rows (see the module's docstring)."""
 
     def __init__(
         self,
@@ -206,6 +244,7 @@ class PagedModel:
         block_size: int,
         device_id: int = 0,
         adapters: AdapterLibrary | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         import onnxruntime as ort
 
@@ -215,7 +254,9 @@ class PagedModel:
         self.block_size = block_size
         self.device_id = device_id
         graph = None if adapters is None else adapters.rewritten()
-        self.session = paged_session(model_dir, device_id, graph)
+        if cuda_graph and graph is not None:
+            logger.info("the paged model runs eagerly: its graph is rewritten for LoRA adapters")
+        self.session = self._open(model_dir, graph, cuda_graph and graph is None)
         self.adapters: AdapterSet | None = None if adapters is None else adapters.layouts()
         self._gather: LogitRows | None = None
         kv_type = {"tensor(float16)": np.float16, "tensor(bfloat16)": None, "tensor(float)": np.float32}
@@ -223,7 +264,9 @@ class PagedModel:
         element = kv_type[next(i.type for i in self.session.get_inputs() if i.name == past_key)]
         if element is None:
             raise ValueError("bfloat16 KV pools are not supported")
-        dims = [blocks, block_size, shape.kv_heads, shape.head_size]
+        self.graphs: DecodeGraphs | None = None
+        self._eager: ort.RunOptions | None = None  # gpu_graph_id -1 where the session captures graphs
+        dims = [blocks + int(self._captures), block_size, shape.kv_heads, shape.head_size]
         self.pool = [
             (
                 ort.OrtValue.ortvalue_from_shape_and_type(dims, element, "cuda", device_id),
@@ -231,10 +274,47 @@ class PagedModel:
             )
             for _ in range(shape.layers)
         ]
+        if self._captures:
+            names = (shape.inputs, shape.outputs)
+            widest = max(-(-shape.context // block_size), 1)  # a row's blocks at the whole context
+            self.graphs = DecodeGraphs(
+                self.session, names, shape.vocab, self.pool, block_size, widest, blocks, device_id
+            )
+            self._eager = run_options(-1)
+
+    def _open(self, model_dir: Path, graph: bytes | None, cuda_graph: bool) -> ort.InferenceSession:
+        """The session; with `cuda_graph`, one that captures graphs, or else (onnxruntime refused) an eager
+        one and a warning saying why."""
+        self._captures = cuda_graph
+        if cuda_graph:
+            try:
+                return paged_session(model_dir, self.device_id, graph, cuda_graph=True)
+            except Exception as e:  # onnxruntime's refusal, as it words it
+                logger.warning("the paged model runs eagerly: its session cannot capture CUDA graphs (%s)", e)
+                self._captures = False
+        return paged_session(model_dir, self.device_id, graph)
 
     def run(self, rows: Sequence[PackedRow]) -> tuple[Any, np.ndarray]:
         """One run of `rows`: the logits of every token, on the card (an OrtValue [tokens, vocab]), and the
-        indexes of those that come back (pack's `taken`)."""
+        indexes of those that come back (pack's `taken`). A run replayed as a CUDA graph (the module's
+        docstring) has more rows of logits than tokens, padding rows' after the real ones, which `taken`
+        never names; they stay in the graph's buffer until the next run of as many rows."""
+        graphs = self.graphs
+        if graphs is not None and self.adapters is None and is_pure_decode(rows):
+            feeds = pack(rows, self.block_size)
+            bucket = graphs.bucket(feeds)
+            if bucket is not None:
+                feeds = pad(feeds, bucket, self.block_size, self.blocks)  # block `blocks`: the scratch one
+                if graphs.captured(bucket):
+                    return graphs.run(feeds, bucket), feeds["taken"]  # a failure fails its rows
+                try:
+                    return graphs.run(feeds, bucket), feeds["taken"]
+                except Exception as e:  # the capture failed: the run again, eagerly (it writes the same KV)
+                    logger.warning("the paged model runs eagerly: capturing a CUDA graph failed (%s)", e)
+                    self.graphs = None
+        return self._eager_run(rows)
+
+    def _eager_run(self, rows: Sequence[PackedRow]) -> tuple[Any, np.ndarray]:
         feeds = pack(rows, self.block_size)
         taken = feeds.pop("taken")
         shape = self.shape
@@ -248,12 +328,8 @@ class PagedModel:
             columns.bind(binding)  # on the card already
             scale = columns.token_scale(adapters, [len(row.tokens) for row in rows])  # each token its row's
             binding.bind_cpu_input(ROW_SCALE, scale)
-        for layer, (key, value) in enumerate(self.pool):
-            binding.bind_ortvalue_input(shape.inputs["past_key_names"] % layer, key)
-            binding.bind_ortvalue_input(shape.inputs["past_value_names"] % layer, value)
-            binding.bind_ortvalue_output(shape.outputs["present_key_names"] % layer, key)
-            binding.bind_ortvalue_output(shape.outputs["present_value_names"] % layer, value)
-        self.session.run_with_iobinding(binding)
+        bind_pool(binding, shape.inputs, shape.outputs, self.pool)
+        self.session.run_with_iobinding(binding, self._eager)
         return binding.get_outputs()[0], taken
 
     def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
@@ -270,6 +346,10 @@ class PagedModel:
         (an adapter loaded at run time: paged_graph). The pool stays."""
         if session is not None:
             self.session = session[0]
+            self._eager = None  # a session that captures no graph: its runs are all eager
+            if self.graphs is not None:
+                logger.info("the paged model runs eagerly: its graph is rewritten for LoRA adapters")
+                self.graphs = None
         self.adapters = adapters
 
     @property
