@@ -55,9 +55,9 @@ class WorkerSettings(FleetSettings):
         "every CUDA model. For ortfleet's paged engine (--scheduler paged): auto and on capture a graph "
         "per bucket of pure-decode runs (rows padded to a power of two up to 256, block tables to a "
         "power-of-two width), prefill and mixed runs eager; a worker serving LoRA adapters, or whose "
-        "session refuses graphs (a warning says why), runs eagerly. off: never (a model that fails to load or capture with "
-        "graphs, or the graphs' memory beside the KV cache too much for the card). Never set on the "
-        "CPU.",
+        "session refuses graphs (a warning says why), runs eagerly. off: never (a model that fails to "
+        "load or capture with graphs, or the graphs' memory beside the KV cache too much for the card). "
+        "Never set on the CPU.",
     )
     engine_core: str = Field(
         "auto",
