@@ -1,18 +1,22 @@
 """The paged CUDA model run by ortfleet (worker/engines/paged/model.py) on a card: whether its tokens are
 og.Engine's, and what one run costs.
 
-`python -m ortfleet.bench.paged_model [--model DIR] [--tokens N] [--block-size B] [--blocks K] --json FILE`
-runs, on cuda:0, each stage in turn and writes FILE after each (a stage that fails records its error and
-the next one runs):
+`python -m ortfleet.bench.paged_model [--model DIR] [--tokens N] [--block-size B] [--blocks K]
+[--cuda-graphs both|on|off] --json FILE` runs, on cuda:0, each stage in turn and writes FILE after each (a
+stage that fails records its error and the next one runs):
 
 1. **alone**: each of the prompts greedily on its own (its prompt in one run, then one run a token), end of
    sequence masked, N tokens;
 2. **together**: the same prompts in one batch whose runs mix a chunked prefill (the first prompt in two
    chunks), whole prefills and decoding rows, rows starting at different runs: the tokens of each row
    against its tokens alone;
-3. **decode runs**: ms a pure-decode run of 1, 16, 64 and 256 rows at 128 tokens of context, with the
-   logits left on the card, median of 20 after 3 unmeasured;
-4. **og.Engine**: the same prompt ids, greedy, N tokens (`min_new_tokens` = N), through the engine a GPU
+3. **decode runs**: ms a pure-decode run of 1, 2, 16, 64, 128 and 256 rows at 128 tokens of context,
+   with the logits left on the card, median of 20 after 3 unmeasured;
+4. **CUDA graphs** (`--cuda-graphs`, both by default: the model's session captures graphs, and stages 1
+   to 3 run eagerly, then again with each pure-decode run replaying its bucket's graph, paged/model.py):
+   the tokens alone and together with graphs against the eager ones, the decode runs with graphs
+   (`_graphs`), whether the run of 256 rows took under 2 ms, and the buckets captured;
+5. **og.Engine**: the same prompt ids, greedy, N tokens (`min_new_tokens` = N), through the engine a GPU
    worker runs today, in a child process once the pool above is freed, with eager steps: its tokens
    against ours alone; then with CUDA graphs (ORTFLEET_CUDA_GRAPH=on): its tokens against its eager ones.
 """
@@ -26,8 +30,9 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,9 @@ import numpy as np
 from ortfleet.bench.backends import PROMPTS
 from ortfleet.bench.machine import describe
 from worker.engines.paged.model import PackedRow, PagedModel
+
+DECODE_ROWS = (1, 2, 16, 64, 128, 256)
+GRAPH_TARGET_MS = 2.0  # issue 67: a decode run of 256 rows, replayed
 
 
 def prompt_ids(model_dir: Path, count: int = 4) -> list[list[int]]:
@@ -158,6 +166,16 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     return {"rows_equal": sum(f is None for f in first), "rows": len(ours), "first_difference": first}
 
 
+@contextmanager
+def eager(model: PagedModel) -> Iterator[PagedModel]:
+    """The model with every run eager, its CUDA graphs kept for afterwards."""
+    graphs, model.graphs = model.graphs, None
+    try:
+        yield model
+    finally:
+        model.graphs = graphs
+
+
 def decode_runs(model: PagedModel, rows: int, context: int = 128, repeat: int = 20) -> float:
     per_row = -(-(context + 1) // model.block_size)
     if rows * per_row > model.blocks:
@@ -178,6 +196,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens of each greedy row (default 32)")
     parser.add_argument("--block-size", type=int, default=256, help="tokens of a KV block (default 256)")
     parser.add_argument("--blocks", type=int, default=512, help="blocks of the pool (default 512)")
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("both", "on", "off"),
+        default="both",
+        help="eager runs, then runs replaying CUDA graphs (both, the default), or one of them",
+    )
     parser.add_argument("--json", type=Path, required=True, metavar="FILE")
     args = parser.parse_args(argv)
     model_dir = args.model
@@ -191,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         "tokens": args.tokens,
         "block_size": args.block_size,
         "blocks": args.blocks,
+        "cuda_graphs": args.cuda_graphs,
         "machine": describe(),
         "stages": {},
     }
@@ -214,25 +239,46 @@ def main(argv: list[str] | None = None) -> None:
     opened: list[PagedModel] = []
 
     def open_model() -> dict[str, Any]:
-        opened.append(PagedModel(model_dir, args.blocks, args.block_size))
-        return {"providers": opened[0].session.get_providers()}
+        model = PagedModel(model_dir, args.blocks, args.block_size, cuda_graph=args.cuda_graphs != "off")
+        opened.append(model)
+        return {"providers": model.session.get_providers(), "cuda_graphs": model.graphs is not None}
 
     stage("open", open_model)
     if not opened:
         return
 
-    def on_the_model(model: PagedModel) -> list[list[int]] | None:
-        ours: list[list[int]] | None = stage("alone", lambda: alone(model, prompts, args.tokens))
-        mixed = stage("together", lambda: together(model, prompts, args.tokens))
+    def stages(model: PagedModel, suffix: str) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+        ours: list[list[int]] | None = stage(f"alone{suffix}", lambda: alone(model, prompts, args.tokens))
+        mixed = stage(f"together{suffix}", lambda: together(model, prompts, args.tokens))
         if ours is not None and mixed is not None:
-            stage("together_against_alone", lambda: agreement(mixed, ours))
-        for rows in (1, 16, 64, 256):
+            stage(f"together_against_alone{suffix}", lambda: agreement(mixed, ours))
+        for rows in DECODE_ROWS:
 
             def timed(rows: int = rows) -> float:
                 return decode_runs(model, rows)
 
-            stage(f"decode_run_ms_{rows}_rows", timed)
-        return ours
+            stage(f"decode_run_ms_{rows}_rows{suffix}", timed)
+        return ours, mixed
+
+    def on_the_model(model: PagedModel) -> list[list[int]] | None:
+        ours: list[list[int]] | None = None
+        mixed: list[list[int]] | None = None
+        if args.cuda_graphs != "on" or model.graphs is None:
+            with eager(model):
+                ours, mixed = stages(model, "")
+        graphs = model.graphs
+        if graphs is None:
+            return ours
+        ours_graphs, mixed_graphs = stages(model, "_graphs")
+        if ours is not None and ours_graphs is not None:
+            stage("alone_graphs_against_eager", lambda: agreement(ours_graphs, ours))
+        if mixed is not None and mixed_graphs is not None:
+            stage("together_graphs_against_eager", lambda: agreement(mixed_graphs, mixed))
+        timing = result["stages"].get(f"decode_run_ms_{DECODE_ROWS[-1]}_rows_graphs", {})
+        if timing.get("ok"):
+            stage("decode_run_256_rows_graphs_under_2_ms", lambda: timing["value"] < GRAPH_TARGET_MS)
+        stage("graphs", lambda: {"buckets": [list(b) for b in graphs.buckets], "runs": graphs.runs})
+        return ours if ours is not None else ours_graphs
 
     ours = on_the_model(opened.pop())  # the pool goes back before og.Engine sizes its cache
     theirs = stage("og_engine", lambda: og_engine_tokens(model_dir, prompts, args.tokens, "off"))
