@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from worker.engine import GenerationRequest, TokenLogprobs
 from worker.engines.batcher.engine import BatchingEngine
 from worker.engines.device import Device
 from worker.engines.engine_choice import open_engine
+from worker.engines.paged.model import PagedModel
 
 pytestmark = ON_A_GPU
 
@@ -54,14 +56,18 @@ def float_cpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def generate(
-    model_dir: Path, scheduler: str, requests: list[GenerationRequest]
+    model_dir: Path,
+    scheduler: str,
+    requests: list[GenerationRequest],
+    cuda_graph: Literal["auto", "on", "off"] = "auto",
+    graph_runs: list[int] | None = None,
 ) -> list[tuple[list[int], int]]:
-    """Each request's tokens and the log-probability entries it got, on a fresh engine of that kind."""
+    """Each request's tokens and the log-probability entries it got, on a fresh engine of that kind; the
+    paged engine's runs replayed as CUDA graphs added to `graph_runs` where given."""
 
     async def run() -> list[tuple[list[int], int]]:
-        engine = open_engine(
-            model_dir, Device("cuda", 0), WorkerSettings(scheduler=scheduler, gpu_kv_fraction=0.2)
-        )
+        settings = WorkerSettings(scheduler=scheduler, gpu_kv_fraction=0.2, cuda_graph=cuda_graph)
+        engine = open_engine(model_dir, Device("cuda", 0), settings)
         try:
             out = []
             for stream in engine.submit(requests):
@@ -74,6 +80,10 @@ def generate(
                         assert update.error is None, update.error
                         break
                 out.append((tokens, entries))
+            if graph_runs is not None:
+                runner = engine._runner  # type: ignore[union-attr]  # the paged engine's
+                assert isinstance(runner, PagedModel)
+                graph_runs.append(0 if runner.graphs is None else runner.graphs.runs)
             return out
         finally:
             engine.close()
@@ -90,6 +100,22 @@ def test_the_paged_engine_on_the_card_gives_og_engines_greedy_tokens(cuda_model:
     theirs = generate(cuda_model, "og-engine", asked)
     equal = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
     assert equal >= len(asked) - 1, (ours, theirs)  # fp16 kernels of another batch shape may split a near-tie
+
+
+def test_the_paged_engine_on_the_card_gives_the_same_greedy_text_with_cuda_graphs_as_without(
+    cuda_model: Path,
+) -> None:
+    engine = open_engine(cuda_model, Device("cuda", 0), WorkerSettings(scheduler="og-engine"))
+    more = ["Name two rivers in Europe.", "Count from one to ten in French."]
+    ids = [engine.tokenizer.encode(p) for p in [*PROMPTS, *more]]
+    engine.close()
+    asked = [GenerationRequest(p, 32, min_new_tokens=32) for p in ids]  # five rows: a bucket of eight
+    runs: list[int] = []
+    with_graphs = generate(cuda_model, "paged", asked, cuda_graph="on", graph_runs=runs)
+    without = generate(cuda_model, "paged", asked, cuda_graph="off", graph_runs=runs)
+    assert runs[0] >= 16 and runs[1] == 0  # decode steps replayed graphs, and none with them off
+    equal = sum(a[0] == b[0] for a, b in zip(with_graphs, without, strict=True))
+    assert equal >= len(asked) - 1, (with_graphs, without)  # fp16 of another batch shape may split a near-tie
 
 
 def test_the_paged_engine_on_the_card_gives_log_probabilities(cuda_model: Path) -> None:
