@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +32,15 @@ async def paged(tiny_model: Path) -> AsyncIterator[Callable[..., PagedEngine]]:
     def make(
         blocks: int = 64,
         capacity: int = 4,
-        runner: Callable[[], CpuPagedModel] | None = None,
-        graph: bool = False,
+        runner: Callable[[], Any] | None = None,
+        graph: bool | Callable[[frozenset[int], int], SamplerGraph] = False,
     ) -> PagedEngine:
         engine = PagedEngine(
             tiny_model,
             runner or (lambda: CpuPagedModel(tiny_model, blocks, BLOCK)),
             capacity,
             CHUNK,
-            sampler=SamplerGraph if graph else None,
+            sampler=graph if callable(graph) else SamplerGraph if graph else None,
         )
         made.append(engine)
         return engine
@@ -330,3 +330,104 @@ async def test_plain_rows_done_without_the_per_token_path_get_the_updates_it_giv
     assert fast == general
     assert {update.finish for updates in fast for update in updates} == {None, Finish.eos, Finish.length}
     assert through_next[True] < through_next[False] / 3  # most tokens took the plain rows' path
+
+
+class HostLogitsOnly:
+    """A CpuPagedModel seen through `returned_logits` alone (no `run`): the paged engine brings every row's
+    logits to the host, its path before it read them where they lie."""
+
+    def __init__(self, model: CpuPagedModel) -> None:
+        self._model = model
+        self.blocks, self.block_size, self.vocab = model.blocks, model.block_size, model.vocab
+
+    def returned_logits(self, rows: Any) -> np.ndarray:
+        return self._model.returned_logits(rows)
+
+
+class CountingGraph(SamplerGraph):
+    """The sampler graph, counting the rows it flags for the host and the rows brought to the host."""
+
+    def __init__(self, eos_token_ids: frozenset[int], vocab_size: int) -> None:
+        super().__init__(eos_token_ids, vocab_size)
+        self.rows = self.flagged = self.gathers = self.fetched = 0
+
+    def run_packed(self, feeds: dict[str, np.ndarray], logits: Any, taken: Any = None) -> Any:
+        step = super().run_packed(feeds, logits, taken)
+        self.rows += len(step.host)
+        self.flagged += int(step.host.sum())
+        return step
+
+    def host_rows(self, logits: Any, index: np.ndarray) -> np.ndarray:
+        self.gathers += 1
+        self.fetched += len(index)
+        return super().host_rows(logits, index)
+
+
+def mixed_batch(vocab: int) -> list[GenerationRequest]:
+    """Greedy, seeded temperature, top_k and top_p rows, a grammar's, and a row asking for its prompt's
+    log-probabilities (greedy: the graph serves its token)."""
+    rng = np.random.default_rng(17)
+    prompts = [[int(t) for t in rng.integers(10, vocab, size=int(rng.integers(5, 40)))] for _ in range(6)]
+    return [
+        GenerationRequest(prompts[0], 8, min_new_tokens=8, logprobs=2),
+        GenerationRequest(prompts[1], 8, temperature=0.9, seed=5, logprobs=1),
+        GenerationRequest(prompts[2], 8, temperature=1.0, top_k=20, seed=6, repetition_penalty=1.2),
+        GenerationRequest(prompts[3], 8, temperature=0.8, top_p=0.9, seed=7, logprobs=3),
+        GenerationRequest(prompts[4], 8, guidance=("regex", "[a-z ]*")),
+        GenerationRequest(prompts[5], 6, min_new_tokens=6, prompt_logprobs=2),
+    ]
+
+
+async def test_the_sampler_graph_on_the_logits_where_they_lie_gives_every_update_the_host_path_gives(
+    paged: Callable[..., PagedEngine], tiny_model: Path
+) -> None:
+    """With a runner that gives its logits where they lie (`run`), the sampler graph reads them there and
+    the host gets only the rows it reads; every update (tokens, log-probabilities, prompt log-probabilities,
+    a grammar's row) is the one the engine gives with every row's logits on the host."""
+
+    async def updates(engine: PagedEngine, asked: list[GenerationRequest]) -> list[list[EngineUpdate]]:
+        streams = await asyncio.gather(*(every_update(s) for s in engine.submit(asked)))
+        # the running rows each update counts depend on when the engine's thread took the requests
+        return [[replace(update, batch_rows=0) for update in stream] for stream in streams]
+
+    device = paged(capacity=8, graph=True)
+    asked = mixed_batch(device.vocab_size)
+    on_device = await updates(device, asked)
+    host = await updates(
+        paged(capacity=8, graph=True, runner=lambda: HostLogitsOnly(CpuPagedModel(tiny_model, 64, BLOCK))),
+        asked,
+    )
+    assert on_device == host
+    sampled_on_host = await updates(paged(capacity=8), asked)
+    tokens = [[update.token_ids for update in row] for row in on_device]
+    assert tokens == [[update.token_ids for update in row] for row in sampled_on_host]
+    prompt_logprobs = on_device[5][0].prompt_logprobs
+    assert prompt_logprobs is not None and len(prompt_logprobs) == len(asked[5].prompt_ids) - 1
+
+
+async def test_on_the_device_path_the_host_gets_only_the_rows_it_reads_in_one_gather_a_step(
+    paged: Callable[..., PagedEngine], tiny_model: Path
+) -> None:
+    """The rows the graph flags (the grammar's at every step among them) and the prompt chunk that asks
+    for its log-probabilities come to the host, each once, in at most one gather a step; no other row."""
+    graphs: list[CountingGraph] = []
+    runs = {"count": 0}
+
+    def graph(eos: frozenset[int], vocab: int) -> CountingGraph:
+        graphs.append(CountingGraph(eos, vocab))
+        return graphs[-1]
+
+    class Counted(CpuPagedModel):
+        def run(self, rows: Any) -> Any:
+            runs["count"] += 1
+            return super().run(rows)
+
+    engine = paged(capacity=8, graph=graph, runner=lambda: Counted(tiny_model, 64, BLOCK))
+    asked = mixed_batch(engine.vocab_size)
+    done = await run_all(engine, asked)
+    [counted] = graphs
+    grammar_tokens = len(done[4].tokens) + (done[4].finish is Finish.eos)  # its end of sequence, picked too
+    assert counted.flagged >= grammar_tokens > 0
+    assert counted.fetched == counted.flagged + len(asked[5].prompt_ids)
+    assert 0 < counted.gathers <= runs["count"]
+    assert counted.flagged < counted.rows / 2  # most sampling rows' logits stayed where the model left them

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from worker.engine import GenerationRequest
 from worker.engines.batcher.sampler import RowSampler, token_logprobs
-from worker.engines.device_sampling.graph import OPSET, TOP_LOGPROBS
+from worker.engines.device_sampling.graph import OPSET, TOP_LOGPROBS, sampler_model
 from worker.engines.device_sampling.runner import SamplerGraph, Widths
 
 pytestmark = pytest.mark.unit
@@ -65,15 +65,28 @@ def random_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray
 
 
 def compare_step(
-    graph: SamplerGraph, rng: np.random.Generator, rows: int, vocab: int, on_card: bool = False
+    graph: SamplerGraph,
+    rng: np.random.Generator,
+    rows: int,
+    vocab: int,
+    on_card: bool = False,
+    element: type | None = None,
 ) -> int:
     """The graph's step against RowSampler's picks; the rows the graph served. `on_card`: the logits are
-    handed to the graph as a CUDA OrtValue, as the model leaves them."""
+    handed to the graph as a CUDA OrtValue, as the model leaves them. `element` (numpy's float16 or
+    float32): the rows lie among a run's logits [tokens, vocab] of that type, an OrtValue the graph reads
+    with `taken`, and RowSampler picks from the same logits as float32."""
     ours, theirs = twin_samplers(rng, rows, vocab)
     logits = random_logits(rng, rows, vocab)
     produced = [int(p) for p in rng.integers(3, size=rows)]
-    given = ort.OrtValue.ortvalue_from_numpy(logits, "cuda", 0) if on_card else logits
-    step = graph.run(given, ours, produced)
+    device = ("cuda", 0) if on_card else ("cpu", 0)
+    if element is None:
+        given = ort.OrtValue.ortvalue_from_numpy(logits, *device) if on_card else logits
+        step = graph.run(given, ours, produced)
+    else:
+        logits = logits.astype(element).astype(np.float32)  # the model's values, as the graph reads them
+        run, taken = run_logits(rng, logits, element)
+        step = graph.run(ort.OrtValue.ortvalue_from_numpy(run, *device), ours, produced, taken)
     for index, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
         expected = reference.choose(logits[index].copy(), produced[index])
         if step.host[index]:  # the host path draws with the uniform the graph was given
@@ -95,6 +108,16 @@ def compare_step(
         reference.accept(expected)
         assert mine.uniform() == reference.uniform()  # both generators went on alike
     return int((~step.host).sum())
+
+
+def run_logits(rng: np.random.Generator, rows: np.ndarray, element: type) -> tuple[np.ndarray, np.ndarray]:
+    """A run's logits [tokens, vocab] in `element` holding `rows` at shuffled tokens among others, and the
+    tokens that hold them (`taken`), as the paged model returns them."""
+    tokens = 2 * len(rows) + 3
+    run = random_logits(rng, tokens, rows.shape[1]).astype(element)
+    taken = rng.permutation(tokens)[: len(rows)].astype(np.int64)
+    run[taken] = rows.astype(element)
+    return run, taken
 
 
 def ten_thousand_rows(providers: tuple[str, ...], on_card: bool) -> None:
@@ -201,3 +224,117 @@ def test_the_benchs_profile_gives_each_kind_of_node_its_time_and_provider(tmp_pa
     assert {n["provider"] for n in nodes} == {"CPUExecutionProvider"}
     assert all(n["ms"] >= 0 and n["runs"] >= 1 for n in nodes)
     assert [n["ms"] for n in nodes] == sorted((n["ms"] for n in nodes), reverse=True)
+
+
+@pytest.mark.parametrize("element", [np.float16, np.float32], ids=["float16", "float32"])
+def test_the_graph_reads_a_runs_logits_where_they_lie_and_picks_its_taken_rows_as_row_sampler_does(
+    element: type,
+) -> None:
+    """The graph's other form: the run's logits [tokens, vocab] in the model's type (float16 on a card)
+    and the tokens whose rows sample, gathered and cast at its head."""
+    rng = np.random.default_rng(61)
+    rows = served = 0
+    for vocab, steps, width in ((49152, 1, 256), (1000, 8, 256), (40, 4, 64)):
+        graph = SamplerGraph(EOS, vocab)
+        for _ in range(steps):
+            served += compare_step(graph, rng, width, vocab, element=element)
+            rows += width
+    assert served > 0.8 * rows
+
+
+def test_on_a_runs_float32_logits_the_gathered_form_gives_the_rows_forms_every_output() -> None:
+    rng = np.random.default_rng(67)
+    vocab = 3000
+    graph = SamplerGraph(EOS, vocab)
+    ours, theirs = twin_samplers(rng, 128, vocab)
+    logits = random_logits(rng, 128, vocab)
+    run, taken = run_logits(rng, logits, np.float32)
+    produced = [0] * 128
+    gathered = graph.run(ort.OrtValue.ortvalue_from_numpy(run), ours, produced, taken)
+    rows = graph.run(logits, theirs, produced)
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "host"):
+        np.testing.assert_array_equal(getattr(gathered, name), getattr(rows, name), err_msg=name)
+
+
+@pytest.mark.parametrize("element", [np.float16, np.float32], ids=["float16", "float32"])
+def test_the_rows_the_host_reads_come_back_alone_as_float32(element: type) -> None:
+    rng = np.random.default_rng(71)
+    run = random_logits(rng, 40, 500).astype(element)
+    index = np.array([31, 2, 17, 2])
+    rows = SamplerGraph(EOS, 500).host_rows(ort.OrtValue.ortvalue_from_numpy(run), index)
+    assert rows.dtype == np.float32
+    np.testing.assert_array_equal(rows, run[index].astype(np.float32))
+
+
+# The CUDA provider's kernels (onnxruntime's docs/OperatorKernels.md, CUDAExecutionProvider, for the
+# versions of opset 18): the element types each op takes, of the input that types it (Where's second).
+_ALL = {"bool", "double", "float", "float16", "int8", "int16", "int32", "int64", "uint8", "uint32", "uint64"}
+_NUMBERS = {"double", "float", "float16", "int32", "int64", "uint32", "uint64"}
+CUDA_KERNELS: dict[str, set[str]] = {
+    **{op: _ALL for op in ("Cast", "Concat", "Gather", "GatherElements", "ScatterElements", "Slice")},
+    **{op: _ALL for op in ("Squeeze", "Unsqueeze", "Identity")},
+    **{op: _NUMBERS | {"int8", "int16"} for op in ("Add", "Sub", "Mul", "Div")},
+    **{op: _NUMBERS for op in ("Greater", "Less", "LessOrEqual", "GreaterOrEqual", "Min", "CumSum")},
+    **{op: {"bool"} for op in ("And", "Or", "Not")},
+    "ArgMax": {"double", "float", "float16"},  # select_last_index left at 0
+    "Exp": {"double", "float", "float16"},
+    "LogSoftmax": {"double", "float", "float16"},
+    "Neg": {"double", "float", "float16", "int8", "int16", "int32", "int64"},
+    "ReduceMax": {"double", "float", "float16", "int32", "int64"},
+    "ReduceSum": {"double", "float", "float16", "int32", "int64"},
+    "TopK": {"double", "float", "float16", "int32", "int64"},
+    "Where": {"double", "float", "float16", "int32", "int64", "uint8"},
+}
+
+
+@pytest.mark.parametrize(
+    ("element", "gathered"), [(TensorProto.FLOAT, False), (TensorProto.FLOAT16, True)], ids=["rows", "run"]
+)
+def test_every_node_of_the_graph_has_a_cuda_kernel_for_its_types_and_none_computes_shapes(
+    element: int, gathered: bool
+) -> None:
+    """So that on the card no node falls back to the CPU provider: none lacks a CUDA kernel, and none
+    reads a shape (onnxruntime places shape arithmetic on the CPU provider)."""
+    model = onnx.shape_inference.infer_shapes(sampler_model(1000, 256, element, gathered), strict_mode=True)
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    for node in graph.node:
+        assert node.op_type in CUDA_KERNELS, node.op_type
+        typed = node.input[1] if node.op_type == "Where" else node.input[0]
+        seen = [typed, node.output[0]] if node.op_type == "Cast" else [typed]
+        for name in seen:
+            kind = helper.tensor_dtype_to_np_dtype(types[name]).name
+            assert (
+                kind.replace("float32", "float").replace("float64", "double") in CUDA_KERNELS[node.op_type]
+            ), (
+                node.op_type,
+                kind,
+            )
+        if node.op_type == "ArgMax":
+            assert all(a.name != "select_last_index" or a.i == 0 for a in node.attribute)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ort.get_available_providers(),
+    reason="this onnxruntime has no CUDA provider",
+)
+def test_on_the_card_every_node_runs_on_the_cuda_provider_and_picks_from_float16_logits_where_they_lie() -> (
+    None
+):
+    """Without the CPU provider to fall back on, a node with no CUDA kernel fails the session's start."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    rng = np.random.default_rng(73)
+    served = rows = 0
+    for vocab, steps in ((49152, 2), (1000, 4)):
+        graph = SamplerGraph(EOS, vocab, providers=("CUDAExecutionProvider",), options=options)
+        for _ in range(steps):
+            served += compare_step(graph, rng, 256, vocab, on_card=True, element=np.float16)
+            rows += 256
+        run = random_logits(rng, 300, vocab).astype(np.float16)
+        index = np.array([7, 299, 0])
+        taken = graph.host_rows(ort.OrtValue.ortvalue_from_numpy(run, "cuda", 0), index)
+        np.testing.assert_array_equal(taken, run[index].astype(np.float32))
+    assert served > 0.8 * rows

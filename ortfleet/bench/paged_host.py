@@ -7,12 +7,14 @@ a card's time: how much of the engine thread's CPU a step of N decoding rows cos
 bookkeeping and the updates handed to the event loop) on:
 
 - a fake PagedRunner: each run packs its inputs as the card's runner does (model.py's `pack`), then sleeps
-  `--step-ms` (the card's run), and returns logits that are already there (a buffer of zeros, not copied:
-  on a card they stay where the model left them);
+  `--step-ms` (the card's run), and gives logits that are already there, as the card's runner does
+  (`run`: an OrtValue over a buffer of zeros, not copied, and the rows taken), so that the engine takes
+  its device path: the graph reads them there, and only the rows the host needs are gathered for it;
 - a fake sampler graph (ORTFLEET_SAMPLING=graph): the real packing of each row's parameters
   (`SamplerGraph.pack`), then token ids for the rows it serves, as the card's graph returns them, without
   reading the logits. Rows under a grammar (`--grammar-rows`, a regular expression that never ends) are
-  flagged for the host and picked by RowSampler over the logits, as on a card.
+  flagged for the host, gathered to it (on the CPU provider here) and picked by RowSampler over their
+  logits, as on a card.
 
 With `--driven [--steps 500]` the engine has no thread and no event loop: the bench calls its step on its
 own thread, back to back (the device's run takes no time), and the figure is that thread's CPU a step, the
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from ortfleet.bench.argument_types import positive
 from ortfleet.bench.machine import describe
@@ -72,6 +75,11 @@ class FakeDevice:
         self.last_run = 0  # once this many runs have started, `enough` is set (0: never)
         self.enough = threading.Event()
 
+    def run(self, rows: Sequence[PackedRow]) -> tuple[ort.OrtValue, np.ndarray]:
+        """The paged engine's device path (model.py's `run`): the logits where they lie, the rows taken."""
+        returned = self.returned_logits(rows)
+        return ort.OrtValue.ortvalue_from_numpy(returned), np.arange(len(returned), dtype=np.int64)
+
     def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         self.stamps.append(time.thread_time())
         self.walls.append(time.perf_counter())
@@ -96,7 +104,7 @@ class FakeSamplerGraph(SamplerGraph):
         allowed = np.flatnonzero(~self._eos)
         self._tokens = allowed[np.arange(4 * MAX_ROWS) % allowed.size].astype(np.int64)
 
-    def run_packed(self, feeds: dict[str, np.ndarray], logits: Any) -> SampledStep:
+    def run_packed(self, feeds: dict[str, np.ndarray], logits: Any, taken: Any = None) -> SampledStep:
         rows = feeds["host_in"].size
         return SampledStep(
             self._tokens[:rows],

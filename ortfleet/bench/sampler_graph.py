@@ -5,8 +5,15 @@ seeded random logits.
 times, for each kind of row (greedy, temperature over the whole vocabulary, top_k 50, top_p 0.9, and top_p
 0.9 with 20 log-probabilities), one step of N such rows: the graph's run (packing included) and
 RowSampler's `choose` over every row (with `token_logprobs` where they are asked), each the median of R
-runs. With `--device cuda` the graph runs on the CUDA execution provider and reads the logits where a
-model on the card leaves them (an OrtValue on cuda:0, not copied); only its outputs come to the host.
+runs. The graph reads the logits as the paged engine hands them over (`SamplerGraph.run` with `taken`):
+the run's logits [rows, vocab] as an OrtValue where the model leaves them, in the model's type, and the
+rows taken (all of them here). With `--device cuda` the graph runs on the CUDA execution provider over
+float16 logits on cuda:0 (not copied; only its outputs come to the host); with `--device cpu`, on the CPU
+provider over float32 logits (the CPU paged model's). RowSampler picks from the same values as float32.
+Also timed: bringing 16 rows of those logits to the host (`host_rows`, what a step's grammar rows cost).
+
+With `--profile DIR`, onnxruntime's profile of the graph's session: each kind of node's time on each
+provider over every run, and each provider's total, in the figures (`nodes`, `providers`).
 """
 
 from __future__ import annotations
@@ -57,20 +64,23 @@ def bench(
     import onnxruntime as ort
 
     rng = np.random.default_rng(seed)
-    logits = (rng.standard_normal((rows, vocab)) * 8).astype(np.float32)  # peaked enough for a nucleus
+    element = np.float16 if device == "cuda" else np.float32  # as the paged model leaves them there
+    run = (rng.standard_normal((rows, vocab)) * 8).astype(element)  # peaked enough for a nucleus
+    logits = run.astype(np.float32)
     options = ort.SessionOptions()
     if profile is not None:
         options.enable_profiling = True
         options.profile_file_prefix = str(profile / "sampler-graph")
     graph = SamplerGraph(_EOS, vocab, providers=PROVIDERS[device], options=options)
-    given = ort.OrtValue.ortvalue_from_numpy(logits, "cuda", 0) if device == "cuda" else logits
+    given = ort.OrtValue.ortvalue_from_numpy(run, device, 0)
+    taken = np.arange(rows, dtype=np.int64)
     produced = [0] * rows
     kinds: dict[str, Any] = {}
     for name, options in KINDS.items():
         requests = [GenerationRequest([1, 2, 3], 16, seed=row, **options) for row in range(rows)]
         samplers = [RowSampler(r, _EOS, vocab, None) for r in requests]
         top = options.get("logprobs")
-        hosted = int(graph.run(given, samplers, produced).host.sum())  # also the first run's warm-up
+        hosted = int(graph.run(given, samplers, produced, taken).host.sum())  # also the first run's warm-up
 
         def cpu_loop(samplers: list[RowSampler] = samplers, top: int | None = top) -> None:
             for index, sampler in enumerate(samplers):
@@ -79,7 +89,7 @@ def bench(
                     token_logprobs(logits[index], token, top)
 
         def graph_step(samplers: list[RowSampler] = samplers) -> None:
-            graph.run(given, samplers, produced)
+            graph.run(given, samplers, produced, taken)
             for sampler in samplers:
                 sampler.accept(0)  # the step's draws are spent, as after a pick
 
@@ -88,16 +98,27 @@ def bench(
             "row_sampler_ms": _median_ms(cpu_loop, repeat),
             "host_rows": hosted,
         }
+    sixteen = np.arange(min(16, rows), dtype=np.int64)
+    host_rows_ms = _median_ms(lambda: graph.host_rows(given, sixteen), repeat)
     provider = PROVIDERS[device][0]
-    result = {"rows": rows, "vocab": vocab, "repeat": repeat, "provider": provider, "kinds": kinds}
+    result: dict[str, Any] = {
+        "rows": rows,
+        "vocab": vocab,
+        "repeat": repeat,
+        "provider": provider,
+        "logits": f"{np.dtype(element).name} [rows, vocab] on {device}, read with taken",
+        "kinds": kinds,
+        "host_rows_16_ms": host_rows_ms,
+    }
     if profile is not None:
         result["nodes"] = node_times(Path(graph.end_profiling()))
+        result["providers"] = provider_times(result["nodes"])
     return result
 
 
-def node_times(trace: Path, top: int = 15) -> list[dict[str, Any]]:
+def node_times(trace: Path, top: int | None = None) -> list[dict[str, Any]]:
     """onnxruntime's profile of the session: the time of each kind of node on each provider over every
-    run, the costliest first, in ms (with the number of nodes of that kind)."""
+    run, the costliest first, in ms (with the number of nodes of that kind); every kind, or the `top`."""
     spent: dict[tuple[str, str], list[float]] = {}
     for event in json.loads(trace.read_text()):
         details = event.get("args") or {}
@@ -111,6 +132,14 @@ def node_times(trace: Path, top: int = 15) -> list[dict[str, Any]]:
         {"op": op, "provider": provider, "ms": round(sum(times), 3), "runs": len(times)}
         for (op, provider), times in ranked
     ]
+
+
+def provider_times(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """Each provider's time over the profiled runs, in ms: what ran on the card and what left it."""
+    total: dict[str, float] = {}
+    for node in nodes:
+        total[node["provider"]] = round(total.get(node["provider"], 0.0) + node["ms"], 3)
+    return total
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,8 +169,11 @@ def main(argv: list[str] | None = None) -> None:
             f"  {name:24} graph {figures['graph_ms']:8.2f}  RowSampler {figures['row_sampler_ms']:8.2f}"
             f"  rows to the host {figures['host_rows']}"
         )
-    for node in result.get("nodes", []):
+    print(f"  16 rows to the host: {result['host_rows_16_ms']:.2f} ms")
+    for node in result.get("nodes", [])[:15]:
         print(f"  {node['op']:24} {node['provider']:24} {node['ms']:9.2f} ms over {node['runs']} runs")
+    for provider, ms in result.get("providers", {}).items():
+        print(f"  {provider:49} {ms:9.2f} ms in all")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

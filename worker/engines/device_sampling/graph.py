@@ -12,6 +12,12 @@ A sampled row is flagged when top_k is over `candidates`, when its top_p nucleus
 candidates (RowSampler then sorts the whole vocabulary), when two nearly equal probabilities sit where
 their order decides the pick (RowSampler's order among ties is argpartition's), or when its draw lands
 on the last candidate's edge. Padded id slots hold -1.
+
+The logits come in one of two forms (`sampler_model`'s element and gathered): the rows' [rows, vocab], or
+the run's [tokens, vocab] as the model leaves them (float16 on a card) with `taken`, each row's token,
+gathered and cast to float32 at the graph's head. Every op and element type it uses has a kernel on the
+CUDA provider (onnxruntime's OperatorKernels.md), and nothing computes a shape, so on a card every node
+runs there.
 """
 
 from __future__ import annotations
@@ -25,10 +31,17 @@ if TYPE_CHECKING:
 
 
 class TensorProto:  # onnx.TensorProto's element types (onnx comes with the `model` extra)
-    FLOAT, INT32, INT64, BOOL, DOUBLE = 1, 6, 7, 9, 11
+    FLOAT, INT32, INT64, BOOL, FLOAT16, DOUBLE = 1, 6, 7, 9, 10, 11
 
 
 OPSET = 18
+# onnxruntime's names of the logits' element types (OrtValue.data_type(), numpy's dtype) to ONNX's
+ELEMENTS = {
+    "tensor(float)": TensorProto.FLOAT,
+    "tensor(float16)": TensorProto.FLOAT16,
+    "float32": TensorProto.FLOAT,
+    "float16": TensorProto.FLOAT16,
+}
 TOP_LOGPROBS = 20  # the top log-probabilities the graph returns; a row reads the first it asked for
 _NUCLEUS_MARGIN = 1e-5  # a nucleus whose candidates' sum is this close to top_p goes to the host
 _TIE_MARGIN = 2e-6  # relative gap under which two probabilities count as tied
@@ -89,11 +102,21 @@ class _Builder:
         return f"{kind.lower()}_{self._count}"
 
 
-def sampler_model(candidates: int = 256) -> onnx.ModelProto:
-    """The sampler graph; `candidates`: the likeliest tokens top_k and top_p choose among (RowSampler's
-    _NUCLEUS_CANDIDATES)."""
+def sampler_model(
+    vocab_size: int, candidates: int = 256, element: int = TensorProto.FLOAT, gathered: bool = False
+) -> onnx.ModelProto:
+    """The sampler graph over a vocabulary of `vocab_size`; `candidates`: the likeliest tokens top_k and
+    top_p choose among (RowSampler's _NUCLEUS_CANDIDATES).
+
+    `logits` holds the rows' logits in `element` (FLOAT, or FLOAT16 as a model on the card leaves them),
+    cast to float32 at the graph's head: [rows, vocab], or with `gathered` the run's [tokens, vocab] and an
+    int64 input `taken` [rows], the tokens whose logits the rows sample from (Gather on axis 0 first).
+
+    The vocabulary's size is a constant of the graph rather than read with Shape, so that no node computes
+    on host memory: on the CUDA provider every node stays on the card (onnxruntime places shape
+    arithmetic on the CPU provider)."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     b = _Builder()
 
@@ -104,12 +127,14 @@ def sampler_model(candidates: int = 256) -> onnx.ModelProto:
         return b.const(np.array(value, np.float32))
 
     cols = i64(1)
-    vocab = b.op("Shape", "logits", start=1, end=2)  # [1]
-    rows_one = b.op("Concat", b.op("Shape", "logits", start=0, end=1), i64(1), axis=0)
+    vocab = i64(vocab_size)  # [1]
+    source = b.op("Gather", "logits", "taken", axis=0) if gathered else "logits"
+    raw = source if element == TensorProto.FLOAT else b.op("Cast", source, to=TensorProto.FLOAT)
 
-    # penalties and bias on the logits with one spare column, where padded slots (-1) point
-    spare = b.op("ConstantOfShape", rows_one, value=numpy_helper.from_array(np.zeros(1, np.float32)))
-    logits = b.op("Concat", "logits", spare, axis=1)
+    # penalties and bias on the logits with one spare column, where padded slots (-1) point; the column's
+    # zeros are made from a row input, [rows] int64 less itself, so that it takes no shape arithmetic
+    zeros = b.op("Cast", b.op("Sub", "top_k", "top_k"), to=TensorProto.FLOAT)
+    logits = b.op("Concat", raw, b.op("Unsqueeze", zeros, cols), axis=1)
 
     def slots(ids: str) -> str:
         return b.op("Where", b.op("Less", ids, i64(0)), vocab, ids)
@@ -147,19 +172,20 @@ def sampler_model(candidates: int = 256) -> onnx.ModelProto:
 
     # no top_k, no top_p: every token in token order
     cumulative = b.op("CumSum", probabilities, cols)
-    last = b.op("Sub", vocab, i64(1))
-    total = b.op("Slice", cumulative, b.op("Neg", i64(1)), i64(np.iinfo(np.int64).max), cols)
+    last = i64(vocab_size - 1)
+    total = b.op("Slice", cumulative, i64(-1), i64(np.iinfo(np.int64).max), cols)
     drawn = b.op("LessOrEqual", cumulative, b.op("Mul", uniform, total))
     whole_pick = b.op("ReduceSum", b.op("Cast", drawn, to=TensorProto.INT64), cols, keepdims=0)
     whole_token = b.op("Min", whole_pick, last)
 
     # top_k or top_p: the candidates, likeliest first (TopK puts the lower index first among ties)
     limit = i64(candidates)
-    width = b.op("Min", b.op("Add", limit, i64(1)), vocab)
-    values, ids = b.op2("TopK", probabilities, width, axis=1, largest=1, sorted=1)
-    position = b.op("Unsqueeze", b.op("Range", i64(0), b.op("Squeeze", width), i64(1)), i64(0))
+    width = min(candidates + 1, vocab_size)
+    values, ids = b.op2("TopK", probabilities, i64(width), axis=1, largest=1, sorted=1)
+    position = b.const(np.arange(width, dtype=np.int64).reshape(1, width))
     has_top_k = b.op("Greater", "top_k", i64(0))
-    wanted = b.op("Min", b.op("Where", has_top_k, "top_k", limit), b.op("Min", limit, vocab))  # over: host
+    fits = i64(min(candidates, vocab_size))
+    wanted = b.op("Min", b.op("Where", has_top_k, "top_k", limit), fits)  # over: host
     taken = b.op("Less", position, column(wanted))
     running = b.op("CumSum", values, cols)
     nucleus = b.op("Less", b.op("Cast", running, to=TensorProto.DOUBLE), column("top_p"))
@@ -204,18 +230,22 @@ def sampler_model(candidates: int = 256) -> onnx.ModelProto:
     b.nodes.append(helper.make_node("Identity", [host], ["host"]))
 
     # log-probabilities of the unmodified logits
-    logprobs = b.op("LogSoftmax", "logits", axis=1)
-    top = b.op("Min", i64(TOP_LOGPROBS), vocab)
-    _, top_ids = b.op2("TopK", "logits", top, axis=1, largest=1, sorted=1)
+    logprobs = b.op("LogSoftmax", raw, axis=1)
+    _, top_ids = b.op2("TopK", raw, i64(min(TOP_LOGPROBS, vocab_size)), axis=1, largest=1, sorted=1)
     b.nodes.append(helper.make_node("Identity", [top_ids], ["top_ids"]))
     b.nodes.append(helper.make_node("GatherElements", [logprobs, top_ids], ["top_logprobs"], axis=1))
     chosen = b.op("GatherElements", logprobs, column("token"), axis=1)
     b.nodes.append(helper.make_node("Squeeze", [chosen, cols], ["logprob"]))
 
+    inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in INPUTS[1:]]
+    rows = "tokens" if gathered else "rows"
+    inputs.insert(0, helper.make_tensor_value_info("logits", element, [rows, vocab_size]))
+    if gathered:
+        inputs.append(helper.make_tensor_value_info("taken", TensorProto.INT64, ["rows"]))
     graph = helper.make_graph(
         b.nodes,
         "sampler",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in INPUTS],
+        inputs,
         [helper.make_tensor_value_info(n, t, s) for n, t, s in OUTPUTS],
         initializer=b.constants,
     )

@@ -1,6 +1,11 @@
 """One step's rows through the sampler graph (graph.py): each row's parameters, read from its `RowSampler`,
 packed into the graph's arrays, and the graph run in one onnxruntime session.
 
+The logits are read where the model left them: a float32 array [rows, vocab], or an OrtValue of the run's
+logits [tokens, vocab] (float16 on a card, float32 on the CPU) with `taken`, the tokens whose rows sample,
+gathered and cast at the graph's head. A session is made for each form the first time it runs. Rows the
+host must pick come back alone (`host_rows`: one gather of just those rows, cast to float32).
+
 A sampled row's uniform is taken from its own generator (`RowSampler.uniform`) before the run; a row the
 graph flags `host` keeps it for `RowSampler.choose`, so that the row draws as it would have without the
 graph. Rows under a grammar, or with more penalized, counted or biased tokens than the widths, are flagged
@@ -18,7 +23,8 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.engines.batcher.sampler import RowSampler
-from worker.engines.device_sampling.graph import OUTPUTS, sampler_model
+from worker.engines.device_sampling.graph import ELEMENTS, OUTPUTS, TensorProto, sampler_model
+from worker.engines.device_sampling.rows import RowGather
 
 
 @dataclass(frozen=True)
@@ -51,43 +57,77 @@ class SamplerGraph:
     ) -> None:
         self.candidates = candidates
         self.widths = widths
+        self.vocab_size = vocab_size
+        self.providers = list(providers)
         self._eos = np.zeros(vocab_size, np.bool_)
         self._eos[[t for t in eos_token_ids if t < vocab_size]] = True
         self._has_eos = bool(self._eos.any())
-        options = options or ort.SessionOptions()
-        model = sampler_model(candidates).SerializeToString()
-        self._session = ort.InferenceSession(model, options, providers=list(providers))
+        self._options = options or ort.SessionOptions()
+        # the graph's session for each form of logits (element type, gathered), made at its first run
+        self._sessions: dict[tuple[int, bool], ort.InferenceSession] = {}
+        self._session = self._session_for(TensorProto.FLOAT, gathered=False)  # the last one run
+        self._rows = RowGather(self.providers, self._options)
         self._fixed: dict[RowSampler, _Fixed] = {}  # by row (pack)
         # the last step's rows, their _Fixed, columns and visited rows (_columns_of)
         self._last: tuple[list[RowSampler], list[_Fixed], dict[str, np.ndarray], list[int]] | None = None
 
     def end_profiling(self) -> str:
-        """The file of the session's profile, when its options asked for one (enable_profiling)."""
+        """The file of the last run session's profile, when its options asked for one (enable_profiling)."""
         return str(self._session.end_profiling())
 
     def run(
-        self, logits: np.ndarray | ort.OrtValue, samplers: Sequence[RowSampler], produced: Sequence[int]
+        self,
+        logits: np.ndarray | ort.OrtValue,
+        samplers: Sequence[RowSampler],
+        produced: Sequence[int],
+        taken: np.ndarray | None = None,
     ) -> SampledStep:
-        """The next token of each row from the step's logits [rows, vocab] (float32, not modified): an
-        array, or an OrtValue where the model left them (on the card, read there without a copy);
-        `produced`: the tokens each row has generated (for min_tokens)."""
-        return self.run_packed(self.pack(samplers, produced), logits)
+        """The next token of each row from the step's logits (not modified): [rows, vocab], an array or an
+        OrtValue; or with `taken`, the run's [tokens, vocab] as an OrtValue where the model left them (on
+        the card, read there without a copy) and the token of each row. `produced`: the tokens each row has
+        generated (for min_tokens)."""
+        return self.run_packed(self.pack(samplers, produced), logits, taken)
 
-    def run_packed(self, feeds: dict[str, np.ndarray], logits: np.ndarray | ort.OrtValue) -> SampledStep:
+    def run_packed(
+        self, feeds: dict[str, np.ndarray], logits: np.ndarray | ort.OrtValue, taken: np.ndarray | None = None
+    ) -> SampledStep:
         """The graph on inputs `pack` made and the step's logits; only the outputs come back to the host."""
+        gathered = taken is not None
         if isinstance(logits, np.ndarray):
-            outputs = self._session.run(None, {**feeds, "logits": np.ascontiguousarray(logits, np.float32)})
+            if logits.dtype != np.float16:
+                logits = np.ascontiguousarray(logits, np.float32)
+            session = self._session_for(ELEMENTS[str(logits.dtype)], gathered)
+            if taken is not None:
+                feeds = {**feeds, "taken": np.asarray(taken, np.int64)}
+            outputs = session.run(None, {**feeds, "logits": logits})
         else:
-            binding = self._session.io_binding()
+            session = self._session_for(ELEMENTS[logits.data_type()], gathered)
+            binding = session.io_binding()
             binding.bind_ortvalue_input("logits", logits)
+            if taken is not None:
+                binding.bind_cpu_input("taken", np.asarray(taken, np.int64))
             for name, array in feeds.items():
                 binding.bind_cpu_input(name, array)
             for name, _, _ in OUTPUTS:
                 binding.bind_output(name, "cpu")
-            self._session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
             outputs = binding.copy_outputs_to_cpu()
         tokens, logprobs, top_ids, top_logprobs, host = outputs
         return SampledStep(tokens, logprobs, top_ids, top_logprobs, host)
+
+    def host_rows(self, logits: ort.OrtValue, index: np.ndarray) -> np.ndarray:
+        """Rows `index` of a run's logits [tokens, vocab], where the model left them, on the host as float32
+        [rows, vocab]: one gather and cast on the graph's provider, only those rows copied."""
+        return self._rows.take(logits, index)
+
+    def _session_for(self, element: int, gathered: bool) -> ort.InferenceSession:
+        session = self._sessions.get((element, gathered))
+        if session is None:
+            model = sampler_model(self.vocab_size, self.candidates, element, gathered).SerializeToString()
+            session = ort.InferenceSession(model, self._options, providers=self.providers)
+            self._sessions[element, gathered] = session
+        self._session = session
+        return session
 
     def pack(self, samplers: Sequence[RowSampler], produced: Sequence[int]) -> dict[str, np.ndarray]:
         """The graph's inputs but the logits: each row's parameters, and its uniform if it samples. What a

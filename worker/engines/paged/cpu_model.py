@@ -13,6 +13,10 @@ reference, not the CPU engine.
 LoRA adapters (`PackedRow.adapter`) are the batcher's too: the graph rewritten for them (lora_graph.py) and
 each run's rows scaled into their adapters' columns (lora.py's Columns.row_scale), so the decoding rows of
 different adapters and of the base model share their run.
+
+`run` gives what model.py's `run` gives, the run's logits as an OrtValue with the indexes of the rows
+taken, so that the paged engine's sampler graph reads them as it does on a card: here the logits are
+already the taken rows (float32 [taken, vocab], on the CPU), and `taken` counts them in order.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class CpuPagedModel:
             row = rows[index]
             parts[index][:] = self._run([row])[0][-row.returned :]
         return out
+
+    def run(self, rows: Sequence[PackedRow]) -> tuple[ort.OrtValue, np.ndarray]:
+        """What model.py's run returns: the run's logits where they lie, as an OrtValue (here the returned
+        rows, `returned_logits`), and the indexes of the returned rows among them (here all, in order)."""
+        logits = self.returned_logits(rows)
+        return ort.OrtValue.ortvalue_from_numpy(logits), np.arange(len(logits), dtype=np.int64)
 
     def use_adapters(
         self, session: tuple[ort.InferenceSession, Layout] | None, adapters: AdapterSet | None

@@ -6,10 +6,14 @@ give its next token then goes through the batcher's own per-token path (Batching
 pick with penalties, logit_bias, min_tokens, a grammar; log-probabilities; replay of an earlier attempt's
 tokens; the end of sequence, max_tokens and the context), so a request asks here what it asks of the CPU
 batcher. With `sampler` (ORTFLEET_SAMPLING=graph) the sampler graph (device_sampling/) picks every row it
-can serve in one run and RowSampler the rest (grammars, and the rows it flags); the logits come to the
-host either way for now. A plain row the graph picked for (no grammar, replay or first update, a token that
-ends nothing) skips the per-token path: its bookkeeping and update, those `_next` gives such a token, are
-done in the step's loop (`_hand_on`).
+can serve in one run and RowSampler the rest (grammars, and the rows it flags). Where the runner gives the
+run's logits where they lie (`DeviceRunner.run`: on the card for model.py, an OrtValue of its float32 rows
+for cpu_model.py), the graph reads them there, and only the rows the host reads come back, in one gather
+after the graph's run (`DeviceLogits`): rows the graph left to RowSampler (grammars, the rows it flags) and
+the prompt chunks that ask for their log-probabilities. Without a graph, or with a runner that only returns
+host logits, every row's logits come to the host (`returned_logits`). A plain row the graph picked for (no
+grammar, replay or first update, a token that ends nothing) skips the per-token path: its bookkeeping and
+update, those `_next` gives such a token, are done in the step's loop (`_hand_on`).
 
 Prompt log-probabilities (`prompt_logprobs`) are the batcher's too: a row that asks for them gets the
 logits of every position of its prompt chunks from each run (PackedRow.all_logits; the others their last
@@ -35,7 +39,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -68,6 +72,56 @@ class PagedRunner(Protocol):
         """One run of `rows`: each row's last token's logits, each of its tokens' for a row with
         all_logits, float32 [taken, vocab] (model.py)."""
         ...
+
+
+@runtime_checkable
+class DeviceRunner(Protocol):
+    def run(self, rows: Sequence[PackedRow]) -> tuple[ort.OrtValue, np.ndarray]:
+        """One run of `rows`: the logits of its tokens where the model left them (an OrtValue [tokens,
+        vocab]), and `taken`, the indexes of the tokens whose logits `returned_logits` would return."""
+        ...
+
+
+class DeviceLogits:
+    """A run's returned logits left where the model put them (`DeviceRunner.run`): the sampler graph reads
+    them there (`logits`, `taken`), and the rows the host reads come to it in one gather (`fetch`), indexed
+    as `returned_logits`' rows are."""
+
+    def __init__(self, sampler: SamplerGraph, logits: ort.OrtValue, taken: np.ndarray) -> None:
+        self.logits = logits
+        self.taken = taken
+        self._sampler = sampler
+        self._at: dict[int, int] = {}  # a fetched row's index among the returned rows: its row in _rows
+        self._rows = np.empty((0, 0), np.float32)
+
+    def __len__(self) -> int:
+        return len(self.taken)
+
+    def fetch(self, wanted: Iterable[int]) -> None:
+        """Brings the returned rows `wanted` that are not on the host yet to it, in one gather."""
+        at = self._at
+        index = sorted({row for row in wanted if row not in at})
+        if not index:
+            return
+        rows = self._sampler.host_rows(self.logits, self.taken[index])
+        at.update((row, len(self._rows) + position) for position, row in enumerate(index))
+        self._rows = np.concatenate([self._rows, rows]) if len(self._rows) else rows
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Returned rows [start, stop) on the host (fetched already, else fetched now)."""
+        self.fetch(range(start, stop))
+        at = self._at
+        first = at[start]
+        if all(at[row] == first + row - start for row in range(start, stop)):
+            return self._rows[first : first + stop - start]
+        return self._rows[[at[row] for row in range(start, stop)]]
+
+    def row(self, index: int) -> np.ndarray:
+        row: np.ndarray = self.rows(index, index + 1)[0]
+        return row
+
+
+_UNREAD = np.empty(0, np.float32)  # the logits handed to `_next` with a row the graph picked (not read)
 
 
 @runtime_checkable
@@ -183,6 +237,7 @@ class PagedEngine(BatchingEngine):
         self._rows = self._paged_rows  # type: ignore[assignment]  # what BatchingEngine's own methods use
         # ORTFLEET_SAMPLING=graph: the sampler graph picks the rows it can serve, the others go to RowSampler
         self._sampler = sampler(self.eos_token_ids, self.vocab_size) if sampler is not None else None
+        self._on_device = self._sampler is not None and isinstance(self._runner, DeviceRunner)
         self._thread.start()
 
     # The event loop's side.
@@ -246,8 +301,13 @@ class PagedEngine(BatchingEngine):
         packed = [plan.packed for plan in planned]
         every_position = any(plan.packed.all_logits for plan in chunks)  # a chunk asks for each position's
         began = time.perf_counter()
+        returned: np.ndarray | DeviceLogits
         try:
-            returned = self._runner.returned_logits(packed)  # [taken, vocab]: each row's, in order
+            if self._on_device:  # the sampler graph reads them where they are; the host, rows it needs
+                assert self._sampler is not None and isinstance(self._runner, DeviceRunner)
+                returned = DeviceLogits(self._sampler, *self._runner.run(packed))
+            else:
+                returned = self._runner.returned_logits(packed)  # [taken, vocab]: each row's, in order
             ends: Sequence[int] = (
                 list(itertools.accumulate(row.returned for row in packed))
                 if every_position
@@ -268,20 +328,22 @@ class PagedEngine(BatchingEngine):
         # each sampling row, and its logits' index in `returned` (its last token's give its next token)
         sampling = [plan for plan in planned if plan.samples]
         at = [end - 1 for plan, end in zip(planned, ends, strict=True) if plan.samples]
-        if every_position:
-            for plan, end in zip(planned, ends, strict=True):
-                if plan.packed.all_logits:  # a prompt chunk of a row that asks for prompt log-probabilities
-                    chunk = returned[end - plan.packed.returned : end]
-                    self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
-        self._hand_on(sampling, at, rows.rows_of(sampling), returned, updates)
+        # prompt chunks of rows that ask for prompt log-probabilities: their rows of `returned`
+        prompts = (
+            [(plan, end) for plan, end in zip(planned, ends, strict=True) if plan.packed.all_logits]
+            if every_position
+            else []
+        )
+        self._hand_on(sampling, at, rows.rows_of(sampling), returned, updates, prompts)
 
     def _hand_on(
         self,
         sampling: Sequence[Planned],
         at: Sequence[int],
         batch: list[Row],
-        returned: np.ndarray,
+        returned: np.ndarray | DeviceLogits,
         updates: Updates,
+        prompts: Sequence[tuple[Planned, int]] = (),
     ) -> None:
         """Each sampling row's next token: a plain row the sampler graph picked for is done here, every
         other row goes through the batcher's per-token path (`_next`), in the rows' order.
@@ -290,11 +352,24 @@ class PagedEngine(BatchingEngine):
         cached tokens, replay or prompt log-probabilities to report), no replay under way, no grammar (no
         mask, closer or key check to feed), and a token that ends nothing (not end of sequence, short of
         max_tokens and of the context). Its bookkeeping is `_next`'s for such a token, and so is its
-        update, its log-probabilities (the graph's) included; `batch_rows` is the count `_next` reads."""
+        update, its log-probabilities (the graph's) included; `batch_rows` is the count `_next` reads.
+
+        `prompts`: the prompt chunks (and where their rows of `returned` end) whose log-probabilities are
+        added first. Logits left on the device come to the host once, after the graph's run: the rows it
+        leaves to the host and the prompt chunks' rows."""
         rows = self._paged_rows
         graph = self._picks(at, batch, returned)
         host: list[bool] = graph.host.tolist() if graph is not None else [True] * len(batch)
         tokens: list[int] = graph.tokens.tolist() if graph is not None else []
+        if isinstance(returned, DeviceLogits):
+            wanted = [at[index] for index, hosted in enumerate(host) if hosted]
+            for plan, end in prompts:
+                wanted.extend(range(end - plan.packed.returned, end))
+            returned.fetch(wanted)
+        for plan, end in prompts:  # a prompt chunk of a row that asks for prompt log-probabilities
+            start = end - plan.packed.returned
+            chunk = returned.rows(start, end) if isinstance(returned, DeviceLogits) else returned[start:end]
+            self._add_prompt_logprobs(rows.row_of(plan.row), plan.packed.past, chunk)
         fast, eos, context = self.fast_plain_rows, self.eos_token_ids, self.context_length
         append = updates.append
         running = rows.running()
@@ -326,19 +401,30 @@ class PagedEngine(BatchingEngine):
                 picked = Picked(token, None if asked is None else _graph_logprobs(graph, index, asked))
             if row.first_update:
                 row.cached = paged.reused
-            self._next(row, returned[at[index]], updates, picked)
+            if not isinstance(returned, DeviceLogits):
+                logits = returned[at[index]]
+            else:  # `_next` reads no logits for a row the graph picked
+                logits = returned.row(at[index]) if picked is None else _UNREAD
+            self._next(row, logits, updates, picked)
             if row in rows:  # it goes on: its next token is fed at the next step
                 paged.generated.append(row.next_token)
             running = rows.running()
 
-    def _picks(self, at: Sequence[int], rows: list[Row], returned: np.ndarray) -> SampledStep | None:
+    def _picks(
+        self, at: Sequence[int], rows: list[Row], returned: np.ndarray | DeviceLogits
+    ) -> SampledStep | None:
         """The sampler graph's step over the rows of the run's logits `returned` that sample, `at` (None
         without the graph): all of them, as they are, when every row samples (a step of decodes), else just
-        those rows. Its `host` flags the rows RowSampler picks on the host."""
+        those rows; on the device, its tokens `taken` there. Its `host` flags the rows RowSampler picks on
+        the host."""
         if self._sampler is None or not at:
             return None
-        logits = returned if len(at) == len(returned) else returned[at]
-        return self._sampler.run(logits, [row.sampler for row in rows], [row.produced for row in rows])
+        samplers, produced = [row.sampler for row in rows], [row.produced for row in rows]
+        every = len(at) == len(returned)
+        if isinstance(returned, DeviceLogits):
+            taken = returned.taken if every else returned.taken[np.asarray(at)]
+            return self._sampler.run(returned.logits, samplers, produced, taken)
+        return self._sampler.run(returned if every else returned[at], samplers, produced)
 
     def _charge(self, planned: Plan, seconds: float) -> None:
         """A run's time to its rows' keys, in proportion to the tokens each row brought (work_shares.py)."""
@@ -370,6 +456,7 @@ class PagedEngine(BatchingEngine):
 
     def _renew(self) -> None:
         self._runner = self._make_runner()  # its pool is new; _fail gave the scheduler fresh books
+        self._on_device = self._sampler is not None and isinstance(self._runner, DeviceRunner)
         logger.info("the paged engine starts again with a fresh KV pool")
 
 
