@@ -207,3 +207,85 @@ def test_the_paged_engine_on_a_card_captures_cuda_graphs_unless_the_setting_is_o
     settings = WorkerSettings(scheduler="paged", cuda_graph=setting)  # type: ignore[arg-type]
     engine_choice.open_engine(model(tmp_path, paged=True), Device("cuda", 0), settings)
     assert made["model"]["cuda_graph"] is captures
+
+
+class FakeGraphs:
+    """DecodeGraphs' side of a run, recorded: the padded arrays each bucket was run with."""
+
+    def __init__(self, failing: bool = False) -> None:
+        self.failing = failing
+        self.seen: list[tuple[Bucket, dict[str, np.ndarray]]] = []
+        self.done: set[Bucket] = set()
+
+    def bucket(self, feeds: dict[str, np.ndarray]) -> Bucket | None:
+        return bucket_of(feeds, 12) if feeds["block_table"].shape[1] <= 12 else None
+
+    def captured(self, bucket: Bucket) -> bool:
+        return bucket in self.done
+
+    def run(self, feeds: dict[str, np.ndarray], bucket: Bucket) -> str:
+        self.seen.append((bucket, feeds))
+        if self.failing:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+        self.done.add(bucket)
+        return "graph logits"
+
+
+def routed_model(graphs: FakeGraphs, adapters: object = None) -> Any:
+    """A PagedModel without a card: its graphs faked, its eager runs recorded."""
+    from worker.engines.paged.model import PagedModel
+
+    model = PagedModel.__new__(PagedModel)
+    model.block_size, model.blocks, model.adapters = BLOCK, 40, adapters  # block 40: the scratch one
+    model.graphs = graphs  # type: ignore[assignment]
+    model.eager_runs = []  # type: ignore[attr-defined]
+
+    def eager_run(rows: list[PackedRow]) -> tuple[str, np.ndarray]:
+        model.eager_runs.append(rows)  # type: ignore[attr-defined]
+        return "eager logits", pack(rows, BLOCK)["taken"]
+
+    model._eager_run = eager_run  # type: ignore[method-assign]
+    return model
+
+
+def test_a_pure_decode_run_replays_its_buckets_graph_and_the_other_runs_are_eager() -> None:
+    graphs = FakeGraphs()
+    model = routed_model(graphs)
+    decodes = [PackedRow([5], 3, [0]), PackedRow([6], 9, [1, 2, 3])]
+    logits, taken = model.run(decodes)
+    assert logits == "graph logits" and taken.tolist() == [0, 1]
+    [(bucket, feeds)] = graphs.seen
+    assert bucket == Bucket(2, 8) and feeds["block_table"][1, :3].tolist() == [1, 2, 3]
+    three = [*decodes, PackedRow([7], 1, [4])]
+    model.run(three)
+    assert graphs.seen[-1][0] == Bucket(4, 8)
+    assert graphs.seen[-1][1]["block_table"][3, 0] == 40  # the padding row writes the scratch block
+    chunk = [PackedRow([1, 2, 3], 0, [9])]
+    long_row = [PackedRow([1], 12 * BLOCK, list(range(13)))]  # past the widest bucket
+    for eager in (chunk, [*decodes, *chunk], long_row):
+        assert model.run(eager)[0] == "eager logits"
+    assert model.eager_runs == [chunk, [*decodes, *chunk], long_row] and len(graphs.seen) == 2
+    with_adapters = routed_model(FakeGraphs(), adapters=object())  # a graph rewritten for LoRA adapters
+    assert with_adapters.run(decodes)[0] == "eager logits"
+
+
+def test_a_failed_capture_runs_eagerly_from_then_on_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    graphs = FakeGraphs(failing=True)
+    model = routed_model(graphs)
+    decodes = [PackedRow([5], 3, [0])]
+    with caplog.at_level("WARNING"):
+        assert model.run(decodes)[0] == "eager logits"  # the same run, again, eagerly
+    assert model.graphs is None and model.eager_runs == [decodes]
+    assert "capturing a CUDA graph failed (cudaErrorStreamCaptureUnsupported)" in caplog.text
+    assert model.run(decodes)[0] == "eager logits" and len(graphs.seen) == 1
+
+
+def test_a_replay_that_fails_fails_its_run() -> None:
+    graphs = FakeGraphs()
+    model = routed_model(graphs)
+    decodes = [PackedRow([5], 3, [0])]
+    model.run(decodes)
+    graphs.failing = True
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+        model.run(decodes)  # the engine fails the run's rows and restarts with a fresh model
+    assert model.graphs is graphs
