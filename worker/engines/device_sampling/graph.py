@@ -162,7 +162,11 @@ def sampler_model(
     masked = b.op("And", column("mask_eos"), b.op("Unsqueeze", "eos", i64(0)))
     logits = b.op("Where", masked, f32(-np.inf), logits)
 
-    greedy_token = b.op("ArgMax", logits, axis=1, keepdims=0)
+    # greedy rows: the first of the maxima, as np.argmax (no kernel's order among ties decides it)
+    peak = b.op("ReduceMax", logits, cols, keepdims=1)
+    token_ids = b.const(np.arange(vocab_size, dtype=np.int64).reshape(1, vocab_size))
+    at_peak = b.op("Where", b.op("Equal", logits, peak), token_ids, vocab)
+    greedy_token = b.op("ReduceMin", at_peak, cols, keepdims=0)
 
     # sampled rows: the softmax of logits / temperature, as RowSampler's _softmax
     scaled = b.op("Div", logits, column("temperature"))

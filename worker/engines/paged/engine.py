@@ -9,7 +9,7 @@ batcher. With `sampler` (ORTFLEET_SAMPLING=graph) the sampler graph (device_samp
 can serve in one run and RowSampler the rest (grammars, and the rows it flags). Where the runner gives the
 run's logits where they lie (`DeviceRunner.run`: on the card for model.py, an OrtValue of its float32 rows
 for cpu_model.py), the graph reads them there, and only the rows the host reads come back, in one gather
-after the graph's run (`DeviceLogits`): rows the graph left to RowSampler (grammars, the rows it flags) and
+after the graph's run (device_logits.py): rows the graph left to RowSampler (grammars, the rows it flags) and
 the prompt chunks that ask for their log-probabilities. Without a graph, or with a runner that only returns
 host logits, every row's logits come to the host (`returned_logits`). A plain row the graph picked for (no
 grammar, replay or first update, a token that ends nothing) skips the per-token path: its bookkeeping and
@@ -39,7 +39,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -54,6 +54,7 @@ from worker.engines.batcher.rows import Row
 from worker.engines.device_sampling.runner import SampledStep, SamplerGraph
 from worker.engines.engine_thread import EngineThread, Updates
 from worker.engines.paged.blocks import BlockManager
+from worker.engines.paged.device_logits import DeviceLogits, DeviceRunner
 from worker.engines.paged.model import PackedRow
 from worker.engines.paged.scheduler import PagedRow, Plan, Planned, Scheduler
 
@@ -72,53 +73,6 @@ class PagedRunner(Protocol):
         """One run of `rows`: each row's last token's logits, each of its tokens' for a row with
         all_logits, float32 [taken, vocab] (model.py)."""
         ...
-
-
-@runtime_checkable
-class DeviceRunner(Protocol):
-    def run(self, rows: Sequence[PackedRow]) -> tuple[ort.OrtValue, np.ndarray]:
-        """One run of `rows`: the logits of its tokens where the model left them (an OrtValue [tokens,
-        vocab]), and `taken`, the indexes of the tokens whose logits `returned_logits` would return."""
-        ...
-
-
-class DeviceLogits:
-    """A run's returned logits left where the model put them (`DeviceRunner.run`): the sampler graph reads
-    them there (`logits`, `taken`), and the rows the host reads come to it in one gather (`fetch`), indexed
-    as `returned_logits`' rows are."""
-
-    def __init__(self, sampler: SamplerGraph, logits: ort.OrtValue, taken: np.ndarray) -> None:
-        self.logits = logits
-        self.taken = taken
-        self._sampler = sampler
-        self._at: dict[int, int] = {}  # a fetched row's index among the returned rows: its row in _rows
-        self._rows = np.empty((0, 0), np.float32)
-
-    def __len__(self) -> int:
-        return len(self.taken)
-
-    def fetch(self, wanted: Iterable[int]) -> None:
-        """Brings the returned rows `wanted` that are not on the host yet to it, in one gather."""
-        at = self._at
-        index = sorted({row for row in wanted if row not in at})
-        if not index:
-            return
-        rows = self._sampler.host_rows(self.logits, self.taken[index])
-        at.update((row, len(self._rows) + position) for position, row in enumerate(index))
-        self._rows = np.concatenate([self._rows, rows]) if len(self._rows) else rows
-
-    def rows(self, start: int, stop: int) -> np.ndarray:
-        """Returned rows [start, stop) on the host (fetched already, else fetched now)."""
-        self.fetch(range(start, stop))
-        at = self._at
-        first = at[start]
-        if all(at[row] == first + row - start for row in range(start, stop)):
-            return self._rows[first : first + stop - start]
-        return self._rows[[at[row] for row in range(start, stop)]]
-
-    def row(self, index: int) -> np.ndarray:
-        row: np.ndarray = self.rows(index, index + 1)[0]
-        return row
 
 
 _UNREAD = np.empty(0, np.float32)  # the logits handed to `_next` with a row the graph picked (not read)
