@@ -4,6 +4,7 @@ batcher's per-row sampling, on seeded random logits."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -276,6 +277,7 @@ CUDA_KERNELS: dict[str, set[str]] = {
     **{op: _NUMBERS | {"int8", "int16"} for op in ("Add", "Sub", "Mul", "Div")},
     **{op: _NUMBERS for op in ("Greater", "Less", "LessOrEqual", "GreaterOrEqual", "Min", "CumSum")},
     **{op: {"bool"} for op in ("And", "Or", "Not")},
+    "NonZero": {"bool", "float", "float16", "int32", "int64", "uint8"},
     "Equal": _NUMBERS | {"bool"},
     "ReduceMin": {"double", "float", "float16", "int32", "int64", "int8", "uint8"},
     "Exp": {"double", "float", "float16"},
@@ -332,6 +334,8 @@ def test_on_the_card_every_node_runs_on_the_cuda_provider_and_picks_from_float16
         for _ in range(steps):
             served += compare_step(graph, rng, 256, vocab, on_card=True, element=np.float16)
             rows += 256
+        for kind in ("greedy", "top_k", "temperature"):  # no row drawing over the whole vocabulary, all
+            alike_step(graph, kind, vocab, on_card=True)
         run = random_logits(rng, 300, vocab).astype(np.float16)
         index = np.array([7, 299, 0])
         taken = graph.host_rows(ort.OrtValue.ortvalue_from_numpy(run, "cuda", 0), index)
@@ -357,3 +361,33 @@ def test_a_greedy_row_takes_the_first_of_tied_maxima_as_row_sampler_does() -> No
     step = SamplerGraph(EOS, vocab).run(logits.astype(np.float16), samplers, [0, 0, 0])
     expected = [s.choose(row.copy(), 0) for s, row in zip(samplers, logits, strict=True)]
     assert step.tokens.tolist() == expected == [9, 3, 699]
+
+
+def alike_step(graph: SamplerGraph, kind: str, vocab: int, on_card: bool = False) -> None:
+    """A step of rows that all pick alike against RowSampler's picks, the logits float16 as a model on a
+    card leaves them."""
+    rng = np.random.default_rng(79)
+    rows = 64
+    options: dict[str, Any] = {
+        "greedy": {},
+        "top_k": {"temperature": 0.9, "top_k": 40},
+        "temperature": {"temperature": 0.9},
+    }[kind]
+    requests = [GenerationRequest([1, 2], 9, seed=row, **options) for row in range(rows)]
+    ours = [RowSampler(r, EOS, vocab, None) for r in requests]
+    theirs = [RowSampler(r, EOS, vocab, None) for r in requests]
+    run = random_logits(rng, rows, vocab).astype(np.float16)
+    given = ort.OrtValue.ortvalue_from_numpy(run, *(("cuda", 0) if on_card else ("cpu", 0)))
+    step = graph.run(given, ours, [0] * rows, np.arange(rows))
+    logits = run.astype(np.float32)
+    expected = [s.choose(row.copy(), 0) for s, row in zip(theirs, logits, strict=True)]
+    served = ~step.host
+    assert served.sum() > rows / 2
+    assert step.tokens[served].tolist() == np.array(expected)[served].tolist()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "top_k", "temperature"])
+def test_a_step_whose_rows_all_pick_alike_picks_as_row_sampler_does(kind: str) -> None:
+    """Steps with no row drawing over the whole vocabulary, and with every row doing so: the graph takes
+    the whole vocabulary's running sum for those rows alone, none or all."""
+    alike_step(SamplerGraph(EOS, 3000), kind, 3000)

@@ -10,8 +10,9 @@ top_k or top_p is set. Log-probabilities are of the unmodified logits, as the ba
 
 A sampled row is flagged when top_k is over `candidates`, when its top_p nucleus may be wider than the
 candidates (RowSampler then sorts the whole vocabulary), when two nearly equal probabilities sit where
-their order decides the pick (RowSampler's order among ties is argpartition's), or when its draw lands
-on the last candidate's edge. Padded id slots hold -1.
+their order decides the pick (RowSampler's order among ties is argpartition's): the pick lands on one of
+them, or they sit at the nucleus' cut; or when its draw lands on the last candidate's edge. (Ties are
+common among float16 logits: a row whose pick lands elsewhere is served.) Padded id slots hold -1.
 
 The logits come in one of two forms (`sampler_model`'s element and gathered): the rows' [rows, vocab], or
 the run's [tokens, vocab] as the model leaves them (float16 on a card) with `taken`, each row's token,
@@ -174,20 +175,29 @@ def sampler_model(
     probabilities = b.op("Div", shifted, b.op("ReduceSum", shifted, cols, keepdims=1))
     uniform = column("uniform")
 
-    # no top_k, no top_p: every token in token order
-    cumulative = b.op("CumSum", probabilities, cols)
-    last = i64(vocab_size - 1)
+    has_top_k = b.op("Greater", "top_k", i64(0))
+    has_top_p = b.op("Less", "top_p", b.op("Cast", f32(1.0), to=TensorProto.DOUBLE))
+    restricted = b.op("Or", has_top_k, has_top_p)
+    sampled = b.op("Not", "greedy")
+
+    # no top_k, no top_p: every token in token order. The running sum over the whole vocabulary is taken
+    # for those rows alone (none in a step of greedy, top_k and top_p rows): CumSum's CUDA kernel sums
+    # each position's prefix anew, rows x vocab^2 / 2 additions, as RowSampler's float32 order requires.
+    whole = b.op("And", b.op("And", sampled, b.op("Not", restricted)), b.op("Not", "host_in"))
+    which = b.op("Squeeze", b.op("NonZero", whole), i64(0))  # [drawing rows]
+    cumulative = b.op("CumSum", b.op("Gather", probabilities, which, axis=0), cols)
     total = b.op("Slice", cumulative, i64(-1), i64(np.iinfo(np.int64).max), cols)
-    drawn = b.op("LessOrEqual", cumulative, b.op("Mul", uniform, total))
-    whole_pick = b.op("ReduceSum", b.op("Cast", drawn, to=TensorProto.INT64), cols, keepdims=0)
-    whole_token = b.op("Min", whole_pick, last)
+    threshold = b.op("Mul", b.op("Gather", uniform, which, axis=0), total)
+    drawn = b.op("Cast", b.op("LessOrEqual", cumulative, threshold), to=TensorProto.INT64)
+    picks = b.op("ReduceSum", drawn, cols, keepdims=0)
+    whole_pick = b.op("ScatterElements", b.op("Sub", "top_k", "top_k"), which, picks, axis=0)
+    whole_token = b.op("Min", whole_pick, i64(vocab_size - 1))
 
     # top_k or top_p: the candidates, likeliest first (TopK puts the lower index first among ties)
     limit = i64(candidates)
     width = min(candidates + 1, vocab_size)
     values, ids = b.op2("TopK", probabilities, i64(width), axis=1, largest=1, sorted=1)
     position = b.const(np.arange(width, dtype=np.int64).reshape(1, width))
-    has_top_k = b.op("Greater", "top_k", i64(0))
     fits = i64(min(candidates, vocab_size))
     wanted = b.op("Min", b.op("Where", has_top_k, "top_k", limit), fits)  # over: host
     taken = b.op("Less", position, column(wanted))
@@ -195,7 +205,6 @@ def sampler_model(
     nucleus = b.op("Less", b.op("Cast", running, to=TensorProto.DOUBLE), column("top_p"))
     inside = b.op("Cast", b.op("And", taken, nucleus), to=TensorProto.INT64)
     keep = b.op("Add", b.op("ReduceSum", inside, cols, keepdims=0), i64(1))
-    has_top_p = b.op("Less", "top_p", b.op("Cast", f32(1.0), to=TensorProto.DOUBLE))
     kept = b.op("Where", has_top_p, b.op("Min", keep, wanted), wanted)
     kept_column = column(kept)
     end = b.op("GatherElements", running, b.op("Sub", kept_column, i64(1)), axis=1)
@@ -220,13 +229,21 @@ def sampler_model(
     lower = b.op("Slice", values, i64(1), i64(np.iinfo(np.int64).max), cols)
     gap = b.op("Sub", upper, lower)
     tied = b.op("LessOrEqual", gap, b.op("Mul", upper, f32(_TIE_MARGIN)))
-    tied = b.op("And", tied, b.op("Greater", upper, f32(0.0)))
-    pair = b.op("Slice", position, i64(0), i64(-1), cols)
-    tied = b.op("And", tied, b.op("Less", pair, kept_column))
-    tie = b.op("Cast", b.op("ReduceMax", b.op("Cast", tied, to=TensorProto.INT32), cols, keepdims=0), to=9)
-    restricted = b.op("Or", has_top_k, has_top_p)
+    tied = b.op("And", tied, b.op("Greater", upper, f32(0.0)))  # candidates i and i + 1 (nearly) tie
+    # A tie's order changes no running sum, only which of the tied ids sits at a position: it matters
+    # where the pick lands on a tied candidate, or (top_p) where a near tie sits at the nucleus' cut.
+    none = b.op("Unsqueeze", b.op("Cast", b.op("Sub", "top_k", "top_k"), to=TensorProto.INT32), cols)
+    flags = b.op("Concat", none, b.op("Cast", tied, to=TensorProto.INT32), none, axis=1)  # pair i at i + 1
+
+    def tied_pair(after: str) -> str:  # [rows, 1] int32: the pair (after - 1, after) ties
+        return b.op("GatherElements", flags, after, axis=1)
+
+    picked = column(pick)
+    around = b.op("Add", tied_pair(picked), tied_pair(b.op("Add", picked, i64(1))))
+    cut = b.op("Add", tied_pair(b.op("Sub", kept_column, i64(1))), tied_pair(kept_column))
+    cut = b.op("Mul", cut, b.op("Cast", column(has_top_p), to=TensorProto.INT32))
+    tie = b.op("Cast", b.op("Squeeze", b.op("Add", around, cut), cols), to=TensorProto.BOOL)
     unsure = b.op("Or", b.op("Or", wide, tie), b.op("Or", over_k, edge))
-    sampled = b.op("Not", "greedy")
     host = b.op("Or", "host_in", b.op("And", sampled, b.op("And", restricted, unsure)))
 
     sampled_token = b.op("Where", restricted, candidate_token, whole_token)
