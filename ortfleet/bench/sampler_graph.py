@@ -1,15 +1,19 @@
 """The sampler graph (worker/engines/device_sampling/) against `RowSampler`'s per-row loop, on one step of
 seeded random logits.
 
-`python -m ortfleet.bench.sampler_graph [--rows N] [--vocab V] [--repeat R] [--device cpu|cuda] [--json FILE]`
-times, for each kind of row (greedy, temperature over the whole vocabulary, top_k 50, top_p 0.9, and top_p
-0.9 with 20 log-probabilities), one step of N such rows: the graph's run (packing included) and
-RowSampler's `choose` over every row (with `token_logprobs` where they are asked), each the median of R
-runs. The graph reads the logits as the paged engine hands them over (`SamplerGraph.run` with `taken`):
-the run's logits [rows, vocab] as an OrtValue where the model leaves them, in the model's type, and the
-rows taken (all of them here). With `--device cuda` the graph runs on the CUDA execution provider over
-float16 logits on cuda:0 (not copied; only its outputs come to the host); with `--device cpu`, on the CPU
-provider over float32 logits (the CPU paged model's). RowSampler picks from the same values as float32.
+`python -m ortfleet.bench.sampler_graph [--rows N] [--vocab V] [--tokens T] [--repeat R] [--device cpu|cuda]
+[--profile DIR] [--json FILE]` times, for each kind of row (greedy, temperature over the whole vocabulary,
+top_k 50, top_p 0.9, and top_p 0.9 with 20 log-probabilities), one step of N such rows: the graph's run
+(packing included) and RowSampler's `choose` over every row (with `token_logprobs` where they are asked),
+each the median of R runs.
+
+The graph reads the logits as the paged engine hands them over (`SamplerGraph.run` with `taken`): the
+run's logits [tokens, vocab] as an OrtValue where the model leaves them, in the model's type, and the rows
+taken: all of them, in order, by default (a step of decodes: read as they are), or N of `--tokens T`
+(gathered at the graph's head, as for prompt chunks and runs padded for CUDA graphs). With `--device cuda`
+the graph runs on the CUDA execution provider over float16 logits on cuda:0 (not copied; only its outputs
+come to the host); with `--device cpu`, on the CPU provider over float32 logits (the CPU paged model's).
+RowSampler picks from the same values as float32.
 Also timed: bringing 16 rows of those logits to the host (`host_rows`, what a step's grammar rows cost).
 
 With `--profile DIR`, onnxruntime's profile of the graph's session: each kind of node's time on each
@@ -59,21 +63,30 @@ PROVIDERS = {
 
 
 def bench(
-    rows: int, vocab: int, repeat: int, seed: int = 0, device: str = "cpu", profile: Path | None = None
+    rows: int,
+    vocab: int,
+    repeat: int,
+    seed: int = 0,
+    device: str = "cpu",
+    profile: Path | None = None,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
+    """`tokens`: the run's logits rows (default `rows`: a step of decodes, read as they are); more, and the
+    rows are taken from among them (gathered at the graph's head, as for prompt chunks and padded runs)."""
     import onnxruntime as ort
 
     rng = np.random.default_rng(seed)
+    tokens = max(tokens or rows, rows)
     element = np.float16 if device == "cuda" else np.float32  # as the paged model leaves them there
-    run = (rng.standard_normal((rows, vocab)) * 8).astype(element)  # peaked enough for a nucleus
-    logits = run.astype(np.float32)
+    run = (rng.standard_normal((tokens, vocab)) * 8).astype(element)  # peaked enough for a nucleus
+    taken = np.sort(rng.permutation(tokens)[:rows]) if tokens > rows else np.arange(rows, dtype=np.int64)
+    logits = run[taken].astype(np.float32)
     options = ort.SessionOptions()
     if profile is not None:
         options.enable_profiling = True
         options.profile_file_prefix = str(profile / "sampler-graph")
     graph = SamplerGraph(_EOS, vocab, providers=PROVIDERS[device], options=options)
     given = ort.OrtValue.ortvalue_from_numpy(run, device, 0)
-    taken = np.arange(rows, dtype=np.int64)
     produced = [0] * rows
     kinds: dict[str, Any] = {}
     for name, options in KINDS.items():
@@ -106,7 +119,8 @@ def bench(
         "vocab": vocab,
         "repeat": repeat,
         "provider": provider,
-        "logits": f"{np.dtype(element).name} [rows, vocab] on {device}, read with taken",
+        "tokens": tokens,
+        "logits": f"{np.dtype(element).name} [tokens, vocab] on {device}, the rows taken from them",
         "kinds": kinds,
         "host_rows_16_ms": host_rows_ms,
     }
@@ -147,6 +161,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        help="rows of the run's logits (default --rows); more, and the graph gathers the rows among them",
+    )
     parser.add_argument("--device", choices=sorted(PROVIDERS), default="cpu", help="the graph's provider")
     parser.add_argument(
         "--profile",
@@ -159,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    figures = bench(args.rows, args.vocab, args.repeat, device=args.device, profile=args.profile)
+    figures = bench(
+        args.rows, args.vocab, args.repeat, device=args.device, profile=args.profile, tokens=args.tokens
+    )
     result = {**figures, "machine": describe()}
     print(
         f"{args.rows} rows, vocabulary {args.vocab}, {result['provider']}; ms a step, median of {args.repeat}"

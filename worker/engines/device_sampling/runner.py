@@ -92,6 +92,9 @@ class SamplerGraph:
         self, feeds: dict[str, np.ndarray], logits: np.ndarray | ort.OrtValue, taken: np.ndarray | None = None
     ) -> SampledStep:
         """The graph on inputs `pack` made and the step's logits; only the outputs come back to the host."""
+        rows = logits.shape[0] if isinstance(logits, np.ndarray) else logits.shape()[0]
+        if taken is not None and len(taken) == rows and np.array_equal(taken, np.arange(rows)):
+            taken = None  # every row, in order: the logits are the rows' already (no gather, no copy)
         gathered = taken is not None
         if isinstance(logits, np.ndarray):
             if logits.dtype != np.float16:
