@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -258,8 +258,8 @@ class PagedEngine(BatchingEngine):
         returned: np.ndarray | DeviceLogits
         try:
             if self._on_device:  # the sampler graph reads them where they are; the host, rows it needs
-                assert self._sampler is not None and isinstance(self._runner, DeviceRunner)
-                returned = DeviceLogits(self._sampler, *self._runner.run(packed))
+                runner = cast(DeviceRunner, self._runner)  # checked at start: no isinstance a step
+                returned = DeviceLogits(cast(SamplerGraph, self._sampler), *runner.run(packed))
             else:
                 returned = self._runner.returned_logits(packed)  # [taken, vocab]: each row's, in order
             ends: Sequence[int] = (
