@@ -17,6 +17,8 @@ BENCHES = {
     "engine-graphs-on": "og.Engine alone, CUDA graphs for decode steps (ORTFLEET_CUDA_GRAPH=on)",
     "paged-engine": "ortfleet's paged engine alone (ORTFLEET_SCHEDULER=paged)",
     "paged-engine-graph": "the paged engine alone, the sampler graph picking (ORTFLEET_SAMPLING=graph)",
+    "paged-engine-eager": "the paged engine alone, eager runs (ORTFLEET_CUDA_GRAPH=off)",
+    "serving-paged": "the paged engine through the fleet, the sampler graph picking",
     "serving": "default model, engine alone and fleet",
     "serving-shared-core2": "default model, two frontends of one engine core",
     "serving-shared-core4": "default model, four frontends of one engine core",
