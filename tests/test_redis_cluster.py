@@ -139,11 +139,13 @@ async def test_openai_calls_cancel_and_idempotency_on_the_cluster(on_cluster: Cl
         logprobs = chat.choices[0].logprobs
         assert chat.usage is not None and chat.usage.completion_tokens > 0, chat
         assert logprobs is not None and len(logprobs.content or []) == chat.usage.completion_tokens
-        pieces = [  # a streamed completion: its chunks arrive through the relay of the job's store
+        # A streamed completion: its chunks arrive through the relay of the job's store. The tiny random
+        # model may sample its end as its first token: ignore_eos keeps the stream from ending at once.
+        pieces = [
             chunk.choices[0].text
             async for chunk in await sdk.completions.create(
                 model=MODEL, prompt="Once", max_tokens=8, stream=True, extra_body={"ignore_eos": True}
-            )  # the tiny random model may sample its end first: ignore_eos keeps the stream from ending at once
+            )
             if chunk.choices
         ]
         assert len(pieces) > 1
