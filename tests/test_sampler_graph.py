@@ -273,7 +273,7 @@ _ALL = {"bool", "double", "float", "float16", "int8", "int16", "int32", "int64",
 _NUMBERS = {"double", "float", "float16", "int32", "int64", "uint32", "uint64"}
 CUDA_KERNELS: dict[str, set[str]] = {
     **{op: _ALL for op in ("Cast", "Concat", "Gather", "GatherElements", "ScatterElements", "Slice")},
-    **{op: _ALL for op in ("Squeeze", "Unsqueeze", "Identity")},
+    **{op: _ALL for op in ("Squeeze", "Unsqueeze", "Identity", "Reshape")},
     **{op: _NUMBERS | {"int8", "int16"} for op in ("Add", "Sub", "Mul", "Div")},
     **{op: _NUMBERS for op in ("Greater", "Less", "LessOrEqual", "GreaterOrEqual", "Min", "CumSum")},
     **{op: {"bool"} for op in ("And", "Or", "Not")},
@@ -391,3 +391,111 @@ def test_a_step_whose_rows_all_pick_alike_picks_as_row_sampler_does(kind: str) -
     """Steps with no row drawing over the whole vocabulary, and with every row doing so: the graph takes
     the whole vocabulary's running sum for those rows alone, none or all."""
     alike_step(SamplerGraph(EOS, 3000), kind, 3000)
+
+
+def whole_vocabulary_step(
+    graph: SamplerGraph, rng: np.random.Generator, scales: tuple[float, ...], element: type, on_card: bool
+) -> tuple[int, int]:
+    """A step of temperature-only rows (each drawing over the whole vocabulary in token order) from a
+    run's logits in `element`, against RowSampler's picks: the rows the graph served and those it flagged
+    for the host (whose host pick draws with the uniform the graph was given)."""
+    rows, vocab = 256, graph.vocab_size
+    temperature = rng.choice([0.3, 0.7, 1.0, 1.5], size=rows)
+    requests = [
+        GenerationRequest([1], 9, temperature=float(t), seed=int(rng.integers(2**40))) for t in temperature
+    ]
+    ours = [RowSampler(r, EOS, vocab, None) for r in requests]
+    theirs = [RowSampler(r, EOS, vocab, None) for r in requests]
+    scale = rng.choice(scales, size=(rows, 1))
+    logits = (rng.standard_normal((rows, vocab)) * scale).astype(element).astype(np.float32)
+    run, taken = run_logits(rng, logits, element)
+    device = ("cuda", 0) if on_card else ("cpu", 0)
+    step = graph.run(ort.OrtValue.ortvalue_from_numpy(run, *device), ours, [0] * rows, taken)
+    for index in range(rows):
+        expected = theirs[index].choose(logits[index].copy(), 0)
+        picked = ours[index].choose(logits[index].copy(), 0) if step.host[index] else step.tokens[index]
+        assert picked == expected, (index, step.host[index])
+    return int((~step.host).sum()), int(step.host.sum())
+
+
+def peaked_and_flat_whole_vocabulary_rows(element: type, on_card: bool) -> dict[str, float]:
+    """Thousands of seeded temperature-only rows: peaked softmaxes (logits' spread 8 and 12, as a model's
+    usually are) and near-flat ones (1 and 3, many tokens of about equal probability); the share of each
+    that the graph flags for the host."""
+    rng = np.random.default_rng(83)
+    flagged: dict[str, float] = {}
+    for name, scales in (("peaked", (8.0, 12.0)), ("flat", (1.0, 3.0))):
+        served = hosted = 0
+        for vocab, steps in ((49152, 3), (3000, 6)):
+            graph = SamplerGraph(EOS, vocab, providers=PROVIDERS[on_card])
+            for _ in range(steps):
+                more, host = whole_vocabulary_step(graph, rng, scales, element, on_card)
+                served, hosted = served + more, hosted + host
+        assert served + hosted == 9 * 256
+        flagged[name] = hosted / (served + hosted)
+    return flagged
+
+
+PROVIDERS = {False: ("CPUExecutionProvider",), True: ("CUDAExecutionProvider", "CPUExecutionProvider")}
+
+
+@pytest.mark.parametrize("element", [np.float16, np.float32], ids=["float16", "float32"])
+def test_rows_drawing_over_the_whole_vocabulary_pick_as_row_sampler_does_and_peaked_ones_stay_on_the_graph(
+    element: type,
+) -> None:
+    """The graph's two-level running sum (block totals, then inside the draw's block) adds in another order
+    than RowSampler's np.cumsum, so a row whose draw lands within the float32 sum's error bound of a
+    token's edge goes to the host: few of peaked rows, most of near-flat ones at vocabularies of 49152."""
+    flagged = peaked_and_flat_whole_vocabulary_rows(element, on_card=False)
+    assert flagged["peaked"] < 0.02
+    assert flagged["flat"] > flagged["peaked"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ort.get_available_providers(),
+    reason="this onnxruntime has no CUDA provider",
+)
+def test_on_the_card_rows_drawing_over_the_whole_vocabulary_pick_as_row_sampler_does() -> None:
+    flagged = peaked_and_flat_whole_vocabulary_rows(np.float16, on_card=True)
+    assert flagged["peaked"] < 0.02
+
+
+def test_a_draw_landing_by_a_block_edge_goes_to_the_host_and_one_inside_a_token_does_not() -> None:
+    """Two halves of 256 equal tokens (a block each), the first holding exactly the row's uniform of the
+    mass: the draw lands on the edge between tokens 255 and 256, within the running sums' error bound.
+    The same draw over equal tokens lands in the middle of token 511 x uniform: served."""
+    vocab = 512
+    request = GenerationRequest([1], 9, temperature=1.0, seed=7)
+    uniform = RowSampler(request, EOS, vocab, None).uniform()
+    lifted = np.log(uniform / (1 - uniform))  # the first block's tokens: uniform of the whole
+    logits = np.zeros((2, vocab), np.float32)
+    logits[0, :256] = lifted
+    logits[1] = np.linspace(0, 0.01, vocab)  # nearly equal: the draw far from every token's edges
+    samplers = [RowSampler(request, EOS, vocab, None) for _ in range(2)]
+    step = SamplerGraph(EOS, vocab).run(logits, samplers, [0, 0])
+    assert step.host.tolist() == [True, False]
+    edge = np.cumsum(np.exp(logits[0]) / np.exp(logits[0]).sum())[255]
+    assert abs(edge - uniform) < 1e-6
+    expected = RowSampler(request, EOS, vocab, None).choose(logits[1].copy(), 0)
+    assert step.tokens[1] == expected
+    assert samplers[0].choose(logits[0].copy(), 0) in (255, 256)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 300, 40])
+def test_no_running_sum_of_the_graph_spans_the_whole_vocabulary(vocab: int) -> None:
+    """CumSum's CUDA kernel sums each position's prefix anew: every running sum is over a block, over the
+    blocks or over the candidates, so a step costs work linear in the vocabulary."""
+    model = onnx.shape_inference.infer_shapes(sampler_model(vocab, 256), strict_mode=True)
+    graph = model.graph
+    shapes = {v.name: v.type.tensor_type.shape.dim for v in [*graph.input, *graph.value_info]}
+    constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    sums = [node for node in graph.node if node.op_type == "CumSum"]
+    assert len(sums) == 3
+    block = min(256, vocab)
+    longest = max(block, -(-vocab // block), min(257, vocab))
+    for node in sums:
+        axis = int(constants[node.input[1]].reshape(-1)[0])
+        length = shapes[node.input[0]][axis].dim_value
+        assert 0 < length <= longest, (node.name, length)
+        assert length < vocab or vocab <= 257

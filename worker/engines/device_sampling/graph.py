@@ -14,6 +14,11 @@ their order decides the pick (RowSampler's order among ties is argpartition's): 
 them, or they sit at the nucleus' cut; or when its draw lands on the last candidate's edge. (Ties are
 common among float16 logits: a row whose pick lands elsewhere is served.) Padded id slots hold -1.
 
+A row drawing over the whole vocabulary takes its running sum on two levels (`_whole_draw`: block totals,
+then inside the draw's block), work linear in the vocabulary, and is flagged where its draw lands within
+the error bound of RowSampler's float32 running sum of a token's edge: seldom for a peaked softmax, often
+for a near-flat one over tens of thousands of tokens (each float32 addition may round by half an ulp).
+
 The logits come in one of two forms (`sampler_model`'s element and gathered): the rows' [rows, vocab], or
 the run's [tokens, vocab] as the model leaves them (float16 on a card) with `taken`, each row's token,
 gathered and cast to float32 at the graph's head. Every op and element type it uses has a kernel on the
@@ -46,6 +51,10 @@ ELEMENTS = {
 TOP_LOGPROBS = 20  # the top log-probabilities the graph returns; a row reads the first it asked for
 _NUCLEUS_MARGIN = 1e-5  # a nucleus whose candidates' sum is this close to top_p goes to the host
 _TIE_MARGIN = 2e-6  # relative gap under which two probabilities count as tied
+_BLOCK = 256  # tokens a block of a whole-vocabulary draw's two-level running sum (_whole_draw)
+# of the total, besides the float32 running sum's bound, a whole-vocabulary draw keeps from a token's edges:
+# the softmax's own differences from numpy's (a few float32 ulps a probability) and the target's rounding
+_DRAW_SLACK = 2.0**-20
 INPUTS: tuple[tuple[str, int, list[str | int]], ...] = (
     ("logits", TensorProto.FLOAT, ["rows", "vocab"]),
     ("eos", TensorProto.BOOL, ["vocab"]),
@@ -180,18 +189,18 @@ def sampler_model(
     restricted = b.op("Or", has_top_k, has_top_p)
     sampled = b.op("Not", "greedy")
 
-    # no top_k, no top_p: every token in token order. The running sum over the whole vocabulary is taken
-    # for those rows alone (none in a step of greedy, top_k and top_p rows): CumSum's CUDA kernel sums
-    # each position's prefix anew, rows x vocab^2 / 2 additions, as RowSampler's float32 order requires.
+    # no top_k, no top_p: every token in token order, for the rows that draw so (none in a step of greedy,
+    # top_k and top_p rows), in float64 and on two levels, work linear in the vocabulary (CumSum's CUDA
+    # kernel sums each position's prefix anew): each block's total, the running sum over the blocks, the
+    # block the draw lands in, and the running sum inside that block alone.
     whole = b.op("And", b.op("And", sampled, b.op("Not", restricted)), b.op("Not", "host_in"))
     which = b.op("Squeeze", b.op("NonZero", whole), i64(0))  # [drawing rows]
-    cumulative = b.op("CumSum", b.op("Gather", probabilities, which, axis=0), cols)
-    total = b.op("Slice", cumulative, i64(-1), i64(np.iinfo(np.int64).max), cols)
-    threshold = b.op("Mul", b.op("Gather", uniform, which, axis=0), total)
-    drawn = b.op("Cast", b.op("LessOrEqual", cumulative, threshold), to=TensorProto.INT64)
-    picks = b.op("ReduceSum", drawn, cols, keepdims=0)
-    whole_pick = b.op("ScatterElements", b.op("Sub", "top_k", "top_k"), which, picks, axis=0)
-    whole_token = b.op("Min", whole_pick, i64(vocab_size - 1))
+    drawing = b.op("Cast", b.op("Gather", probabilities, which, axis=0), to=TensorProto.DOUBLE)
+    whole_token, whole_unsure = _whole_draw(b, drawing, b.op("Gather", "uniform", which, axis=0), vocab_size)
+    zero = b.op("Sub", "top_k", "top_k")
+    whole_token = b.op("ScatterElements", zero, which, whole_token, axis=0)
+    whole_unsure = b.op("ScatterElements", zero, which, whole_unsure, axis=0)
+    whole_unsure = b.op("Cast", whole_unsure, to=TensorProto.BOOL)
 
     # top_k or top_p: the candidates, likeliest first (TopK puts the lower index first among ties)
     limit = i64(candidates)
@@ -244,7 +253,8 @@ def sampler_model(
     cut = b.op("Mul", cut, b.op("Cast", column(has_top_p), to=TensorProto.INT32))
     tie = b.op("Cast", b.op("Squeeze", b.op("Add", around, cut), cols), to=TensorProto.BOOL)
     unsure = b.op("Or", b.op("Or", wide, tie), b.op("Or", over_k, edge))
-    host = b.op("Or", "host_in", b.op("And", sampled, b.op("And", restricted, unsure)))
+    unsure = b.op("Or", b.op("And", restricted, unsure), whole_unsure)  # whole_unsure: unrestricted rows'
+    host = b.op("Or", "host_in", b.op("And", sampled, unsure))
 
     sampled_token = b.op("Where", restricted, candidate_token, whole_token)
     b.nodes.append(helper.make_node("Where", ["greedy", greedy_token, sampled_token], ["token"]))
@@ -274,3 +284,64 @@ def sampler_model(
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
+
+
+def _whole_draw(b: _Builder, probabilities: str, uniform: str, vocab_size: int) -> tuple[str, str]:
+    """The token each row's `uniform` [rows] float32 draws from its `probabilities` [rows, vocab] float64 in
+    token order, and 1 where RowSampler's float32 running sum may put the draw elsewhere (int64, [rows]).
+
+    RowSampler picks the first token whose running sum C (np.cumsum of float32, one token after another)
+    exceeds uniform x C[-1] (float32). Here Q, the running sum in float64 (exact to ~1e-16), stands for C.
+    Each float32 addition C + p rounds by at most half an ulp of its result, at most 2^-24 of it, and at
+    most p (C itself is a float32 within p), so |C - Q| <= D = sum over tokens of min(p, 2^-24 x the sum
+    so far) (the block's running total, grown by the bound itself), and the draw's target moves with the
+    total by no more: a row is sure where the target lies more than D (and _DRAW_SLACK of the total) from
+    the picked token's two edges. Rows of many tokens of about equal probability (over 2^24 / vocab of
+    them above a half-ulp, near-flat softmaxes) get a D as wide as a token and go to the host."""
+
+    def i64(*values: int) -> str:
+        return b.const(np.array(values, np.int64))
+
+    def f64(value: float) -> str:
+        return b.const(np.array(value, np.float64))
+
+    cols = i64(1)
+    width = min(_BLOCK, vocab_size)
+    blocks = -(-vocab_size // width)
+    padded = probabilities
+    if blocks * width > vocab_size:  # zeros after the last token, from the row itself (no shape read)
+        spare = b.op("Slice", probabilities, i64(0), i64(blocks * width - vocab_size), cols)
+        padded = b.op("Concat", probabilities, b.op("Mul", spare, f64(0.0)), axis=1)
+    grid = b.op("Reshape", padded, i64(0, blocks, width))  # [rows, blocks, width]
+    totals = b.op("ReduceSum", grid, i64(2), keepdims=0)  # [rows, blocks]
+    running = b.op("CumSum", totals, cols)  # each block's end
+    total = b.op("Slice", running, i64(-1), i64(blocks), cols)  # [rows, 1]
+    target = b.op("Mul", b.op("Unsqueeze", b.op("Cast", uniform, to=TensorProto.DOUBLE), cols), total)
+    passed = b.op("Cast", b.op("LessOrEqual", running, target), to=TensorProto.INT64)
+    block = b.op("Min", b.op("ReduceSum", passed, cols, keepdims=1), i64(blocks - 1))  # [rows, 1]
+    starts = b.op("Concat", b.op("Mul", total, f64(0.0)), running, axis=1)  # [rows, blocks + 1]
+    start = b.op("GatherElements", starts, block, axis=1)
+    first = b.op("Mul", block, i64(width))
+    offsets = b.const(np.arange(width, dtype=np.int64).reshape(1, width))
+    inside = b.op("GatherElements", padded, b.op("Add", first, offsets), axis=1)  # [rows, width]
+    edges = b.op(
+        "Concat", start, b.op("Add", start, b.op("CumSum", inside, cols)), axis=1
+    )  # [rows, width + 1]
+    passed = b.op("Cast", b.op("LessOrEqual", edges, target), to=TensorProto.INT64)
+    step = b.op("ReduceSum", passed, cols, keepdims=1)  # 1 + the token's place in its block
+    lower = b.op("GatherElements", edges, b.op("Sub", step, i64(1)), axis=1)
+    upper = b.op("GatherElements", edges, b.op("Min", step, i64(width)), axis=1)
+    token = b.op("Min", b.op("Add", first, b.op("Sub", step, i64(1))), i64(vocab_size - 1))
+
+    # D: every block's tokens against 2^-24 of the block's end, grown by D's own bound (vocab x 2^-23)
+    grown = b.op("Mul", running, f64(2.0**-24 * (1 + vocab_size * 2.0**-23)))
+    bound = b.op("Min", grid, b.op("Unsqueeze", grown, i64(2)))
+    spread = b.op("Unsqueeze", b.op("ReduceSum", bound, i64(1, 2), keepdims=0), cols)
+    margin = b.op("Add", spread, b.op("Mul", total, f64(_DRAW_SLACK)))  # [rows, 1]
+    near = b.op(
+        "Or",
+        b.op("LessOrEqual", b.op("Sub", target, lower), margin),
+        b.op("LessOrEqual", b.op("Sub", upper, target), margin),
+    )
+    unsure = b.op("Cast", b.op("Squeeze", near, cols), to=TensorProto.INT64)
+    return b.op("Squeeze", token, cols), unsure
