@@ -499,3 +499,33 @@ def test_no_running_sum_of_the_graph_spans_the_whole_vocabulary(vocab: int) -> N
         length = shapes[node.input[0]][axis].dim_value
         assert 0 < length <= longest, (node.name, length)
         assert length < vocab or vocab <= 257
+
+
+def test_prepare_makes_both_forms_sessions_for_an_element_ahead_of_the_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The paged engine prepares the forms its steps read when it starts, so the first request waits on
+    no session: after `prepare("float16")`, a step of a run's rows as they are and one gathering them
+    from among others make none."""
+    rng = np.random.default_rng(89)
+    vocab = 500
+    graph = SamplerGraph(EOS, vocab)
+    graph.prepare("float16")
+    made: list[object] = []
+    original = ort.InferenceSession
+
+    def counted(*args: Any, **kwargs: Any) -> ort.InferenceSession:
+        made.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", counted)
+    for rows, taken in ((8, np.arange(8)), (8, np.array([3, 11, 0, 7, 1, 5, 9, 2]))):
+        samplers = [RowSampler(GenerationRequest([1], 9, seed=row), EOS, vocab, None) for row in range(rows)]
+        run = random_logits(rng, 12, vocab).astype(np.float16)
+        step = graph.run(ort.OrtValue.ortvalue_from_numpy(run), samplers, [0] * rows, taken)
+        assert step.tokens.tolist() == np.argmax(run[taken].astype(np.float32), axis=1).tolist()
+    assert made == []
+    graph.run(
+        ort.OrtValue.ortvalue_from_numpy(random_logits(rng, 4, vocab)), samplers[:2], [0, 0], np.array([0, 2])
+    )
+    assert len(made) == 1

@@ -3,8 +3,9 @@ packed into the graph's arrays, and the graph run in one onnxruntime session.
 
 The logits are read where the model left them: a float32 array [rows, vocab], or an OrtValue of the run's
 logits [tokens, vocab] (float16 on a card, float32 on the CPU) with `taken`, the tokens whose rows sample,
-gathered and cast at the graph's head. A session is made for each form the first time it runs. Rows the
-host must pick come back alone (`host_rows`: one gather of just those rows, cast to float32).
+gathered and cast at the graph's head. A session is made for each form the first time it runs, or ahead
+(`prepare`: the forms of one element type, as the paged engine does when it starts). Rows the host must
+pick come back alone (`host_rows`: one gather of just those rows, cast to float32).
 
 A sampled row's uniform is taken from its own generator (`RowSampler.uniform`) before the run; a row the
 graph flags `host` keeps it for `RowSampler.choose`, so that the row draws as it would have without the
@@ -123,13 +124,22 @@ class SamplerGraph:
         [rows, vocab]: one gather and cast on the graph's provider, only those rows copied."""
         return self._rows.take(logits, index)
 
+    def prepare(self, element: str) -> None:
+        """Makes the graph's sessions for logits of `element` (onnxruntime's or numpy's name of their type)
+        in both forms, the rows' and a run's with `taken`, ahead of the first step that reads them."""
+        for gathered in (False, True):
+            self._made(ELEMENTS[element], gathered)
+
     def _session_for(self, element: int, gathered: bool) -> ort.InferenceSession:
+        self._session = self._made(element, gathered)
+        return self._session
+
+    def _made(self, element: int, gathered: bool) -> ort.InferenceSession:
         session = self._sessions.get((element, gathered))
         if session is None:
             model = sampler_model(self.vocab_size, self.candidates, element, gathered).SerializeToString()
             session = ort.InferenceSession(model, self._options, providers=self.providers)
             self._sessions[element, gathered] = session
-        self._session = session
         return session
 
     def pack(self, samplers: Sequence[RowSampler], produced: Sequence[int]) -> dict[str, np.ndarray]:

@@ -192,6 +192,9 @@ class PagedEngine(BatchingEngine):
         # ORTFLEET_SAMPLING=graph: the sampler graph picks the rows it can serve, the others go to RowSampler
         self._sampler = sampler(self.eos_token_ids, self.vocab_size) if sampler is not None else None
         self._on_device = self._sampler is not None and isinstance(self._runner, DeviceRunner)
+        if self._sampler is not None and self._on_device:  # its sessions now, rather than at the first steps
+            on_card = self._sampler.providers[0] == "CUDAExecutionProvider"
+            self._sampler.prepare("float16" if on_card else "float32")  # model.py's logits, cpu_model.py's
         self._thread.start()
 
     # The event loop's side.
