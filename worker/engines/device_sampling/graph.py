@@ -290,14 +290,17 @@ def _whole_draw(b: _Builder, probabilities: str, uniform: str, vocab_size: int) 
     """The token each row's `uniform` [rows] float32 draws from its `probabilities` [rows, vocab] float64 in
     token order, and 1 where RowSampler's float32 running sum may put the draw elsewhere (int64, [rows]).
 
-    RowSampler picks the first token whose running sum C (np.cumsum of float32, one token after another)
-    exceeds uniform x C[-1] (float32). Here Q, the running sum in float64 (exact to ~1e-16), stands for C.
-    Each float32 addition C + p rounds by at most half an ulp of its result, at most 2^-24 of it, and at
-    most p (C itself is a float32 within p), so |C - Q| <= D = sum over tokens of min(p, 2^-24 x the sum
-    so far) (the block's running total, grown by the bound itself), and the draw's target moves with the
-    total by no more: a row is sure where the target lies more than D (and _DRAW_SLACK of the total) from
-    the picked token's two edges. Rows of many tokens of about equal probability (over 2^24 / vocab of
-    them above a half-ulp, near-flat softmaxes) get a D as wide as a token and go to the host."""
+    RowSampler picks the first token j whose running sum C_j (np.cumsum of float32, one token after
+    another) exceeds uniform x C[-1] (float32). Here Q, the running sum in float64 (exact to ~1e-16),
+    stands for C. Each float32 addition C + p rounds by at most half an ulp of its result (at most the
+    power of two under the block's end, x 2^-24) and by at most p (C itself is a float32 within p): the
+    bound of a token's error is the lesser, and D_j the sum of the bounds through token j (summing up to
+    vocab values, |C_j - Q_j| <= D_j, which reaches vocab x 2^-25 of the total). C_j - uniform x C[-1]
+    then strays from Q's by at most (1 - uniform) x D_j + uniform x (D[-1] - D_j); taken at the draw's
+    block's bounds (through it, and before it), plus _DRAW_SLACK of the total, that is the margin a draw
+    must keep from both edges of its token to be served. Rows of thousands of tokens of about equal
+    probability (near-flat softmaxes over a large vocabulary) get a margin as wide as a token and go to
+    the host; peaked ones seldom do (tests/test_sampler_graph.py measures both)."""
 
     def i64(*values: int) -> str:
         return b.const(np.array(values, np.int64))
@@ -316,7 +319,8 @@ def _whole_draw(b: _Builder, probabilities: str, uniform: str, vocab_size: int) 
     totals = b.op("ReduceSum", grid, i64(2), keepdims=0)  # [rows, blocks]
     running = b.op("CumSum", totals, cols)  # each block's end
     total = b.op("Slice", running, i64(-1), i64(blocks), cols)  # [rows, 1]
-    target = b.op("Mul", b.op("Unsqueeze", b.op("Cast", uniform, to=TensorProto.DOUBLE), cols), total)
+    drawn = b.op("Unsqueeze", b.op("Cast", uniform, to=TensorProto.DOUBLE), cols)
+    target = b.op("Mul", drawn, total)
     passed = b.op("Cast", b.op("LessOrEqual", running, target), to=TensorProto.INT64)
     block = b.op("Min", b.op("ReduceSum", passed, cols, keepdims=1), i64(blocks - 1))  # [rows, 1]
     starts = b.op("Concat", b.op("Mul", total, f64(0.0)), running, axis=1)  # [rows, blocks + 1]
@@ -333,11 +337,25 @@ def _whole_draw(b: _Builder, probabilities: str, uniform: str, vocab_size: int) 
     upper = b.op("GatherElements", edges, b.op("Min", step, i64(width)), axis=1)
     token = b.op("Min", b.op("Add", first, b.op("Sub", step, i64(1))), i64(vocab_size - 1))
 
-    # D: every block's tokens against 2^-24 of the block's end, grown by D's own bound (vocab x 2^-23)
-    grown = b.op("Mul", running, f64(2.0**-24 * (1 + vocab_size * 2.0**-23)))
-    bound = b.op("Min", grid, b.op("Unsqueeze", grown, i64(2)))
-    spread = b.op("Unsqueeze", b.op("ReduceSum", bound, i64(1, 2), keepdims=0), cols)
-    margin = b.op("Add", spread, b.op("Mul", total, f64(_DRAW_SLACK)))  # [rows, 1]
+    # D: every block's tokens against half an ulp of the block's end (grown by D's own bound, vocab x
+    # 2^-23): the power of two under it, 2^-24 (floor(log2) nudged up, never under the true power)
+    grown = b.op("Mul", running, f64(1 + vocab_size * 2.0**-23))
+    power = b.op("Floor", b.op("Add", b.op("Div", b.op("Log", grown), f64(np.log(2.0))), f64(1e-9)))
+    half_ulp = b.op("Pow", f64(2.0), b.op("Sub", power, f64(24.0)))
+    bound = b.op("ReduceSum", b.op("Min", grid, b.op("Unsqueeze", half_ulp, i64(2))), i64(2), keepdims=0)
+    bounds = b.op("CumSum", bound, cols)  # through each block: [rows, blocks]
+    whole = b.op("Slice", bounds, i64(-1), i64(blocks), cols)
+    through = b.op("GatherElements", bounds, block, axis=1)  # the draw's block and those before it
+    before = b.op(
+        "GatherElements", b.op("Concat", b.op("Mul", total, f64(0.0)), bounds, axis=1), block, axis=1
+    )
+    # C_j - uniform x C[-1] moves by (1 - uniform) x (the errors through j) - uniform x (those after j)
+    margin = b.op(
+        "Add",
+        b.op("Mul", b.op("Sub", f64(1.0), drawn), through),
+        b.op("Mul", drawn, b.op("Sub", whole, before)),
+    )
+    margin = b.op("Add", margin, b.op("Mul", total, f64(_DRAW_SLACK)))  # [rows, 1]
     near = b.op(
         "Or",
         b.op("LessOrEqual", b.op("Sub", target, lower), margin),
