@@ -68,8 +68,15 @@ def worker(redis: Redis, adapters: dict[str, str], runtime: list[str]) -> Any:
         adapters=adapters,
         runtime_adapters=runtime,
     )
+    announced: list[str] = []  # the adapters the service told the metrics it loaded
     return SimpleNamespace(
-        info=info, engine=RecordingEngine(), heartbeat=Heartbeat(), redis=redis, keys=STANDALONE
+        info=info,
+        engine=RecordingEngine(),
+        heartbeat=Heartbeat(),
+        redis=redis,
+        keys=STANDALONE,
+        announced=announced,
+        on_adapter_loaded=announced.append,
     )
 
 
@@ -83,6 +90,7 @@ async def test_a_worker_that_registers_matches_its_runtime_adapters_to_its_model
 
     assert service.engine.calls == [("unload", "old"), ("load", "new")]
     assert service.info.adapters == {"given": "/g", "new": "/n"} and service.info.runtime_adapters == ["new"]
+    assert service.announced == ["new"]
     assert service.heartbeat.beats == 2  # its registry entry says so at once
 
 
@@ -113,6 +121,7 @@ async def test_calls_on_a_workers_list_are_answered_in_their_order_a_refusal_wit
     assert replies[1].error is not None and "q_proj" in replies[1].error
     assert service.engine.calls == [("load", "sql"), ("unload", "sql")]
     assert service.info.adapters == {} and service.info.runtime_adapters == []
+    assert service.announced == ["sql"]  # the refused one is not
 
 
 async def test_a_worker_whose_engine_serves_no_adapters_refuses_a_load_naming_why(redis: Redis) -> None:
