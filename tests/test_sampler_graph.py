@@ -445,11 +445,14 @@ def test_rows_drawing_over_the_whole_vocabulary_pick_as_row_sampler_does_and_pea
     element: type,
 ) -> None:
     """The graph's two-level running sum (block totals, then inside the draw's block) adds in another order
-    than RowSampler's np.cumsum, so a row whose draw lands within the float32 sum's error bound of a
-    token's edge goes to the host: few of peaked rows, many of near-flat ones."""
+    than RowSampler's np.cumsum, both in float64, and its softmax differs from numpy's by float32 ulps: a
+    row whose draw lands within that slack of a token's edge goes to the host, a few of near-flat rows
+    (tokens of about equal probability over tens of thousands), almost none of peaked ones. Every row
+    served picks RowSampler's token (whole_vocabulary_step); a float32 running sum in RowSampler, which
+    drifts by up to 1e-4 of the total, would make served rows pick elsewhere."""
     flagged = peaked_and_flat_whole_vocabulary_rows(element, on_card=False)
-    assert flagged["peaked"] < 0.02
-    assert flagged["flat"] > flagged["peaked"]
+    assert flagged["peaked"] < 0.01
+    assert flagged["flat"] < 0.05
 
 
 @pytest.mark.gpu
@@ -459,12 +462,13 @@ def test_rows_drawing_over_the_whole_vocabulary_pick_as_row_sampler_does_and_pea
 )
 def test_on_the_card_rows_drawing_over_the_whole_vocabulary_pick_as_row_sampler_does() -> None:
     flagged = peaked_and_flat_whole_vocabulary_rows(np.float16, on_card=True)
-    assert flagged["peaked"] < 0.02
+    assert flagged["peaked"] < 0.01
+    assert flagged["flat"] < 0.05
 
 
 def test_a_draw_landing_by_a_block_edge_goes_to_the_host_and_one_inside_a_token_does_not() -> None:
     """Two halves of 256 equal tokens (a block each), the first holding exactly the row's uniform of the
-    mass: the draw lands on the edge between tokens 255 and 256, within the running sums' error bound.
+    mass: the draw lands on the edge between tokens 255 and 256, within the graph's slack of it.
     The same draw over equal tokens lands in the middle of token 511 x uniform: served."""
     vocab = 512
     request = GenerationRequest([1], 9, temperature=1.0, seed=7)
@@ -492,7 +496,7 @@ def test_no_running_sum_of_the_graph_spans_the_whole_vocabulary(vocab: int) -> N
     shapes = {v.name: v.type.tensor_type.shape.dim for v in [*graph.input, *graph.value_info]}
     constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
     sums = [node for node in graph.node if node.op_type == "CumSum"]
-    assert len(sums) == 4  # the blocks' totals and bounds, inside the draw's block, the candidates
+    assert len(sums) == 3  # over the blocks' totals, inside the draw's block, over the candidates
     block = min(256, vocab)
     longest = max(block, -(-vocab // block), min(257, vocab))
     for node in sums:

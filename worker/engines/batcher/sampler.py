@@ -226,7 +226,11 @@ class RowSampler:
         if top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(weights), top_p)) + 1
             order, weights = order[:keep], weights[:keep]
-        cumulative = np.cumsum(weights)
+        # Over the whole vocabulary the running sum is float64: float32's drifts by up to about 1e-4 of the
+        # total over tens of thousands of tokens, wider than a token of a flat softmax, so the pick would
+        # depend on the order of the additions (the sampler graph adds in blocks).
+        whole = not self._top_k and top_p >= 1.0
+        cumulative = np.cumsum(weights, dtype=np.float64) if whole else np.cumsum(weights)
         uniform, self._uniform = self.uniform(), None
         pick = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
         return int(order[min(pick, order.size - 1)])
