@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from worker.engines.paged.model import LogitRows, PackedRow, PagedShape, by_row, pack
+from worker.engines.device_sampling.rows import RowGather
+from worker.engines.paged.model import PackedRow, PagedShape, by_row, pack
 
 pytestmark = pytest.mark.unit
 
@@ -70,7 +71,8 @@ def test_the_last_rows_of_a_runs_logits_come_back_as_float32() -> None:
     import onnxruntime as ort
 
     logits = np.random.default_rng(0).standard_normal((7, 50)).astype(np.float16)
-    taken = LogitRows().take(ort.OrtValue.ortvalue_from_numpy(logits), np.array([2, 4, 6]))
+    gather = RowGather(["CPUExecutionProvider"])
+    taken = gather.take(ort.OrtValue.ortvalue_from_numpy(logits), np.array([2, 4, 6]))
     assert taken.dtype == np.float32 and taken.shape == (3, 50)
     np.testing.assert_array_equal(taken, logits[[2, 4, 6]].astype(np.float32))
 
@@ -101,7 +103,7 @@ def test_the_gather_takes_any_rows_in_any_order_from_fp16_logits_on_the_cpu_prov
     import onnxruntime as ort
 
     logits = np.random.default_rng(1).standard_normal((8, 40)).astype(np.float16)
-    gather = LogitRows(["CPUExecutionProvider"])
+    gather = RowGather(["CPUExecutionProvider"])
     index = np.array([6, 0, 3, 3, 7, 1])  # unsorted, one twice
     taken = gather.take(ort.OrtValue.ortvalue_from_numpy(logits), index)
     np.testing.assert_array_equal(taken, logits[index].astype(np.float32))

@@ -24,7 +24,8 @@ block manager's, blocks.py); this module keeps only the pool.
 What a run returns (`returned_logits`, the contract of every runner: this one, cpu_model.py and reference.py):
 each row's last token's logits, or, for a row that asks (`PackedRow.all_logits`: a prompt chunk whose
 prompt log-probabilities are wanted), the logits of each of its new tokens; float32 [taken, vocab], the
-rows in order (`by_row` cuts them per row). On the card only those rows come back (`LogitRows`).
+rows in order (`by_row` cuts them per row). On the card only those rows come back (`RowGather`,
+device_sampling/rows.py).
 
 LoRA adapters (`PackedRow.adapter`, each row its own, in one run): the graph is the batcher's rewrite of
 each targeted projection, `y += ((x @ A) * scale) @ B` (batcher/lora_graph.py), in fp16, with the scale
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from worker.engines.batcher.adapter_library import AdapterLibrary
     from worker.engines.batcher.graph import Layout
     from worker.engines.batcher.lora import AdapterSet
+    from worker.engines.device_sampling.rows import RowGather
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +260,7 @@ class PagedModel:
             logger.info("the paged model runs eagerly: its graph is rewritten for LoRA adapters")
         self.session = self._open(model_dir, graph, cuda_graph and graph is None)
         self.adapters: AdapterSet | None = None if adapters is None else adapters.layouts()
-        self._gather: LogitRows | None = None
+        self._gather: RowGather | None = None
         kv_type = {"tensor(float16)": np.float16, "tensor(bfloat16)": None, "tensor(float)": np.float32}
         past_key = shape.inputs["past_key_names"] % 0
         element = kv_type[next(i.type for i in self.session.get_inputs() if i.name == past_key)]
@@ -335,7 +337,7 @@ class PagedModel:
     def returned_logits(self, rows: Sequence[PackedRow]) -> np.ndarray:
         """One run of `rows`, and each row's last token's logits on the host (each of its tokens' for a row
         with all_logits), float32 [taken, vocab]: taken from the run's logits and cast on the card
-        (LogitRows), so a prompt chunk that does not ask brings one row back."""
+        (device_sampling/rows.py's RowGather), so a prompt chunk that does not ask brings one row back."""
         logits, taken = self.run(rows)
         return self._logit_rows.take(logits, taken)
 
@@ -353,46 +355,9 @@ class PagedModel:
         self.adapters = adapters
 
     @property
-    def _logit_rows(self) -> LogitRows:
+    def _logit_rows(self) -> RowGather:
         if self._gather is None:
-            self._gather = LogitRows(_providers(self.device_id))
+            from worker.engines.device_sampling.rows import RowGather
+
+            self._gather = RowGather(_providers(self.device_id))
         return self._gather
-
-
-class LogitRows:
-    """A small onnxruntime graph that takes the rows `index` of a run's logits [tokens, vocab] where they
-    are (on the card) and brings them to the host as float32 [rows, vocab]: any rows, in any order (each
-    row's last token, and every token of a row that asks for all its logits)."""
-
-    def __init__(self, providers: Sequence[Any] = ("CPUExecutionProvider",)) -> None:
-        import onnx
-        import onnxruntime as ort
-        from onnx import TensorProto, helper
-
-        nodes = [
-            helper.make_node("Gather", ["logits", "index"], ["rows"], axis=0),
-            helper.make_node("Cast", ["rows"], ["taken"], to=TensorProto.FLOAT),
-        ]
-        graph = helper.make_graph(
-            nodes,
-            "logit_rows",
-            [
-                helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["tokens", "vocab"]),
-                helper.make_tensor_value_info("index", TensorProto.INT64, ["rows"]),
-            ],
-            [helper.make_tensor_value_info("taken", TensorProto.FLOAT, ["rows", "vocab"])],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-        model.ir_version = 8
-        onnx.checker.check_model(model)
-        self._session = ort.InferenceSession(model.SerializeToString(), providers=list(providers))
-
-    def take(self, logits: Any, index: np.ndarray) -> np.ndarray:
-        """`logits`: an OrtValue of float16 [tokens, vocab], on whichever device the session runs on."""
-        binding = self._session.io_binding()
-        binding.bind_ortvalue_input("logits", logits)
-        binding.bind_cpu_input("index", np.asarray(index, np.int64))
-        binding.bind_output("taken", "cpu")
-        self._session.run_with_iobinding(binding)
-        rows: np.ndarray = binding.copy_outputs_to_cpu()[0]
-        return rows
