@@ -141,9 +141,10 @@ def sampler_model(
     source = b.op("Gather", "logits", "taken", axis=0) if gathered else "logits"
     raw = source if element == TensorProto.FLOAT else b.op("Cast", source, to=TensorProto.FLOAT)
 
-    # penalties and bias on the logits with one spare column, where padded slots (-1) point; the column's
-    # zeros are made from a row input, [rows] int64 less itself, so that it takes no shape arithmetic
-    zeros = b.op("Cast", b.op("Sub", "top_k", "top_k"), to=TensorProto.FLOAT)
+    # [rows] int64 zeros, made from a row input less itself so that they take no shape arithmetic
+    zero = b.op("Sub", "top_k", "top_k")
+    # penalties and bias on the logits with one spare column of zeros, where padded slots (-1) point
+    zeros = b.op("Cast", zero, to=TensorProto.FLOAT)
     logits = b.op("Concat", raw, b.op("Unsqueeze", zeros, cols), axis=1)
 
     def slots(ids: str) -> str:
@@ -197,7 +198,6 @@ def sampler_model(
     which = b.op("Squeeze", b.op("NonZero", whole), i64(0))  # [drawing rows]
     drawing = b.op("Cast", b.op("Gather", probabilities, which, axis=0), to=TensorProto.DOUBLE)
     whole_token, whole_unsure = _whole_draw(b, drawing, b.op("Gather", "uniform", which, axis=0), vocab_size)
-    zero = b.op("Sub", "top_k", "top_k")
     whole_token = b.op("ScatterElements", zero, which, whole_token, axis=0)
     whole_unsure = b.op("ScatterElements", zero, which, whole_unsure, axis=0)
     whole_unsure = b.op("Cast", whole_unsure, to=TensorProto.BOOL)
@@ -241,7 +241,7 @@ def sampler_model(
     tied = b.op("And", tied, b.op("Greater", upper, f32(0.0)))  # candidates i and i + 1 (nearly) tie
     # A tie's order changes no running sum, only which of the tied ids sits at a position: it matters
     # where the pick lands on a tied candidate, or (top_p) where a near tie sits at the nucleus' cut.
-    none = b.op("Unsqueeze", b.op("Cast", b.op("Sub", "top_k", "top_k"), to=TensorProto.INT32), cols)
+    none = b.op("Unsqueeze", b.op("Cast", zero, to=TensorProto.INT32), cols)
     flags = b.op("Concat", none, b.op("Cast", tied, to=TensorProto.INT32), none, axis=1)  # pair i at i + 1
 
     def tied_pair(after: str) -> str:  # [rows, 1] int32: the pair (after - 1, after) ties

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from worker.engines.batcher.sampler import RowSampler
-from worker.engines.device_sampling.graph import ELEMENTS, OUTPUTS, TensorProto, sampler_model
+from worker.engines.device_sampling.graph import ELEMENTS, OUTPUTS, sampler_model
 from worker.engines.device_sampling.rows import RowGather
 
 
@@ -66,7 +66,7 @@ class SamplerGraph:
         self._options = options or ort.SessionOptions()
         # the graph's session for each form of logits (element type, gathered), made at its first run
         self._sessions: dict[tuple[int, bool], ort.InferenceSession] = {}
-        self._session = self._session_for(TensorProto.FLOAT, gathered=False)  # the last one run
+        self._session: ort.InferenceSession | None = None  # the last one run
         self._rows = RowGather(self.providers, self._options)
         self._fixed: dict[RowSampler, _Fixed] = {}  # by row (pack)
         # the last step's rows, their _Fixed, columns and visited rows (_columns_of)
@@ -74,6 +74,8 @@ class SamplerGraph:
 
     def end_profiling(self) -> str:
         """The file of the last run session's profile, when its options asked for one (enable_profiling)."""
+        if self._session is None:
+            raise RuntimeError("the sampler graph has not run yet: no session has a profile")
         return str(self._session.end_profiling())
 
     def run(
